@@ -1,0 +1,57 @@
+//! Errors of the host-side block manager.
+
+use super::SeqId;
+
+/// Everything that can go wrong in [`BlockManager`](super::BlockManager).
+///
+/// Every failing call leaves the manager exactly as it was before the call.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum BlockError {
+    /// The pool has fewer reusable blocks than the call needs.
+    #[error("out of KV blocks: need {needed}, only {free} free or evictable")]
+    OutOfBlocks {
+        /// Blocks the call would have taken.
+        needed: usize,
+        /// Blocks that could have been taken (plain free + evictable cached).
+        free: usize,
+    },
+    /// The sequence id is not live (never added, or already freed).
+    #[error("unknown sequence {0}")]
+    UnknownSequence(SeqId),
+    /// The block size is not a power of two in 1..=256.
+    #[error("block size {0} is not a power of two between 1 and 256")]
+    BadBlockSize(u32),
+    /// A pool must hold at least one block and at most `u32::MAX / block_size` slots.
+    #[error("pool of {num_blocks} blocks of {block_size} tokens is not addressable (need 1..={max} blocks)")]
+    BadPoolSize {
+        /// Requested number of blocks.
+        num_blocks: u32,
+        /// Requested block size.
+        block_size: u32,
+        /// Largest number of blocks whose slots fit a `u32`.
+        max: u32,
+    },
+    /// A sequence would grow past the longest length the manager allows.
+    #[error("sequence would hold {requested} tokens, more than the limit of {limit}")]
+    TooManyTokens {
+        /// Length the call would have produced.
+        requested: usize,
+        /// The manager's `max_seq_len`.
+        limit: usize,
+    },
+    /// A prompt must hold at least one token.
+    #[error("empty prompt")]
+    EmptyPrompt,
+    /// `fork` of a sequence whose newest tokens have not been handed to the GPU yet.
+    #[error("sequence {seq} has {pending} token(s) not yet taken by a batch view; fork after the view")]
+    PendingTokens {
+        /// The sequence.
+        seq: SeqId,
+        /// Tokens appended since its last batch view.
+        pending: usize,
+    },
+    /// The same sequence appears twice in one batch.
+    #[error("sequence {0} appears twice in one batch")]
+    DuplicateInBatch(SeqId),
+}

@@ -1,0 +1,9 @@
+//! pagedattn: PagedAttention for every GPU.
+//!
+//! The KV cache of an LLM lives in fixed-size blocks on a preallocated pool;
+//! [`blocks`] keeps the per-sequence block tables, reference counts,
+//! copy-on-write and prefix cache on the host, and the WGSL kernels walk the
+//! block tables with online softmax on any wgpu adapter.
+
+pub mod blocks;
+pub mod rng;
