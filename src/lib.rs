@@ -6,4 +6,7 @@
 //! block tables with online softmax on any wgpu adapter.
 
 pub mod blocks;
+pub mod gpu;
 pub mod rng;
+pub mod reference;
+pub mod sim;

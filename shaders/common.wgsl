@@ -1,0 +1,65 @@
+// Shared structs and helpers of every kernel. The host prepends a generated
+// prelude (see src/gpu/shader.rs) that defines:
+//   HEAD_DIM4  : u32   head_dim / 4 (rows are handled as vec4)
+//   GROUP      : u32   query heads per kv head (GQA group size)
+//   BLOCK_SIZE : u32   tokens per block
+//   KV4               storage type of 4 cache elements: vec4<f32>, or vec2<u32>
+//                     holding four f16 packed two per u32
+//   kv_load(KV4) -> vec4<f32>, kv_store(vec4<f32>) -> KV4
+//
+// Keep the structs in sync with src/gpu/params.rs (a test compares sizes).
+
+struct WriteKvParams {
+    num_tokens: u32,
+    num_kv_heads: u32,
+    num_slots: u32,
+    _pad: u32,
+}
+
+struct CopyParams {
+    num_copies: u32,
+    num_blocks: u32,
+    // KV4 elements per block: num_kv_heads * BLOCK_SIZE * HEAD_DIM4.
+    block_elems: u32,
+    _pad: u32,
+}
+
+struct AttnParams {
+    num_seqs: u32,
+    num_heads: u32,
+    num_kv_heads: u32,
+    num_blocks: u32,
+    scale: f32,
+    // 0 disables soft-capping.
+    soft_cap: f32,
+    // 0 disables the sliding window.
+    sliding_window: u32,
+    // 1: ALiBi slopes at table[slopes_off + head] (bitcast f32).
+    alibi: u32,
+    // Tokens per split-K partition; 0: one partition per sequence.
+    partition_tokens: u32,
+    num_partitions: u32,
+    // Offsets into the packed table buffer (see src/gpu/tables.rs).
+    lens_off: u32,
+    indices_off: u32,
+    indices_len: u32,
+    slopes_off: u32,
+    qo_off: u32,
+    _pad: u32,
+}
+
+const NEG_INF: f32 = -3.40282347e+38f;
+const INVALID: u32 = 0xffffffffu;
+
+// The logit of a score after the variant rules (custom scale, soft-cap,
+// ALiBi). Masking (causal, window) is decided by the caller.
+fn logit(p: AttnParams, dot_qk: f32, slope: f32, q_pos: u32, k_pos: u32) -> f32 {
+    var s = dot_qk * p.scale;
+    if p.soft_cap > 0.0 {
+        s = p.soft_cap * tanh(s / p.soft_cap);
+    }
+    if p.alibi != 0u {
+        s += slope * (f32(k_pos) - f32(q_pos));
+    }
+    return s;
+}

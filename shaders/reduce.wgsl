@@ -1,0 +1,35 @@
+// Split-K merge: combines the per-partition (max, sum, accumulator) that
+// decode.wgsl wrote into the normalised output, by log-sum-exp.
+// One workgroup per (sequence, query head); thread c owns vec4 column c.
+
+@group(0) @binding(0) var<uniform> params: AttnParams;
+// [num_seqs][num_heads][num_partitions][HEAD_DIM4]
+@group(0) @binding(1) var<storage, read> part_acc: array<vec4<f32>>;
+// [num_seqs][num_heads][num_partitions]
+@group(0) @binding(2) var<storage, read> part_ml: array<vec2<f32>>;
+// [num_seqs][num_heads][HEAD_DIM4]
+@group(0) @binding(3) var<storage, read_write> out: array<vec4<f32>>;
+
+@compute @workgroup_size(64)
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) c: u32) {
+    let o = wg.x * params.num_heads + wg.y;
+    let np = params.num_partitions;
+    if c >= HEAD_DIM4 {
+        return;
+    }
+    var m = NEG_INF;
+    for (var i = 0u; i < np; i++) {
+        m = max(m, part_ml[o * np + i].x);
+    }
+    var l = 0.0;
+    var a = vec4<f32>(0.0);
+    for (var i = 0u; i < np; i++) {
+        let ml = part_ml[o * np + i];
+        if ml.y > 0.0 {
+            let w = exp(ml.x - m);
+            l += ml.y * w;
+            a += part_acc[(o * np + i) * HEAD_DIM4 + c] * w;
+        }
+    }
+    out[o * HEAD_DIM4 + c] = select(a / l, vec4<f32>(0.0), l == 0.0);
+}

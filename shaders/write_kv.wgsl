@@ -1,0 +1,34 @@
+// Scatters new tokens' K and V rows into their slots of the paged pool
+// (slot = block * BLOCK_SIZE + offset). One thread per vec4 of K (and of V).
+// Slots outside the pool are skipped.
+
+@group(0) @binding(0) var<uniform> params: WriteKvParams;
+// [num_tokens][num_kv_heads][HEAD_DIM4]
+@group(0) @binding(1) var<storage, read> k_new: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> v_new: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read> slots: array<u32>;
+@group(0) @binding(4) var<storage, read_write> k_pool: array<KV4>;
+@group(0) @binding(5) var<storage, read_write> v_pool: array<KV4>;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
+    // 2D dispatch when one dimension's 65535 workgroups are not enough.
+    let i = gid.x + gid.y * nwg.x * 64u;
+    let per_token = params.num_kv_heads * HEAD_DIM4;
+    if i >= params.num_tokens * per_token {
+        return;
+    }
+    let tok = i / per_token;
+    let rem = i % per_token;
+    let slot = slots[tok];
+    if slot >= params.num_slots {
+        return;
+    }
+    let h = rem / HEAD_DIM4;
+    let c = rem % HEAD_DIM4;
+    let dst = ((slot / BLOCK_SIZE * params.num_kv_heads + h) * BLOCK_SIZE + slot % BLOCK_SIZE) * HEAD_DIM4 + c;
+    if dst < arrayLength(&k_pool) {
+        k_pool[dst] = kv_store(k_new[i]);
+        v_pool[dst] = kv_store(v_new[i]);
+    }
+}

@@ -1,0 +1,279 @@
+//! The device: adapter choice, limits, and small buffer helpers.
+
+use wgpu::util::DeviceExt;
+
+use super::GpuError;
+
+/// A wgpu device and queue, with what the adapter is and allows.
+pub struct Gpu {
+    /// The device.
+    pub device: wgpu::Device,
+    /// Its queue.
+    pub queue: wgpu::Queue,
+    /// Adapter name, backend, driver.
+    pub info: wgpu::AdapterInfo,
+    /// Limits the device was opened with (the adapter's own on native).
+    pub limits: wgpu::Limits,
+    /// Features enabled on the device.
+    pub features: wgpu::Features,
+}
+
+const NO_ADAPTER_HINT: &str = "install a Vulkan driver (on Linux without a GPU: `apt-get install mesa-vulkan-drivers` for lavapipe), or set PAGEDATTN_BACKEND to a backend this machine has";
+
+/// Backends named by `PAGEDATTN_BACKEND` (vulkan, gl, metal, dx12, webgpu), all when unset.
+pub fn backends_from_env() -> Result<(wgpu::Backends, Option<String>), GpuError> {
+    let Ok(name) = std::env::var("PAGEDATTN_BACKEND") else {
+        return Ok((wgpu::Backends::all(), None));
+    };
+    let b = match name.to_ascii_lowercase().as_str() {
+        "" | "all" => wgpu::Backends::all(),
+        "vulkan" | "vk" => wgpu::Backends::VULKAN,
+        "gl" | "gles" | "opengl" => wgpu::Backends::GL,
+        "metal" => wgpu::Backends::METAL,
+        "dx12" | "d3d12" => wgpu::Backends::DX12,
+        "webgpu" | "browser" => wgpu::Backends::BROWSER_WEBGPU,
+        _ => return Err(GpuError::UnknownBackend(name)),
+    };
+    Ok((b, Some(name)))
+}
+
+fn instance(backends: wgpu::Backends) -> wgpu::Instance {
+    let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
+    desc.backends = backends;
+    wgpu::Instance::new(desc)
+}
+
+impl Gpu {
+    /// Opens the default adapter (highest performance, or the backend named by
+    /// `PAGEDATTN_BACKEND`), blocking. Native only.
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn new() -> Result<Self, GpuError> {
+        pollster::block_on(Self::new_async())
+    }
+
+    /// Opens the default adapter.
+    pub async fn new_async() -> Result<Self, GpuError> {
+        let (backends, name) = backends_from_env()?;
+        let inst = instance(backends);
+        let adapter = inst
+            .request_adapter(&wgpu::RequestAdapterOptions {
+                power_preference: wgpu::PowerPreference::HighPerformance,
+                force_fallback_adapter: false,
+                ..Default::default()
+            })
+            .await
+            .map_err(|_| GpuError::NoAdapter {
+                backend: name,
+                hint: NO_ADAPTER_HINT,
+            })?;
+        Self::from_adapter(adapter).await
+    }
+
+    /// Every adapter of the backends allowed by `PAGEDATTN_BACKEND`, opened. Native only.
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn all() -> Result<Vec<Result<Self, GpuError>>, GpuError> {
+        let (backends, _) = backends_from_env()?;
+        let inst = instance(backends);
+        let adapters = pollster::block_on(inst.enumerate_adapters(backends));
+        Ok(adapters
+            .into_iter()
+            .map(|a| pollster::block_on(Self::from_adapter(a)))
+            .collect())
+    }
+
+    /// Opens a device on `adapter` with the adapter's own limits (the
+    /// browser's defaults on the web) and the optional features that help.
+    pub async fn from_adapter(adapter: wgpu::Adapter) -> Result<Self, GpuError> {
+        let info = adapter.get_info();
+        let limits = if cfg!(target_arch = "wasm32") {
+            wgpu::Limits::default().using_resolution(adapter.limits())
+        } else {
+            adapter.limits()
+        };
+        let features = adapter.features() & wgpu::Features::TIMESTAMP_QUERY;
+        let (device, queue) = adapter
+            .request_device(&wgpu::DeviceDescriptor {
+                label: Some("pagedattn"),
+                required_features: features,
+                required_limits: limits.clone(),
+                experimental_features: wgpu::ExperimentalFeatures::disabled(),
+                memory_hints: wgpu::MemoryHints::Performance,
+                trace: wgpu::Trace::Off,
+            })
+            .await
+            .map_err(|e| GpuError::RequestDevice {
+                adapter: info.name.clone(),
+                reason: e.to_string(),
+            })?;
+        Ok(Self {
+            device,
+            queue,
+            info,
+            limits,
+            features,
+        })
+    }
+
+    /// "name (backend)", for logs and test names.
+    pub fn describe(&self) -> String {
+        format!("{} ({:?})", self.info.name, self.info.backend)
+    }
+
+    /// Largest bytes one storage binding may address.
+    pub fn max_binding_bytes(&self) -> u64 {
+        (self.limits.max_storage_buffer_binding_size as u64).min(self.limits.max_buffer_size)
+    }
+
+    /// A storage buffer holding `data`.
+    pub fn storage_init<T: bytemuck::Pod>(&self, label: &str, data: &[T]) -> wgpu::Buffer {
+        // Zero-sized bindings are invalid: pad empty inputs to one element.
+        let bytes: &[u8] = bytemuck::cast_slice(data);
+        let padded;
+        let contents = if bytes.is_empty() {
+            padded = [0u8; 16];
+            &padded[..]
+        } else {
+            bytes
+        };
+        self.device
+            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: Some(label),
+                contents,
+                usage: wgpu::BufferUsages::STORAGE
+                    | wgpu::BufferUsages::COPY_DST
+                    | wgpu::BufferUsages::COPY_SRC,
+            })
+    }
+
+    /// A uniform buffer holding `value`.
+    pub fn uniform<T: bytemuck::Pod>(&self, label: &str, value: &T) -> wgpu::Buffer {
+        self.device
+            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: Some(label),
+                contents: bytemuck::bytes_of(value),
+                usage: wgpu::BufferUsages::UNIFORM,
+            })
+    }
+
+    /// An uninitialised storage buffer of `bytes` (at least 16).
+    pub fn storage(&self, label: &str, bytes: u64) -> wgpu::Buffer {
+        self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(label),
+            size: bytes.max(16).next_multiple_of(4),
+            usage: wgpu::BufferUsages::STORAGE
+                | wgpu::BufferUsages::COPY_DST
+                | wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: false,
+        })
+    }
+
+    /// Waits for all submitted work.
+    pub fn wait(&self) -> Result<(), GpuError> {
+        self.device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map(|_| ())
+            .map_err(|e| GpuError::Device(e.to_string()))
+    }
+
+    /// Reads `bytes` bytes of `buf` back to the host as `T`s (blocking: native only).
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn read<T: bytemuck::Pod>(&self, buf: &wgpu::Buffer, bytes: u64) -> Result<Vec<T>, GpuError> {
+        pollster::block_on(self.read_async(buf, bytes))
+    }
+
+    /// Reads `bytes` bytes of `buf` back as `T`s, without blocking the thread
+    /// (the path the browser uses).
+    pub async fn read_async<T: bytemuck::Pod>(
+        &self,
+        buf: &wgpu::Buffer,
+        bytes: u64,
+    ) -> Result<Vec<T>, GpuError> {
+        let bytes = bytes.next_multiple_of(4);
+        let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("readback"),
+            size: bytes.max(4),
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let mut enc = self.device.create_command_encoder(&Default::default());
+        enc.copy_buffer_to_buffer(buf, 0, &staging, 0, bytes);
+        self.queue.submit([enc.finish()]);
+        let (tx, rx) = futures_channel();
+        staging.map_async(wgpu::MapMode::Read, .., move |r| tx.send(r));
+        #[cfg(not(target_arch = "wasm32"))]
+        self.wait()?;
+        rx.recv()
+            .await
+            .map_err(|e| GpuError::Device(format!("readback failed: {e}")))?;
+        let out = {
+            let view = staging
+                .get_mapped_range(..)
+                .map_err(|e| GpuError::Device(format!("readback map failed: {e}")))?;
+            bytemuck::cast_slice::<u8, T>(&view[..bytes as usize / size_of::<T>() * size_of::<T>()])
+                .to_vec()
+        };
+        staging.unmap();
+        Ok(out)
+    }
+
+    /// Runs `f` inside a validation + out-of-memory error scope and returns
+    /// the first error wgpu reported as ours.
+    pub async fn scoped<R>(&self, f: impl FnOnce() -> R) -> Result<R, GpuError> {
+        let oom = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+        let val = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let r = f();
+        let ve = val.pop().await;
+        let oe = oom.pop().await;
+        match ve.or(oe) {
+            Some(e) => Err(e.into()),
+            None => Ok(r),
+        }
+    }
+
+    /// [`scoped`](Self::scoped), blocking. Native only.
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn scoped_blocking<R>(&self, f: impl FnOnce() -> R) -> Result<R, GpuError> {
+        pollster::block_on(self.scoped(f))
+    }
+}
+
+/// A one-shot channel whose receiving end can be awaited (no extra crate).
+fn futures_channel() -> (OneShotTx, OneShotRx) {
+    let cell = std::sync::Arc::new(std::sync::Mutex::new(OneShot::default()));
+    (OneShotTx(cell.clone()), OneShotRx(cell))
+}
+
+#[derive(Default)]
+struct OneShot {
+    value: Option<Result<(), wgpu::BufferAsyncError>>,
+    waker: Option<std::task::Waker>,
+}
+
+struct OneShotTx(std::sync::Arc<std::sync::Mutex<OneShot>>);
+struct OneShotRx(std::sync::Arc<std::sync::Mutex<OneShot>>);
+
+impl OneShotTx {
+    fn send(self, v: Result<(), wgpu::BufferAsyncError>) {
+        let mut s = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        s.value = Some(v);
+        if let Some(w) = s.waker.take() {
+            w.wake();
+        }
+    }
+}
+
+impl OneShotRx {
+    async fn recv(self) -> Result<(), wgpu::BufferAsyncError> {
+        std::future::poll_fn(|cx| {
+            let mut s = self.0.lock().unwrap_or_else(|e| e.into_inner());
+            match s.value.take() {
+                Some(v) => std::task::Poll::Ready(v),
+                None => {
+                    s.waker = Some(cx.waker().clone());
+                    std::task::Poll::Pending
+                }
+            }
+        })
+        .await
+    }
+}

@@ -1,0 +1,349 @@
+//! The paged KV pool on the GPU and the two kernels that maintain it:
+//! `write_kv` (scatter new tokens into their slots) and `copy_blocks`
+//! (apply a copy-on-write list).
+
+use super::shader::{self, ShaderShape};
+use super::{params, Gpu, GpuError};
+
+/// Element type of the pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KvDtype {
+    /// 32-bit floats.
+    F32,
+    /// IEEE half floats packed two per `u32` (read with `unpack2x16float`,
+    /// so no `shader-f16` feature is needed).
+    F16,
+}
+
+impl KvDtype {
+    /// Bytes per element.
+    pub fn bytes(self) -> u64 {
+        match self {
+            KvDtype::F32 => 4,
+            KvDtype::F16 => 2,
+        }
+    }
+}
+
+/// Shape of a KV cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvCacheConfig {
+    /// Transformer layers (one K and one V buffer each).
+    pub num_layers: u32,
+    /// Physical blocks per layer.
+    pub num_blocks: u32,
+    /// Tokens per block (power of two, 1..=256).
+    pub block_size: u32,
+    /// KV heads.
+    pub num_kv_heads: u32,
+    /// Elements per head: a multiple of 4 up to 256.
+    pub head_dim: u32,
+    /// Element type.
+    pub dtype: KvDtype,
+}
+
+impl KvCacheConfig {
+    /// Bytes one block takes in one layer's K buffer.
+    pub fn block_bytes(&self) -> u64 {
+        self.num_kv_heads as u64 * self.block_size as u64 * self.head_dim as u64 * self.dtype.bytes()
+    }
+
+    /// Bytes of one layer's K buffer.
+    pub fn layer_bytes(&self) -> u64 {
+        self.block_bytes() * self.num_blocks as u64
+    }
+
+    /// KV4 elements (4 cache elements) per block.
+    pub fn block_elems4(&self) -> u32 {
+        self.num_kv_heads * self.block_size * self.head_dim / 4
+    }
+
+    /// Checks the shape on its own (no adapter limits).
+    pub fn validate(&self) -> Result<(), GpuError> {
+        let bad = |m: String| Err(GpuError::InvalidArgument(m));
+        if !(1..=256).contains(&self.block_size) || !self.block_size.is_power_of_two() {
+            return bad(format!("block_size {} is not a power of two in 1..=256", self.block_size));
+        }
+        if self.head_dim == 0 || self.head_dim % 4 != 0 || self.head_dim > 256 {
+            return Err(GpuError::Unsupported(format!(
+                "head_dim {} (must be a multiple of 4 between 4 and 256)",
+                self.head_dim
+            )));
+        }
+        if self.num_kv_heads == 0 || self.num_layers == 0 || self.num_blocks == 0 {
+            return bad(format!(
+                "num_layers {}, num_blocks {} and num_kv_heads {} must all be positive",
+                self.num_layers, self.num_blocks, self.num_kv_heads
+            ));
+        }
+        Ok(())
+    }
+
+    /// Largest `num_blocks` whose layer buffer fits `limit` bytes (and whose
+    /// element offsets fit the kernels' `u32` indices).
+    pub fn max_blocks_for(&self, limit: u64) -> u32 {
+        let by_bytes = limit / self.block_bytes();
+        let by_index = (u32::MAX as u64) / self.block_elems4() as u64;
+        by_bytes.min(by_index).min(u32::MAX as u64) as u32
+    }
+}
+
+/// Per-layer K and V storage buffers in the layout
+/// `[num_blocks][num_kv_heads][block_size][head_dim]`, with the kernels that
+/// write and copy blocks.
+pub struct KvCache {
+    cfg: KvCacheConfig,
+    layers: Vec<[wgpu::Buffer; 2]>,
+    write_kv: wgpu::ComputePipeline,
+    copy_blocks: wgpu::ComputePipeline,
+}
+
+/// Creates the pipeline of `kernel` for `shape`, reporting shader errors as ours.
+pub(crate) fn pipeline(gpu: &Gpu, kernel: &str, shape: &ShaderShape) -> Result<wgpu::ComputePipeline, GpuError> {
+    let src = shader::source(kernel, shape).ok_or_else(|| GpuError::Unsupported(format!("no kernel {kernel}")))?;
+    #[cfg(not(target_arch = "wasm32"))]
+    {
+        gpu.scoped_blocking(|| make_pipeline(gpu, kernel, &src))
+    }
+    #[cfg(target_arch = "wasm32")]
+    {
+        Ok(make_pipeline(gpu, kernel, &src))
+    }
+}
+
+fn make_pipeline(gpu: &Gpu, kernel: &str, src: &str) -> wgpu::ComputePipeline {
+    let module = gpu.device.create_shader_module(wgpu::ShaderModuleDescriptor {
+        label: Some(kernel),
+        source: wgpu::ShaderSource::Wgsl(src.into()),
+    });
+    gpu.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+        label: Some(kernel),
+        layout: None,
+        module: &module,
+        entry_point: Some("main"),
+        compilation_options: Default::default(),
+        cache: None,
+    })
+}
+
+/// Workgroup counts for `threads` threads of a 64-wide kernel, folded into two
+/// dimensions past the 65535-per-dimension limit.
+pub(crate) fn grid_1d(threads: u64) -> (u32, u32) {
+    let wgs = threads.div_ceil(64).max(1);
+    if wgs <= 65535 {
+        (wgs as u32, 1)
+    } else {
+        (65535, wgs.div_ceil(65535) as u32)
+    }
+}
+
+pub(crate) fn bind(gpu: &Gpu, pipeline: &wgpu::ComputePipeline, buffers: &[&wgpu::Buffer]) -> wgpu::BindGroup {
+    let layout = pipeline.get_bind_group_layout(0);
+    let entries: Vec<wgpu::BindGroupEntry> = buffers
+        .iter()
+        .enumerate()
+        .map(|(i, b)| wgpu::BindGroupEntry {
+            binding: i as u32,
+            resource: b.as_entire_binding(),
+        })
+        .collect();
+    gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
+        label: None,
+        layout: &layout,
+        entries: &entries,
+    })
+}
+
+pub(crate) fn dispatch(enc: &mut wgpu::CommandEncoder, label: &str, pipeline: &wgpu::ComputePipeline, bg: &wgpu::BindGroup, grid: (u32, u32, u32)) {
+    let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+        label: Some(label),
+        timestamp_writes: None,
+    });
+    pass.set_pipeline(pipeline);
+    pass.set_bind_group(0, bg, &[]);
+    pass.dispatch_workgroups(grid.0, grid.1, grid.2);
+}
+
+impl KvCache {
+    /// Allocates the pool. Errors name the largest `num_blocks` that would
+    /// fit when the adapter's binding limit is too small.
+    pub fn new(gpu: &Gpu, cfg: KvCacheConfig) -> Result<Self, GpuError> {
+        cfg.validate()?;
+        let limit = gpu.max_binding_bytes();
+        let max_blocks = cfg.max_blocks_for(limit);
+        if cfg.num_blocks > max_blocks {
+            return Err(GpuError::CacheTooLarge {
+                num_blocks: cfg.num_blocks,
+                bytes: cfg.layer_bytes(),
+                limit,
+                max_blocks,
+            });
+        }
+        let shape = ShaderShape {
+            head_dim: cfg.head_dim,
+            group: 1,
+            block_size: cfg.block_size,
+            dtype: cfg.dtype,
+        };
+        let write_kv = pipeline(gpu, "write_kv", &shape)?;
+        let copy_blocks = pipeline(gpu, "copy_blocks", &shape)?;
+        let mut layers = Vec::with_capacity(cfg.num_layers as usize);
+        let alloc = || {
+            for l in 0..cfg.num_layers {
+                let k = gpu.storage(&format!("k_pool[{l}]"), cfg.layer_bytes());
+                let v = gpu.storage(&format!("v_pool[{l}]"), cfg.layer_bytes());
+                layers.push([k, v]);
+            }
+        };
+        #[cfg(not(target_arch = "wasm32"))]
+        gpu.scoped_blocking(alloc)?;
+        #[cfg(target_arch = "wasm32")]
+        alloc();
+        Ok(Self {
+            cfg,
+            layers,
+            write_kv,
+            copy_blocks,
+        })
+    }
+
+    /// The shape.
+    pub fn config(&self) -> &KvCacheConfig {
+        &self.cfg
+    }
+
+    /// K and V buffers of `layer`.
+    pub fn layer(&self, layer: u32) -> Result<&[wgpu::Buffer; 2], GpuError> {
+        self.layers.get(layer as usize).ok_or_else(|| {
+            GpuError::InvalidArgument(format!("layer {layer} out of range (cache has {})", self.cfg.num_layers))
+        })
+    }
+
+    /// Records `write_kv` for `num_tokens` tokens: `k_new`/`v_new` hold
+    /// `[num_tokens][num_kv_heads][head_dim]` f32, `slots` their slots.
+    /// Slots outside the pool are skipped.
+    pub fn encode_write_kv(
+        &self,
+        gpu: &Gpu,
+        enc: &mut wgpu::CommandEncoder,
+        layer: u32,
+        k_new: &wgpu::Buffer,
+        v_new: &wgpu::Buffer,
+        slots: &wgpu::Buffer,
+        num_tokens: u32,
+    ) -> Result<(), GpuError> {
+        let [k, v] = self.layer(layer)?;
+        if num_tokens == 0 {
+            return Ok(());
+        }
+        let per_token = self.cfg.num_kv_heads as u64 * self.cfg.head_dim as u64 / 4;
+        let threads = num_tokens as u64 * per_token;
+        if threads > u32::MAX as u64 {
+            return Err(GpuError::InvalidArgument(format!("{num_tokens} tokens in one write_kv is too many")));
+        }
+        let p = params::WriteKvParams {
+            num_tokens,
+            num_kv_heads: self.cfg.num_kv_heads,
+            num_slots: self.cfg.num_blocks * self.cfg.block_size,
+            _pad: 0,
+        };
+        let ub = gpu.uniform("write_kv params", &p);
+        let bg = bind(gpu, &self.write_kv, &[&ub, k_new, v_new, slots, k, v]);
+        let (x, y) = grid_1d(threads);
+        dispatch(enc, "write_kv", &self.write_kv, &bg, (x, y, 1));
+        Ok(())
+    }
+
+    /// Writes new tokens' K and V (host slices, `[n][num_kv_heads][head_dim]`)
+    /// into `slots` of `layer`, and submits.
+    pub fn write_kv(&self, gpu: &Gpu, layer: u32, k: &[f32], v: &[f32], slots: &[u32]) -> Result<(), GpuError> {
+        self.layer(layer)?;
+        let row = (self.cfg.num_kv_heads * self.cfg.head_dim) as usize;
+        let n = slots.len();
+        if k.len() != n * row || v.len() != n * row {
+            return Err(GpuError::InvalidArgument(format!(
+                "write_kv: {n} slots need K and V of {} floats each, got {} and {}",
+                n * row,
+                k.len(),
+                v.len()
+            )));
+        }
+        let cap = self.cfg.num_blocks as u64 * self.cfg.block_size as u64;
+        if let Some(&s) = slots.iter().find(|&&s| s as u64 >= cap) {
+            return Err(GpuError::InvalidArgument(format!("slot {s} outside the pool of {cap} slots")));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let kb = gpu.storage_init("k_new", k);
+        let vb = gpu.storage_init("v_new", v);
+        let sb = gpu.storage_init("slots", slots);
+        let mut enc = gpu.device.create_command_encoder(&Default::default());
+        self.encode_write_kv(gpu, &mut enc, layer, &kb, &vb, &sb, n as u32)?;
+        gpu.queue.submit([enc.finish()]);
+        Ok(())
+    }
+
+    /// Records `copy_blocks` for every layer (one dispatch per layer, so no
+    /// kernel binds more than two pool buffers) into `enc`.
+    pub fn encode_copy_blocks(
+        &self,
+        gpu: &Gpu,
+        enc: &mut wgpu::CommandEncoder,
+        copies: &wgpu::Buffer,
+        num_copies: u32,
+    ) -> Result<(), GpuError> {
+        if num_copies == 0 {
+            return Ok(());
+        }
+        let p = params::CopyParams {
+            num_copies,
+            num_blocks: self.cfg.num_blocks,
+            block_elems: self.cfg.block_elems4(),
+            _pad: 0,
+        };
+        let threads = num_copies as u64 * p.block_elems as u64;
+        if threads > u32::MAX as u64 {
+            return Err(GpuError::InvalidArgument(format!("{num_copies} copies in one call is too many")));
+        }
+        let ub = gpu.uniform("copy_blocks params", &p);
+        let (x, y) = grid_1d(threads);
+        for [k, v] in &self.layers {
+            let bg = bind(gpu, &self.copy_blocks, &[&ub, copies, k, v]);
+            dispatch(enc, "copy_blocks", &self.copy_blocks, &bg, (x, y, 1));
+        }
+        Ok(())
+    }
+
+    /// Applies a copy list `(src, dst)` to every layer in one submit.
+    pub fn copy_blocks(&self, gpu: &Gpu, copies: &[[u32; 2]]) -> Result<(), GpuError> {
+        if let Some(c) = copies.iter().find(|c| c[0] >= self.cfg.num_blocks || c[1] >= self.cfg.num_blocks) {
+            return Err(GpuError::InvalidArgument(format!(
+                "copy {:?} names a block outside the pool of {}",
+                c, self.cfg.num_blocks
+            )));
+        }
+        if copies.is_empty() {
+            return Ok(());
+        }
+        let cb = gpu.storage_init("copies", copies);
+        let mut enc = gpu.device.create_command_encoder(&Default::default());
+        self.encode_copy_blocks(gpu, &mut enc, &cb, copies.len() as u32)?;
+        gpu.queue.submit([enc.finish()]);
+        Ok(())
+    }
+
+    /// Reads one layer's K and V pools back as f32 (f16 pools are widened).
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn read_layer(&self, gpu: &Gpu, layer: u32) -> Result<(Vec<f32>, Vec<f32>), GpuError> {
+        let [k, v] = self.layer(layer)?;
+        let bytes = self.cfg.layer_bytes();
+        let widen = |raw: Vec<u8>| -> Vec<f32> {
+            match self.cfg.dtype {
+                KvDtype::F32 => bytemuck::cast_slice(&raw).to_vec(),
+                KvDtype::F16 => bytemuck::cast_slice::<u8, half::f16>(&raw).iter().map(|h| h.to_f32()).collect(),
+            }
+        };
+        Ok((widen(gpu.read(k, bytes)?), widen(gpu.read(v, bytes)?)))
+    }
+}

@@ -1,0 +1,15 @@
+//! The GPU layer (wgpu): device, the paged KV pool, and the kernels.
+//! It takes block tables, slot mappings and copy lists from
+//! [`blocks`](crate::blocks) as plain integers and never decides allocation.
+
+mod attention;
+mod context;
+mod error;
+mod kv_cache;
+pub mod params;
+pub mod shader;
+
+pub use attention::{AttnOptions, BatchTables, PagedAttention, Split, AUTO_PARTITION_TOKENS};
+pub use context::{backends_from_env, Gpu};
+pub use error::GpuError;
+pub use kv_cache::{KvCache, KvCacheConfig, KvDtype};

@@ -1,0 +1,56 @@
+//! Uniform parameter structs, mirrored in shaders/common.wgsl (keep in sync;
+//! `tests/shaders.rs` checks each size against naga's layout of the WGSL).
+
+use bytemuck::{Pod, Zeroable};
+
+/// Parameters of write_kv.wgsl.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Zeroable, Pod)]
+pub struct WriteKvParams {
+    pub num_tokens: u32,
+    pub num_kv_heads: u32,
+    pub num_slots: u32,
+    pub _pad: u32,
+}
+const _: () = assert!(size_of::<WriteKvParams>() == 16);
+
+/// Parameters of copy_blocks.wgsl.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Zeroable, Pod)]
+pub struct CopyParams {
+    pub num_copies: u32,
+    pub num_blocks: u32,
+    pub block_elems: u32,
+    pub _pad: u32,
+}
+const _: () = assert!(size_of::<CopyParams>() == 16);
+
+/// Parameters of decode.wgsl, reduce.wgsl and prefill.wgsl.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Zeroable, Pod)]
+pub struct AttnParams {
+    pub num_seqs: u32,
+    pub num_heads: u32,
+    pub num_kv_heads: u32,
+    pub num_blocks: u32,
+    pub scale: f32,
+    pub soft_cap: f32,
+    pub sliding_window: u32,
+    pub alibi: u32,
+    pub partition_tokens: u32,
+    pub num_partitions: u32,
+    pub lens_off: u32,
+    pub indices_off: u32,
+    pub indices_len: u32,
+    pub slopes_off: u32,
+    pub qo_off: u32,
+    pub _pad: u32,
+}
+const _: () = assert!(size_of::<AttnParams>() == 64);
+
+/// Every param struct with its WGSL name and host size, for the layout test.
+pub const PARAM_STRUCTS: &[(&str, usize)] = &[
+    ("WriteKvParams", size_of::<WriteKvParams>()),
+    ("CopyParams", size_of::<CopyParams>()),
+    ("AttnParams", size_of::<AttnParams>()),
+];

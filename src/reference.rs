@@ -1,0 +1,281 @@
+//! The attention math of every kernel, on the CPU in f64, over the same
+//! paged layout as the GPU pool. Tests compare the kernels to this.
+//!
+//! Written to read like the kernels: walk the CSR block table, score each
+//! token, softmax, weight V. Positions whose physical block is out of range
+//! (a corrupt table) are skipped, exactly as the kernels skip them.
+
+/// A paged K/V pool in the GPU layout `[num_blocks][num_kv_heads][block_size][head_dim]`,
+/// one layer, values as f32 (f16 pools are compared after rounding through f16).
+#[derive(Clone, Copy, Debug)]
+pub struct PagedPool<'a> {
+    /// Keys.
+    pub k: &'a [f32],
+    /// Values.
+    pub v: &'a [f32],
+    /// KV heads.
+    pub num_kv_heads: usize,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Elements per head.
+    pub head_dim: usize,
+}
+
+impl PagedPool<'_> {
+    /// Blocks in the pool.
+    pub fn num_blocks(&self) -> usize {
+        self.k.len() / (self.num_kv_heads * self.block_size * self.head_dim)
+    }
+
+    fn row(&self, block: usize, kv_head: usize, offset: usize) -> usize {
+        ((block * self.num_kv_heads + kv_head) * self.block_size + offset) * self.head_dim
+    }
+}
+
+/// The attention variant, shared by decode and prefill.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AttnParams {
+    /// Query heads.
+    pub num_heads: usize,
+    /// Multiplies q·k; usually `1 / sqrt(head_dim)`.
+    pub scale: f32,
+    /// Attend only to the last `w` positions up to and including the query's.
+    pub sliding_window: Option<u32>,
+    /// Logit soft-cap: `cap * tanh(score / cap)`, applied before ALiBi.
+    pub soft_cap: Option<f32>,
+    /// ALiBi slope per query head; bias `slope * (key_pos - query_pos)`.
+    pub alibi_slopes: Option<Vec<f32>>,
+}
+
+impl AttnParams {
+    /// Plain softmax attention with scale `1 / sqrt(head_dim)`.
+    pub fn new(num_heads: usize, head_dim: usize) -> Self {
+        Self {
+            num_heads,
+            scale: 1.0 / (head_dim as f32).sqrt(),
+            sliding_window: None,
+            soft_cap: None,
+            alibi_slopes: None,
+        }
+    }
+
+    /// The logit of query head `h` at `q_pos` for a key at `k_pos` with
+    /// dot product `dot`, or `None` when the key is masked.
+    pub fn logit(&self, h: usize, dot: f64, q_pos: usize, k_pos: usize) -> Option<f64> {
+        if k_pos > q_pos {
+            return None;
+        }
+        if let Some(w) = self.sliding_window {
+            if q_pos - k_pos >= w as usize {
+                return None;
+            }
+        }
+        let mut s = dot * self.scale as f64;
+        if let Some(cap) = self.soft_cap {
+            let cap = cap as f64;
+            s = cap * (s / cap).tanh();
+        }
+        if let Some(sl) = &self.alibi_slopes {
+            s += sl[h] as f64 * (k_pos as f64 - q_pos as f64);
+        }
+        Some(s)
+    }
+}
+
+/// Online-softmax state of one query head over a range of keys: running max,
+/// running sum of `exp(s - max)` and the accumulator `sum exp(s - max) * v`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Partial {
+    /// Largest logit seen (`-inf` when none).
+    pub max: f64,
+    /// Sum of `exp(logit - max)`.
+    pub sum: f64,
+    /// Sum of `exp(logit - max) * v`.
+    pub acc: Vec<f64>,
+}
+
+impl Partial {
+    /// The empty state.
+    pub fn empty(head_dim: usize) -> Self {
+        Self {
+            max: f64::NEG_INFINITY,
+            sum: 0.0,
+            acc: vec![0.0; head_dim],
+        }
+    }
+
+    /// The normalised output (zeros when no key was attended).
+    pub fn output(&self) -> Vec<f64> {
+        if self.sum == 0.0 {
+            return vec![0.0; self.acc.len()];
+        }
+        self.acc.iter().map(|a| a / self.sum).collect()
+    }
+}
+
+/// Merges partial states by log-sum-exp, as the split-K reduce kernel does.
+pub fn merge(parts: &[Partial], head_dim: usize) -> Partial {
+    let max = parts.iter().map(|p| p.max).fold(f64::NEG_INFINITY, f64::max);
+    let mut out = Partial::empty(head_dim);
+    if max == f64::NEG_INFINITY {
+        return out;
+    }
+    out.max = max;
+    for p in parts {
+        if p.sum == 0.0 {
+            continue;
+        }
+        let w = (p.max - max).exp();
+        out.sum += p.sum * w;
+        for (o, a) in out.acc.iter_mut().zip(&p.acc) {
+            *o += a * w;
+        }
+    }
+    out
+}
+
+/// Physical block of logical block `i` of a sequence, `None` if the table
+/// entry is outside the pool or the CSR range runs past `kv_indices`.
+fn physical(kv_indices: &[u32], start: usize, end: usize, i: usize, nblocks: usize) -> Option<usize> {
+    let j = start + i;
+    if j >= end || j >= kv_indices.len() {
+        return None;
+    }
+    let b = kv_indices[j] as usize;
+    (b < nblocks).then_some(b)
+}
+
+/// The partial state of query head `h` (at position `q_pos`, vector `q`)
+/// over key positions `[from, to)` of one sequence.
+#[allow(clippy::too_many_arguments)]
+pub fn partial(
+    pool: &PagedPool,
+    p: &AttnParams,
+    h: usize,
+    q: &[f32],
+    q_pos: usize,
+    table: (&[u32], usize, usize),
+    from: usize,
+    to: usize,
+) -> Partial {
+    let d = pool.head_dim;
+    let group = p.num_heads / pool.num_kv_heads;
+    let kvh = h / group;
+    let (indices, start, end) = table;
+    let mut logits = Vec::new();
+    for pos in from..to {
+        let Some(b) = physical(indices, start, end, pos / pool.block_size, pool.num_blocks()) else {
+            continue;
+        };
+        let r = pool.row(b, kvh, pos % pool.block_size);
+        let dot: f64 = (0..d).map(|i| q[i] as f64 * pool.k[r + i] as f64).sum();
+        if let Some(s) = p.logit(h, dot, q_pos, pos) {
+            logits.push((s, r));
+        }
+    }
+    let mut out = Partial::empty(d);
+    out.max = logits.iter().map(|l| l.0).fold(f64::NEG_INFINITY, f64::max);
+    for (s, r) in logits {
+        let e = (s - out.max).exp();
+        out.sum += e;
+        for i in 0..d {
+            out.acc[i] += e * pool.v[r + i] as f64;
+        }
+    }
+    out
+}
+
+/// Decode: one query per sequence at position `seq_len - 1`.
+/// `q` is `[num_seqs][num_heads][head_dim]`; so is the result.
+pub fn decode(
+    pool: &PagedPool,
+    p: &AttnParams,
+    q: &[f32],
+    kv_indptr: &[u32],
+    kv_indices: &[u32],
+    seq_lens: &[u32],
+) -> Vec<f64> {
+    let qo_indptr: Vec<u32> = (0..=seq_lens.len() as u32).collect();
+    prefill(pool, p, q, &qo_indptr, kv_indptr, kv_indices, seq_lens)
+}
+
+/// Prefill: sequence `s` has queries `qo_indptr[s]..qo_indptr[s + 1]` (rows
+/// of `q`, `[total_q][num_heads][head_dim]`), the newest positions of its
+/// `seq_lens[s]` tokens, each attending causally to the paged context.
+pub fn prefill(
+    pool: &PagedPool,
+    p: &AttnParams,
+    q: &[f32],
+    qo_indptr: &[u32],
+    kv_indptr: &[u32],
+    kv_indices: &[u32],
+    seq_lens: &[u32],
+) -> Vec<f64> {
+    let d = pool.head_dim;
+    let hq = p.num_heads;
+    let mut out = vec![0.0; q.len()];
+    for s in 0..seq_lens.len() {
+        let len = seq_lens[s] as usize;
+        let (q0, q1) = (qo_indptr[s] as usize, qo_indptr[s + 1] as usize);
+        let table = (kv_indices, kv_indptr[s] as usize, kv_indptr[s + 1] as usize);
+        for (i, row) in (q0..q1).enumerate() {
+            let q_pos = len - (q1 - q0) + i;
+            for h in 0..hq {
+                let qv = &q[(row * hq + h) * d..][..d];
+                let part = partial(pool, p, h, qv, q_pos, table, 0, len);
+                out[(row * hq + h) * d..][..d].copy_from_slice(&part.output());
+            }
+        }
+    }
+    out
+}
+
+/// Plain dense attention of one query over gathered keys and values (rows of
+/// `head_dim`), with the same variant rules: the oracle the paged reference
+/// is tested against.
+pub fn dense(p: &AttnParams, h: usize, q: &[f32], q_pos: usize, keys: &[Vec<f32>], values: &[Vec<f32>]) -> Vec<f64> {
+    let d = q.len();
+    let logits: Vec<Option<f64>> = keys
+        .iter()
+        .enumerate()
+        .map(|(j, k)| {
+            let dot: f64 = q.iter().zip(k).map(|(a, b)| *a as f64 * *b as f64).sum();
+            p.logit(h, dot, q_pos, j)
+        })
+        .collect();
+    let max = logits.iter().flatten().fold(f64::NEG_INFINITY, |a, &b| a.max(b));
+    let mut out = vec![0.0; d];
+    if max == f64::NEG_INFINITY {
+        return out;
+    }
+    let mut sum = 0.0;
+    for (l, v) in logits.iter().zip(values) {
+        if let Some(l) = l {
+            let e = (l - max).exp();
+            sum += e;
+            for i in 0..d {
+                out[i] += e * v[i] as f64;
+            }
+        }
+    }
+    out.iter_mut().for_each(|o| *o /= sum);
+    out
+}
+
+/// `||a - b|| / ||b||`; NaN or infinity anywhere gives infinity, so NaN never passes.
+pub fn rel_l2(a: &[f32], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len(), "compared vectors differ in length");
+    let mut num = 0.0;
+    let mut den = 0.0;
+    for (&x, &y) in a.iter().zip(b) {
+        if !x.is_finite() || !y.is_finite() {
+            return f64::INFINITY;
+        }
+        num += (x as f64 - y).powi(2);
+        den += y * y;
+    }
+    if den == 0.0 {
+        return if num == 0.0 { 0.0 } else { f64::INFINITY };
+    }
+    (num / den).sqrt()
+}
