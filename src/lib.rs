@@ -6,7 +6,8 @@
 //! block tables with online softmax on any wgpu adapter.
 
 pub mod blocks;
+pub mod demo;
 pub mod gpu;
-pub mod rng;
 pub mod reference;
+pub mod rng;
 pub mod sim;

@@ -115,7 +115,10 @@ impl Partial {
 
 /// Merges partial states by log-sum-exp, as the split-K reduce kernel does.
 pub fn merge(parts: &[Partial], head_dim: usize) -> Partial {
-    let max = parts.iter().map(|p| p.max).fold(f64::NEG_INFINITY, f64::max);
+    let max = parts
+        .iter()
+        .map(|p| p.max)
+        .fold(f64::NEG_INFINITY, f64::max);
     let mut out = Partial::empty(head_dim);
     if max == f64::NEG_INFINITY {
         return out;
@@ -136,7 +139,13 @@ pub fn merge(parts: &[Partial], head_dim: usize) -> Partial {
 
 /// Physical block of logical block `i` of a sequence, `None` if the table
 /// entry is outside the pool or the CSR range runs past `kv_indices`.
-fn physical(kv_indices: &[u32], start: usize, end: usize, i: usize, nblocks: usize) -> Option<usize> {
+fn physical(
+    kv_indices: &[u32],
+    start: usize,
+    end: usize,
+    i: usize,
+    nblocks: usize,
+) -> Option<usize> {
     let j = start + i;
     if j >= end || j >= kv_indices.len() {
         return None;
@@ -164,7 +173,13 @@ pub fn partial(
     let (indices, start, end) = table;
     let mut logits = Vec::new();
     for pos in from..to {
-        let Some(b) = physical(indices, start, end, pos / pool.block_size, pool.num_blocks()) else {
+        let Some(b) = physical(
+            indices,
+            start,
+            end,
+            pos / pool.block_size,
+            pool.num_blocks(),
+        ) else {
             continue;
         };
         let r = pool.row(b, kvh, pos % pool.block_size);
@@ -233,7 +248,14 @@ pub fn prefill(
 /// Plain dense attention of one query over gathered keys and values (rows of
 /// `head_dim`), with the same variant rules: the oracle the paged reference
 /// is tested against.
-pub fn dense(p: &AttnParams, h: usize, q: &[f32], q_pos: usize, keys: &[Vec<f32>], values: &[Vec<f32>]) -> Vec<f64> {
+pub fn dense(
+    p: &AttnParams,
+    h: usize,
+    q: &[f32],
+    q_pos: usize,
+    keys: &[Vec<f32>],
+    values: &[Vec<f32>],
+) -> Vec<f64> {
     let d = q.len();
     let logits: Vec<Option<f64>> = keys
         .iter()
@@ -243,7 +265,10 @@ pub fn dense(p: &AttnParams, h: usize, q: &[f32], q_pos: usize, keys: &[Vec<f32>
             p.logit(h, dot, q_pos, j)
         })
         .collect();
-    let max = logits.iter().flatten().fold(f64::NEG_INFINITY, |a, &b| a.max(b));
+    let max = logits
+        .iter()
+        .flatten()
+        .fold(f64::NEG_INFINITY, |a, &b| a.max(b));
     let mut out = vec![0.0; d];
     if max == f64::NEG_INFINITY {
         return out;

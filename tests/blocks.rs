@@ -5,14 +5,17 @@
 
 use std::collections::HashSet;
 
-use pagedattn::blocks::{BatchView, BlockError, BlockManager, BlockManagerConfig, BlockStats, SeqId};
+use pagedattn::blocks::{
+    BatchView, BlockError, BlockManager, BlockManagerConfig, BlockStats, SeqId,
+};
 
 fn manager(num_blocks: u32, block_size: u32) -> BlockManager {
     BlockManager::new(BlockManagerConfig::new(num_blocks, block_size)).unwrap()
 }
 
 fn cached_manager(num_blocks: u32, block_size: u32) -> BlockManager {
-    BlockManager::new(BlockManagerConfig::new(num_blocks, block_size).with_prefix_caching(true)).unwrap()
+    BlockManager::new(BlockManagerConfig::new(num_blocks, block_size).with_prefix_caching(true))
+        .unwrap()
 }
 
 /// Token ids `start..start + n`.
@@ -29,7 +32,10 @@ fn fails<T: std::fmt::Debug>(
 ) -> (BlockError, String) {
     let snapshot = m.clone();
     let err = call(m).expect_err("the call should have failed");
-    assert!(*m == snapshot, "a failing call changed the manager ({err:?})");
+    assert!(
+        *m == snapshot,
+        "a failing call changed the manager ({err:?})"
+    );
     let msg = err.to_string();
     (err, msg)
 }
@@ -45,7 +51,22 @@ fn assert_mentions(msg: &str, parts: &[&str]) {
 
 #[test]
 fn block_size_must_be_a_power_of_two_up_to_256() {
-    for bs in [0u32, 3, 5, 6, 7, 12, 24, 100, 255, 257, 384, 512, 1024, u32::MAX] {
+    for bs in [
+        0u32,
+        3,
+        5,
+        6,
+        7,
+        12,
+        24,
+        100,
+        255,
+        257,
+        384,
+        512,
+        1024,
+        u32::MAX,
+    ] {
         let err = BlockManager::new(BlockManagerConfig::new(4, bs)).unwrap_err();
         assert_eq!(err, BlockError::BadBlockSize(bs));
         assert_mentions(&err.to_string(), &[&bs.to_string()]);
@@ -71,7 +92,10 @@ fn pool_must_be_addressable_by_u32_slots() {
             max
         }
     );
-    assert_mentions(&err.to_string(), &["0 blocks", "16 tokens", &max.to_string()]);
+    assert_mentions(
+        &err.to_string(),
+        &["0 blocks", "16 tokens", &max.to_string()],
+    );
 
     let too_many = u32::MAX / 256 + 1;
     let err = BlockManager::new(BlockManagerConfig::new(too_many, 256)).unwrap_err();
@@ -83,7 +107,10 @@ fn pool_must_be_addressable_by_u32_slots() {
             max: too_many - 1
         }
     );
-    assert_mentions(&err.to_string(), &[&too_many.to_string(), &(too_many - 1).to_string()]);
+    assert_mentions(
+        &err.to_string(),
+        &[&too_many.to_string(), &(too_many - 1).to_string()],
+    );
 
     // One block is enough.
     let mut m = manager(1, 1);
@@ -150,7 +177,9 @@ fn slot_is_block_times_block_size_plus_offset() {
             let want = table[pos / bs as usize] * bs + (pos % bs as usize) as u32;
             assert_eq!(m.slot(a, pos).unwrap(), want);
         }
-        let appended: Vec<u32> = (len - new_slots.len()..len).map(|p| m.slot(a, p).unwrap()).collect();
+        let appended: Vec<u32> = (len - new_slots.len()..len)
+            .map(|p| m.slot(a, p).unwrap())
+            .collect();
         assert_eq!(new_slots, appended);
         // Two sequences never share a slot without sharing a block.
         let slots_a: HashSet<u32> = (0..len).map(|p| m.slot(a, p).unwrap()).collect();
@@ -165,7 +194,11 @@ fn scrambled_free_list_still_hands_out_every_block_once() {
     m.scramble_free_list(42);
     let a = m.add_sequence(&toks(0, 64)).unwrap();
     let mut t = m.block_table(a).unwrap().to_vec();
-    assert_ne!(t, (0..32).collect::<Vec<_>>(), "scramble left the order unchanged");
+    assert_ne!(
+        t,
+        (0..32).collect::<Vec<_>>(),
+        "scramble left the order unchanged"
+    );
     t.sort();
     assert_eq!(t, (0..32).collect::<Vec<_>>());
 }
@@ -207,7 +240,11 @@ fn first_write_into_a_shared_partial_block_copies_it() {
     assert_eq!(m.pending_copies(), &[[1, tb[1]]]);
     assert_eq!(slots, vec![tb[1] * 4 + 2]);
     assert_eq!(m.ref_count(0), Some(2));
-    assert_eq!(m.ref_count(1), Some(1), "the old block keeps only the parent's reference");
+    assert_eq!(
+        m.ref_count(1),
+        Some(1),
+        "the old block keeps only the parent's reference"
+    );
     assert_eq!(m.ref_count(tb[1]), Some(1));
     assert_eq!(m.block_table(a).unwrap(), &[0, 1]);
 
@@ -267,7 +304,10 @@ fn free_returns_blocks_once_the_last_holder_is_gone() {
     assert_eq!(m.ref_count(1), Some(0));
     m.free(b).unwrap();
     let s = m.stats();
-    assert_eq!((s.free, s.used, s.sequences, s.logical_tokens), (8, 0, 0, 0));
+    assert_eq!(
+        (s.free, s.used, s.sequences, s.logical_tokens),
+        (8, 0, 0, 0)
+    );
     assert!((0..8).all(|blk| m.ref_count(blk) == Some(0)));
     // A freed id stays dead and is not reused.
     let c = m.add_sequence(&[1]).unwrap();
@@ -315,7 +355,11 @@ fn prefix_cache_reuses_full_blocks_handed_to_the_gpu() {
     let a = m.add_sequence(&prompt).unwrap();
     // Not yet viewed: the blocks' K/V are not written, nothing to share.
     let early = m.add_sequence(&prompt).unwrap();
-    assert!(m.block_table(early).unwrap().iter().all(|b| !m.block_table(a).unwrap().contains(b)));
+    assert!(m
+        .block_table(early)
+        .unwrap()
+        .iter()
+        .all(|b| !m.block_table(a).unwrap().contains(b)));
     assert_eq!(m.prefix_hit_tokens(), 0);
     m.free(early).unwrap();
 
@@ -330,15 +374,26 @@ fn prefix_cache_reuses_full_blocks_handed_to_the_gpu() {
     assert_eq!(m.ref_count(ta[0]), Some(2));
     assert_eq!(m.ref_count(ta[1]), Some(2));
     assert_eq!(m.prefix_hit_tokens(), 8);
-    assert_eq!(m.pending_tokens(b).unwrap(), 3, "only the uncached tail is pending");
+    assert_eq!(
+        m.pending_tokens(b).unwrap(),
+        3,
+        "only the uncached tail is pending"
+    );
     let v = m.batch_view(&[b]).unwrap();
-    assert_eq!(v.slot_mapping, vec![tb[2] * 4, tb[2] * 4 + 1, tb[2] * 4 + 2]);
+    assert_eq!(
+        v.slot_mapping,
+        vec![tb[2] * 4, tb[2] * 4 + 1, tb[2] * 4 + 2]
+    );
 
     // A prompt that diverges inside the first block shares nothing.
     let mut p3 = toks(0, 8);
     p3[1] = 1000;
     let c = m.add_sequence(&p3).unwrap();
-    assert!(m.block_table(c).unwrap().iter().all(|blk| !ta.contains(blk)));
+    assert!(m
+        .block_table(c)
+        .unwrap()
+        .iter()
+        .all(|blk| !ta.contains(blk)));
     // A prompt that diverges in the second block shares only the first.
     let mut p4 = toks(0, 8);
     p4[6] = 1000;
@@ -355,13 +410,18 @@ fn prefix_cache_matches_blocks_filled_by_appends() {
     let a = m.add_sequence(&toks(0, 3)).unwrap();
     m.batch_view(&[a]).unwrap();
     m.append(a, &toks(3, 6)).unwrap(); // now 9 tokens, 2 full blocks
+                                       // Block 0 was partial at the view, block 1 is not viewed yet: nothing is cached.
     let b_early = m.add_sequence(&toks(0, 8)).unwrap();
-    assert_eq!(m.prefix_hit_tokens(), 4, "only the block filled before the view is cached");
+    assert_eq!(m.prefix_hit_tokens(), 0);
     m.free(b_early).unwrap();
     m.batch_view(&[a]).unwrap();
     let b = m.add_sequence(&toks(0, 8)).unwrap();
     assert_eq!(m.block_table(b).unwrap(), &m.block_table(a).unwrap()[..2]);
-    assert_eq!(m.pending_tokens(b).unwrap(), 0, "a fully cached prompt has nothing to write");
+    assert_eq!(
+        m.pending_tokens(b).unwrap(),
+        0,
+        "a fully cached prompt has nothing to write"
+    );
     // Its last block is full and shared: appending takes a new block, no copy.
     m.append(b, &[8]).unwrap();
     assert!(m.pending_copies().is_empty());
@@ -373,7 +433,11 @@ fn prefix_caching_off_never_shares() {
     let a = m.add_sequence(&toks(0, 8)).unwrap();
     m.batch_view(&[a]).unwrap();
     let b = m.add_sequence(&toks(0, 8)).unwrap();
-    assert!(m.block_table(b).unwrap().iter().all(|blk| m.ref_count(*blk) == Some(1)));
+    assert!(m
+        .block_table(b)
+        .unwrap()
+        .iter()
+        .all(|blk| m.ref_count(*blk) == Some(1)));
     m.free(a).unwrap();
     assert_eq!(m.stats().evictable, 0);
     assert_eq!(m.prefix_hit_tokens(), 0);
@@ -434,7 +498,10 @@ fn lru_order_follows_release_time_across_sequences() {
     let a = m.add_sequence(&[1, 2]).unwrap();
     let b = m.add_sequence(&[3, 4]).unwrap();
     m.batch_view(&[a, b]).unwrap();
-    let (ta, tb) = (m.block_table(a).unwrap().to_vec(), m.block_table(b).unwrap().to_vec());
+    let (ta, tb) = (
+        m.block_table(a).unwrap().to_vec(),
+        m.block_table(b).unwrap().to_vec(),
+    );
     m.free(b).unwrap(); // released first: tb[1], tb[0]
     m.free(a).unwrap(); // then ta[1], ta[0]
     let filler = m.add_sequence(&[9, 9]).unwrap(); // the two plain free blocks
@@ -476,14 +543,13 @@ fn stats_count_every_field() {
             ..BlockStats::default()
         }
     );
-    let a = m.add_sequence(&toks(0, 6)).unwrap(); // 2 blocks, 6 tokens
-    m.batch_view(&[a]).unwrap();
-    let b = m.fork(a).unwrap(); // shares both
-    m.append(b, &[50, 51]).unwrap(); // CoW of the partial block: b = [0, x], 8 tokens
-    let c = m.add_sequence(&toks(0, 5)).unwrap(); // reuses the cached block 0 + 1 new
-    let d = m.add_sequence(&toks(100, 4)).unwrap();
-    m.batch_view(&[d]).unwrap();
-    m.free(d).unwrap(); // its one full block becomes evictable
+    let a = m.add_sequence(&toks(0, 6)).unwrap(); // blocks 0, 1; 6 tokens
+    let d = m.add_sequence(&toks(100, 4)).unwrap(); // block 2, full
+    m.batch_view(&[a, d]).unwrap();
+    m.free(d).unwrap(); // its cached full block becomes evictable
+    let b = m.fork(a).unwrap(); // shares both of a's blocks
+    m.append(b, &[50, 51]).unwrap(); // CoW of the partial block: b = [0, 3], 8 tokens
+    let c = m.add_sequence(&toks(0, 5)).unwrap(); // reuses the cached block 0 + block 4
     let s = m.stats();
     assert_eq!(
         s,
@@ -521,7 +587,9 @@ fn batch_view_lists_tables_in_csr_form_and_only_new_slots() {
         m.block_table(b).unwrap().to_vec(),
         m.block_table(c).unwrap().to_vec(),
     );
-    let slots = |m: &BlockManager, s: SeqId, r: std::ops::Range<usize>| -> Vec<u32> { r.map(|p| m.slot(s, p).unwrap()).collect() };
+    let slots = |m: &BlockManager, s: SeqId, r: std::ops::Range<usize>| -> Vec<u32> {
+        r.map(|p| m.slot(s, p).unwrap()).collect()
+    };
 
     // Order follows the request, not the ids.
     let v = m.batch_view(&[c, a, b]).unwrap();
@@ -546,7 +614,10 @@ fn batch_view_lists_tables_in_csr_form_and_only_new_slots() {
     let v = m.batch_view(&[a, b]).unwrap();
     assert_eq!(v.seq_lens, vec![6, 5]);
     assert_eq!(v.new_indptr, vec![0, 1, 5]);
-    assert_eq!(v.slot_mapping, [slots(&m, a, 5..6), slots(&m, b, 1..5)].concat());
+    assert_eq!(
+        v.slot_mapping,
+        [slots(&m, a, 5..6), slots(&m, b, 1..5)].concat()
+    );
     assert_eq!(v.kv_indptr, vec![0, 2, 4]);
 
     // A sequence left out of a view keeps its pending tokens for the next one.
@@ -556,7 +627,7 @@ fn batch_view_lists_tables_in_csr_form_and_only_new_slots() {
     assert_eq!(v.slot_mapping, slots(&m, c, 9..10));
     assert_eq!(m.pending_tokens(a).unwrap(), 1);
     let v = m.batch_view(&[]).unwrap();
-    assert_eq!((v.kv_indptr, v.new_indptr), (vec![0], vec![0]));
+    assert_eq!((&v.kv_indptr[..], &v.new_indptr[..]), (&[0][..], &[0][..]));
     assert_eq!(v.num_seqs(), 0);
 }
 
@@ -580,7 +651,9 @@ fn batch_view_hands_over_copies_once() {
 #[test]
 fn batch_view_into_reuses_the_view_and_matches_batch_view() {
     let mut m = manager(64, 4);
-    let ids: Vec<SeqId> = (0..5).map(|i| m.add_sequence(&toks(0, 3 + 4 * i)).unwrap()).collect();
+    let ids: Vec<SeqId> = (0..5)
+        .map(|i| m.add_sequence(&toks(0, 3 + 4 * i)).unwrap())
+        .collect();
     let mut reused = BatchView {
         kv_indptr: vec![9; 3],
         kv_indices: vec![9; 40],
@@ -604,7 +677,9 @@ fn batch_view_into_reuses_the_view_and_matches_batch_view() {
     }
     // A failing call leaves the reused view as it was, too.
     let before = reused.clone();
-    let (err, _) = fails(&mut m, |m| m.batch_view_into(&[ids[0], ids[0]], &mut reused));
+    let (err, _) = fails(&mut m, |m| {
+        m.batch_view_into(&[ids[0], ids[0]], &mut reused)
+    });
     assert_eq!(err, BlockError::DuplicateInBatch(ids[0]));
     assert_eq!(reused, before);
 }
@@ -630,7 +705,7 @@ fn out_of_blocks_on_add_counts_revived_blocks_as_taken() {
     let a = m.add_sequence(&toks(0, 4)).unwrap();
     m.batch_view(&[a]).unwrap();
     m.free(a).unwrap(); // 2 evictable + 1 free
-    // Reviving both cached blocks leaves one block for the two new ones.
+                        // Reviving both cached blocks leaves one block for the two new ones.
     let (err, msg) = fails(&mut m, |m| m.add_sequence(&toks(0, 8)));
     assert_eq!(err, BlockError::OutOfBlocks { needed: 2, free: 1 });
     assert_mentions(&msg, &["need 2", "only 1"]);
@@ -685,7 +760,9 @@ fn unknown_or_freed_sequences_are_rejected_by_every_call() {
             fails(&mut m, |m| m.free(bad)),
             fails(&mut m, |m| m.batch_view(&[a, bad])),
             fails(&mut m, |m| m.batch_view(&[bad, a, a])),
-            fails(&mut m, |m| m.batch_view_into(&[bad], &mut BatchView::default())),
+            fails(&mut m, |m| {
+                m.batch_view_into(&[bad], &mut BatchView::default())
+            }),
             fails(&mut m, |m| m.block_table(bad).map(|t| t.to_vec())),
             fails(&mut m, |m| m.seq_len(bad)),
             fails(&mut m, |m| m.tokens(bad).map(|t| t.to_vec())),
@@ -718,17 +795,35 @@ fn too_many_tokens_is_rejected_with_the_limit() {
     };
     let mut m = BlockManager::new(cfg).unwrap();
     let (err, msg) = fails(&mut m, |m| m.add_sequence(&toks(0, 11)));
-    assert_eq!(err, BlockError::TooManyTokens { requested: 11, limit: 10 });
+    assert_eq!(
+        err,
+        BlockError::TooManyTokens {
+            requested: 11,
+            limit: 10
+        }
+    );
     assert_mentions(&msg, &["11 tokens", "limit of 10"]);
     let a = m.add_sequence(&toks(0, 10)).unwrap();
     m.free(a).unwrap();
     let a = m.add_sequence(&toks(0, 7)).unwrap();
     let (err, msg) = fails(&mut m, |m| m.append(a, &toks(7, 5)));
-    assert_eq!(err, BlockError::TooManyTokens { requested: 12, limit: 10 });
+    assert_eq!(
+        err,
+        BlockError::TooManyTokens {
+            requested: 12,
+            limit: 10
+        }
+    );
     assert_mentions(&msg, &["12 tokens", "limit of 10"]);
     m.append(a, &toks(7, 3)).unwrap();
     let (err, _) = fails(&mut m, |m| m.append(a, &[1]));
-    assert_eq!(err, BlockError::TooManyTokens { requested: 11, limit: 10 });
+    assert_eq!(
+        err,
+        BlockError::TooManyTokens {
+            requested: 11,
+            limit: 10
+        }
+    );
     // The length limit wins over the block shortage.
     let small = BlockManagerConfig {
         max_seq_len: 4,
@@ -737,7 +832,13 @@ fn too_many_tokens_is_rejected_with_the_limit() {
     let mut m = BlockManager::new(small).unwrap();
     m.add_sequence(&[1]).unwrap();
     let (err, _) = fails(&mut m, |m| m.add_sequence(&toks(0, 5)));
-    assert_eq!(err, BlockError::TooManyTokens { requested: 5, limit: 4 });
+    assert_eq!(
+        err,
+        BlockError::TooManyTokens {
+            requested: 5,
+            limit: 4
+        }
+    );
 }
 
 #[test]
@@ -745,7 +846,13 @@ fn slot_past_the_end_is_an_error() {
     let mut m = manager(8, 4);
     let a = m.add_sequence(&toks(0, 3)).unwrap();
     let (err, msg) = fails(&mut m, |m| m.slot(a, 3));
-    assert_eq!(err, BlockError::TooManyTokens { requested: 4, limit: 3 });
+    assert_eq!(
+        err,
+        BlockError::TooManyTokens {
+            requested: 4,
+            limit: 3
+        }
+    );
     assert_mentions(&msg, &["4", "3"]);
 }
 
@@ -766,7 +873,10 @@ fn duplicates_in_a_batch_are_rejected() {
 #[test]
 fn every_error_message_names_its_numbers() {
     let cases = [
-        (BlockError::OutOfBlocks { needed: 7, free: 3 }, vec!["7", "3"]),
+        (
+            BlockError::OutOfBlocks { needed: 7, free: 3 },
+            vec!["7", "3"],
+        ),
         (BlockError::UnknownSequence(SeqId(42)), vec!["#42"]),
         (BlockError::BadBlockSize(48), vec!["48"]),
         (
@@ -777,8 +887,20 @@ fn every_error_message_names_its_numbers() {
             },
             vec!["9", "32", "5"],
         ),
-        (BlockError::TooManyTokens { requested: 130, limit: 128 }, vec!["130", "128"]),
-        (BlockError::PendingTokens { seq: SeqId(8), pending: 17 }, vec!["#8", "17"]),
+        (
+            BlockError::TooManyTokens {
+                requested: 130,
+                limit: 128,
+            },
+            vec!["130", "128"],
+        ),
+        (
+            BlockError::PendingTokens {
+                seq: SeqId(8),
+                pending: 17,
+            },
+            vec!["#8", "17"],
+        ),
         (BlockError::DuplicateInBatch(SeqId(11)), vec!["#11"]),
     ];
     for (err, parts) in cases {
@@ -810,7 +932,11 @@ fn a_copy_list_never_writes_a_block_another_pair_reads() {
     m.append(e, &[2]).unwrap();
     let copies = m.pending_copies().to_vec();
     let srcs: HashSet<u32> = copies.iter().map(|c| c[0]).collect();
-    let clash: Vec<[u32; 2]> = copies.iter().copied().filter(|c| srcs.contains(&c[1])).collect();
+    let clash: Vec<[u32; 2]> = copies
+        .iter()
+        .copied()
+        .filter(|c| srcs.contains(&c[1]))
+        .collect();
     assert!(
         clash.is_empty(),
         "copy list {copies:?} writes block(s) {clash:?} that an earlier pair reads \

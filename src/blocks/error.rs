@@ -44,7 +44,9 @@ pub enum BlockError {
     #[error("empty prompt")]
     EmptyPrompt,
     /// `fork` of a sequence whose newest tokens have not been handed to the GPU yet.
-    #[error("sequence {seq} has {pending} token(s) not yet taken by a batch view; fork after the view")]
+    #[error(
+        "sequence {seq} has {pending} token(s) not yet taken by a batch view; fork after the view"
+    )]
     PendingTokens {
         /// The sequence.
         seq: SeqId,

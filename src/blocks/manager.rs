@@ -413,7 +413,10 @@ impl BlockManager {
     /// Frees a sequence; each of its blocks loses one reference and returns
     /// to the pool at zero (to the evictable cache if it holds a cached block).
     pub fn free(&mut self, id: SeqId) -> Result<(), BlockError> {
-        let s = self.seqs.remove(&id.0).ok_or(BlockError::UnknownSequence(id))?;
+        let s = self
+            .seqs
+            .remove(&id.0)
+            .ok_or(BlockError::UnknownSequence(id))?;
         // Tail blocks first: they become the oldest evictable entries, so a
         // chain's prefix outlives its suffix in the cache.
         for &b in s.table.iter().rev() {

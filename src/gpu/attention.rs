@@ -75,9 +75,16 @@ pub struct BatchTables {
 impl BatchTables {
     /// Packs and uploads CSR tables. No validation: the kernels skip entries
     /// outside the pool. Use [`PagedAttention::check_tables`] for host input.
-    pub fn upload(gpu: &Gpu, kv_indptr: &[u32], kv_indices: &[u32], seq_lens: &[u32], slopes: Option<&[f32]>) -> Self {
+    pub fn upload(
+        gpu: &Gpu,
+        kv_indptr: &[u32],
+        kv_indices: &[u32],
+        seq_lens: &[u32],
+        slopes: Option<&[f32]>,
+    ) -> Self {
         let n = seq_lens.len();
-        let mut packed = Vec::with_capacity(2 * n + 1 + kv_indices.len() + slopes.map_or(0, |s| s.len()));
+        let mut packed =
+            Vec::with_capacity(2 * n + 1 + kv_indices.len() + slopes.map_or(0, |s| s.len()));
         packed.extend_from_slice(kv_indptr);
         packed.resize(n + 1, 0);
         packed.extend_from_slice(seq_lens);
@@ -146,7 +153,13 @@ impl PagedAttention {
         self.num_heads
     }
 
-    fn attn_params(&self, t: &BatchTables, o: &AttnOptions, partition_tokens: u32, num_partitions: u32) -> params::AttnParams {
+    fn attn_params(
+        &self,
+        t: &BatchTables,
+        o: &AttnOptions,
+        partition_tokens: u32,
+        num_partitions: u32,
+    ) -> params::AttnParams {
         let n = t.num_seqs;
         params::AttnParams {
             num_seqs: n,
@@ -169,23 +182,43 @@ impl PagedAttention {
     }
 
     /// Checks host-side CSR tables against the pool and the batch.
-    pub fn check_tables(&self, kv_indptr: &[u32], kv_indices: &[u32], seq_lens: &[u32]) -> Result<(), GpuError> {
+    pub fn check_tables(
+        &self,
+        kv_indptr: &[u32],
+        kv_indices: &[u32],
+        seq_lens: &[u32],
+    ) -> Result<(), GpuError> {
         let bad = |m: String| Err(GpuError::InvalidArgument(m));
         let n = seq_lens.len();
         if kv_indptr.len() != n + 1 {
-            return bad(format!("kv_indptr has {} entries for {n} sequences (need {})", kv_indptr.len(), n + 1));
+            return bad(format!(
+                "kv_indptr has {} entries for {n} sequences (need {})",
+                kv_indptr.len(),
+                n + 1
+            ));
         }
-        if kv_indptr[0] != 0 || kv_indptr.windows(2).any(|w| w[0] > w[1]) || kv_indptr[n] as usize != kv_indices.len() {
-            return bad("kv_indptr must start at 0, never decrease and end at kv_indices.len()".into());
+        if kv_indptr[0] != 0
+            || kv_indptr.windows(2).any(|w| w[0] > w[1])
+            || kv_indptr[n] as usize != kv_indices.len()
+        {
+            return bad(
+                "kv_indptr must start at 0, never decrease and end at kv_indices.len()".into(),
+            );
         }
         for s in 0..n {
             let blocks = (kv_indptr[s + 1] - kv_indptr[s]) as u64;
             if seq_lens[s] as u64 > blocks * self.block_size as u64 {
-                return bad(format!("sequence {s} holds {} tokens but its table has only {blocks} blocks", seq_lens[s]));
+                return bad(format!(
+                    "sequence {s} holds {} tokens but its table has only {blocks} blocks",
+                    seq_lens[s]
+                ));
             }
         }
         if let Some(b) = kv_indices.iter().find(|&&b| b >= self.num_blocks) {
-            return bad(format!("block id {b} outside the pool of {} blocks", self.num_blocks));
+            return bad(format!(
+                "block id {b} outside the pool of {} blocks",
+                self.num_blocks
+            ));
         }
         Ok(())
     }
@@ -193,16 +226,24 @@ impl PagedAttention {
     fn check_options(&self, o: &AttnOptions) -> Result<(), GpuError> {
         if let Split::Tokens(t) = o.split {
             if t == 0 || t % 64 != 0 {
-                return Err(GpuError::InvalidArgument(format!("partition of {t} tokens: must be a positive multiple of 64")));
+                return Err(GpuError::InvalidArgument(format!(
+                    "partition of {t} tokens: must be a positive multiple of 64"
+                )));
             }
         }
         if let Some(s) = &o.alibi_slopes {
             if s.len() != self.num_heads as usize {
-                return Err(GpuError::InvalidArgument(format!("{} ALiBi slopes for {} heads", s.len(), self.num_heads)));
+                return Err(GpuError::InvalidArgument(format!(
+                    "{} ALiBi slopes for {} heads",
+                    s.len(),
+                    self.num_heads
+                )));
             }
         }
         if o.soft_cap.is_some_and(|c| c.is_nan() || c <= 0.0) || o.sliding_window == Some(0) {
-            return Err(GpuError::InvalidArgument("soft_cap must be positive and sliding_window at least 1".into()));
+            return Err(GpuError::InvalidArgument(
+                "soft_cap must be positive and sliding_window at least 1".into(),
+            ));
         }
         Ok(())
     }
@@ -229,7 +270,9 @@ impl PagedAttention {
             return Ok(());
         }
         if n > 65535 {
-            return Err(GpuError::InvalidArgument(format!("{n} sequences in one decode (at most 65535)")));
+            return Err(GpuError::InvalidArgument(format!(
+                "{n} sequences in one decode (at most 65535)"
+            )));
         }
         let pt = opts.split.choose(n, self.num_kv_heads, tables.max_len);
         let d4 = self.head_dim as u64 / 4;
@@ -237,21 +280,37 @@ impl PagedAttention {
             let p = self.attn_params(tables, opts, 0, 1);
             let ub = gpu.uniform("decode params", &p);
             let dummy = gpu.storage("unused", 16);
-            let bg = bind(gpu, &self.decode, &[&ub, q, k, v, &tables.buffer, out, &dummy]);
+            let bg = bind(
+                gpu,
+                &self.decode,
+                &[&ub, q, k, v, &tables.buffer, out, &dummy],
+            );
             dispatch(enc, "decode", &self.decode, &bg, (n, self.num_kv_heads, 1));
             return Ok(());
         }
         let parts = tables.max_len.div_ceil(pt).max(1);
         if parts > 65535 {
-            return Err(GpuError::InvalidArgument(format!("{parts} partitions (at most 65535)")));
+            return Err(GpuError::InvalidArgument(format!(
+                "{parts} partitions (at most 65535)"
+            )));
         }
         let p = self.attn_params(tables, opts, pt, parts);
         let ub = gpu.uniform("decode params", &p);
         let rows = n as u64 * self.num_heads as u64 * parts as u64;
         let acc = gpu.storage("split acc", rows * d4 * 16);
         let ml = gpu.storage("split ml", rows * 8);
-        let bg = bind(gpu, &self.decode, &[&ub, q, k, v, &tables.buffer, &acc, &ml]);
-        dispatch(enc, "decode split", &self.decode, &bg, (n, self.num_kv_heads, parts));
+        let bg = bind(
+            gpu,
+            &self.decode,
+            &[&ub, q, k, v, &tables.buffer, &acc, &ml],
+        );
+        dispatch(
+            enc,
+            "decode split",
+            &self.decode,
+            &bg,
+            (n, self.num_kv_heads, parts),
+        );
         let bg = bind(gpu, &self.reduce, &[&ub, &acc, &ml, out]);
         dispatch(enc, "reduce", &self.reduce, &bg, (n, self.num_heads, 1));
         Ok(())
@@ -272,7 +331,8 @@ impl PagedAttention {
         seq_lens: &[u32],
         opts: &AttnOptions,
     ) -> Result<Vec<f32>, GpuError> {
-        let (out, bytes) = self.submit_decode(gpu, cache, layer, q, kv_indptr, kv_indices, seq_lens, opts)?;
+        let (out, bytes) =
+            self.submit_decode(gpu, cache, layer, q, kv_indptr, kv_indices, seq_lens, opts)?;
         gpu.read(&out, bytes)
     }
 
@@ -289,7 +349,8 @@ impl PagedAttention {
         seq_lens: &[u32],
         opts: &AttnOptions,
     ) -> Result<Vec<f32>, GpuError> {
-        let (out, bytes) = self.submit_decode(gpu, cache, layer, q, kv_indptr, kv_indices, seq_lens, opts)?;
+        let (out, bytes) =
+            self.submit_decode(gpu, cache, layer, q, kv_indptr, kv_indices, seq_lens, opts)?;
         gpu.read_async(&out, bytes).await
     }
 
@@ -322,11 +383,21 @@ impl PagedAttention {
         let bytes = (q.len() * 4) as u64;
         let out = gpu.storage("decode out", bytes);
         // Poison the output so a kernel that skips a write cannot pass.
-        gpu.queue.write_buffer(&out, 0, bytemuck::cast_slice(&vec![f32::NAN; q.len().max(4)]));
+        gpu.queue.write_buffer(
+            &out,
+            0,
+            bytemuck::cast_slice(&vec![f32::NAN; q.len().max(4)]),
+        );
         if n == 0 {
             return Ok((out, 0));
         }
-        let tables = BatchTables::upload(gpu, kv_indptr, kv_indices, seq_lens, opts.alibi_slopes.as_deref());
+        let tables = BatchTables::upload(
+            gpu,
+            kv_indptr,
+            kv_indices,
+            seq_lens,
+            opts.alibi_slopes.as_deref(),
+        );
         let qb = gpu.storage_init("q", q);
         let mut enc = gpu.device.create_command_encoder(&Default::default());
         self.encode_decode(gpu, &mut enc, cache, layer, &qb, &tables, &out, opts)?;

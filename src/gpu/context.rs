@@ -177,7 +177,11 @@ impl Gpu {
 
     /// Reads `bytes` bytes of `buf` back to the host as `T`s (blocking: native only).
     #[cfg(not(target_arch = "wasm32"))]
-    pub fn read<T: bytemuck::Pod>(&self, buf: &wgpu::Buffer, bytes: u64) -> Result<Vec<T>, GpuError> {
+    pub fn read<T: bytemuck::Pod>(
+        &self,
+        buf: &wgpu::Buffer,
+        bytes: u64,
+    ) -> Result<Vec<T>, GpuError> {
         pollster::block_on(self.read_async(buf, bytes))
     }
 

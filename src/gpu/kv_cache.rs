@@ -45,7 +45,10 @@ pub struct KvCacheConfig {
 impl KvCacheConfig {
     /// Bytes one block takes in one layer's K buffer.
     pub fn block_bytes(&self) -> u64 {
-        self.num_kv_heads as u64 * self.block_size as u64 * self.head_dim as u64 * self.dtype.bytes()
+        self.num_kv_heads as u64
+            * self.block_size as u64
+            * self.head_dim as u64
+            * self.dtype.bytes()
     }
 
     /// Bytes of one layer's K buffer.
@@ -62,7 +65,10 @@ impl KvCacheConfig {
     pub fn validate(&self) -> Result<(), GpuError> {
         let bad = |m: String| Err(GpuError::InvalidArgument(m));
         if !(1..=256).contains(&self.block_size) || !self.block_size.is_power_of_two() {
-            return bad(format!("block_size {} is not a power of two in 1..=256", self.block_size));
+            return bad(format!(
+                "block_size {} is not a power of two in 1..=256",
+                self.block_size
+            ));
         }
         if self.head_dim == 0 || self.head_dim % 4 != 0 || self.head_dim > 256 {
             return Err(GpuError::Unsupported(format!(
@@ -99,8 +105,13 @@ pub struct KvCache {
 }
 
 /// Creates the pipeline of `kernel` for `shape`, reporting shader errors as ours.
-pub(crate) fn pipeline(gpu: &Gpu, kernel: &str, shape: &ShaderShape) -> Result<wgpu::ComputePipeline, GpuError> {
-    let src = shader::source(kernel, shape).ok_or_else(|| GpuError::Unsupported(format!("no kernel {kernel}")))?;
+pub(crate) fn pipeline(
+    gpu: &Gpu,
+    kernel: &str,
+    shape: &ShaderShape,
+) -> Result<wgpu::ComputePipeline, GpuError> {
+    let src = shader::source(kernel, shape)
+        .ok_or_else(|| GpuError::Unsupported(format!("no kernel {kernel}")))?;
     #[cfg(not(target_arch = "wasm32"))]
     {
         gpu.scoped_blocking(|| make_pipeline(gpu, kernel, &src))
@@ -112,18 +123,21 @@ pub(crate) fn pipeline(gpu: &Gpu, kernel: &str, shape: &ShaderShape) -> Result<w
 }
 
 fn make_pipeline(gpu: &Gpu, kernel: &str, src: &str) -> wgpu::ComputePipeline {
-    let module = gpu.device.create_shader_module(wgpu::ShaderModuleDescriptor {
-        label: Some(kernel),
-        source: wgpu::ShaderSource::Wgsl(src.into()),
-    });
-    gpu.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-        label: Some(kernel),
-        layout: None,
-        module: &module,
-        entry_point: Some("main"),
-        compilation_options: Default::default(),
-        cache: None,
-    })
+    let module = gpu
+        .device
+        .create_shader_module(wgpu::ShaderModuleDescriptor {
+            label: Some(kernel),
+            source: wgpu::ShaderSource::Wgsl(src.into()),
+        });
+    gpu.device
+        .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+            label: Some(kernel),
+            layout: None,
+            module: &module,
+            entry_point: Some("main"),
+            compilation_options: Default::default(),
+            cache: None,
+        })
 }
 
 /// Workgroup counts for `threads` threads of a 64-wide kernel, folded into two
@@ -137,7 +151,11 @@ pub(crate) fn grid_1d(threads: u64) -> (u32, u32) {
     }
 }
 
-pub(crate) fn bind(gpu: &Gpu, pipeline: &wgpu::ComputePipeline, buffers: &[&wgpu::Buffer]) -> wgpu::BindGroup {
+pub(crate) fn bind(
+    gpu: &Gpu,
+    pipeline: &wgpu::ComputePipeline,
+    buffers: &[&wgpu::Buffer],
+) -> wgpu::BindGroup {
     let layout = pipeline.get_bind_group_layout(0);
     let entries: Vec<wgpu::BindGroupEntry> = buffers
         .iter()
@@ -154,7 +172,13 @@ pub(crate) fn bind(gpu: &Gpu, pipeline: &wgpu::ComputePipeline, buffers: &[&wgpu
     })
 }
 
-pub(crate) fn dispatch(enc: &mut wgpu::CommandEncoder, label: &str, pipeline: &wgpu::ComputePipeline, bg: &wgpu::BindGroup, grid: (u32, u32, u32)) {
+pub(crate) fn dispatch(
+    enc: &mut wgpu::CommandEncoder,
+    label: &str,
+    pipeline: &wgpu::ComputePipeline,
+    bg: &wgpu::BindGroup,
+    grid: (u32, u32, u32),
+) {
     let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
         label: Some(label),
         timestamp_writes: None,
@@ -215,7 +239,10 @@ impl KvCache {
     /// K and V buffers of `layer`.
     pub fn layer(&self, layer: u32) -> Result<&[wgpu::Buffer; 2], GpuError> {
         self.layers.get(layer as usize).ok_or_else(|| {
-            GpuError::InvalidArgument(format!("layer {layer} out of range (cache has {})", self.cfg.num_layers))
+            GpuError::InvalidArgument(format!(
+                "layer {layer} out of range (cache has {})",
+                self.cfg.num_layers
+            ))
         })
     }
 
@@ -239,7 +266,9 @@ impl KvCache {
         let per_token = self.cfg.num_kv_heads as u64 * self.cfg.head_dim as u64 / 4;
         let threads = num_tokens as u64 * per_token;
         if threads > u32::MAX as u64 {
-            return Err(GpuError::InvalidArgument(format!("{num_tokens} tokens in one write_kv is too many")));
+            return Err(GpuError::InvalidArgument(format!(
+                "{num_tokens} tokens in one write_kv is too many"
+            )));
         }
         let p = params::WriteKvParams {
             num_tokens,
@@ -256,7 +285,14 @@ impl KvCache {
 
     /// Writes new tokens' K and V (host slices, `[n][num_kv_heads][head_dim]`)
     /// into `slots` of `layer`, and submits.
-    pub fn write_kv(&self, gpu: &Gpu, layer: u32, k: &[f32], v: &[f32], slots: &[u32]) -> Result<(), GpuError> {
+    pub fn write_kv(
+        &self,
+        gpu: &Gpu,
+        layer: u32,
+        k: &[f32],
+        v: &[f32],
+        slots: &[u32],
+    ) -> Result<(), GpuError> {
         self.layer(layer)?;
         let row = (self.cfg.num_kv_heads * self.cfg.head_dim) as usize;
         let n = slots.len();
@@ -270,7 +306,9 @@ impl KvCache {
         }
         let cap = self.cfg.num_blocks as u64 * self.cfg.block_size as u64;
         if let Some(&s) = slots.iter().find(|&&s| s as u64 >= cap) {
-            return Err(GpuError::InvalidArgument(format!("slot {s} outside the pool of {cap} slots")));
+            return Err(GpuError::InvalidArgument(format!(
+                "slot {s} outside the pool of {cap} slots"
+            )));
         }
         if n == 0 {
             return Ok(());
@@ -304,7 +342,9 @@ impl KvCache {
         };
         let threads = num_copies as u64 * p.block_elems as u64;
         if threads > u32::MAX as u64 {
-            return Err(GpuError::InvalidArgument(format!("{num_copies} copies in one call is too many")));
+            return Err(GpuError::InvalidArgument(format!(
+                "{num_copies} copies in one call is too many"
+            )));
         }
         let ub = gpu.uniform("copy_blocks params", &p);
         let (x, y) = grid_1d(threads);
@@ -317,7 +357,10 @@ impl KvCache {
 
     /// Applies a copy list `(src, dst)` to every layer in one submit.
     pub fn copy_blocks(&self, gpu: &Gpu, copies: &[[u32; 2]]) -> Result<(), GpuError> {
-        if let Some(c) = copies.iter().find(|c| c[0] >= self.cfg.num_blocks || c[1] >= self.cfg.num_blocks) {
+        if let Some(c) = copies
+            .iter()
+            .find(|c| c[0] >= self.cfg.num_blocks || c[1] >= self.cfg.num_blocks)
+        {
             return Err(GpuError::InvalidArgument(format!(
                 "copy {:?} names a block outside the pool of {}",
                 c, self.cfg.num_blocks
@@ -341,7 +384,10 @@ impl KvCache {
         let widen = |raw: Vec<u8>| -> Vec<f32> {
             match self.cfg.dtype {
                 KvDtype::F32 => bytemuck::cast_slice(&raw).to_vec(),
-                KvDtype::F16 => bytemuck::cast_slice::<u8, half::f16>(&raw).iter().map(|h| h.to_f32()).collect(),
+                KvDtype::F16 => bytemuck::cast_slice::<u8, half::f16>(&raw)
+                    .iter()
+                    .map(|h| h.to_f32())
+                    .collect(),
             }
         };
         Ok((widen(gpu.read(k, bytes)?), widen(gpu.read(v, bytes)?)))

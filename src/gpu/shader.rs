@@ -14,7 +14,10 @@ pub const COMMON: &str = include_str!("../../shaders/common.wgsl");
 /// Every kernel: (name, source without prelude and common part).
 pub const KERNELS: &[(&str, &str)] = &[
     ("write_kv", include_str!("../../shaders/write_kv.wgsl")),
-    ("copy_blocks", include_str!("../../shaders/copy_blocks.wgsl")),
+    (
+        "copy_blocks",
+        include_str!("../../shaders/copy_blocks.wgsl"),
+    ),
     ("decode", include_str!("../../shaders/decode.wgsl")),
     ("reduce", include_str!("../../shaders/reduce.wgsl")),
 ];

@@ -56,7 +56,13 @@ pub struct HostPool {
 impl HostPool {
     pub fn new(num_blocks: usize, num_kv_heads: usize, block_size: usize, head_dim: usize) -> Self {
         let n = num_blocks * num_kv_heads * block_size * head_dim;
-        Self { k: vec![0.0; n], v: vec![0.0; n], num_kv_heads, block_size, head_dim }
+        Self {
+            k: vec![0.0; n],
+            v: vec![0.0; n],
+            num_kv_heads,
+            block_size,
+            head_dim,
+        }
     }
 
     /// Scatters `[n][num_kv_heads][head_dim]` rows into `slots`.
@@ -101,7 +107,12 @@ impl HostPool {
 
 /// Sequences of the given lengths, added to a manager whose free list is
 /// scrambled, so physical blocks come in shuffled order.
-pub fn shuffled_batch(rng: &mut SplitMix64, num_blocks: u32, block_size: u32, lens: &[usize]) -> (BlockManager, Vec<SeqId>, BatchView) {
+pub fn shuffled_batch(
+    rng: &mut SplitMix64,
+    num_blocks: u32,
+    block_size: u32,
+    lens: &[usize],
+) -> (BlockManager, Vec<SeqId>, BatchView) {
     let mut m = BlockManager::new(BlockManagerConfig::new(num_blocks, block_size)).unwrap();
     m.scramble_free_list(rng.next_u64());
     let ids: Vec<SeqId> = lens
@@ -117,5 +128,8 @@ pub fn shuffled_batch(rng: &mut SplitMix64, num_blocks: u32, block_size: u32, le
 
 /// Blocks needed by sequences of these lengths, plus slack.
 pub fn blocks_for(lens: &[usize], block_size: u32, slack: u32) -> u32 {
-    lens.iter().map(|&l| l.div_ceil(block_size as usize) as u32).sum::<u32>() + slack
+    lens.iter()
+        .map(|&l| l.div_ceil(block_size as usize) as u32)
+        .sum::<u32>()
+        + slack
 }

@@ -1,0 +1,413 @@
+//! The end-to-end demo: a seeded multi-tenant decode loop on a real adapter.
+//!
+//! Requests arrive, their prompts are written to the paged pool, each forks
+//! into `n` parallel samples that share the prompt's blocks, and every step
+//! runs the real pipeline (`copy_blocks` -> `write_kv` -> `decode`, for every
+//! layer) and checks each output against the f64 reference computed on a host
+//! mirror of the pool. The same code drives the native CLI and the browser
+//! page (everything GPU-facing is async; natively it is blocked on).
+
+use crate::blocks::{BlockError, BlockManager, BlockManagerConfig, SeqId};
+use crate::gpu::{AttnOptions, Gpu, GpuError, KvCache, KvCacheConfig, KvDtype, PagedAttention};
+use crate::reference::{self, rel_l2, AttnParams, PagedPool};
+use crate::rng::SplitMix64;
+
+/// Demo settings.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct DemoConfig {
+    /// Seed of everything random.
+    pub seed: u64,
+    /// Requests in the workload.
+    pub requests: u32,
+    /// Parallel samples per request (forks sharing the prompt).
+    pub samples: u32,
+    /// Tokens per block.
+    pub block_size: u32,
+    /// Blocks in the pool.
+    pub num_blocks: u32,
+    /// Transformer layers.
+    pub layers: u32,
+    /// Query heads.
+    pub num_heads: u32,
+    /// KV heads.
+    pub num_kv_heads: u32,
+    /// Elements per head.
+    pub head_dim: u32,
+    /// Store K/V as packed f16.
+    pub f16: bool,
+    /// Prompt lengths are drawn from `[1, max_prompt]`.
+    pub max_prompt: u32,
+    /// Output lengths are drawn from `[1, max_output]`.
+    pub max_output: u32,
+    /// A new request arrives every this many steps.
+    pub arrival_every: u32,
+}
+
+impl Default for DemoConfig {
+    fn default() -> Self {
+        Self {
+            seed: 7,
+            requests: 8,
+            samples: 3,
+            block_size: 16,
+            num_blocks: 256,
+            layers: 2,
+            num_heads: 8,
+            num_kv_heads: 2,
+            head_dim: 64,
+            f16: true,
+            max_prompt: 120,
+            max_output: 48,
+            arrival_every: 4,
+        }
+    }
+}
+
+/// What went wrong in a demo step.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DemoError {
+    /// From the block manager.
+    #[error(transparent)]
+    Blocks(#[from] BlockError),
+    /// From the GPU layer.
+    #[error(transparent)]
+    Gpu(#[from] GpuError),
+}
+
+/// One live sequence of the demo.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct DemoSeq {
+    /// Block-manager id.
+    pub id: u64,
+    /// Request it belongs to.
+    pub request: u32,
+    /// Sample index within the request.
+    pub sample: u32,
+    /// Tokens still to generate.
+    pub remaining: u32,
+}
+
+/// What one step did.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct StepReport {
+    /// Step number, from 0.
+    pub step: u32,
+    /// Requests admitted this step.
+    pub admitted: u32,
+    /// Sequences forked this step.
+    pub forked: u32,
+    /// Sequences finished this step.
+    pub finished: u32,
+    /// Sequences decoded this step.
+    pub decoded: u32,
+    /// Tokens written to the pool this step (all layers count once).
+    pub written: u32,
+    /// Copy-on-write block copies applied this step.
+    pub copied: u32,
+    /// Blocks held by sequences.
+    pub used: u32,
+    /// Blocks held by more than one sequence.
+    pub shared: u32,
+    /// Free blocks.
+    pub free: u32,
+    /// Distinct token slots filled.
+    pub tokens_stored: u32,
+    /// Sum of sequence lengths (what unshared storage would hold).
+    pub logical_tokens: u32,
+    /// Worst relative L2 error of any decode output against the reference.
+    pub max_rel_err: f64,
+    /// Wall time of the GPU work and readback, milliseconds.
+    pub gpu_ms: f64,
+    /// Requests still waiting for blocks.
+    pub waiting: u32,
+}
+
+/// The running demo.
+pub struct Demo {
+    cfg: DemoConfig,
+    rng: SplitMix64,
+    manager: BlockManager,
+    cache: KvCache,
+    attn: PagedAttention,
+    /// Host mirror of each layer's pool: (K, V).
+    mirror: Vec<(Vec<f32>, Vec<f32>)>,
+    seqs: Vec<DemoSeq>,
+    /// Requests not yet admitted: (request, prompt length, output length).
+    queue: Vec<(u32, u32, u32)>,
+    /// Sequences whose prompt was written last step and fork now.
+    to_fork: Vec<u64>,
+    step: u32,
+    /// Copies applied in total.
+    pub total_copies: u64,
+    /// Worst error seen in any step.
+    pub worst_err: f64,
+}
+
+/// Tolerance of the demo's check: f32 KV 1e-5, packed f16 2e-3 (the mirror
+/// holds the same rounded values, so both are loose bounds).
+pub fn tolerance(f16: bool) -> f64 {
+    if f16 {
+        2e-3
+    } else {
+        1e-5
+    }
+}
+
+impl Demo {
+    /// Sets up the pool and the workload.
+    pub fn new(gpu: &Gpu, cfg: DemoConfig) -> Result<Self, DemoError> {
+        let mut rng = SplitMix64::new(cfg.seed);
+        let mut manager =
+            BlockManager::new(BlockManagerConfig::new(cfg.num_blocks, cfg.block_size))?;
+        manager.scramble_free_list(rng.next_u64());
+        let cache = KvCache::new(
+            gpu,
+            KvCacheConfig {
+                num_layers: cfg.layers,
+                num_blocks: cfg.num_blocks,
+                block_size: cfg.block_size,
+                num_kv_heads: cfg.num_kv_heads,
+                head_dim: cfg.head_dim,
+                dtype: if cfg.f16 { KvDtype::F16 } else { KvDtype::F32 },
+            },
+        )?;
+        let attn = PagedAttention::new(gpu, &cache, cfg.num_heads)?;
+        let pool_len = (cfg.num_blocks * cfg.num_kv_heads * cfg.block_size * cfg.head_dim) as usize;
+        let mirror = (0..cfg.layers)
+            .map(|_| (vec![0.0; pool_len], vec![0.0; pool_len]))
+            .collect();
+        let queue = (0..cfg.requests)
+            .map(|r| {
+                let p = rng.range(1, cfg.max_prompt.max(1) as u64) as u32;
+                let o = rng.range(1, cfg.max_output.max(1) as u64) as u32;
+                (r, p, o)
+            })
+            .collect();
+        Ok(Self {
+            cfg,
+            rng,
+            manager,
+            cache,
+            attn,
+            mirror,
+            seqs: Vec::new(),
+            queue,
+            to_fork: Vec::new(),
+            step: 0,
+            total_copies: 0,
+            worst_err: 0.0,
+        })
+    }
+
+    /// Settings.
+    pub fn config(&self) -> &DemoConfig {
+        &self.cfg
+    }
+
+    /// The block manager (for views of the pool).
+    pub fn manager(&self) -> &BlockManager {
+        &self.manager
+    }
+
+    /// Live sequences.
+    pub fn sequences(&self) -> &[DemoSeq] {
+        &self.seqs
+    }
+
+    /// True when every request has finished.
+    pub fn done(&self) -> bool {
+        self.queue.is_empty() && self.seqs.is_empty()
+    }
+
+    fn kv_dtype(&self) -> KvDtype {
+        self.cache.config().dtype
+    }
+
+    /// One step: admit, fork, append, free; then copy -> write -> decode on the
+    /// GPU for every layer, checked against the reference.
+    pub async fn step(&mut self, gpu: &Gpu) -> Result<StepReport, DemoError> {
+        let mut rep = StepReport {
+            step: self.step,
+            ..Default::default()
+        };
+        // Children of prompts written last step: parallel samples share the prompt.
+        for pid in std::mem::take(&mut self.to_fork) {
+            let Some(parent) = self.seqs.iter().find(|s| s.id == pid).cloned() else {
+                continue;
+            };
+            for s in 1..self.cfg.samples {
+                let child = self.manager.fork(SeqId(parent.id))?;
+                let remaining = self.rng.range(1, parent.remaining.max(1) as u64) as u32;
+                self.seqs.push(DemoSeq {
+                    id: child.0,
+                    request: parent.request,
+                    sample: s,
+                    remaining,
+                });
+                rep.forked += 1;
+            }
+        }
+        // Everyone that still generates gets one token; finished ones leave.
+        let mut keep = Vec::with_capacity(self.seqs.len());
+        for s in std::mem::take(&mut self.seqs) {
+            if s.remaining == 0 {
+                self.manager.free(SeqId(s.id))?;
+                rep.finished += 1;
+                continue;
+            }
+            keep.push(s);
+        }
+        self.seqs = keep;
+        for i in 0..self.seqs.len() {
+            let tok = self.rng.below(32000) as u32;
+            match self.manager.append(SeqId(self.seqs[i].id), &[tok]) {
+                Ok(_) => self.seqs[i].remaining -= 1,
+                // Out of blocks: this sequence waits a step (its state is unchanged).
+                Err(BlockError::OutOfBlocks { .. }) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        // Admission on arrival, when the prompt and its samples' growth fit.
+        if self.step % self.cfg.arrival_every.max(1) == 0 {
+            if let Some(&(r, p, o)) = self.queue.first() {
+                let prompt: Vec<u32> = (0..p).map(|_| self.rng.below(32000) as u32).collect();
+                let reserve = self.cfg.samples as usize * 2;
+                if self.manager.available_blocks()
+                    >= (p as usize).div_ceil(self.cfg.block_size as usize) + reserve
+                {
+                    let id = self.manager.add_sequence(&prompt)?;
+                    self.queue.remove(0);
+                    self.seqs.push(DemoSeq {
+                        id: id.0,
+                        request: r,
+                        sample: 0,
+                        remaining: o,
+                    });
+                    if self.cfg.samples > 1 {
+                        // Forked next step, once the prompt is written.
+                        self.to_fork.push(id.0);
+                    }
+                    rep.admitted += 1;
+                }
+            }
+        }
+        rep.waiting = self.queue.len() as u32;
+        let ids: Vec<SeqId> = self.seqs.iter().map(|s| SeqId(s.id)).collect();
+        let view = self.manager.batch_view(&ids)?;
+        rep.copied = view.copies.len() as u32;
+        rep.written = view.slot_mapping.len() as u32;
+        rep.decoded = ids.len() as u32;
+        self.total_copies += view.copies.len() as u64;
+
+        let t0 = now_ms();
+        // Copy-on-write first (all layers, one submit), then the new tokens.
+        self.cache.copy_blocks(gpu, &view.copies)?;
+        let (nkv, d, bs) = (
+            self.cfg.num_kv_heads as usize,
+            self.cfg.head_dim as usize,
+            self.cfg.block_size as usize,
+        );
+        let per_block = nkv * bs * d;
+        let dtype = self.kv_dtype();
+        let mut max_err: f64 = 0.0;
+        for layer in 0..self.cfg.layers {
+            let n = view.slot_mapping.len();
+            let k = self.rng.signed_vec(n * nkv * d);
+            let v = self.rng.signed_vec(n * nkv * d);
+            self.cache
+                .write_kv(gpu, layer, &k, &v, &view.slot_mapping)?;
+            let (mk, mv) = &mut self.mirror[layer as usize];
+            for c in &view.copies {
+                let (s, t) = (c[0] as usize * per_block, c[1] as usize * per_block);
+                mk.copy_within(s..s + per_block, t);
+                mv.copy_within(s..s + per_block, t);
+            }
+            for (t, &slot) in view.slot_mapping.iter().enumerate() {
+                let (b, o) = (slot as usize / bs, slot as usize % bs);
+                for h in 0..nkv {
+                    let dst = ((b * nkv + h) * bs + o) * d;
+                    for i in 0..d {
+                        let (kk, vv) = (k[(t * nkv + h) * d + i], v[(t * nkv + h) * d + i]);
+                        mk[dst + i] = round(kk, dtype);
+                        mv[dst + i] = round(vv, dtype);
+                    }
+                }
+            }
+            if ids.is_empty() {
+                continue;
+            }
+            let q = self
+                .rng
+                .signed_vec(ids.len() * self.cfg.num_heads as usize * d);
+            let opts = AttnOptions::default();
+            let out = self
+                .attn
+                .decode_async(
+                    gpu,
+                    &self.cache,
+                    layer,
+                    &q,
+                    &view.kv_indptr,
+                    &view.kv_indices,
+                    &view.seq_lens,
+                    &opts,
+                )
+                .await?;
+            let pool = PagedPool {
+                k: mk,
+                v: mv,
+                num_kv_heads: nkv,
+                block_size: bs,
+                head_dim: d,
+            };
+            let p = AttnParams::new(self.cfg.num_heads as usize, d);
+            let want = reference::decode(
+                &pool,
+                &p,
+                &q,
+                &view.kv_indptr,
+                &view.kv_indices,
+                &view.seq_lens,
+            );
+            max_err = max_err.max(rel_l2(&out, &want));
+        }
+        rep.gpu_ms = now_ms() - t0;
+        rep.max_rel_err = max_err;
+        self.worst_err = self.worst_err.max(max_err);
+
+        let st = self.manager.stats();
+        rep.used = st.used as u32;
+        rep.shared = st.shared as u32;
+        rep.free = (st.free + st.evictable) as u32;
+        rep.tokens_stored = st.tokens_stored as u32;
+        rep.logical_tokens = st.logical_tokens as u32;
+        self.step += 1;
+        Ok(rep)
+    }
+}
+
+fn round(x: f32, d: KvDtype) -> f32 {
+    match d {
+        KvDtype::F32 => x,
+        KvDtype::F16 => half::f16::from_f32(x).to_f32(),
+    }
+}
+
+/// Milliseconds from a monotonic clock (performance.now() in the browser).
+pub fn now_ms() -> f64 {
+    #[cfg(not(target_arch = "wasm32"))]
+    {
+        use std::sync::OnceLock;
+        static START: OnceLock<std::time::Instant> = OnceLock::new();
+        START
+            .get_or_init(std::time::Instant::now)
+            .elapsed()
+            .as_secs_f64()
+            * 1e3
+    }
+    #[cfg(target_arch = "wasm32")]
+    {
+        js_sys::Date::now()
+    }
+}

@@ -1,0 +1,181 @@
+//! Every WGSL kernel, specialised for a spread of shapes, is validated by
+//! naga and translated to SPIR-V (Vulkan), MSL (Metal), HLSL (DX12) and GLSL
+//! (GL), so a change that breaks a backend fails here without its hardware.
+//! Each param struct's host size must equal naga's layout of the WGSL struct.
+
+use naga::back::{glsl, hlsl, msl, spv};
+use naga::valid::{Capabilities, ModuleInfo, ValidationFlags, Validator};
+use pagedattn::gpu::shader::{source, ShaderShape, KERNELS};
+use pagedattn::gpu::{params::PARAM_STRUCTS, KvDtype};
+
+fn shapes() -> Vec<ShaderShape> {
+    let mut v = Vec::new();
+    for (head_dim, group) in [
+        (64, 1),
+        (80, 4),
+        (96, 8),
+        (128, 4),
+        (128, 8),
+        (256, 1),
+        (256, 8),
+    ] {
+        for dtype in [KvDtype::F32, KvDtype::F16] {
+            for block_size in [1, 16, 256] {
+                v.push(ShaderShape {
+                    head_dim,
+                    group,
+                    block_size,
+                    dtype,
+                });
+            }
+        }
+    }
+    v
+}
+
+fn parse(kernel: &str, shape: &ShaderShape) -> (naga::Module, ModuleInfo) {
+    let src = source(kernel, shape).unwrap();
+    let module = naga::front::wgsl::parse_str(&src)
+        .unwrap_or_else(|e| panic!("{kernel} {shape:?}: {}", e.emit_to_string(&src)));
+    // unpack2x16float / pack2x16float: core WGSL, which naga files under this
+    // capability; wgpu grants it on every backend with downlevel SHADER_F16_IN_F32.
+    let info = Validator::new(
+        ValidationFlags::all(),
+        Capabilities::SHADER_FLOAT16_IN_FLOAT32,
+    )
+    .validate(&module)
+    .unwrap_or_else(|e| panic!("{kernel} {shape:?}: {}", e.emit_to_string(&src)));
+    (module, info)
+}
+
+fn translate(kernel: &str, shape: &ShaderShape, module: &naga::Module, info: &ModuleInfo) {
+    let what = format!("{kernel} {shape:?}");
+    // Vulkan.
+    let spv_opts = spv::Options {
+        flags: spv::WriterFlags::empty(),
+        ..Default::default()
+    };
+    let words = spv::write_vec(module, info, &spv_opts, None)
+        .unwrap_or_else(|e| panic!("SPIR-V {what}: {e}"));
+    assert!(
+        words.len() > 5 && words[0] == 0x0723_0203,
+        "SPIR-V {what}: bad magic"
+    );
+    // Metal (the MSL version wgpu targets on current macOS).
+    let msl_opts = msl::Options {
+        lang_version: (2, 4),
+        ..Default::default()
+    };
+    let msl_pipe = msl::PipelineOptions {
+        entry_point: Some((naga::ShaderStage::Compute, "main".into())),
+        ..Default::default()
+    };
+    let (msl_src, _) = msl::write_string(module, info, &msl_opts, &msl_pipe)
+        .unwrap_or_else(|e| panic!("MSL {what}: {e}"));
+    assert!(
+        msl_src.contains("kernel void"),
+        "MSL {what}: no kernel entry"
+    );
+    // DX12 (shader model 6.0 as wgpu's DX12 backend).
+    let hlsl_opts = hlsl::Options {
+        shader_model: hlsl::ShaderModel::V6_0,
+        ..Default::default()
+    };
+    let mut hlsl_src = String::new();
+    hlsl::Writer::new(&mut hlsl_src, &hlsl_opts, &Default::default())
+        .write(module, info, None)
+        .unwrap_or_else(|e| panic!("HLSL {what}: {e}"));
+    assert!(
+        hlsl_src.contains("[numthreads(64, 1, 1)]"),
+        "HLSL {what}: no compute entry"
+    );
+    // GL: GLSL ES 3.10, the compute-capable version wgpu's GL backend uses.
+    let glsl_opts = glsl::Options {
+        version: glsl::Version::Embedded {
+            version: 310,
+            is_webgl: false,
+        },
+        ..Default::default()
+    };
+    let glsl_pipe = glsl::PipelineOptions {
+        shader_stage: naga::ShaderStage::Compute,
+        entry_point: "main".into(),
+        multiview: None,
+    };
+    let mut glsl_src = String::new();
+    glsl::Writer::new(
+        &mut glsl_src,
+        module,
+        info,
+        &glsl_opts,
+        &glsl_pipe,
+        naga::proc::BoundsCheckPolicies::default(),
+    )
+    .and_then(|mut w| w.write())
+    .unwrap_or_else(|e| panic!("GLSL {what}: {e}"));
+    assert!(
+        glsl_src.contains("local_size_x = 64"),
+        "GLSL {what}: no compute layout"
+    );
+}
+
+#[test]
+fn every_kernel_validates_and_translates_to_every_backend() {
+    let mut n = 0;
+    for (kernel, _) in KERNELS {
+        for shape in shapes() {
+            let (module, info) = parse(kernel, &shape);
+            translate(kernel, &shape, &module, &info);
+            n += 1;
+        }
+    }
+    eprintln!("{n} kernel instances validated and translated to SPIR-V, MSL, HLSL and GLSL");
+    assert_eq!(n, KERNELS.len() * shapes().len());
+}
+
+#[test]
+fn param_struct_sizes_match_wgsl() {
+    let shape = ShaderShape {
+        head_dim: 128,
+        group: 4,
+        block_size: 16,
+        dtype: KvDtype::F32,
+    };
+    let (module, _) = parse("decode", &shape);
+    let mut layouter = naga::proc::Layouter::default();
+    layouter.update(module.to_ctx()).unwrap();
+    for (name, host_size) in PARAM_STRUCTS {
+        let (handle, _) = module
+            .types
+            .iter()
+            .find(|(_, t)| t.name.as_deref() == Some(*name))
+            .unwrap_or_else(|| panic!("struct {name} not in common.wgsl"));
+        let wgsl_size = layouter[handle].size as usize;
+        assert_eq!(
+            wgsl_size, *host_size,
+            "{name}: WGSL {wgsl_size} bytes, host {host_size}"
+        );
+    }
+}
+
+#[test]
+fn a_broken_shader_is_rejected() {
+    // The checks above must be able to fail: a kernel body with a type error.
+    let shape = ShaderShape {
+        head_dim: 64,
+        group: 1,
+        block_size: 16,
+        dtype: KvDtype::F32,
+    };
+    let src = source("copy_blocks", &shape)
+        .unwrap()
+        .replace("let e = i % per;", "let e: f32 = i % per;");
+    let parsed = naga::front::wgsl::parse_str(&src);
+    let invalid = match parsed {
+        Err(_) => true,
+        Ok(m) => Validator::new(ValidationFlags::all(), Capabilities::empty())
+            .validate(&m)
+            .is_err(),
+    };
+    assert!(invalid);
+}
