@@ -105,6 +105,8 @@ pub struct StepReport {
     pub written: u32,
     /// Copy-on-write block copies applied this step.
     pub copied: u32,
+    /// The copies themselves, `(src, dst)`.
+    pub copies: Vec<[u32; 2]>,
     /// Blocks held by sequences.
     pub used: u32,
     /// Blocks held by more than one sequence.
@@ -296,6 +298,7 @@ impl Demo {
         let ids: Vec<SeqId> = self.seqs.iter().map(|s| SeqId(s.id)).collect();
         let view = self.manager.batch_view(&ids)?;
         rep.copied = view.copies.len() as u32;
+        rep.copies = view.copies.clone();
         rep.written = view.slot_mapping.len() as u32;
         rep.decoded = ids.len() as u32;
         self.total_copies += view.copies.len() as u64;

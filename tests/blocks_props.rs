@@ -99,8 +99,8 @@ impl Harness {
     fn new(seed: u64, prefix: bool) -> Self {
         let mut rng = SplitMix64::new(seed);
         let bs = 1usize << rng.below(4); // 1, 2, 4, 8
-        let nb = rng.range(3, 24) as usize;
-        let max_len = bs * rng.range(2, 8) as usize + rng.below(bs as u64) as usize;
+        let nb = rng.range(3, 32) as usize;
+        let max_len = bs * rng.range(3, 12) as usize + rng.below(bs as u64) as usize;
         let cfg = BlockManagerConfig {
             max_seq_len: max_len,
             ..BlockManagerConfig::new(nb as u32, bs as u32).with_prefix_caching(prefix)
@@ -218,7 +218,12 @@ impl Harness {
 
     fn step(&mut self) {
         self.cov.steps += 1;
-        let r = self.rng.below(100);
+        // Free more often when the pool is full, so that it does not stay stuck.
+        let r = if self.m.available_blocks() == 0 && self.rng.below(3) == 0 {
+            55
+        } else {
+            self.rng.below(100)
+        };
         match r {
             0..=17 => self.op_add(),
             18..=45 => self.op_append(),
