@@ -21,12 +21,15 @@ fn shapes() -> Vec<ShaderShape> {
     ] {
         for dtype in [KvDtype::F32, KvDtype::F16] {
             for block_size in [1, 16, 256] {
-                v.push(ShaderShape {
-                    head_dim,
-                    group,
-                    block_size,
-                    dtype,
-                });
+                for qtile in [1, 4] {
+                    v.push(ShaderShape {
+                        head_dim,
+                        group,
+                        block_size,
+                        dtype,
+                        qtile,
+                    });
+                }
             }
         }
     }
@@ -140,8 +143,9 @@ fn param_struct_sizes_match_wgsl() {
         group: 4,
         block_size: 16,
         dtype: KvDtype::F32,
+        qtile: 1,
     };
-    let (module, _) = parse("decode", &shape);
+    let (module, _) = parse("attention", &shape);
     let mut layouter = naga::proc::Layouter::default();
     layouter.update(module.to_ctx()).unwrap();
     for (name, host_size) in PARAM_STRUCTS {
@@ -166,6 +170,7 @@ fn a_broken_shader_is_rejected() {
         group: 1,
         block_size: 16,
         dtype: KvDtype::F32,
+        qtile: 1,
     };
     let src = source("copy_blocks", &shape)
         .unwrap()

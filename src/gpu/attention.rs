@@ -58,7 +58,8 @@ pub struct AttnOptions {
 }
 
 /// A batch's block tables packed into one GPU buffer:
-/// `kv_indptr[n + 1] | seq_lens[n] | kv_indices[m] | alibi slopes[num_heads]`.
+/// `kv_indptr[n + 1] | seq_lens[n] | kv_indices[m] | alibi slopes[num_heads]`,
+/// and for prefill `| qo_indptr[n + 1] | tile list (sequence, first query)`.
 pub struct BatchTables {
     /// The packed buffer.
     pub buffer: wgpu::Buffer,
@@ -70,17 +71,54 @@ pub struct BatchTables {
     pub max_len: u32,
     /// Whether slopes were packed.
     pub has_slopes: bool,
+    /// Prefill only: offset of `qo_indptr` in the buffer (0 for decode).
+    pub qo_off: u32,
+    /// Prefill only: workgroups of the tile list.
+    pub num_tiles: u32,
 }
 
 impl BatchTables {
-    /// Packs and uploads CSR tables. No validation: the kernels skip entries
-    /// outside the pool. Use [`PagedAttention::check_tables`] for host input.
+    /// Packs and uploads decode tables. No validation: the kernels skip
+    /// entries outside the pool. [`PagedAttention::check_tables`] checks host input.
     pub fn upload(
         gpu: &Gpu,
         kv_indptr: &[u32],
         kv_indices: &[u32],
         seq_lens: &[u32],
         slopes: Option<&[f32]>,
+    ) -> Self {
+        Self::pack(gpu, kv_indptr, kv_indices, seq_lens, slopes, None)
+    }
+
+    /// Packs and uploads prefill tables: sequence `s` has queries
+    /// `qo_indptr[s]..qo_indptr[s + 1]`, cut into tiles of `qtile` (see
+    /// [`PagedAttention::prefill_qtile`]).
+    pub fn upload_prefill(
+        gpu: &Gpu,
+        kv_indptr: &[u32],
+        kv_indices: &[u32],
+        seq_lens: &[u32],
+        slopes: Option<&[f32]>,
+        qo_indptr: &[u32],
+        qtile: u32,
+    ) -> Self {
+        Self::pack(
+            gpu,
+            kv_indptr,
+            kv_indices,
+            seq_lens,
+            slopes,
+            Some((qo_indptr, qtile)),
+        )
+    }
+
+    fn pack(
+        gpu: &Gpu,
+        kv_indptr: &[u32],
+        kv_indices: &[u32],
+        seq_lens: &[u32],
+        slopes: Option<&[f32]>,
+        prefill: Option<(&[u32], u32)>,
     ) -> Self {
         let n = seq_lens.len();
         let mut packed =
@@ -92,12 +130,30 @@ impl BatchTables {
         if let Some(s) = slopes {
             packed.extend(s.iter().map(|x| x.to_bits()));
         }
+        let (mut qo_off, mut num_tiles) = (0, 0);
+        if let Some((qo, qtile)) = prefill {
+            qo_off = packed.len() as u32;
+            packed.extend_from_slice(qo);
+            packed.resize(qo_off as usize + n + 1, 0);
+            for s in 0..n {
+                let nq = qo
+                    .get(s + 1)
+                    .unwrap_or(&0)
+                    .saturating_sub(*qo.get(s).unwrap_or(&0));
+                for first in (0..nq).step_by(qtile.max(1) as usize) {
+                    packed.extend_from_slice(&[s as u32, first]);
+                    num_tiles += 1;
+                }
+            }
+        }
         Self {
             buffer: gpu.storage_init("tables", &packed),
             num_seqs: n as u32,
             indices_len: kv_indices.len() as u32,
             max_len: seq_lens.iter().copied().max().unwrap_or(0),
             has_slopes: slopes.is_some(),
+            qo_off,
+            num_tiles,
         }
     }
 }
@@ -111,6 +167,8 @@ pub struct PagedAttention {
     num_blocks: u32,
     decode: wgpu::ComputePipeline,
     reduce: wgpu::ComputePipeline,
+    prefill: wgpu::ComputePipeline,
+    prefill_qtile: u32,
 }
 
 impl PagedAttention {
@@ -128,8 +186,9 @@ impl PagedAttention {
             group: num_heads / c.num_kv_heads,
             block_size: c.block_size,
             dtype: c.dtype,
+            qtile: 1,
         };
-        let need = shader::decode_workgroup_bytes(&shape);
+        let need = shader::attention_workgroup_bytes(&shape);
         let have = gpu.limits.max_compute_workgroup_storage_size;
         if need > have {
             return Err(GpuError::Unsupported(format!(
@@ -137,15 +196,23 @@ impl PagedAttention {
                 shape.group, c.head_dim
             )));
         }
+        let qtile = shader::prefill_qtile(&shape, have);
         Ok(Self {
             num_heads,
             num_kv_heads: c.num_kv_heads,
             head_dim: c.head_dim,
             block_size: c.block_size,
             num_blocks: c.num_blocks,
-            decode: pipeline(gpu, "decode", &shape)?,
+            decode: pipeline(gpu, "attention", &shape)?,
             reduce: pipeline(gpu, "reduce", &shape)?,
+            prefill: pipeline(gpu, "attention", &ShaderShape { qtile, ..shape })?,
+            prefill_qtile: qtile,
         })
+    }
+
+    /// Queries per prefill workgroup (chosen from the adapter's workgroup memory).
+    pub fn prefill_qtile(&self) -> u32 {
+        self.prefill_qtile
     }
 
     /// Query heads.
@@ -176,9 +243,136 @@ impl PagedAttention {
             indices_off: 2 * n + 1,
             indices_len: t.indices_len,
             slopes_off: 2 * n + 1 + t.indices_len,
-            qo_off: 0,
+            qo_off: t.qo_off,
             _pad: 0,
         }
+    }
+
+    /// Records chunked prefill into `enc`: `tables` from
+    /// [`BatchTables::upload_prefill`] with this kernel's
+    /// [`prefill_qtile`](Self::prefill_qtile); `q` holds
+    /// `[num_queries][num_heads][head_dim]` (sequence after sequence, as
+    /// `qo_indptr`), `out` the same shape. Each sequence's queries are its
+    /// newest positions and attend causally to its whole paged context,
+    /// including the chunk itself (written beforehand by `write_kv`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn encode_prefill(
+        &self,
+        gpu: &Gpu,
+        enc: &mut wgpu::CommandEncoder,
+        cache: &KvCache,
+        layer: u32,
+        q: &wgpu::Buffer,
+        tables: &BatchTables,
+        out: &wgpu::Buffer,
+        opts: &AttnOptions,
+    ) -> Result<(), GpuError> {
+        self.check_options(opts)?;
+        let [k, v] = cache.layer(layer)?;
+        if tables.qo_off == 0 {
+            return Err(GpuError::InvalidArgument(
+                "prefill given decode tables (use BatchTables::upload_prefill)".into(),
+            ));
+        }
+        if tables.num_tiles == 0 {
+            return Ok(());
+        }
+        if tables.num_tiles > 65535 {
+            return Err(GpuError::InvalidArgument(format!(
+                "{} query tiles in one prefill (at most 65535; split the batch)",
+                tables.num_tiles
+            )));
+        }
+        let p = self.attn_params(tables, opts, 0, 1);
+        let ub = gpu.uniform("prefill params", &p);
+        let dummy = gpu.storage("unused", 16);
+        let bg = bind(
+            gpu,
+            &self.prefill,
+            &[&ub, q, k, v, &tables.buffer, out, &dummy],
+        );
+        dispatch(
+            enc,
+            "prefill",
+            &self.prefill,
+            &bg,
+            (tables.num_tiles, self.num_kv_heads, 1),
+        );
+        Ok(())
+    }
+
+    /// Prefill from host slices: validates, runs, returns
+    /// `[num_queries][num_heads][head_dim]`. Native only.
+    #[cfg(not(target_arch = "wasm32"))]
+    #[allow(clippy::too_many_arguments)]
+    pub fn prefill(
+        &self,
+        gpu: &Gpu,
+        cache: &KvCache,
+        layer: u32,
+        q: &[f32],
+        qo_indptr: &[u32],
+        kv_indptr: &[u32],
+        kv_indices: &[u32],
+        seq_lens: &[u32],
+        opts: &AttnOptions,
+    ) -> Result<Vec<f32>, GpuError> {
+        cache.layer(layer)?;
+        self.check_options(opts)?;
+        self.check_tables(kv_indptr, kv_indices, seq_lens)?;
+        let n = seq_lens.len();
+        let bad = |m: String| Err(GpuError::InvalidArgument(m));
+        if qo_indptr.len() != n + 1
+            || qo_indptr[0] != 0
+            || qo_indptr.windows(2).any(|w| w[0] > w[1])
+        {
+            return bad(format!(
+                "qo_indptr must hold {} non-decreasing offsets from 0",
+                n + 1
+            ));
+        }
+        for s in 0..n {
+            let nq = qo_indptr[s + 1] - qo_indptr[s];
+            if nq > seq_lens[s] {
+                return bad(format!(
+                    "sequence {s} has {nq} queries but holds only {} tokens",
+                    seq_lens[s]
+                ));
+            }
+        }
+        let row = (self.num_heads * self.head_dim) as usize;
+        let nq = qo_indptr[n] as usize;
+        if q.len() != nq * row {
+            return bad(format!(
+                "q has {} floats; {nq} queries need {}",
+                q.len(),
+                nq * row
+            ));
+        }
+        let bytes = (q.len() * 4) as u64;
+        let out = gpu.storage("prefill out", bytes);
+        gpu.queue.write_buffer(
+            &out,
+            0,
+            bytemuck::cast_slice(&vec![f32::NAN; q.len().max(4)]),
+        );
+        if nq == 0 {
+            return Ok(Vec::new());
+        }
+        let tables = BatchTables::upload_prefill(
+            gpu,
+            kv_indptr,
+            kv_indices,
+            seq_lens,
+            opts.alibi_slopes.as_deref(),
+            qo_indptr,
+            self.prefill_qtile,
+        );
+        let qb = gpu.storage_init("q", q);
+        let mut enc = gpu.device.create_command_encoder(&Default::default());
+        self.encode_prefill(gpu, &mut enc, cache, layer, &qb, &tables, &out, opts)?;
+        gpu.queue.submit([enc.finish()]);
+        gpu.read(&out, bytes)
     }
 
     /// Checks host-side CSR tables against the pool and the batch.
@@ -266,6 +460,11 @@ impl PagedAttention {
         self.check_options(opts)?;
         let [k, v] = cache.layer(layer)?;
         let n = tables.num_seqs;
+        if tables.qo_off != 0 {
+            return Err(GpuError::InvalidArgument(
+                "decode given prefill tables (use encode_prefill)".into(),
+            ));
+        }
         if n == 0 {
             return Ok(());
         }

@@ -208,6 +208,7 @@ impl KvCache {
             group: 1,
             block_size: cfg.block_size,
             dtype: cfg.dtype,
+            qtile: 1,
         };
         let write_kv = pipeline(gpu, "write_kv", &shape)?;
         let copy_blocks = pipeline(gpu, "copy_blocks", &shape)?;
@@ -221,8 +222,12 @@ impl KvCache {
         };
         #[cfg(not(target_arch = "wasm32"))]
         gpu.scoped_blocking(alloc)?;
+        // The web cannot block on the error scope; errors surface on first use.
         #[cfg(target_arch = "wasm32")]
-        alloc();
+        {
+            let mut alloc = alloc;
+            alloc();
+        }
         Ok(Self {
             cfg,
             layers,

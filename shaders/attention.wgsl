@@ -1,0 +1,220 @@
+// Paged attention: decode (one query per sequence) and chunked prefill (a
+// causal chunk of queries per sequence), one code path.
+//
+// A workgroup serves QTILE consecutive queries of one sequence for all GROUP
+// query heads that share one kv head: NROW = QTILE * GROUP rows, so each K
+// and V row is read once per group and query tile (GQA/MQA). Tokens go in
+// tiles of TILE: one thread scores one token for every row, then each row's
+// running max, sum and rescaled accumulator are updated (online softmax) and
+// the V product is fused in: the thread grid is VROWS x HEAD_DIM4, each
+// thread owning one vec4 column of V for every row, over every VROWS-th token.
+//
+// Decode (qo_off == 0): workgroup x is the sequence, its one query sits at
+// position seq_len - 1. With partition_tokens != 0 a workgroup covers one
+// partition (z) of the tokens and writes its partial (max, sum) and
+// unnormalised accumulator; reduce.wgsl merges them by log-sum-exp.
+// Prefill (qo_off != 0): workgroup x is an entry of the tile list (sequence,
+// first query); the sequence's queries are the newest qo_len positions.
+//
+// Table entries outside the pool (or a CSR range past the indices) are
+// skipped: those tokens are masked, never read. A row with no readable token
+// writes zeros.
+
+const WG: u32 = 64u;
+const TILE: u32 = WG;
+const VROWS: u32 = WG / HEAD_DIM4;
+const NROW: u32 = QTILE * GROUP;
+
+@group(0) @binding(0) var<uniform> params: AttnParams;
+// [num_queries][num_heads][HEAD_DIM4]
+@group(0) @binding(1) var<storage, read> q: array<vec4<f32>>;
+// [num_blocks][num_kv_heads][BLOCK_SIZE][HEAD_DIM4]
+@group(0) @binding(2) var<storage, read> k_pool: array<KV4>;
+@group(0) @binding(3) var<storage, read> v_pool: array<KV4>;
+// Packed: kv_indptr[num_seqs + 1] | seq_lens | kv_indices | alibi slopes |
+// qo_indptr[num_seqs + 1] | tile list (sequence, first query) pairs.
+@group(0) @binding(4) var<storage, read> table: array<u32>;
+// Whole: [num_queries][num_heads][HEAD_DIM4]. Split: [num_seqs][num_heads][num_partitions][HEAD_DIM4].
+@group(0) @binding(5) var<storage, read_write> out: array<vec4<f32>>;
+// Split only: (max, sum) per [num_seqs][num_heads][num_partitions].
+@group(0) @binding(6) var<storage, read_write> out_ml: array<vec2<f32>>;
+
+var<workgroup> q_sh: array<vec4<f32>, NROW * HEAD_DIM4>;
+// Scores of the tile, then their probabilities, [NROW][TILE].
+var<workgroup> sc: array<f32, NROW * TILE>;
+// Pool offset of each token's row in the tile, INVALID when unreadable.
+var<workgroup> row_of: array<u32, TILE>;
+var<workgroup> m_run: array<f32, NROW>;
+var<workgroup> l_run: array<f32, NROW>;
+var<workgroup> alpha: array<f32, NROW>;
+var<workgroup> red: array<vec4<f32>, WG>;
+
+fn table_at(i: u32) -> u32 {
+    if i < arrayLength(&table) {
+        return table[i];
+    }
+    return INVALID;
+}
+
+@compute @workgroup_size(64)
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let p = params;
+    let kvh = wg.y;
+    let part = wg.z;
+    let h0 = kvh * GROUP;
+
+    // Which sequence and queries this workgroup serves.
+    var seq = wg.x;
+    var q_first = 0u;
+    var q_count = 1u;
+    var q_row0 = seq;
+    if p.qo_off != 0u {
+        let tiles_off = p.qo_off + p.num_seqs + 1u;
+        seq = table_at(tiles_off + 2u * wg.x);
+        q_first = table_at(tiles_off + 2u * wg.x + 1u);
+        let qo_start = table_at(p.qo_off + seq);
+        let qo_end = max(table_at(p.qo_off + seq + 1u), qo_start);
+        q_count = min(qo_end - qo_start - min(q_first, qo_end - qo_start), QTILE);
+        q_row0 = qo_start + q_first;
+    }
+    let len = table_at(p.lens_off + seq);
+    let qo_len = select(1u, table_at(p.qo_off + seq + 1u) - table_at(p.qo_off + seq), p.qo_off != 0u);
+    // Position of the first query; causal: it sees tokens [0, pos0 + i].
+    let pos0 = len - min(qo_len, len) + q_first;
+    let ind_end = min(table_at(seq + 1u), p.indices_len);
+    let ind_start = min(table_at(seq), ind_end);
+
+    var t_begin = 0u;
+    var t_end = min(pos0 + q_count, len);
+    if p.partition_tokens != 0u {
+        t_begin = min(part * p.partition_tokens, t_end);
+        t_end = min(t_begin + p.partition_tokens, t_end);
+    }
+    if p.sliding_window != 0u && pos0 + 1u > p.sliding_window {
+        t_begin = max(t_begin, pos0 + 1u - p.sliding_window);
+        t_end = max(t_end, t_begin);
+    }
+
+    for (var i = lid; i < NROW * HEAD_DIM4; i += WG) {
+        let qi = i / (GROUP * HEAD_DIM4);
+        var v = vec4<f32>(0.0);
+        if qi < q_count {
+            v = q[((q_row0 + qi) * p.num_heads + h0) * HEAD_DIM4 + i % (GROUP * HEAD_DIM4)];
+        }
+        q_sh[i] = v;
+    }
+    for (var r = lid; r < NROW; r += WG) {
+        m_run[r] = NEG_INF;
+        l_run[r] = 0.0;
+    }
+    var acc: array<vec4<f32>, NROW>;
+    let vr = lid / HEAD_DIM4;
+    let c = lid % HEAD_DIM4;
+    workgroupBarrier();
+
+    for (var tile = t_begin; tile < t_end; tile += TILE) {
+        // Score: thread lid takes token tile + lid, for every row.
+        let tok = tile + lid;
+        var row = INVALID;
+        if tok < t_end {
+            let j = ind_start + tok / BLOCK_SIZE;
+            if j < ind_end {
+                let blk = table_at(p.indices_off + j);
+                if blk < p.num_blocks {
+                    row = ((blk * p.num_kv_heads + kvh) * BLOCK_SIZE + tok % BLOCK_SIZE) * HEAD_DIM4;
+                }
+            }
+        }
+        row_of[lid] = row;
+        var s: array<f32, NROW>;
+        if row != INVALID {
+            for (var d = 0u; d < HEAD_DIM4; d++) {
+                let k = kv_load(k_pool[row + d]);
+                for (var r = 0u; r < NROW; r++) {
+                    s[r] += dot(q_sh[r * HEAD_DIM4 + d], k);
+                }
+            }
+        }
+        for (var r = 0u; r < NROW; r++) {
+            let qi = r / GROUP;
+            let q_pos = pos0 + qi;
+            var v = NEG_INF;
+            let in_window = p.sliding_window == 0u || tok + p.sliding_window > q_pos;
+            if row != INVALID && qi < q_count && tok <= q_pos && in_window {
+                let slope = bitcast<f32>(table_at(p.slopes_off + h0 + r % GROUP));
+                v = logit(p, s[r], slope, q_pos, tok);
+            }
+            sc[r * TILE + lid] = v;
+        }
+        workgroupBarrier();
+
+        // Running max per row and the factor that rescales what came before.
+        for (var r = lid; r < NROW; r += WG) {
+            var mt = NEG_INF;
+            for (var t = 0u; t < TILE; t++) {
+                mt = max(mt, sc[r * TILE + t]);
+            }
+            let m_new = max(m_run[r], mt);
+            alpha[r] = exp(m_run[r] - m_new);
+            m_run[r] = m_new;
+        }
+        workgroupBarrier();
+
+        for (var r = 0u; r < NROW; r++) {
+            let v = sc[r * TILE + lid];
+            sc[r * TILE + lid] = select(exp(v - m_run[r]), 0.0, v == NEG_INF);
+        }
+        workgroupBarrier();
+
+        for (var r = lid; r < NROW; r += WG) {
+            var sum = 0.0;
+            for (var t = 0u; t < TILE; t++) {
+                sum += sc[r * TILE + t];
+            }
+            l_run[r] = l_run[r] * alpha[r] + sum;
+        }
+        // V: thread (vr, c) adds column c of every VROWS-th token, for all rows.
+        if vr < VROWS {
+            for (var r = 0u; r < NROW; r++) {
+                acc[r] *= alpha[r];
+            }
+            for (var t = vr; t < TILE; t += VROWS) {
+                let vrow = row_of[t];
+                if vrow != INVALID {
+                    let v = kv_load(v_pool[vrow + c]);
+                    for (var r = 0u; r < NROW; r++) {
+                        acc[r] += sc[r * TILE + t] * v;
+                    }
+                }
+            }
+        }
+        workgroupBarrier();
+    }
+
+    // Sum the VROWS partial accumulators of each row and write it once.
+    for (var r = 0u; r < NROW; r++) {
+        if vr < VROWS {
+            red[lid] = acc[r];
+        }
+        workgroupBarrier();
+        let qi = r / GROUP;
+        if lid < HEAD_DIM4 && qi < q_count {
+            var a = red[lid];
+            for (var k = 1u; k < VROWS; k++) {
+                a += red[k * HEAD_DIM4 + lid];
+            }
+            let hq = h0 + r % GROUP;
+            if p.partition_tokens == 0u {
+                let l = l_run[r];
+                out[((q_row0 + qi) * p.num_heads + hq) * HEAD_DIM4 + lid] = select(a / l, vec4<f32>(0.0), l == 0.0);
+            } else {
+                let o = (seq * p.num_heads + hq) * p.num_partitions + part;
+                out[o * HEAD_DIM4 + lid] = a;
+                if lid == 0u {
+                    out_ml[o] = vec2<f32>(m_run[r], l_run[r]);
+                }
+            }
+        }
+        workgroupBarrier();
+    }
+}

@@ -1,0 +1,187 @@
+//! Paged chunked prefill on a real adapter against the f64 reference: a
+//! chunk of new queries per sequence (their K/V already in the pool)
+//! attending causally to the whole paged context. Mixed batches of context
+//! and chunk lengths, shuffled blocks, output poisoned, f32 and packed f16.
+
+mod common;
+
+use common::*;
+use pagedattn::gpu::{AttnOptions, Gpu, KvCache, KvCacheConfig, KvDtype, PagedAttention};
+use pagedattn::reference::{self, rel_l2, AttnParams};
+use pagedattn::rng::SplitMix64;
+
+struct Case {
+    block_size: u32,
+    num_kv_heads: u32,
+    group: u32,
+    head_dim: u32,
+    dtype: KvDtype,
+    /// (context length including the chunk, chunk length)
+    seqs: Vec<(usize, usize)>,
+    opts: AttnOptions,
+}
+
+fn run(gpu: &Gpu, seed: u64, c: &Case) -> f64 {
+    let mut rng = SplitMix64::new(seed);
+    let lens: Vec<usize> = c.seqs.iter().map(|s| s.0).collect();
+    let nb = blocks_for(&lens, c.block_size, 5);
+    let (_m, _ids, view) = shuffled_batch(&mut rng, nb, c.block_size, &lens);
+    let cfg = KvCacheConfig {
+        num_layers: 1,
+        num_blocks: nb,
+        block_size: c.block_size,
+        num_kv_heads: c.num_kv_heads,
+        head_dim: c.head_dim,
+        dtype: c.dtype,
+    };
+    let cache = KvCache::new(gpu, cfg).unwrap();
+    let row = (c.num_kv_heads * c.head_dim) as usize;
+    let ntok = view.slot_mapping.len();
+    let (k, v) = (rng.signed_vec(ntok * row), rng.signed_vec(ntok * row));
+    cache.write_kv(gpu, 0, &k, &v, &view.slot_mapping).unwrap();
+    let mut host = HostPool::new(
+        nb as usize,
+        c.num_kv_heads as usize,
+        c.block_size as usize,
+        c.head_dim as usize,
+    );
+    host.write(&view.slot_mapping, &k, &v, c.dtype);
+    let num_heads = c.num_kv_heads * c.group;
+    let attn = PagedAttention::new(gpu, &cache, num_heads).unwrap();
+    let mut qo = vec![0u32];
+    for s in &c.seqs {
+        qo.push(qo.last().unwrap() + s.1 as u32);
+    }
+    let q = rng.signed_vec(*qo.last().unwrap() as usize * (num_heads * c.head_dim) as usize);
+    let out = attn
+        .prefill(
+            gpu,
+            &cache,
+            0,
+            &q,
+            &qo,
+            &view.kv_indptr,
+            &view.kv_indices,
+            &view.seq_lens,
+            &c.opts,
+        )
+        .unwrap();
+    let mut p = AttnParams::new(num_heads as usize, c.head_dim as usize);
+    p.scale = c.opts.scale.unwrap_or(p.scale);
+    p.soft_cap = c.opts.soft_cap;
+    p.sliding_window = c.opts.sliding_window;
+    p.alibi_slopes = c.opts.alibi_slopes.clone();
+    let want = reference::prefill(
+        &host.view(),
+        &p,
+        &q,
+        &qo,
+        &view.kv_indptr,
+        &view.kv_indices,
+        &view.seq_lens,
+    );
+    rel_l2(&out, &want)
+}
+
+fn check(name: &str, c: Case) {
+    let Some(gpu) = gpu() else { return };
+    let s = seed(name);
+    let err = run(&gpu, s, &c);
+    let t = if c.dtype == KvDtype::F32 { 1e-5 } else { 2e-3 };
+    eprintln!("{name}: rel L2 {err:.3e} (tolerance {t:.0e})");
+    assert!(
+        err < t,
+        "{name}: rel L2 {err:.3e} >= {t:.0e} on {} (seed {s})",
+        gpu.describe()
+    );
+}
+
+fn case(bs: u32, kvh: u32, group: u32, hd: u32, dtype: KvDtype, seqs: &[(usize, usize)]) -> Case {
+    Case {
+        block_size: bs,
+        num_kv_heads: kvh,
+        group,
+        head_dim: hd,
+        dtype,
+        seqs: seqs.to_vec(),
+        opts: AttnOptions::default(),
+    }
+}
+
+#[test]
+fn whole_prompts_and_chunks_mixed() {
+    // Whole prompts (chunk == context), chunks after a cached context, single
+    // queries (decode as prefill), chunks crossing block edges.
+    let seqs = [(1, 1), (17, 17), (40, 9), (100, 1), (200, 64), (333, 70)];
+    for dtype in [KvDtype::F32, KvDtype::F16] {
+        for (bs, group, hd) in [(16, 1, 64), (8, 4, 128), (32, 8, 80)] {
+            check(
+                &format!("prefill bs{bs} g{group} hd{hd} {dtype:?}"),
+                case(bs, 2, group, hd, dtype, &seqs),
+            );
+        }
+    }
+}
+
+#[test]
+fn prefill_variants() {
+    let seqs = [(50, 50), (300, 120), (129, 3)];
+    let slopes: Vec<f32> = (0..8).map(|h| 2f32.powf(-0.5 * (h as f32 + 1.0))).collect();
+    for dtype in [KvDtype::F32, KvDtype::F16] {
+        let mut c = case(16, 2, 4, 64, dtype, &seqs);
+        c.opts.sliding_window = Some(33);
+        check(&format!("prefill window {dtype:?}"), c);
+        let mut c = case(16, 2, 4, 64, dtype, &seqs);
+        c.opts.alibi_slopes = Some(slopes.clone());
+        check(&format!("prefill alibi {dtype:?}"), c);
+        let mut c = case(16, 2, 4, 64, dtype, &seqs);
+        c.opts.soft_cap = Some(0.3);
+        c.opts.scale = Some(1.5);
+        check(&format!("prefill soft-cap + scale {dtype:?}"), c);
+    }
+}
+
+#[test]
+fn prefill_rejects_bad_query_offsets() {
+    let Some(gpu) = gpu() else { return };
+    let cfg = KvCacheConfig {
+        num_layers: 1,
+        num_blocks: 4,
+        block_size: 16,
+        num_kv_heads: 1,
+        head_dim: 64,
+        dtype: KvDtype::F32,
+    };
+    let cache = KvCache::new(&gpu, cfg).unwrap();
+    let attn = PagedAttention::new(&gpu, &cache, 2).unwrap();
+    let q = vec![0.0; 3 * 2 * 64];
+    // Three queries for a sequence of two tokens.
+    let e = attn
+        .prefill(
+            &gpu,
+            &cache,
+            0,
+            &q,
+            &[0, 3],
+            &[0, 1],
+            &[0],
+            &[2],
+            &AttnOptions::default(),
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("3 queries"), "{e}");
+    let e = attn
+        .prefill(
+            &gpu,
+            &cache,
+            0,
+            &q,
+            &[0],
+            &[0, 1],
+            &[0],
+            &[3],
+            &AttnOptions::default(),
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("qo_indptr"), "{e}");
+}
