@@ -528,6 +528,13 @@ fn evict_all_cached_turns_cached_blocks_into_plain_free_ones() {
     let b = m.add_sequence(&toks(0, 6)).unwrap();
     assert_eq!(m.prefix_hit_tokens(), 0);
     assert_eq!(m.pending_tokens(b).unwrap(), 6);
+    // The dropped blocks forgot their prefix: reused and freed unviewed, they
+    // come back as plain free blocks, not as evictable ones.
+    let c = m.add_sequence(&toks(50, 4)).unwrap();
+    m.free(b).unwrap();
+    m.free(c).unwrap();
+    let s = m.stats();
+    assert_eq!((s.free, s.evictable), (8, 0));
 }
 
 // ---------------------------------------------------------------- stats

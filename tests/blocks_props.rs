@@ -4,18 +4,24 @@
 //! batch views of the whole batch or of subsets, taking copies, evicting the
 //! cache, and calls on unknown ids) run on small pools so that `OutOfBlocks`
 //! is common. The model keeps each live sequence's token ids and pending
-//! count, unshared. A simulated pool (one token id per slot) is replayed from
-//! what the manager hands out: copies applied in order, then each pending
-//! token written to its slot from the view's `slot_mapping`. After every step
-//! every sequence's handed-over positions must read back its own tokens from
-//! that pool, reference counts must equal the number of tables holding each
-//! block, and the pool's counts must add up. Every failing call must return
-//! the error the model predicts and leave the manager unchanged.
+//! count, unshared, and the pool as sets: plain free blocks, cached blocks at
+//! ref count 0 in release order, and a prefix cache keyed by the token prefix
+//! itself (no hashing). A simulated GPU pool (one token id per slot) is
+//! replayed from what the manager hands out: copies applied in order, then
+//! each pending token written to its slot from the view's `slot_mapping`.
+//!
+//! After every step every sequence's handed-over positions must read back its
+//! own tokens from that pool, every cached block must hold its prefix's last
+//! block, reference counts must equal the number of tables holding each block,
+//! and the free and evictable sets must match the model's. Every call must
+//! return what the model predicts (the blocks it takes included: plain free
+//! ones first, then the oldest evictable one), and every failing call must
+//! leave the manager unchanged.
 //!
 //! Seeds are printed on failure; `BLOCKS_PROP_SEED=<seed>` reruns one run
 //! (with `BLOCKS_PROP_CACHE=1` for the prefix-caching variant).
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 
 use pagedattn::blocks::{BatchView, BlockError, BlockManager, BlockManagerConfig, SeqId};
@@ -30,6 +36,8 @@ struct ModelSeq {
     tokens: Vec<u32>,
     /// Tokens appended since the sequence's last view (their K/V not yet written).
     pending: usize,
+    /// Leading full blocks already offered to the prefix cache.
+    hashed: usize,
 }
 
 /// How often each interesting outcome happened, so the test can show that it
@@ -88,6 +96,14 @@ struct Harness {
     dead: Vec<SeqId>,
     /// Token id held by each slot of the simulated GPU pool.
     pool: Vec<Option<u32>>,
+    /// Plain free blocks.
+    free: BTreeSet<u32>,
+    /// Cached blocks at ref count 0, oldest release first.
+    evictable: Vec<u32>,
+    /// Prefix cache: token prefix ending at a block boundary -> block.
+    cache: HashMap<Vec<u32>, u32>,
+    /// The prefix each cached block is registered under.
+    block_key: Vec<Option<Vec<u32>>>,
     /// Prompt stems shared by many prompts.
     stems: Vec<Vec<u32>>,
     reused: BatchView,
@@ -120,6 +136,10 @@ impl Harness {
             model: BTreeMap::new(),
             dead: Vec::new(),
             pool: vec![None; nb * bs],
+            free: (0..nb as u32).collect(),
+            evictable: Vec::new(),
+            cache: HashMap::new(),
+            block_key: vec![None; nb],
             stems,
             reused: BatchView::default(),
             log: Vec::new(),
@@ -216,6 +236,53 @@ impl Harness {
         }
     }
 
+    /// The manager took block `b`: it must be a plain free block while any
+    /// is left, else the oldest evictable one (which leaves the cache).
+    #[track_caller]
+    fn model_take(&mut self, b: u32) {
+        if !self.free.is_empty() {
+            assert!(
+                self.free.remove(&b),
+                "took block {b}, not one of the free blocks {:?}",
+                self.free
+            );
+        } else {
+            assert_eq!(
+                self.evictable.first(),
+                Some(&b),
+                "took block {b}, not the oldest evictable"
+            );
+            self.evictable.remove(0);
+            let key = self.block_key[b as usize]
+                .take()
+                .expect("evictable blocks are cached");
+            self.cache.remove(&key);
+        }
+    }
+
+    /// Block `b` lost its last holder.
+    fn model_release(&mut self, b: u32) {
+        if self.block_key[b as usize].is_some() {
+            self.evictable.push(b);
+        } else {
+            self.free.insert(b);
+        }
+    }
+
+    /// Blocks the model's prefix cache serves for the start of `prompt`.
+    fn model_match(&self, prompt: &[u32]) -> Vec<u32> {
+        let mut matched = Vec::new();
+        if self.prefix {
+            for end in (self.bs..=prompt.len()).step_by(self.bs) {
+                match self.cache.get(&prompt[..end]) {
+                    Some(&b) => matched.push(b),
+                    None => break,
+                }
+            }
+        }
+        matched
+    }
+
     fn step(&mut self) {
         self.cov.steps += 1;
         // Free more often when the pool is full, so that it does not stay stuck.
@@ -268,67 +335,61 @@ impl Harness {
             self.cov.too_many += 1;
             return;
         }
-        let need = self.blocks_for(len);
-        match res {
-            Ok(id) => {
-                assert!(
-                    !self.model.contains_key(&id) && !self.dead.contains(&id),
-                    "id {id} reused"
-                );
-                let hit = (self.m.prefix_hit_tokens() - hits) as usize;
-                assert_eq!(
-                    hit % self.bs,
-                    0,
-                    "a partial block was served from the cache"
-                );
-                assert!(hit <= len - len % self.bs);
-                if !self.prefix {
-                    assert_eq!(hit, 0);
-                }
-                let matched = hit / self.bs;
-                let table = self.m.block_table(id).unwrap().to_vec();
-                assert_eq!(table.len(), need);
-                let revived = table[..matched]
-                    .iter()
-                    .filter(|&&b| holders[b as usize] == 0)
-                    .count();
-                for &b in &table[matched..] {
-                    assert_eq!(holders[b as usize], 0, "block {b} was taken while held");
-                    assert_eq!(self.m.ref_count(b), Some(1));
-                }
-                assert_eq!(
-                    self.m.available_blocks(),
-                    avail - (need - matched) - revived
-                );
-                self.cov.added += 1;
-                self.cov.prefix_hits += (matched > 0) as usize;
-                self.cov.revived += (revived > 0) as usize;
-                self.model.insert(
-                    id,
-                    ModelSeq {
-                        tokens: prompt,
-                        pending: len - hit,
-                    },
-                );
-            }
-            Err(BlockError::OutOfBlocks { needed, free }) => {
-                self.expect_unchanged(&pre, "add");
-                assert!(
-                    need > avail,
-                    "add of {need} blocks failed with {avail} available"
-                );
-                assert!(needed > free);
-                if self.prefix {
-                    // Matched blocks reduce the need by at least what reviving them costs.
-                    assert!(needed <= need && free <= avail);
-                    assert!(need - needed >= avail - free);
-                } else {
-                    assert_eq!((needed, free), (need, avail));
-                }
-                self.cov.out_of_blocks += 1;
-            }
-            Err(e) => panic!("unexpected error from add: {e:?}"),
+        let matched = self.model_match(&prompt);
+        let revived = matched
+            .iter()
+            .filter(|&&b| holders[b as usize] == 0)
+            .count();
+        let needed = self.blocks_for(len) - matched.len();
+        assert_eq!(avail, self.free.len() + self.evictable.len());
+        let free = avail - revived;
+        if needed > free {
+            assert_eq!(res, Err(BlockError::OutOfBlocks { needed, free }));
+            self.expect_unchanged(&pre, "add");
+            self.cov.out_of_blocks += 1;
+            return;
         }
+        let id = res.expect("an add that fits must succeed");
+        assert!(
+            !self.model.contains_key(&id) && !self.dead.contains(&id),
+            "id {id} reused"
+        );
+        let hit = (self.m.prefix_hit_tokens() - hits) as usize;
+        assert_eq!(hit, matched.len() * self.bs, "prefix hit tokens");
+        let table = self.m.block_table(id).unwrap().to_vec();
+        assert_eq!(table.len(), matched.len() + needed);
+        assert_eq!(
+            &table[..matched.len()],
+            &matched[..],
+            "blocks served from the prefix cache"
+        );
+        for &b in &matched {
+            if holders[b as usize] == 0 {
+                let at = self
+                    .evictable
+                    .iter()
+                    .position(|&e| e == b)
+                    .expect("revived block was evictable");
+                self.evictable.remove(at);
+            }
+        }
+        for &b in &table[matched.len()..] {
+            assert_eq!(holders[b as usize], 0, "block {b} was taken while held");
+            assert_eq!(self.m.ref_count(b), Some(1));
+            self.model_take(b);
+        }
+        assert_eq!(self.m.available_blocks(), free - needed);
+        self.cov.added += 1;
+        self.cov.prefix_hits += !matched.is_empty() as usize;
+        self.cov.revived += (revived > 0) as usize;
+        self.model.insert(
+            id,
+            ModelSeq {
+                tokens: prompt,
+                pending: len - hit,
+                hashed: matched.len(),
+            },
+        );
     }
 
     fn op_append(&mut self) {
@@ -401,6 +462,7 @@ impl Harness {
         );
         for &b in &table[kept..] {
             assert_eq!(holders[b as usize], 0, "block {b} was taken while held");
+            self.model_take(b);
         }
         let mut want_copies = copies_before;
         if cow {
@@ -473,6 +535,12 @@ impl Harness {
             .filter(|&b| holders[b as usize] == 0)
             .collect();
         assert_eq!(self.m.available_blocks(), avail + released.len());
+        // Tail blocks first, so that a chain's head outlives its tail in the cache.
+        for &b in table.iter().rev() {
+            if released.contains(&b) {
+                self.model_release(b);
+            }
+        }
         // A copy into a block nobody holds any more is dropped; the others stay, in order.
         let want: Vec<[u32; 2]> = pre
             .pending_copies()
@@ -557,6 +625,25 @@ impl Harness {
             }
             seq.pending = 0;
         }
+        // The tokens are written now: their full blocks join the prefix cache,
+        // unless the block or an equal prefix is cached already.
+        if self.prefix {
+            for (i, id) in ids.iter().enumerate() {
+                let table =
+                    &view.kv_indices[view.kv_indptr[i] as usize..view.kv_indptr[i + 1] as usize];
+                let seq = self.model.get_mut(id).unwrap();
+                let full = seq.tokens.len() / self.bs;
+                for blk in seq.hashed..full {
+                    let key = seq.tokens[..(blk + 1) * self.bs].to_vec();
+                    let b = table[blk];
+                    if self.block_key[b as usize].is_none() && !self.cache.contains_key(&key) {
+                        self.cache.insert(key.clone(), b);
+                        self.block_key[b as usize] = Some(key);
+                    }
+                }
+                seq.hashed = full;
+            }
+        }
         // Every sequence in the batch now reads back exactly its own tokens.
         for (i, id) in ids.iter().enumerate() {
             let toks = &self.model[id].tokens;
@@ -613,8 +700,11 @@ impl Harness {
         let after = self.m.stats();
         assert_eq!(n, before.evictable);
         assert_eq!((after.evictable, after.free), (0, before.free + n));
-        if !self.prefix {
-            assert_eq!(n, 0);
+        assert_eq!(n, self.evictable.len());
+        for b in std::mem::take(&mut self.evictable) {
+            let key = self.block_key[b as usize].take().unwrap();
+            self.cache.remove(&key);
+            self.free.insert(b);
         }
         self.cov.evicted += (n > 0) as usize;
     }
@@ -721,8 +811,27 @@ impl Harness {
         assert_eq!(s.capacity_held, used * bs);
         assert_eq!(s.pending_copies, copies.len());
         assert_eq!(self.m.available_blocks(), s.free + s.evictable);
+        assert_eq!(s.free, self.free.len(), "plain free blocks");
+        assert_eq!(s.evictable, self.evictable.len(), "evictable blocks");
+        for &b in self.free.iter().chain(&self.evictable) {
+            assert_eq!(
+                holders[b as usize], 0,
+                "block {b} is free or evictable and held"
+            );
+        }
+        assert_eq!(self.free.len() + self.evictable.len() + used, nb);
+        // The cache never serves a block whose content is not its prefix.
+        for (key, &b) in &self.cache {
+            assert_eq!(self.block_key[b as usize].as_ref(), Some(key));
+            let last = &key[key.len() - bs..];
+            let held = &self.pool[b as usize * bs..(b as usize + 1) * bs];
+            assert!(
+                held.iter().zip(last).all(|(h, t)| *h == Some(*t)),
+                "cached block {b} holds {held:?}, not {last:?}"
+            );
+        }
         if !self.prefix {
-            assert_eq!(s.evictable, 0);
+            assert!(self.cache.is_empty() && s.evictable == 0);
         }
     }
 }
@@ -760,8 +869,8 @@ fn env_seed() -> Option<u64> {
     })
 }
 
-const RUNS: u64 = 150;
-const STEPS: usize = 500;
+const RUNS: u64 = 250;
+const STEPS: usize = 800;
 
 fn run_many(prefix: bool, base: u64) -> Coverage {
     if let Some(seed) = env_seed() {
