@@ -1,0 +1,301 @@
+//! End-to-end paths on a real adapter: copy-on-write across forked branches,
+//! the encoder-level API an engine uses (its own buffers, one submit for
+//! several layers), and corrupt block tables (defined, bounds-safe result).
+
+mod common;
+
+use common::*;
+use pagedattn::blocks::{BlockManager, BlockManagerConfig};
+use pagedattn::gpu::{
+    AttnOptions, BatchTables, Gpu, KvCache, KvCacheConfig, KvDtype, PagedAttention,
+};
+use pagedattn::reference::{self, rel_l2, AttnParams};
+use pagedattn::rng::SplitMix64;
+
+const KVH: u32 = 2;
+const HEADS: u32 = 8;
+const HD: u32 = 64;
+
+fn cache(gpu: &Gpu, layers: u32, num_blocks: u32, bs: u32, dtype: KvDtype) -> KvCache {
+    let cfg = KvCacheConfig {
+        num_layers: layers,
+        num_blocks,
+        block_size: bs,
+        num_kv_heads: KVH,
+        head_dim: HD,
+        dtype,
+    };
+    KvCache::new(gpu, cfg).unwrap()
+}
+
+/// Fork a sequence mid-block, let the branches diverge over several steps
+/// (copy_blocks before write_kv each step), and check that each branch's
+/// decode equals a from-scratch run of that branch alone, on a fresh pool.
+#[test]
+fn copy_on_write_branches_match_from_scratch() {
+    let Some(gpu) = gpu() else { return };
+    for dtype in [KvDtype::F32, KvDtype::F16] {
+        let s = seed("cow");
+        let mut rng = SplitMix64::new(s);
+        let bs = 16;
+        let row = (KVH * HD) as usize;
+        let mut m = BlockManager::new(BlockManagerConfig::new(64, bs)).unwrap();
+        m.scramble_free_list(rng.next_u64());
+        let kv = cache(&gpu, 1, 64, bs, dtype);
+        let attn = PagedAttention::new(&gpu, &kv, HEADS).unwrap();
+
+        // Prompt of 37 tokens: the last block is partly filled, so the first
+        // write of each branch after the fork must copy it.
+        let parent = m.add_sequence(&vec![1; 37]).unwrap();
+        let view = m.batch_view(&[parent]).unwrap();
+        let prompt_k = rng.signed_vec(37 * row);
+        let prompt_v = rng.signed_vec(37 * row);
+        kv.write_kv(&gpu, 0, &prompt_k, &prompt_v, &view.slot_mapping)
+            .unwrap();
+        let child = m.fork(parent).unwrap();
+        let branches = [parent, child];
+        // Each branch's own token history (K, V rows), for the from-scratch run.
+        let mut hist: Vec<(Vec<f32>, Vec<f32>)> = vec![(prompt_k.clone(), prompt_v.clone()); 2];
+        let mut copies = 0;
+        let mut last_out = Vec::new();
+        let mut last_q = Vec::new();
+        for _step in 0..20 {
+            for &b in &branches {
+                m.append(b, &[rng.below(100) as u32]).unwrap();
+            }
+            let view = m.batch_view(&branches).unwrap();
+            copies += view.copies.len();
+            kv.copy_blocks(&gpu, &view.copies).unwrap();
+            let k = rng.signed_vec(2 * row);
+            let v = rng.signed_vec(2 * row);
+            kv.write_kv(&gpu, 0, &k, &v, &view.slot_mapping).unwrap();
+            for i in 0..2 {
+                hist[i].0.extend_from_slice(&k[i * row..(i + 1) * row]);
+                hist[i].1.extend_from_slice(&v[i * row..(i + 1) * row]);
+            }
+            last_q = rng.signed_vec(2 * (HEADS * HD) as usize);
+            last_out = attn
+                .decode(
+                    &gpu,
+                    &kv,
+                    0,
+                    &last_q,
+                    &view.kv_indptr,
+                    &view.kv_indices,
+                    &view.seq_lens,
+                    &AttnOptions::default(),
+                )
+                .unwrap();
+        }
+        assert_eq!(
+            copies, 1,
+            "exactly one copy-on-write: the shared partial block"
+        );
+        assert!(
+            m.stats().shared >= 2,
+            "the two full prompt blocks stay shared"
+        );
+
+        // From scratch: each branch alone on a fresh pool.
+        let per = (HEADS * HD) as usize;
+        for (i, (hk, hv)) in hist.iter().enumerate() {
+            let n = hk.len() / row;
+            let mut fm = BlockManager::new(BlockManagerConfig::new(8, bs)).unwrap();
+            let id = fm.add_sequence(&vec![0; n]).unwrap();
+            let fv = fm.batch_view(&[id]).unwrap();
+            let fresh = cache(&gpu, 1, 8, bs, dtype);
+            fresh.write_kv(&gpu, 0, hk, hv, &fv.slot_mapping).unwrap();
+            let q = &last_q[i * per..(i + 1) * per];
+            let alone = attn_for(&gpu, &fresh)
+                .decode(
+                    &gpu,
+                    &fresh,
+                    0,
+                    q,
+                    &fv.kv_indptr,
+                    &fv.kv_indices,
+                    &fv.seq_lens,
+                    &AttnOptions::default(),
+                )
+                .unwrap();
+            let shared_run = &last_out[i * per..(i + 1) * per];
+            let mut host = HostPool::new(8, KVH as usize, bs as usize, HD as usize);
+            host.write(&fv.slot_mapping, hk, hv, dtype);
+            let want = reference::decode(
+                &host.view(),
+                &AttnParams::new(HEADS as usize, HD as usize),
+                q,
+                &fv.kv_indptr,
+                &fv.kv_indices,
+                &fv.seq_lens,
+            );
+            let e_ref = rel_l2(shared_run, &want);
+            let alone64: Vec<f64> = alone.iter().map(|&x| x as f64).collect();
+            let e_scratch = rel_l2(shared_run, &alone64);
+            eprintln!("{dtype:?} branch {i}: vs reference {e_ref:.2e}, vs from-scratch GPU run {e_scratch:.2e}");
+            assert!(
+                e_ref < 1e-5 && e_scratch < 1e-5,
+                "branch {i}: {e_ref:.2e} / {e_scratch:.2e} (seed {s})"
+            );
+        }
+    }
+}
+
+fn attn_for(gpu: &Gpu, kv: &KvCache) -> PagedAttention {
+    PagedAttention::new(gpu, kv, HEADS).unwrap()
+}
+
+/// The engine path: Q, new K/V and slots already in GPU buffers; write_kv and
+/// decode of two layers recorded into one encoder, one submit.
+#[test]
+fn encoder_api_two_layers_one_submit() {
+    let Some(gpu) = gpu() else { return };
+    let s = seed("encoder api");
+    let mut rng = SplitMix64::new(s);
+    let (bs, lens) = (16u32, [5usize, 33, 100]);
+    let nb = blocks_for(&lens, bs, 4);
+    let (_m, _ids, view) = shuffled_batch(&mut rng, nb, bs, &lens);
+    let kv = cache(&gpu, 2, nb, bs, KvDtype::F32);
+    let attn = PagedAttention::new(&gpu, &kv, HEADS).unwrap();
+    let row = (KVH * HD) as usize;
+    let ntok = view.slot_mapping.len();
+    let tables = BatchTables::upload(
+        &gpu,
+        &view.kv_indptr,
+        &view.kv_indices,
+        &view.seq_lens,
+        None,
+    );
+    let slots = gpu.storage_init("slots", &view.slot_mapping);
+    let qlen = lens.len() * (HEADS * HD) as usize;
+    let mut enc = gpu.device.create_command_encoder(&Default::default());
+    let mut expect = Vec::new();
+    let mut outs = Vec::new();
+    for layer in 0..2 {
+        let (k, v) = (rng.signed_vec(ntok * row), rng.signed_vec(ntok * row));
+        let q = rng.signed_vec(qlen);
+        let (kb, vb, qb) = (
+            gpu.storage_init("k", &k),
+            gpu.storage_init("v", &v),
+            gpu.storage_init("q", &q),
+        );
+        let out = gpu.storage("out", (qlen * 4) as u64);
+        gpu.queue
+            .write_buffer(&out, 0, bytemuck::cast_slice(&vec![f32::NAN; qlen]));
+        kv.encode_write_kv(&gpu, &mut enc, layer, &kb, &vb, &slots, ntok as u32)
+            .unwrap();
+        attn.encode_decode(
+            &gpu,
+            &mut enc,
+            &kv,
+            layer,
+            &qb,
+            &tables,
+            &out,
+            &AttnOptions::default(),
+        )
+        .unwrap();
+        let mut host = HostPool::new(nb as usize, KVH as usize, bs as usize, HD as usize);
+        host.write(&view.slot_mapping, &k, &v, KvDtype::F32);
+        expect.push(reference::decode(
+            &host.view(),
+            &AttnParams::new(HEADS as usize, HD as usize),
+            &q,
+            &view.kv_indptr,
+            &view.kv_indices,
+            &view.seq_lens,
+        ));
+        outs.push(out);
+    }
+    gpu.queue.submit([enc.finish()]);
+    for (layer, (out, want)) in outs.iter().zip(&expect).enumerate() {
+        let got: Vec<f32> = gpu.read(out, (qlen * 4) as u64).unwrap();
+        let e = rel_l2(&got, want);
+        eprintln!("layer {layer}: rel L2 {e:.2e}");
+        assert!(e < 1e-5, "layer {layer}: {e:.2e} (seed {s})");
+    }
+}
+
+/// Table entries outside the pool, and a CSR range past kv_indices, through
+/// the unchecked encoder path: the kernel skips those tokens (the reference
+/// does the same), reads nothing out of bounds, and writes finite values; a
+/// sequence with no readable token gets zeros.
+#[test]
+fn corrupt_tables_are_skipped_not_read() {
+    let Some(gpu) = gpu() else { return };
+    let s = seed("corrupt tables");
+    let mut rng = SplitMix64::new(s);
+    let (bs, nb) = (16u32, 6u32);
+    let kv = cache(&gpu, 1, nb, bs, KvDtype::F32);
+    let attn = PagedAttention::new(&gpu, &kv, HEADS).unwrap();
+    let slots: Vec<u32> = (0..nb * bs).collect();
+    let row = (KVH * HD) as usize;
+    let (k, v) = (
+        rng.signed_vec(slots.len() * row),
+        rng.signed_vec(slots.len() * row),
+    );
+    kv.write_kv(&gpu, 0, &k, &v, &slots).unwrap();
+    let mut host = HostPool::new(nb as usize, KVH as usize, bs as usize, HD as usize);
+    host.write(&slots, &k, &v, KvDtype::F32);
+    // seq 0: a block id past the pool in the middle and u32::MAX at the end;
+    // seq 1: repeated block ids; seq 2: only bad ids (all masked -> zeros);
+    // seq 3: its CSR range runs past the end of kv_indices.
+    let kv_indices = vec![2, nb, 4, u32::MAX, 1, 1, 1, nb + 7, u32::MAX, 5];
+    let kv_indptr = vec![0, 4, 7, 9, 14];
+    let seq_lens = vec![60, 40, 20, 70];
+    let n = seq_lens.len();
+    let qlen = n * (HEADS * HD) as usize;
+    let q = rng.signed_vec(qlen);
+    let tables = BatchTables::upload(&gpu, &kv_indptr, &kv_indices, &seq_lens, None);
+    let qb = gpu.storage_init("q", &q);
+    let out = gpu.storage("out", (qlen * 4) as u64);
+    gpu.queue
+        .write_buffer(&out, 0, bytemuck::cast_slice(&vec![f32::NAN; qlen]));
+    let mut enc = gpu.device.create_command_encoder(&Default::default());
+    attn.encode_decode(
+        &gpu,
+        &mut enc,
+        &kv,
+        0,
+        &qb,
+        &tables,
+        &out,
+        &AttnOptions::default(),
+    )
+    .unwrap();
+    gpu.queue.submit([enc.finish()]);
+    let got: Vec<f32> = gpu.read(&out, (qlen * 4) as u64).unwrap();
+    let want = reference::decode(
+        &host.view(),
+        &AttnParams::new(HEADS as usize, HD as usize),
+        &q,
+        &kv_indptr,
+        &kv_indices,
+        &seq_lens,
+    );
+    let e = rel_l2(&got, &want);
+    eprintln!("corrupt tables: rel L2 {e:.2e}");
+    assert!(e < 1e-5, "{e:.2e} (seed {s})");
+    let per = (HEADS * HD) as usize;
+    assert!(
+        got[2 * per..3 * per].iter().all(|&x| x == 0.0),
+        "a sequence with no readable token writes zeros"
+    );
+    // The checked host path refuses the same tables.
+    let err = attn
+        .decode(
+            &gpu,
+            &kv,
+            0,
+            &q,
+            &kv_indptr,
+            &kv_indices,
+            &seq_lens,
+            &AttnOptions::default(),
+        )
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("kv_indptr") || err.to_string().contains("outside the pool"),
+        "{err}"
+    );
+}
