@@ -83,6 +83,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     let pos0 = len - min(qo_len, len) + q_first;
     let ind_end = min(table_at(seq + 1u), p.indices_len);
     let ind_start = min(table_at(seq), ind_end);
+    let first_blk = table_at(p.indices_off + ind_start);
 
     var t_begin = 0u;
     var t_end = min(pos0 + q_count, len);
@@ -119,7 +120,12 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         if tok < t_end {
             let j = ind_start + tok / BLOCK_SIZE;
             if j < ind_end {
-                let blk = table_at(p.indices_off + j);
+                // PAGED == false: the contiguous twin used as the benchmark
+                // baseline; the sequence's blocks follow its first one.
+                var blk = first_blk + tok / BLOCK_SIZE;
+                if PAGED {
+                    blk = table_at(p.indices_off + j);
+                }
                 if blk < p.num_blocks {
                     row = ((blk * p.num_kv_heads + kvh) * BLOCK_SIZE + tok % BLOCK_SIZE) * HEAD_DIM4;
                 }

@@ -18,6 +18,37 @@ enum Command {
     Demo(DemoArgs),
     /// Multi-tenant paged-KV memory simulator: paged vs contiguous policies.
     Simulate(pagedattn::sim::SimulateArgs),
+    /// Decode, bandwidth, split, bookkeeping and copy benchmarks on the adapter.
+    Bench(BenchArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct BenchArgs {
+    /// The small grid (under 30 s on lavapipe).
+    #[arg(long)]
+    quick: bool,
+    /// Print the report as JSON on stdout (fields documented in README.md).
+    #[arg(long)]
+    json: bool,
+    /// Time with the wall clock even where GPU timestamps exist.
+    #[arg(long)]
+    wall_clock: bool,
+}
+
+fn run_bench(a: &BenchArgs) -> Result<(), Box<dyn std::error::Error>> {
+    let gpu = Gpu::new()?;
+    let cfg = pagedattn::bench::BenchConfig {
+        quick: a.quick,
+        wall_clock: a.wall_clock,
+        progress: true,
+    };
+    let report = pagedattn::bench::run(&gpu, &cfg)?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", pagedattn::bench::render(&report));
+    }
+    Ok(())
 }
 
 #[derive(clap::Args, Debug, Default)]
@@ -127,6 +158,7 @@ fn main() {
     let result = match cli.command {
         Some(Command::Simulate(args)) => pagedattn::sim::run_cli(&args),
         Some(Command::Demo(args)) => run_demo(&args),
+        Some(Command::Bench(args)) => run_bench(&args),
         None => run_demo(&DemoArgs {
             seed: 7,
             requests: 8,

@@ -21,13 +21,14 @@ fn shapes() -> Vec<ShaderShape> {
     ] {
         for dtype in [KvDtype::F32, KvDtype::F16] {
             for block_size in [1, 16, 256] {
-                for qtile in [1, 4] {
+                for (qtile, paged) in [(1, true), (4, true), (1, false)] {
                     v.push(ShaderShape {
                         head_dim,
                         group,
                         block_size,
                         dtype,
                         qtile,
+                        paged,
                     });
                 }
             }
@@ -144,6 +145,7 @@ fn param_struct_sizes_match_wgsl() {
         block_size: 16,
         dtype: KvDtype::F32,
         qtile: 1,
+        paged: true,
     };
     let (module, _) = parse("attention", &shape);
     let mut layouter = naga::proc::Layouter::default();
@@ -171,6 +173,7 @@ fn a_broken_shader_is_rejected() {
         block_size: 16,
         dtype: KvDtype::F32,
         qtile: 1,
+        paged: true,
     };
     let src = source("copy_blocks", &shape)
         .unwrap()

@@ -174,6 +174,22 @@ pub struct PagedAttention {
 impl PagedAttention {
     /// Builds the kernels for `num_heads` query heads over `cache`.
     pub fn new(gpu: &Gpu, cache: &KvCache, num_heads: u32) -> Result<Self, GpuError> {
+        Self::with_layout(gpu, cache, num_heads, true)
+    }
+
+    /// The same kernels with `paged == false`: no per-token table lookup,
+    /// each sequence's blocks assumed consecutive from its first table entry.
+    /// A contiguous-KV baseline of the same design, for benchmarks.
+    pub fn contiguous(gpu: &Gpu, cache: &KvCache, num_heads: u32) -> Result<Self, GpuError> {
+        Self::with_layout(gpu, cache, num_heads, false)
+    }
+
+    fn with_layout(
+        gpu: &Gpu,
+        cache: &KvCache,
+        num_heads: u32,
+        paged: bool,
+    ) -> Result<Self, GpuError> {
         let c = cache.config();
         if num_heads == 0 || num_heads % c.num_kv_heads != 0 {
             return Err(GpuError::InvalidArgument(format!(
@@ -187,6 +203,7 @@ impl PagedAttention {
             block_size: c.block_size,
             dtype: c.dtype,
             qtile: 1,
+            paged,
         };
         let need = shader::attention_workgroup_bytes(&shape);
         let have = gpu.limits.max_compute_workgroup_storage_size;

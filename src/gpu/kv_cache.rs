@@ -209,6 +209,7 @@ impl KvCache {
             block_size: cfg.block_size,
             dtype: cfg.dtype,
             qtile: 1,
+            paged: true,
         };
         let write_kv = pipeline(gpu, "write_kv", &shape)?;
         let copy_blocks = pipeline(gpu, "copy_blocks", &shape)?;

@@ -1,0 +1,21 @@
+// Streaming-read reference for the benchmark: reads two buffers (a layer's K
+// and V pools) once with vec4 loads, grid-stride, and writes almost nothing.
+// The decode kernel's effective bandwidth is reported against this one.
+
+@group(0) @binding(0) var<storage, read> a: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read> b: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read_write> sink: array<f32>;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
+    let stride = nwg.x * 64u;
+    let n = min(arrayLength(&a), arrayLength(&b));
+    var acc = vec4<f32>(0.0);
+    for (var i = gid.x; i < n; i += stride) {
+        acc += a[i] + b[i];
+    }
+    // A write no compiler can prove dead, which (almost) never happens.
+    if acc.x == 1.2345e30 {
+        sink[0] = acc.y + acc.z + acc.w;
+    }
+}

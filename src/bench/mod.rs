@@ -1,0 +1,554 @@
+//! `pagedattn bench`: decode time over a grid of shapes, paged vs an identity
+//! table vs a contiguous kernel of the same design, effective bandwidth
+//! against a streaming-read kernel and `copy_buffer_to_buffer` measured in the
+//! same run, split vs non-split, host bookkeeping, write_kv and copy_blocks
+//! throughput. Everything in one process on one adapter, so the ratios hold.
+
+mod timer;
+
+pub use timer::{Timer, TimingSource};
+
+use crate::blocks::{BatchView, BlockManager, BlockManagerConfig, SeqId};
+use crate::gpu::{
+    AttnOptions, BatchTables, Gpu, GpuError, KvCache, KvCacheConfig, KvDtype, PagedAttention, Split,
+};
+use crate::rng::SplitMix64;
+
+/// What to measure.
+#[derive(Clone, Debug)]
+pub struct BenchConfig {
+    /// The small grid (under 30 s on lavapipe).
+    pub quick: bool,
+    /// Force wall-clock timing even where timestamps exist.
+    pub wall_clock: bool,
+    /// Print progress on stderr.
+    pub progress: bool,
+}
+
+/// Shape of the decode grid's attention: 32 query heads over 8 KV heads, head_dim 128.
+pub const HEADS: u32 = 32;
+/// KV heads.
+pub const KV_HEADS: u32 = 8;
+/// Elements per head.
+pub const HEAD_DIM: u32 = 128;
+/// Tokens per block.
+pub const BLOCK: u32 = 16;
+
+/// One decode cell of the grid.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct DecodeRow {
+    /// Sequences.
+    pub batch: u32,
+    /// Tokens per sequence.
+    pub context: u32,
+    /// "f32" or "f16".
+    pub dtype: &'static str,
+    /// Paged kernel, shuffled physical blocks (ms per call).
+    pub paged_ms: f64,
+    /// Paged kernel, identity table (ms).
+    pub identity_ms: f64,
+    /// Contiguous kernel of the same design (ms).
+    pub contiguous_ms: f64,
+    /// paged / contiguous.
+    pub paged_over_contiguous: f64,
+    /// K and V bytes read / paged time (GB/s).
+    pub effective_gbs: f64,
+    /// Streaming-read kernel over the same bytes (GB/s).
+    pub stream_gbs: f64,
+    /// effective / stream.
+    pub bandwidth_ratio: f64,
+}
+
+/// Split vs non-split decode.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct SplitRow {
+    /// Sequences.
+    pub batch: u32,
+    /// Tokens per sequence.
+    pub context: u32,
+    /// One workgroup per (sequence, kv head), ms.
+    pub whole_ms: f64,
+    /// Partitions of 512 tokens + reduce, ms.
+    pub split_ms: f64,
+    /// whole / split.
+    pub speedup: f64,
+    /// What Split::Auto picks for this shape (0: no split).
+    pub auto_partition: u32,
+}
+
+/// The whole report (`--json` prints it).
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct BenchReport {
+    /// Adapter name and backend.
+    pub adapter: String,
+    /// Timing source.
+    pub timing: TimingSource,
+    /// Heads / KV heads / head_dim / block size of the grid.
+    pub shape: [u32; 4],
+    /// `copy_buffer_to_buffer` bandwidth (GB/s, bytes read + written counted once).
+    pub memcpy_gbs: f64,
+    /// Decode grid.
+    pub decode: Vec<DecodeRow>,
+    /// Cells skipped, with the reason.
+    pub skipped: Vec<String>,
+    /// Split vs non-split.
+    pub split: Vec<SplitRow>,
+    /// Host bookkeeping per decode step at batch 256, microseconds per sequence.
+    pub host_us_per_seq: f64,
+    /// write_kv: tokens per second (one layer, 32 x 8 x 128 f32).
+    pub write_kv_tokens_per_s: f64,
+    /// write_kv: GB/s of K and V written.
+    pub write_kv_gbs: f64,
+    /// copy_blocks: block copies per second (one layer).
+    pub copy_blocks_per_s: f64,
+    /// copy_blocks: GB/s (bytes copied, K and V).
+    pub copy_blocks_gbs: f64,
+}
+
+fn progress(cfg: &BenchConfig, msg: &str) {
+    if cfg.progress {
+        eprint!("\r\x1b[2K[bench] {msg}");
+    }
+}
+
+/// A cache of `layers` layers holding `tokens` tokens of the grid's shape,
+/// filled with a repeating random pattern; `None` if a layer would not fit.
+fn filled_cache(
+    gpu: &Gpu,
+    tokens: u32,
+    dtype: KvDtype,
+    layers: u32,
+    rng: &mut SplitMix64,
+) -> Result<Option<KvCache>, GpuError> {
+    let cfg = KvCacheConfig {
+        num_layers: layers,
+        num_blocks: tokens.div_ceil(BLOCK),
+        block_size: BLOCK,
+        num_kv_heads: KV_HEADS,
+        head_dim: HEAD_DIM,
+        dtype,
+    };
+    if cfg.layer_bytes() > gpu.max_binding_bytes() {
+        return Ok(None);
+    }
+    let cache = KvCache::new(gpu, cfg)?;
+    let pattern: Vec<u8> = match dtype {
+        KvDtype::F32 => bytemuck::cast_slice(&rng.signed_vec(1 << 16)).to_vec(),
+        KvDtype::F16 => {
+            let h: Vec<half::f16> = rng
+                .signed_vec(1 << 17)
+                .iter()
+                .map(|&x| half::f16::from_f32(x))
+                .collect();
+            bytemuck::cast_slice(&h).to_vec()
+        }
+    };
+    for l in 0..layers {
+        for buf in cache.layer(l)? {
+            let mut off = 0;
+            while off < cfg.layer_bytes() {
+                let n = (pattern.len() as u64).min(cfg.layer_bytes() - off);
+                gpu.queue.write_buffer(buf, off, &pattern[..n as usize]);
+                off += n;
+            }
+        }
+    }
+    gpu.wait()?;
+    Ok(Some(cache))
+}
+
+/// CSR tables for `batch` sequences of `context` tokens over `batch *
+/// blocks_per_seq` blocks: identity order, or a seeded shuffle.
+fn tables(
+    batch: u32,
+    context: u32,
+    shuffled: bool,
+    rng: &mut SplitMix64,
+) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
+    let per = context.div_ceil(BLOCK);
+    let mut ids: Vec<u32> = (0..batch * per).collect();
+    if shuffled {
+        rng.shuffle(&mut ids);
+    }
+    let indptr = (0..=batch).map(|s| s * per).collect();
+    (indptr, ids, vec![context; batch as usize])
+}
+
+struct DecodeRig<'a> {
+    gpu: &'a Gpu,
+    cache: KvCache,
+    layers: u32,
+    q: wgpu::Buffer,
+    out: wgpu::Buffer,
+}
+
+impl DecodeRig<'_> {
+    /// Median ms of one decode call, rotating over layers so no run finds the
+    /// previous run's data in a cache.
+    fn time(
+        &self,
+        timer: &Timer,
+        attn: &PagedAttention,
+        t: &BatchTables,
+        split: Split,
+    ) -> Result<f64, GpuError> {
+        let opts = AttnOptions {
+            split,
+            ..Default::default()
+        };
+        let mut err = None;
+        let ms = timer.median(|run, enc| {
+            let layer = run as u32 % self.layers;
+            if let Err(e) = attn.encode_decode(
+                self.gpu,
+                enc,
+                &self.cache,
+                layer,
+                &self.q,
+                t,
+                &self.out,
+                &opts,
+            ) {
+                err = Some(e);
+            }
+        })?;
+        err.map_or(Ok(ms), Err)
+    }
+}
+
+fn rig<'a>(
+    gpu: &'a Gpu,
+    batch: u32,
+    context: u32,
+    dtype: KvDtype,
+    rng: &mut SplitMix64,
+) -> Result<Option<DecodeRig<'a>>, GpuError> {
+    let tokens = batch * context;
+    let Some(cache) = filled_cache(gpu, tokens, dtype, 2, rng)? else {
+        return Ok(None);
+    };
+    let q = gpu.storage_init("q", &rng.signed_vec((batch * HEADS * HEAD_DIM) as usize));
+    let out = gpu.storage("out", (batch * HEADS * HEAD_DIM * 4) as u64);
+    Ok(Some(DecodeRig {
+        gpu,
+        cache,
+        layers: 2,
+        q,
+        out,
+    }))
+}
+
+fn stream_gbs(gpu: &Gpu, timer: &Timer, cache: &KvCache) -> Result<f64, GpuError> {
+    use crate::gpu::shader::ShaderShape;
+    let shape = ShaderShape {
+        head_dim: 4,
+        group: 1,
+        block_size: 1,
+        dtype: KvDtype::F32,
+        qtile: 1,
+        paged: true,
+    };
+    let pipe = crate::gpu::kv_cache_pipeline(gpu, "stream_read", &shape)?;
+    let sink = gpu.storage("sink", 16);
+    let [k0, v0] = cache.layer(0)?;
+    let [k1, v1] = cache.layer(1)?;
+    let bgs = [
+        crate::gpu::bind_buffers(gpu, &pipe, &[k0, v0, &sink]),
+        crate::gpu::bind_buffers(gpu, &pipe, &[k1, v1, &sink]),
+    ];
+    let bytes = 2 * cache.config().layer_bytes();
+    // Enough threads that each does at most ~256 iterations.
+    let wgs = (bytes / 16 / 64 / 256).clamp(1, 65535) as u32;
+    let ms = timer.median(|run, enc| {
+        crate::gpu::dispatch_pass(enc, "stream_read", &pipe, &bgs[run % 2], (wgs, 1, 1))
+    })?;
+    Ok(bytes as f64 / ms / 1e6)
+}
+
+fn memcpy_gbs(gpu: &Gpu, timer: &Timer) -> Result<f64, GpuError> {
+    let bytes = (64u64 << 20).min(gpu.max_binding_bytes());
+    let a = gpu.storage("memcpy a", bytes);
+    let b = gpu.storage("memcpy b", bytes);
+    let ms = timer.median(|run, enc| {
+        if run % 2 == 0 {
+            enc.copy_buffer_to_buffer(&a, 0, &b, 0, bytes);
+        } else {
+            enc.copy_buffer_to_buffer(&b, 0, &a, 0, bytes);
+        }
+    })?;
+    Ok(bytes as f64 / ms / 1e6)
+}
+
+/// Host bookkeeping of one decode step at batch 256 (append one token to
+/// each sequence, build the CSR view into a reused BatchView), µs per sequence.
+pub fn host_bookkeeping_us_per_seq(steps: usize) -> f64 {
+    let batch = 256;
+    let mut m = BlockManager::new(BlockManagerConfig::new(batch * 64, BLOCK)).expect("valid pool");
+    let ids: Vec<SeqId> = (0..batch)
+        .map(|i| {
+            m.add_sequence(&vec![i; 500])
+                .expect("pool sized for the batch")
+        })
+        .collect();
+    let mut view = BatchView::default();
+    m.batch_view_into(&ids, &mut view).expect("live ids");
+    let t0 = std::time::Instant::now();
+    for step in 0..steps {
+        for &id in &ids {
+            m.append(id, &[step as u32])
+                .expect("pool sized for the run");
+        }
+        m.batch_view_into(&ids, &mut view).expect("live ids");
+    }
+    t0.elapsed().as_secs_f64() * 1e6 / (steps * batch as usize) as f64
+}
+
+/// Runs the benchmark.
+pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, GpuError> {
+    let timer = Timer::new(gpu, cfg.wall_clock);
+    let mut rng = SplitMix64::new(0x5eed);
+    let (batches, contexts, dtypes): (&[u32], &[u32], &[KvDtype]) = if cfg.quick {
+        (&[1, 8], &[512, 2048], &[KvDtype::F16])
+    } else {
+        (
+            &[1, 8, 32, 64],
+            &[512, 2048, 8192],
+            &[KvDtype::F32, KvDtype::F16],
+        )
+    };
+    progress(cfg, "memcpy bandwidth");
+    let memcpy = memcpy_gbs(gpu, &timer)?;
+    let mut decode = Vec::new();
+    let mut skipped = Vec::new();
+    for &dtype in dtypes {
+        let dname = if dtype == KvDtype::F32 { "f32" } else { "f16" };
+        for &batch in batches {
+            for &context in contexts {
+                progress(
+                    cfg,
+                    &format!("decode {dname} batch {batch} context {context}"),
+                );
+                let Some(r) = rig(gpu, batch, context, dtype, &mut rng)? else {
+                    skipped.push(format!("decode {dname} batch {batch} context {context}: a layer exceeds the adapter's {} MiB binding limit", gpu.max_binding_bytes() >> 20));
+                    continue;
+                };
+                let paged = PagedAttention::new(gpu, &r.cache, HEADS)?;
+                let contiguous = PagedAttention::contiguous(gpu, &r.cache, HEADS)?;
+                let (ip, ix, ln) = tables(batch, context, true, &mut rng);
+                let shuffled = BatchTables::upload(gpu, &ip, &ix, &ln, None);
+                let (ip, ix, ln) = tables(batch, context, false, &mut rng);
+                let identity = BatchTables::upload(gpu, &ip, &ix, &ln, None);
+                let split = Split::Auto;
+                let paged_ms = r.time(&timer, &paged, &shuffled, split)?;
+                let identity_ms = r.time(&timer, &paged, &identity, split)?;
+                let contiguous_ms = r.time(&timer, &contiguous, &identity, split)?;
+                let bytes = 2.0
+                    * batch as f64
+                    * context as f64
+                    * (KV_HEADS * HEAD_DIM) as f64
+                    * dtype.bytes() as f64;
+                let stream = stream_gbs(gpu, &timer, &r.cache)?;
+                let eff = bytes / paged_ms / 1e6;
+                decode.push(DecodeRow {
+                    batch,
+                    context,
+                    dtype: dname,
+                    paged_ms,
+                    identity_ms,
+                    contiguous_ms,
+                    paged_over_contiguous: paged_ms / contiguous_ms,
+                    effective_gbs: eff,
+                    stream_gbs: stream,
+                    bandwidth_ratio: eff / stream,
+                });
+            }
+        }
+    }
+    let mut split = Vec::new();
+    let split_grid: &[(u32, u32)] = if cfg.quick {
+        &[(1, 4096)]
+    } else {
+        &[
+            (1, 2048),
+            (1, 8192),
+            (1, 32768),
+            (4, 2048),
+            (4, 8192),
+            (4, 32768),
+        ]
+    };
+    for &(batch, context) in split_grid {
+        progress(cfg, &format!("split batch {batch} context {context}"));
+        let Some(r) = rig(gpu, batch, context, KvDtype::F16, &mut rng)? else {
+            skipped.push(format!(
+                "split batch {batch} context {context}: a layer exceeds the binding limit"
+            ));
+            continue;
+        };
+        let attn = PagedAttention::new(gpu, &r.cache, HEADS)?;
+        let (ip, ix, ln) = tables(batch, context, true, &mut rng);
+        let t = BatchTables::upload(gpu, &ip, &ix, &ln, None);
+        let whole_ms = r.time(&timer, &attn, &t, Split::Never)?;
+        let split_ms = r.time(
+            &timer,
+            &attn,
+            &t,
+            Split::Tokens(crate::gpu::AUTO_PARTITION_TOKENS),
+        )?;
+        split.push(SplitRow {
+            batch,
+            context,
+            whole_ms,
+            split_ms,
+            speedup: whole_ms / split_ms,
+            auto_partition: Split::Auto.choose(batch, KV_HEADS, context),
+        });
+    }
+    progress(cfg, "host bookkeeping");
+    let host = host_bookkeeping_us_per_seq(if cfg.quick { 50 } else { 400 });
+    progress(cfg, "write_kv / copy_blocks");
+    let (wk_tps, wk_gbs, cb_ps, cb_gbs) = write_and_copy(gpu, &timer, &mut rng)?;
+    if cfg.progress {
+        eprintln!("\r\x1b[2K[bench] done");
+    }
+    Ok(BenchReport {
+        adapter: gpu.describe(),
+        timing: timer.source(),
+        shape: [HEADS, KV_HEADS, HEAD_DIM, BLOCK],
+        memcpy_gbs: memcpy,
+        decode,
+        skipped,
+        split,
+        host_us_per_seq: host,
+        write_kv_tokens_per_s: wk_tps,
+        write_kv_gbs: wk_gbs,
+        copy_blocks_per_s: cb_ps,
+        copy_blocks_gbs: cb_gbs,
+    })
+}
+
+fn write_and_copy(
+    gpu: &Gpu,
+    timer: &Timer,
+    rng: &mut SplitMix64,
+) -> Result<(f64, f64, f64, f64), GpuError> {
+    let blocks = 1024u32;
+    let cache = filled_cache(gpu, blocks * BLOCK, KvDtype::F32, 1, rng)?
+        .ok_or_else(|| GpuError::Unsupported("bench pool does not fit".into()))?;
+    let ntok = 256u32;
+    let row = (KV_HEADS * HEAD_DIM) as usize;
+    let k = gpu.storage_init("k", &rng.signed_vec(ntok as usize * row));
+    let v = gpu.storage_init("v", &rng.signed_vec(ntok as usize * row));
+    let mut slots: Vec<u32> = (0..blocks * BLOCK).collect();
+    rng.shuffle(&mut slots);
+    slots.truncate(ntok as usize);
+    let sb = gpu.storage_init("slots", &slots);
+    let mut err = None;
+    let ms = timer.median(|_, enc| {
+        if let Err(e) = cache.encode_write_kv(gpu, enc, 0, &k, &v, &sb, ntok) {
+            err = Some(e);
+        }
+    })?;
+    let wk_tps = ntok as f64 / ms * 1e3;
+    let wk_gbs = 2.0 * (ntok as usize * row * 4) as f64 / ms / 1e6;
+    let ncopies = 256u32;
+    let mut ids: Vec<u32> = (0..blocks).collect();
+    rng.shuffle(&mut ids);
+    let copies: Vec<[u32; 2]> = (0..ncopies as usize)
+        .map(|i| [ids[2 * i], ids[2 * i + 1]])
+        .collect();
+    let cb = gpu.storage_init("copies", &copies);
+    let ms_c = timer.median(|_, enc| {
+        if let Err(e) = cache.encode_copy_blocks(gpu, enc, &cb, ncopies) {
+            err = Some(e);
+        }
+    })?;
+    if let Some(e) = err {
+        return Err(e);
+    }
+    let block_bytes = cache.config().block_bytes() as f64 * 2.0;
+    Ok((
+        wk_tps,
+        wk_gbs,
+        ncopies as f64 / ms_c * 1e3,
+        ncopies as f64 * block_bytes / ms_c / 1e6,
+    ))
+}
+
+/// The report as the table the CLI prints.
+pub fn render(r: &BenchReport) -> String {
+    use std::fmt::Write;
+    let mut s = String::new();
+    let _ = writeln!(s, "adapter: {}   timing: {:?}", r.adapter, r.timing);
+    let _ = writeln!(
+        s,
+        "decode shape: {} q heads / {} kv heads, head_dim {}, block {}; copy_buffer_to_buffer {:.2} GB/s",
+        r.shape[0], r.shape[1], r.shape[2], r.shape[3], r.memcpy_gbs
+    );
+    let _ = writeln!(s, "\n dtype  batch  context   paged ms  identity ms  contig ms  paged/contig  eff GB/s  stream GB/s  eff/stream");
+    for d in &r.decode {
+        let _ = writeln!(
+            s,
+            " {:<5}  {:>5}  {:>7}  {:>9.3}  {:>11.3}  {:>9.3}  {:>12.3}  {:>8.2}  {:>11.2}  {:>10.2}",
+            d.dtype, d.batch, d.context, d.paged_ms, d.identity_ms, d.contiguous_ms, d.paged_over_contiguous, d.effective_gbs, d.stream_gbs, d.bandwidth_ratio
+        );
+    }
+    for k in &r.skipped {
+        let _ = writeln!(s, " skipped: {k}");
+    }
+    let _ = writeln!(
+        s,
+        "\n split (f16)  batch  context   whole ms   split ms  whole/split  auto picks"
+    );
+    for d in &r.split {
+        let _ = writeln!(
+            s,
+            "              {:>5}  {:>7}  {:>9.3}  {:>9.3}  {:>11.2}  {}",
+            d.batch,
+            d.context,
+            d.whole_ms,
+            d.split_ms,
+            d.speedup,
+            if d.auto_partition == 0 {
+                "whole".to_string()
+            } else {
+                format!("split {}", d.auto_partition)
+            }
+        );
+    }
+    let _ = writeln!(
+        s,
+        "\nhost bookkeeping at batch 256: {:.3} us per sequence per step",
+        r.host_us_per_seq
+    );
+    let _ = writeln!(
+        s,
+        "write_kv: {:.0} tokens/s ({:.2} GB/s)",
+        r.write_kv_tokens_per_s, r.write_kv_gbs
+    );
+    let _ = writeln!(
+        s,
+        "copy_blocks: {:.0} blocks/s ({:.2} GB/s)",
+        r.copy_blocks_per_s, r.copy_blocks_gbs
+    );
+    s
+}
+
+/// One decode cell (f16, shuffled): (paged ms, stream GB/s, effective GB/s). For probing.
+#[doc(hidden)]
+pub fn probe_decode(
+    gpu: &Gpu,
+    timer: &Timer,
+    batch: u32,
+    context: u32,
+) -> Result<(f64, f64, f64), GpuError> {
+    let mut rng = SplitMix64::new(1);
+    let r = rig(gpu, batch, context, KvDtype::F16, &mut rng)?
+        .ok_or_else(|| GpuError::Unsupported("too big".into()))?;
+    let attn = PagedAttention::new(gpu, &r.cache, HEADS)?;
+    let (ip, ix, ln) = tables(batch, context, true, &mut rng);
+    let t = BatchTables::upload(gpu, &ip, &ix, &ln, None);
+    let ms = r.time(timer, &attn, &t, Split::Never)?;
+    let bytes = 2.0 * batch as f64 * context as f64 * (KV_HEADS * HEAD_DIM) as f64 * 2.0;
+    Ok((ms, stream_gbs(gpu, timer, &r.cache)?, bytes / ms / 1e6))
+}

@@ -1,0 +1,122 @@
+//! GPU timing: timestamp queries where the adapter has them, else wall time
+//! around submit + wait. Warm-up first, then the median of repeated runs.
+
+use crate::gpu::{Gpu, GpuError};
+
+/// Where the times come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub enum TimingSource {
+    /// GPU timestamps written by empty passes around the measured work.
+    Timestamps,
+    /// Wall clock around submit and a blocking wait.
+    WallClock,
+}
+
+/// Times command sequences on one device.
+pub struct Timer<'a> {
+    gpu: &'a Gpu,
+    queries: Option<(wgpu::QuerySet, wgpu::Buffer)>,
+    period_ns: f64,
+    /// Warm-up runs before measuring.
+    pub warmup: usize,
+    /// Measured runs (the median is reported).
+    pub runs: usize,
+}
+
+impl<'a> Timer<'a> {
+    /// Uses timestamps if the device has them, unless `wall_clock` is set.
+    pub fn new(gpu: &'a Gpu, wall_clock: bool) -> Self {
+        let queries =
+            (!wall_clock && gpu.features.contains(wgpu::Features::TIMESTAMP_QUERY)).then(|| {
+                let set = gpu.device.create_query_set(&wgpu::QuerySetDescriptor {
+                    label: Some("bench timestamps"),
+                    ty: wgpu::QueryType::Timestamp,
+                    count: 2,
+                });
+                let buf = gpu.device.create_buffer(&wgpu::BufferDescriptor {
+                    label: Some("timestamps"),
+                    size: 16,
+                    usage: wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
+                    mapped_at_creation: false,
+                });
+                (set, buf)
+            });
+        Self {
+            gpu,
+            period_ns: gpu.queue.get_timestamp_period() as f64,
+            queries,
+            warmup: 2,
+            runs: 7,
+        }
+    }
+
+    /// The source in use.
+    pub fn source(&self) -> TimingSource {
+        if self.queries.is_some() {
+            TimingSource::Timestamps
+        } else {
+            TimingSource::WallClock
+        }
+    }
+
+    fn marker(enc: &mut wgpu::CommandEncoder, set: &wgpu::QuerySet, index: u32) {
+        // An empty pass whose only job is to write a timestamp.
+        let (b, e) = if index == 0 {
+            (Some(0), None)
+        } else {
+            (None, Some(1))
+        };
+        let _ = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+            label: Some("timestamp"),
+            timestamp_writes: Some(wgpu::ComputePassTimestampWrites {
+                query_set: set,
+                beginning_of_pass_write_index: b,
+                end_of_pass_write_index: e,
+            }),
+        });
+    }
+
+    /// One run of `record(run_index, encoder)`, in milliseconds.
+    pub fn once(
+        &self,
+        run: usize,
+        record: &mut dyn FnMut(usize, &mut wgpu::CommandEncoder),
+    ) -> Result<f64, GpuError> {
+        let mut enc = self.gpu.device.create_command_encoder(&Default::default());
+        match &self.queries {
+            Some((set, buf)) => {
+                Self::marker(&mut enc, set, 0);
+                record(run, &mut enc);
+                Self::marker(&mut enc, set, 1);
+                enc.resolve_query_set(set, 0..2, buf, 0);
+                self.gpu.queue.submit([enc.finish()]);
+                let t: Vec<u64> = self.gpu.read(buf, 16)?;
+                Ok(t[1].saturating_sub(t[0]) as f64 * self.period_ns / 1e6)
+            }
+            None => {
+                let t0 = std::time::Instant::now();
+                record(run, &mut enc);
+                self.gpu.queue.submit([enc.finish()]);
+                self.gpu.wait()?;
+                Ok(t0.elapsed().as_secs_f64() * 1e3)
+            }
+        }
+    }
+
+    /// Median milliseconds of `runs` runs after `warmup` runs. The closure
+    /// gets the run index so it can rotate inputs.
+    pub fn median(
+        &self,
+        mut record: impl FnMut(usize, &mut wgpu::CommandEncoder),
+    ) -> Result<f64, GpuError> {
+        for i in 0..self.warmup {
+            self.once(i, &mut record)?;
+        }
+        let mut t = Vec::with_capacity(self.runs);
+        for i in 0..self.runs {
+            t.push(self.once(self.warmup + i, &mut record)?);
+        }
+        t.sort_by(|a, b| a.total_cmp(b));
+        Ok(t[t.len() / 2])
+    }
+}
