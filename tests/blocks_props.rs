@@ -633,9 +633,8 @@ impl Harness {
                     &view.kv_indices[view.kv_indptr[i] as usize..view.kv_indptr[i + 1] as usize];
                 let seq = self.model.get_mut(id).unwrap();
                 let full = seq.tokens.len() / self.bs;
-                for blk in seq.hashed..full {
+                for (blk, &b) in table.iter().enumerate().take(full).skip(seq.hashed) {
                     let key = seq.tokens[..(blk + 1) * self.bs].to_vec();
-                    let b = table[blk];
                     if self.block_key[b as usize].is_none() && !self.cache.contains_key(&key) {
                         self.cache.insert(key.clone(), b);
                         self.block_key[b as usize] = Some(key);
