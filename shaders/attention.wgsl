@@ -21,9 +21,13 @@
 // writes zeros.
 
 const WG: u32 = 64u;
-const TILE: u32 = WG;
+// Tokens per tile: each thread scores TPT tokens.
+const TPT: u32 = 1u;
+const TILE: u32 = WG * TPT;
 const VROWS: u32 = WG / HEAD_DIM4;
 const NROW: u32 = QTILE * GROUP;
+// The row max of a tile is found by SEGS threads per row, each over TILE / SEGS scores.
+const SEGS: u32 = max(WG / NROW, 1u);
 
 @group(0) @binding(0) var<uniform> params: AttnParams;
 // [num_queries][num_heads][HEAD_DIM4]
@@ -40,14 +44,16 @@ const NROW: u32 = QTILE * GROUP;
 @group(0) @binding(6) var<storage, read_write> out_ml: array<vec2<f32>>;
 
 var<workgroup> q_sh: array<vec4<f32>, NROW * HEAD_DIM4>;
-// Scores of the tile, then their probabilities, [NROW][TILE].
-var<workgroup> sc: array<f32, NROW * TILE>;
+// Scores of a tile, then their probabilities, [NROW][TILE]; double-buffered
+// by tile parity so the next tile's scores never wait for this tile's V pass.
+var<workgroup> sc: array<array<f32, NROW * TILE>, 2>;
 // Pool offset of each token's row in the tile, INVALID when unreadable.
-var<workgroup> row_of: array<u32, TILE>;
-var<workgroup> m_run: array<f32, NROW>;
-var<workgroup> l_run: array<f32, NROW>;
-var<workgroup> alpha: array<f32, NROW>;
+var<workgroup> row_of: array<array<u32, TILE>, 2>;
+// Per-(row, segment) maxima of the current tile.
+var<workgroup> seg_max: array<f32, NROW * SEGS>;
+// End of pass: partial accumulators (VROWS per row) and partial sums.
 var<workgroup> red: array<vec4<f32>, WG>;
+var<workgroup> red_l: array<f32, WG>;
 
 fn table_at(i: u32) -> u32 {
     if i < arrayLength(&table) {
@@ -104,120 +110,142 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         }
         q_sh[i] = v;
     }
-    for (var r = lid; r < NROW; r += WG) {
-        m_run[r] = NEG_INF;
-        l_run[r] = 0.0;
-    }
+    // Every thread keeps the same running max per row (it computes it from
+    // the same shared values), its own share of the V accumulator, and, in
+    // the threads of column 0, its share of the running sum.
+    var m_run: array<f32, NROW>;
+    var l_run: array<f32, NROW>;
     var acc: array<vec4<f32>, NROW>;
+    for (var r = 0u; r < NROW; r++) {
+        m_run[r] = NEG_INF;
+    }
     let vr = lid / HEAD_DIM4;
     let c = lid % HEAD_DIM4;
     workgroupBarrier();
 
+    var buf = 0u;
     for (var tile = t_begin; tile < t_end; tile += TILE) {
-        // Score: thread lid takes token tile + lid, for every row.
-        let tok = tile + lid;
-        var row = INVALID;
-        if tok < t_end {
-            let j = ind_start + tok / BLOCK_SIZE;
-            if j < ind_end {
-                // PAGED == false: the contiguous twin used as the benchmark
-                // baseline; the sequence's blocks follow its first one.
-                var blk = first_blk + tok / BLOCK_SIZE;
-                if PAGED {
-                    blk = table_at(p.indices_off + j);
-                }
-                if blk < p.num_blocks {
-                    row = ((blk * p.num_kv_heads + kvh) * BLOCK_SIZE + tok % BLOCK_SIZE) * HEAD_DIM4;
-                }
-            }
-        }
-        row_of[lid] = row;
-        var s: array<f32, NROW>;
-        if row != INVALID {
-            for (var d = 0u; d < HEAD_DIM4; d++) {
-                let k = kv_load(k_pool[row + d]);
-                for (var r = 0u; r < NROW; r++) {
-                    s[r] += dot(q_sh[r * HEAD_DIM4 + d], k);
+        // 1. Score: thread lid takes tokens tile + lid + k * WG, every row.
+        for (var k = 0u; k < TPT; k++) {
+            let t = lid + k * WG;
+            let tok = tile + t;
+            var row = INVALID;
+            if tok < t_end {
+                let j = ind_start + tok / BLOCK_SIZE;
+                if j < ind_end {
+                    // PAGED == false: the contiguous twin used as the benchmark
+                    // baseline; the sequence's blocks follow its first one.
+                    var blk = first_blk + tok / BLOCK_SIZE;
+                    if PAGED {
+                        blk = table_at(p.indices_off + j);
+                    }
+                    if blk < p.num_blocks {
+                        row = ((blk * p.num_kv_heads + kvh) * BLOCK_SIZE + tok % BLOCK_SIZE) * HEAD_DIM4;
+                    }
                 }
             }
-        }
-        for (var r = 0u; r < NROW; r++) {
-            let qi = r / GROUP;
-            let q_pos = pos0 + qi;
-            var v = NEG_INF;
-            let in_window = p.sliding_window == 0u || tok + p.sliding_window > q_pos;
-            if row != INVALID && qi < q_count && tok <= q_pos && in_window {
-                let slope = bitcast<f32>(table_at(p.slopes_off + h0 + r % GROUP));
-                v = logit(p, s[r], slope, q_pos, tok);
+            row_of[buf][t] = row;
+            var s: array<f32, NROW>;
+            if row != INVALID {
+                for (var d = 0u; d < HEAD_DIM4; d++) {
+                    let kv = kv_load(k_pool[row + d]);
+                    for (var r = 0u; r < NROW; r++) {
+                        s[r] += dot(q_sh[r * HEAD_DIM4 + d], kv);
+                    }
+                }
             }
-            sc[r * TILE + lid] = v;
+            for (var r = 0u; r < NROW; r++) {
+                let qi = r / GROUP;
+                let q_pos = pos0 + qi;
+                var v = NEG_INF;
+                let in_window = p.sliding_window == 0u || tok + p.sliding_window > q_pos;
+                if row != INVALID && qi < q_count && tok <= q_pos && in_window {
+                    let slope = bitcast<f32>(table_at(p.slopes_off + h0 + r % GROUP));
+                    v = logit(p, s[r], slope, q_pos, tok);
+                }
+                sc[buf][r * TILE + t] = v;
+            }
         }
         workgroupBarrier();
 
-        // Running max per row and the factor that rescales what came before.
-        for (var r = lid; r < NROW; r += WG) {
+        // 2. Segment maxima: SEGS threads per row, in parallel.
+        for (var i = lid; i < NROW * SEGS; i += WG) {
+            let r = i / SEGS;
+            let seg = i % SEGS;
             var mt = NEG_INF;
-            for (var t = 0u; t < TILE; t++) {
-                mt = max(mt, sc[r * TILE + t]);
+            for (var t = seg; t < TILE; t += SEGS) {
+                mt = max(mt, sc[buf][r * TILE + t]);
             }
-            let m_new = max(m_run[r], mt);
+            seg_max[i] = mt;
+        }
+        workgroupBarrier();
+
+        // 3. Every thread derives the new row maxima (same values everywhere),
+        // rescales its shares, and turns its own tokens' scores into weights.
+        var alpha: array<f32, NROW>;
+        for (var r = 0u; r < NROW; r++) {
+            var m_new = m_run[r];
+            for (var seg = 0u; seg < SEGS; seg++) {
+                m_new = max(m_new, seg_max[r * SEGS + seg]);
+            }
             alpha[r] = exp(m_run[r] - m_new);
             m_run[r] = m_new;
         }
-        workgroupBarrier();
-
-        for (var r = 0u; r < NROW; r++) {
-            let v = sc[r * TILE + lid];
-            sc[r * TILE + lid] = select(exp(v - m_run[r]), 0.0, v == NEG_INF);
-        }
-        workgroupBarrier();
-
-        for (var r = lid; r < NROW; r += WG) {
-            var sum = 0.0;
-            for (var t = 0u; t < TILE; t++) {
-                sum += sc[r * TILE + t];
+        for (var k = 0u; k < TPT; k++) {
+            let t = lid + k * WG;
+            for (var r = 0u; r < NROW; r++) {
+                let v = sc[buf][r * TILE + t];
+                sc[buf][r * TILE + t] = select(exp(v - m_run[r]), 0.0, v == NEG_INF);
             }
-            l_run[r] = l_run[r] * alpha[r] + sum;
         }
-        // V: thread (vr, c) adds column c of every VROWS-th token, for all rows.
+        workgroupBarrier();
+
+        // 4. V: thread (vr, c) adds column c of every VROWS-th token, for all
+        // rows; column-0 threads also add the weights themselves (the sum).
         if vr < VROWS {
             for (var r = 0u; r < NROW; r++) {
                 acc[r] *= alpha[r];
+                l_run[r] *= alpha[r];
             }
             for (var t = vr; t < TILE; t += VROWS) {
-                let vrow = row_of[t];
+                let vrow = row_of[buf][t];
                 if vrow != INVALID {
                     let v = kv_load(v_pool[vrow + c]);
                     for (var r = 0u; r < NROW; r++) {
-                        acc[r] += sc[r * TILE + t] * v;
+                        let w = sc[buf][r * TILE + t];
+                        acc[r] += w * v;
+                        l_run[r] += w;
                     }
                 }
             }
         }
-        workgroupBarrier();
+        buf ^= 1u;
     }
+    workgroupBarrier();
 
-    // Sum the VROWS partial accumulators of each row and write it once.
+    // Sum the VROWS partial accumulators and sums of each row; write once.
     for (var r = 0u; r < NROW; r++) {
         if vr < VROWS {
             red[lid] = acc[r];
+            red_l[lid] = l_run[r];
         }
         workgroupBarrier();
         let qi = r / GROUP;
         if lid < HEAD_DIM4 && qi < q_count {
             var a = red[lid];
+            var l = red_l[0];
             for (var k = 1u; k < VROWS; k++) {
                 a += red[k * HEAD_DIM4 + lid];
+                l += red_l[k * HEAD_DIM4];
             }
             let hq = h0 + r % GROUP;
             if p.partition_tokens == 0u {
-                let l = l_run[r];
                 out[((q_row0 + qi) * p.num_heads + hq) * HEAD_DIM4 + lid] = select(a / l, vec4<f32>(0.0), l == 0.0);
             } else {
                 let o = (seq * p.num_heads + hq) * p.num_partitions + part;
                 out[o * HEAD_DIM4 + lid] = a;
                 if lid == 0u {
-                    out_ml[o] = vec2<f32>(m_run[r], l_run[r]);
+                    out_ml[o] = vec2<f32>(m_run[r], l);
                 }
             }
         }

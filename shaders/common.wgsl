@@ -48,7 +48,9 @@ struct AttnParams {
     _pad: u32,
 }
 
-const NEG_INF: f32 = -3.40282347e+38f;
+// -f32::MAX written exactly: Tint (Chrome's WebGPU) rejects the decimal
+// -3.40282347e+38f as out of f32 range, though naga accepts it.
+const NEG_INF: f32 = -0x1.fffffep+127f;
 const INVALID: u32 = 0xffffffffu;
 
 // The logit of a score after the variant rules (custom scale, soft-cap,
