@@ -21,6 +21,7 @@
 
 mod engine;
 mod memory;
+mod paged;
 mod report;
 mod svg;
 pub mod workload;
@@ -328,7 +329,7 @@ pub fn simulate(cfg: &SimConfig) -> Result<Report, SimError> {
                 PolicyKind::Paged => {
                     for &bs in &cfg.block_sizes {
                         let mut mem =
-                            memory::Paged::new(cfg.budget, bs, w.shared_prefix > 0, w.max_len)?;
+                            paged::Paged::new(cfg.budget, bs, w.shared_prefix > 0, w.max_len)?;
                         let cap = mem.capacity();
                         let log = engine::run(&reqs, sampling, w.seed, cfg.max_seqs, &mut mem)?;
                         policies.push(PolicyReport::from_log(
