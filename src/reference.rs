@@ -234,7 +234,7 @@ pub fn prefill(
         let (q0, q1) = (qo_indptr[s] as usize, qo_indptr[s + 1] as usize);
         let table = (kv_indices, kv_indptr[s] as usize, kv_indptr[s + 1] as usize);
         for (i, row) in (q0..q1).enumerate() {
-            let q_pos = len - (q1 - q0) + i;
+            let q_pos = len.saturating_sub(q1 - q0) + i;
             for h in 0..hq {
                 let qv = &q[(row * hq + h) * d..][..d];
                 let part = partial(pool, p, h, qv, q_pos, table, 0, len);

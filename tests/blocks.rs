@@ -298,8 +298,11 @@ fn free_returns_blocks_once_the_last_holder_is_gone() {
     m.append(b, &[1]).unwrap(); // CoW: b holds [0, new]
     assert_eq!(m.stats().free, 5);
     m.free(a).unwrap();
-    // Block 1 had only a's reference left; block 0 is still b's.
-    assert_eq!(m.stats().free, 6);
+    // Block 1 had only a's reference left, but the pending copy still reads
+    // it: it is held back until the copies are taken. Block 0 is still b's.
+    assert_eq!((m.stats().free, m.stats().awaiting_copy), (5, 1));
+    assert_eq!(m.take_copies().len(), 1);
+    assert_eq!((m.stats().free, m.stats().awaiting_copy), (6, 0));
     assert_eq!(m.ref_count(0), Some(1));
     assert_eq!(m.ref_count(1), Some(0));
     m.free(b).unwrap();
@@ -572,6 +575,7 @@ fn stats_count_every_field() {
             logical_tokens: 6 + 8 + 5,
             capacity_held: 16,
             pending_copies: 1,
+            awaiting_copy: 0,
         }
     );
     assert_eq!(m.ref_count(0), Some(3));
@@ -853,14 +857,8 @@ fn slot_past_the_end_is_an_error() {
     let mut m = manager(8, 4);
     let a = m.add_sequence(&toks(0, 3)).unwrap();
     let (err, msg) = fails(&mut m, |m| m.slot(a, 3));
-    assert_eq!(
-        err,
-        BlockError::TooManyTokens {
-            requested: 4,
-            limit: 3
-        }
-    );
-    assert_mentions(&msg, &["4", "3"]);
+    assert_eq!(err, BlockError::PositionOutOfRange { pos: 3, len: 3 });
+    assert_mentions(&msg, &["position 3", "3 tokens"]);
 }
 
 #[test]

@@ -100,6 +100,9 @@ struct Harness {
     free: BTreeSet<u32>,
     /// Cached blocks at ref count 0, oldest release first.
     evictable: Vec<u32>,
+    /// Blocks at ref count 0 still read by a pending copy, in release order:
+    /// not reusable until the copies are handed out.
+    awaiting: Vec<u32>,
     /// Prefix cache: token prefix ending at a block boundary -> block.
     cache: HashMap<Vec<u32>, u32>,
     /// The prefix each cached block is registered under.
@@ -138,6 +141,7 @@ impl Harness {
             pool: vec![None; nb * bs],
             free: (0..nb as u32).collect(),
             evictable: Vec::new(),
+            awaiting: Vec::new(),
             cache: HashMap::new(),
             block_key: vec![None; nb],
             stems,
@@ -260,6 +264,13 @@ impl Harness {
         }
     }
 
+    /// The copies were handed out: blocks held back for them are released.
+    fn model_copies_taken(&mut self) {
+        for b in std::mem::take(&mut self.awaiting) {
+            self.model_release(b);
+        }
+    }
+
     /// Block `b` lost its last holder.
     fn model_release(&mut self, b: u32) {
         if self.block_key[b as usize].is_some() {
@@ -338,7 +349,7 @@ impl Harness {
         let matched = self.model_match(&prompt);
         let revived = matched
             .iter()
-            .filter(|&&b| holders[b as usize] == 0)
+            .filter(|&&b| holders[b as usize] == 0 && !self.awaiting.contains(&b))
             .count();
         let needed = self.blocks_for(len) - matched.len();
         assert_eq!(avail, self.free.len() + self.evictable.len());
@@ -364,7 +375,10 @@ impl Harness {
             "blocks served from the prefix cache"
         );
         for &b in &matched {
-            if holders[b as usize] == 0 {
+            if let Some(at) = self.awaiting.iter().position(|&a| a == b) {
+                // Revived before its pending copy ran: held again, read-only.
+                self.awaiting.remove(at);
+            } else if holders[b as usize] == 0 {
                 let at = self
                     .evictable
                     .iter()
@@ -534,11 +548,30 @@ impl Harness {
             .copied()
             .filter(|&b| holders[b as usize] == 0)
             .collect();
-        assert_eq!(self.m.available_blocks(), avail + released.len());
-        // Tail blocks first, so that a chain's head outlives its tail in the cache.
+        let held_back = released
+            .iter()
+            .filter(|&&b| {
+                pre.pending_copies()
+                    .iter()
+                    .any(|c| c[0] == b && !released.contains(&c[1]))
+            })
+            .count();
+        assert_eq!(
+            self.m.available_blocks(),
+            avail + released.len() - held_back
+        );
+        // Tail blocks first, so that a chain's head outlives its tail in the
+        // cache. A copy into a released block is dropped; a released block a
+        // remaining copy still reads waits for the copies to be handed out.
+        let mut copies = pre.pending_copies().to_vec();
         for &b in table.iter().rev() {
             if released.contains(&b) {
-                self.model_release(b);
+                copies.retain(|c| c[1] != b);
+                if copies.iter().any(|c| c[0] == b) {
+                    self.awaiting.push(b);
+                } else {
+                    self.model_release(b);
+                }
             }
         }
         // A copy into a block nobody holds any more is dropped; the others stay, in order.
@@ -612,6 +645,7 @@ impl Harness {
         self.check_view_shape(&ids, &view);
         assert_eq!(view.copies, copies_before);
         assert!(self.m.pending_copies().is_empty());
+        self.model_copies_taken();
 
         // Replay on the simulated pool: copies first, then the new tokens.
         self.apply_copies(&view.copies);
@@ -688,6 +722,7 @@ impl Harness {
         self.note(format!("take_copies -> {copies:?}"));
         assert_eq!(copies, before);
         assert!(self.m.pending_copies().is_empty());
+        self.model_copies_taken();
         self.apply_copies(&copies);
         self.cov.taken_copies += !copies.is_empty() as usize;
     }
@@ -801,7 +836,11 @@ impl Harness {
         let s = self.m.stats();
         let used = holders.iter().filter(|&&h| h > 0).count();
         assert_eq!(s.total, nb);
-        assert_eq!(s.free + s.evictable + s.used, s.total, "{s:?}");
+        assert_eq!(
+            s.free + s.evictable + s.used + s.awaiting_copy,
+            s.total,
+            "{s:?}"
+        );
         assert_eq!(s.used, used);
         assert_eq!(s.shared, holders.iter().filter(|&&h| h > 1).count());
         assert_eq!(s.sequences, self.model.len());
@@ -809,6 +848,14 @@ impl Harness {
         assert_eq!(s.tokens_stored, filled.iter().sum::<usize>());
         assert_eq!(s.capacity_held, used * bs);
         assert_eq!(s.pending_copies, copies.len());
+        assert_eq!(
+            s.awaiting_copy,
+            self.awaiting.len(),
+            "blocks awaiting a copy"
+        );
+        for &b in &self.awaiting {
+            assert_eq!(holders[b as usize], 0, "awaiting block {b} is held");
+        }
         assert_eq!(self.m.available_blocks(), s.free + s.evictable);
         assert_eq!(s.free, self.free.len(), "plain free blocks");
         assert_eq!(s.evictable, self.evictable.len(), "evictable blocks");
@@ -818,7 +865,10 @@ impl Harness {
                 "block {b} is free or evictable and held"
             );
         }
-        assert_eq!(self.free.len() + self.evictable.len() + used, nb);
+        assert_eq!(
+            self.free.len() + self.evictable.len() + self.awaiting.len() + used,
+            nb
+        );
         // The cache never serves a block whose content is not its prefix.
         for (key, &b) in &self.cache {
             assert_eq!(self.block_key[b as usize].as_ref(), Some(key));

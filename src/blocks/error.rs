@@ -40,6 +40,14 @@ pub enum BlockError {
         /// The manager's `max_seq_len`.
         limit: usize,
     },
+    /// A position past the end of a sequence.
+    #[error("position {pos} is past the end of a sequence of {len} tokens")]
+    PositionOutOfRange {
+        /// Position asked for.
+        pos: usize,
+        /// Tokens the sequence holds.
+        len: usize,
+    },
     /// A prompt must hold at least one token.
     #[error("empty prompt")]
     EmptyPrompt,

@@ -90,6 +90,11 @@ pub struct BlockManager {
     seqs: HashMap<u64, Sequence>,
     next_seq: u64,
     copies: Vec<[u32; 2]>,
+    /// Blocks released to ref count 0 while a pending copy still reads them:
+    /// held back from reuse until the copies are handed out, because one
+    /// copy_blocks dispatch runs all pairs at once and a block must not be
+    /// a source and a destination in the same list.
+    awaiting_copy: Vec<u32>,
     prefix_hit_tokens: u64,
 }
 
@@ -130,6 +135,7 @@ impl BlockManager {
             seqs: HashMap::new(),
             next_seq: 0,
             copies: Vec::new(),
+            awaiting_copy: Vec::new(),
             prefix_hit_tokens: 0,
         })
     }
@@ -206,9 +212,9 @@ impl BlockManager {
     pub fn slot(&self, id: SeqId, pos: usize) -> Result<u32, BlockError> {
         let s = self.seq(id)?;
         if pos >= s.tokens.len() {
-            return Err(BlockError::TooManyTokens {
-                requested: pos + 1,
-                limit: s.tokens.len(),
+            return Err(BlockError::PositionOutOfRange {
+                pos,
+                len: s.tokens.len(),
             });
         }
         Ok(self.slot_of(&s.table, pos))
@@ -247,9 +253,23 @@ impl BlockManager {
     fn retain(&mut self, b: u32) {
         let rc = &mut self.ref_counts[b as usize];
         if *rc == 0 {
-            self.evictable.remove(&self.evict_key[b as usize]);
+            if let Some(k) = self.awaiting_copy.iter().position(|&x| x == b) {
+                // A cached block revived before its pending copy ran: held
+                // again, read-only, so it simply stays out of the free pools.
+                self.awaiting_copy.swap_remove(k);
+            } else {
+                self.evictable.remove(&self.evict_key[b as usize]);
+            }
         }
         *rc += 1;
+    }
+
+    /// Hands out the pending copies and frees the blocks they were the last to read.
+    fn drain_copies(&mut self, into: &mut Vec<[u32; 2]>) {
+        into.append(&mut self.copies);
+        for b in std::mem::take(&mut self.awaiting_copy) {
+            self.recycle(b);
+        }
     }
 
     fn release(&mut self, b: u32) {
@@ -262,7 +282,17 @@ impl BlockManager {
         // block may be handed out again before the copy runs.
         if !self.copies.is_empty() {
             self.copies.retain(|c| c[1] != b);
+            if self.copies.iter().any(|c| c[0] == b) {
+                self.awaiting_copy.push(b);
+                return;
+            }
         }
+        self.recycle(b);
+    }
+
+    /// Puts a block at ref count 0 back where it can be taken again.
+    fn recycle(&mut self, b: u32) {
+        let i = b as usize;
         if self.block_hash[i].is_some() {
             self.tick += 1;
             self.evict_key[i] = self.tick;
@@ -309,7 +339,7 @@ impl BlockManager {
         let needed = n_blocks - matched.len();
         let revived = matched
             .iter()
-            .filter(|&&b| self.ref_counts[b as usize] == 0)
+            .filter(|&&b| self.ref_counts[b as usize] == 0 && !self.awaiting_copy.contains(&b))
             .count();
         let available = self.available_blocks() - revived;
         if needed > available {
@@ -428,7 +458,9 @@ impl BlockManager {
     /// Takes the pending copy-on-write list `(src, dst)`. Apply it to the
     /// pool before writing the next tokens' K/V.
     pub fn take_copies(&mut self) -> Vec<[u32; 2]> {
-        std::mem::take(&mut self.copies)
+        let mut out = Vec::new();
+        self.drain_copies(&mut out);
+        out
     }
 
     /// Pending copies, without taking them.
@@ -461,8 +493,8 @@ impl BlockManager {
         Ok(view)
     }
 
-    /// [`batch_view`](Self::batch_view) into a reused [`BatchView`] (no
-    /// allocation once its vectors are large enough).
+    /// [`batch_view`](Self::batch_view) into a reused [`BatchView`] (its
+    /// vectors keep their capacity; only the duplicate check allocates).
     pub fn batch_view_into(
         &mut self,
         seqs: &[SeqId],
@@ -493,7 +525,7 @@ impl BlockManager {
             }
             view.new_indptr.push(view.slot_mapping.len() as u32);
         }
-        view.copies.append(&mut self.copies);
+        self.drain_copies(&mut view.copies);
         for &id in seqs {
             self.register_full_blocks(id);
         }
@@ -550,6 +582,7 @@ impl BlockManager {
             logical_tokens,
             capacity_held: used * bs,
             pending_copies: self.copies.len(),
+            awaiting_copy: self.awaiting_copy.len(),
         }
     }
 }

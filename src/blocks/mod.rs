@@ -84,4 +84,7 @@ pub struct BlockStats {
     pub capacity_held: usize,
     /// Copy-on-write pairs not yet taken.
     pub pending_copies: usize,
+    /// Blocks at ref count 0 held back until the pending copies that read
+    /// them are taken. `free + evictable + used + awaiting_copy == total`.
+    pub awaiting_copy: usize,
 }
