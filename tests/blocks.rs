@@ -949,3 +949,27 @@ fn a_copy_list_never_writes_a_block_another_pair_reads() {
          again as a copy destination)"
     );
 }
+
+#[test]
+fn blocks_needed_to_append_counts_growth_and_copy_on_write() {
+    let mut m = manager(16, 4);
+    let a = m.add_sequence(&toks(0, 6)).unwrap(); // 2 blocks, 2 free slots
+    m.batch_view(&[a]).unwrap();
+    assert_eq!(m.blocks_needed_to_append(&[a], 2).unwrap(), 0);
+    assert_eq!(m.blocks_needed_to_append(&[a], 3).unwrap(), 1);
+    let b = m.fork(a).unwrap(); // the partial block is now shared
+    assert_eq!(m.blocks_needed_to_append(&[b], 1).unwrap(), 1);
+    assert_eq!(m.blocks_needed_to_append(&[b], 3).unwrap(), 2);
+    let before = m.available_blocks();
+    m.append(b, &[1, 2, 3]).unwrap();
+    assert_eq!(
+        before - m.available_blocks(),
+        2,
+        "the bound is exact for one writer"
+    );
+    assert_eq!(m.blocks_needed_to_append(&[a, b], 0).unwrap(), 0);
+    assert!(matches!(
+        m.blocks_needed_to_append(&[SeqId(99)], 1),
+        Err(BlockError::UnknownSequence(_))
+    ));
+}

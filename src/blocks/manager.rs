@@ -2,7 +2,6 @@
 //! copy-on-write and prefix caching over one physical pool.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::hash::{Hash, Hasher};
 
 use super::{BatchView, BlockError, BlockStats, SeqId};
 
@@ -98,12 +97,20 @@ pub struct BlockManager {
     prefix_hit_tokens: u64,
 }
 
+/// Hash of a full block given its parent's hash: a SplitMix64-style mix
+/// over the token ids, written here so the value never changes with the Rust
+/// release (std's DefaultHasher makes no such promise).
 fn chain_hash(parent: u64, tokens: &[u32]) -> u64 {
-    // SipHash with fixed keys: deterministic across runs and machines.
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    parent.hash(&mut h);
-    tokens.hash(&mut h);
-    h.finish()
+    let mix = |mut z: u64| {
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    };
+    let mut h = mix(parent ^ 0x9E37_79B9_7F4A_7C15);
+    for &t in tokens {
+        h = mix(h.wrapping_add(t as u64).wrapping_add(0x9E37_79B9_7F4A_7C15));
+    }
+    mix(h ^ tokens.len() as u64)
 }
 
 impl BlockManager {
@@ -386,9 +393,7 @@ impl BlockManager {
         let len = s.tokens.len();
         let new_len = len + tokens.len();
         self.check_len(new_len)?;
-        let bs = self.cfg.block_size as usize;
-        let cow = len % bs != 0 && self.ref_counts[*s.table.last().unwrap() as usize] > 1;
-        let grow = self.blocks_for(new_len) - s.table.len();
+        let (grow, cow) = self.append_cost(s, tokens.len());
         let needed = grow + cow as usize;
         let available = self.available_blocks();
         if needed > available {
@@ -415,6 +420,33 @@ impl BlockManager {
         let slots = (len..new_len).map(|p| self.slot_of(&s.table, p)).collect();
         self.seqs.insert(id.0, s);
         Ok(slots)
+    }
+
+    /// New blocks an append of `n` tokens takes, and whether the first of
+    /// them is a copy-on-write of the shared last block.
+    fn append_cost(&self, s: &Sequence, n: usize) -> (usize, bool) {
+        if n == 0 {
+            return (0, false);
+        }
+        let len = s.tokens.len();
+        let bs = self.cfg.block_size as usize;
+        let cow = len % bs != 0
+            && self.ref_counts[*s.table.last().expect("sequences hold a block") as usize] > 1;
+        (self.blocks_for(len + n) - s.table.len(), cow)
+    }
+
+    /// Blocks that appending `n` tokens to each of `seqs` would take at most,
+    /// copy-on-write included (what a scheduler checks against
+    /// [`available_blocks`](Self::available_blocks) before a step). Exact
+    /// unless two of `seqs` share a partly filled last block: the second
+    /// writer then finds it unshared, which this bound does not assume.
+    pub fn blocks_needed_to_append(&self, seqs: &[SeqId], n: usize) -> Result<usize, BlockError> {
+        let mut total = 0;
+        for &id in seqs {
+            let (grow, cow) = self.append_cost(self.seq(id)?, n);
+            total += grow + cow as usize;
+        }
+        Ok(total)
     }
 
     /// Forks a sequence: the child shares every block of the parent.
