@@ -145,7 +145,10 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
                 }
             }
             row_of[buf][t] = row;
-            var s: array<f32, NROW>;
+            // Zeroed explicitly: Chrome's WebGPU (seen on SwiftShader) does not re-zero a
+            // `var` without initializer each time a loop body runs it, so the
+            // scores of one tile leaked into the next (naga/Vulkan did re-zero).
+            var s = array<f32, NROW>();
             if row != INVALID {
                 for (var d = 0u; d < HEAD_DIM4; d++) {
                     let kv = kv_load(k_pool[row + d]);
