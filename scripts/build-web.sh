@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Builds the browser demo into web/pkg: the library compiled to
+# wasm32-unknown-unknown (wgpu's WebGPU backend) and its wasm-bindgen glue.
+# Then `scripts/serve-web.sh` serves web/ on http://127.0.0.1:8080/.
+#
+# Needs: rustup (adds the wasm32 target if missing) and the wasm-bindgen CLI
+# at exactly the version of the wasm-bindgen crate in Cargo.lock (installed
+# with `cargo install` if missing: about 4 minutes, once).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! rustup target list --installed | grep -qx wasm32-unknown-unknown; then
+  rustup target add wasm32-unknown-unknown
+fi
+
+# The CLI and the crate must match exactly, or the generated glue refuses
+# to load the module.
+want=$(awk '/^name = "wasm-bindgen"$/ { getline; gsub(/version = |"/, ""); print; exit }' Cargo.lock)
+have=$(wasm-bindgen --version 2>/dev/null | awk '{ print $2 }' || true)
+if [ "$have" != "$want" ]; then
+  echo "installing wasm-bindgen-cli $want (have: ${have:-none})"
+  cargo install wasm-bindgen-cli --version "$want"
+fi
+
+# `cargo rustc --crate-type cdylib` rather than a cdylib in [lib]: native
+# builds then do not link a shared library they never use.
+cargo rustc --lib --release --target wasm32-unknown-unknown --crate-type cdylib
+target_dir=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])')
+wasm-bindgen --target web --no-typescript --out-dir web/pkg \
+  "$target_dir/wasm32-unknown-unknown/release/pagedattn.wasm"
+echo "built web/pkg ($(du -sh web/pkg | cut -f1)); serve it with scripts/serve-web.sh"

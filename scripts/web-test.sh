@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# CI's end-to-end test of the browser demo: installs Chromium and the test's
+# node dependencies if missing, builds the page (scripts/build-web.sh),
+# serves it on a free port of 127.0.0.1, runs web/test/e2e.mjs in headless
+# Chromium (WebGPU on SwiftShader), and stops the server. Exits non-zero on
+# any failure. Writes web/screenshot.png.
+#
+# The first run also installs the wasm-bindgen CLI (about 4 minutes); caching
+# ~/.cargo/bin/wasm-bindgen in CI skips that.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ ! -x /usr/bin/chromium ]; then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq chromium >/dev/null
+fi
+if [ ! -d web/test/node_modules/playwright-core ]; then
+  (cd web/test && npm ci --no-audit --no-fund --loglevel=error)
+fi
+
+scripts/build-web.sh
+
+port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+log=$(mktemp)
+python3 -m http.server --bind 127.0.0.1 --directory web "$port" >"$log" 2>&1 &
+server=$!
+trap 'kill "$server" 2>/dev/null || true; rm -f "$log"' EXIT
+for _ in $(seq 50); do
+  if python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$port/')" 2>/dev/null; then
+    break
+  fi
+  sleep 0.1
+done
+
+# The test bounds itself at 2 minutes; this outer bound catches a stuck browser launch.
+timeout 180 node web/test/e2e.mjs "http://127.0.0.1:$port/"

@@ -1,0 +1,431 @@
+//! The browser side of the demo: wasm-bindgen bindings that run the same
+//! [`Demo`] as the native CLI on the page's WebGPU device and hand the page a
+//! JSON snapshot of the pool after every step.
+//!
+//! Nothing about paging or attention is reimplemented here: the page only
+//! draws what [`BlockManager`] holds and what [`Demo::step`] reports. What this
+//! module adds is the view (who owns each block, which blocks were just
+//! copied), the contiguous-reservation comparison, and an independent
+//! recount of the block accounting from the block tables, so that the page
+//! and its end-to-end test can see a bookkeeping bug instead of drawing it.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::rc::Rc;
+
+use serde::{Deserialize, Serialize};
+use wasm_bindgen::prelude::*;
+
+use crate::blocks::SeqId;
+use crate::demo::{tolerance, Demo, DemoConfig, StepReport};
+use crate::gpu::{Gpu, KvCacheConfig, KvDtype};
+
+thread_local! {
+    /// One device for the page's lifetime: opening an adapter takes a
+    /// while, and a reset only needs a fresh pool.
+    static GPU: RefCell<Option<Rc<Gpu>>> = const { RefCell::new(None) };
+}
+
+#[wasm_bindgen]
+extern "C" {
+    #[wasm_bindgen(js_namespace = console, js_name = error)]
+    fn console_error(msg: &str);
+}
+
+/// Runs once when the module is instantiated: panics go to the console and
+/// to `window.pagedattnPanic`, so the page can show them instead of a trap.
+#[wasm_bindgen(start)]
+pub fn start() {
+    std::panic::set_hook(Box::new(|info| {
+        let msg = info.to_string();
+        console_error(&msg);
+        let _ = js_sys::Reflect::set(
+            &js_sys::global(),
+            &JsValue::from_str("pagedattnPanic"),
+            &JsValue::from_str(&msg),
+        );
+    }));
+}
+
+async fn gpu() -> Result<Rc<Gpu>, JsValue> {
+    if let Some(g) = GPU.with(|g| g.borrow().clone()) {
+        return Ok(g);
+    }
+    let g = Rc::new(Gpu::new_async().await.map_err(err)?);
+    // Validation errors outside an error scope would otherwise only reach the
+    // console; the page reports them next to the kernels' results.
+    g.device.on_uncaptured_error(std::sync::Arc::new(|e| {
+        console_error(&format!("uncaptured WebGPU error: {e}"));
+        GPU_ERRORS.with(|l| l.borrow_mut().push(e.to_string()));
+    }));
+    GPU.with(|s| *s.borrow_mut() = Some(g.clone()));
+    Ok(g)
+}
+
+thread_local! {
+    static GPU_ERRORS: RefCell<Vec<String>> = const { RefCell::new(Vec::new()) };
+}
+
+fn err(e: impl std::fmt::Display) -> JsValue {
+    JsValue::from_str(&e.to_string())
+}
+
+fn json(v: &impl Serialize) -> Result<String, JsValue> {
+    serde_json::to_string(v).map_err(err)
+}
+
+/// What the page can choose; the model shape stays the demo's default.
+#[derive(Clone, Debug, Deserialize)]
+struct WebConfig {
+    seed: u64,
+    requests: u32,
+    samples: u32,
+    block_size: u32,
+    num_blocks: u32,
+}
+
+impl WebConfig {
+    fn demo(&self) -> DemoConfig {
+        DemoConfig {
+            seed: self.seed,
+            requests: self.requests,
+            samples: self.samples,
+            block_size: self.block_size,
+            num_blocks: self.num_blocks,
+            // Packed f16 needs no `shader-f16` (SwiftShader has none).
+            f16: true,
+            ..DemoConfig::default()
+        }
+    }
+}
+
+/// The adapter, as the page shows it.
+#[derive(Serialize)]
+struct AdapterView {
+    name: String,
+    /// wgpu's name of the backend (`BrowserWebGpu` in a browser).
+    backend: String,
+    webgpu: bool,
+    driver: String,
+    max_storage_binding_mib: u64,
+    max_buffer_mib: u64,
+    storage_buffers_per_stage: u32,
+    shader_f16: bool,
+}
+
+/// Opens the browser's WebGPU adapter and describes it as JSON. Fails with
+/// a readable message when there is none.
+#[wasm_bindgen]
+pub async fn adapter() -> Result<String, JsValue> {
+    let g = gpu().await?;
+    json(&AdapterView {
+        name: g.info.name.clone(),
+        backend: format!("{:?}", g.info.backend),
+        webgpu: g.info.backend == wgpu::Backend::BrowserWebGpu,
+        driver: g.info.driver.clone(),
+        max_storage_binding_mib: g.limits.max_storage_buffer_binding_size as u64 >> 20,
+        max_buffer_mib: g.limits.max_buffer_size >> 20,
+        storage_buffers_per_stage: g.limits.max_storage_buffers_per_shader_stage,
+        shader_f16: g.features.contains(wgpu::Features::SHADER_F16),
+    })
+}
+
+/// Largest pool (in blocks) of the demo's shape at `block_size` that fits
+/// one storage binding of this adapter.
+#[wasm_bindgen]
+pub async fn max_blocks(block_size: u32) -> Result<u32, JsValue> {
+    let g = gpu().await?;
+    let d = DemoConfig::default();
+    let cfg = KvCacheConfig {
+        num_layers: d.layers,
+        num_blocks: 1,
+        block_size,
+        num_kv_heads: d.num_kv_heads,
+        head_dim: d.head_dim,
+        dtype: KvDtype::F16,
+    };
+    Ok(cfg.max_blocks_for(g.max_binding_bytes()))
+}
+
+struct Inner {
+    gpu: Rc<Gpu>,
+    /// `None` while a step is in flight (it owns the demo across the await).
+    demo: Option<Demo>,
+    /// Prompt length of each admitted request, for the contiguous comparison.
+    prompts: HashMap<u32, u32>,
+    last: Option<StepReport>,
+}
+
+/// A running demo, driven by the page one step at a time.
+#[wasm_bindgen]
+pub struct WebDemo {
+    inner: Rc<RefCell<Inner>>,
+}
+
+#[wasm_bindgen]
+impl WebDemo {
+    /// A fresh pool and workload from `config` (JSON: seed, requests,
+    /// samples, block_size, num_blocks).
+    pub async fn create(config: String) -> Result<WebDemo, JsValue> {
+        let wc: WebConfig = serde_json::from_str(&config).map_err(err)?;
+        let g = gpu().await?;
+        let demo = Demo::new(&g, wc.demo()).map_err(err)?;
+        Ok(WebDemo {
+            inner: Rc::new(RefCell::new(Inner {
+                gpu: g,
+                demo: Some(demo),
+                prompts: HashMap::new(),
+                last: None,
+            })),
+        })
+    }
+
+    /// Runs one step of the demo (copy_blocks, write_kv and decode on the
+    /// GPU, checked against the f64 reference); resolves to the snapshot.
+    pub fn step(&self) -> js_sys::Promise {
+        let inner = self.inner.clone();
+        wasm_bindgen_futures::future_to_promise(async move {
+            let (gpu, mut demo) = {
+                let mut s = inner.borrow_mut();
+                let demo = s
+                    .demo
+                    .take()
+                    .ok_or_else(|| JsValue::from_str("a step is already running"))?;
+                (s.gpu.clone(), demo)
+            };
+            let result = demo.step(&gpu).await;
+            let mut s = inner.borrow_mut();
+            s.demo = Some(demo);
+            let report = result.map_err(err)?;
+            s.last = Some(report);
+            Ok(JsValue::from_str(&snapshot(&mut s)?))
+        })
+    }
+
+    /// The current state as JSON (the same shape `step` resolves to).
+    pub fn snapshot(&self) -> Result<String, JsValue> {
+        snapshot(&mut self.inner.borrow_mut())
+    }
+}
+
+/// One physical block as drawn.
+#[derive(Serialize)]
+struct BlockView {
+    /// Reference count (0: free).
+    refs: u32,
+    /// Request of the sequences holding it; -1 when free or held by
+    /// several requests.
+    request: i64,
+    /// Sample index when one sequence holds it, else -1.
+    sample: i64,
+    /// Tokens filled (the most any holder has written into it).
+    fill: u32,
+    /// Destination of a copy-on-write copy this step.
+    copied_to: bool,
+    /// Source of a copy-on-write copy this step.
+    copied_from: bool,
+}
+
+#[derive(Serialize)]
+struct SeqView {
+    id: u64,
+    request: u32,
+    sample: u32,
+    len: u32,
+    remaining: u32,
+    table: Vec<u32>,
+}
+
+#[derive(Serialize)]
+struct Numbers {
+    total: u32,
+    used: u32,
+    free: u32,
+    shared: u32,
+    sequences: u32,
+    waiting: u32,
+    tokens_stored: u32,
+    logical_tokens: u32,
+    /// Token slots held but not filled, as a share of held slots.
+    waste_pct: f64,
+    /// What reserving `prompt + max_output` tokens per live sequence, with
+    /// no sharing, would take, in blocks of this size.
+    contiguous_blocks: u32,
+    contiguous_tokens: u32,
+    max_output: u32,
+}
+
+#[derive(Serialize)]
+struct Check {
+    /// The recount from the block tables agrees with the manager.
+    consistent: bool,
+    problems: Vec<String>,
+    tolerance: f64,
+    /// Worst error over every step so far.
+    worst_err: f64,
+    total_copies: u64,
+    /// WebGPU errors raised outside an error scope since the page loaded.
+    gpu_errors: Vec<String>,
+}
+
+#[derive(Serialize)]
+struct Snapshot<'a> {
+    step: Option<&'a StepReport>,
+    done: bool,
+    block_size: u32,
+    blocks: Vec<BlockView>,
+    seqs: Vec<SeqView>,
+    numbers: Numbers,
+    check: Check,
+}
+
+fn snapshot(s: &mut Inner) -> Result<String, JsValue> {
+    let Inner {
+        demo,
+        prompts,
+        last,
+        ..
+    } = s;
+    let demo = demo
+        .as_ref()
+        .ok_or_else(|| JsValue::from_str("a step is running"))?;
+    let cfg = demo.config();
+    let m = demo.manager();
+    let bs = cfg.block_size;
+    let mut blocks: Vec<BlockView> = (0..cfg.num_blocks)
+        .map(|b| BlockView {
+            refs: m.ref_count(b).unwrap_or(0),
+            request: -1,
+            sample: -1,
+            fill: 0,
+            copied_to: false,
+            copied_from: false,
+        })
+        .collect();
+    let mut holders = vec![0u32; cfg.num_blocks as usize];
+    let mut owner: Vec<Option<u32>> = vec![None; cfg.num_blocks as usize];
+    let mut mixed = vec![false; cfg.num_blocks as usize];
+    let mut problems = Vec::new();
+    let mut seqs = Vec::new();
+    let mut contiguous_tokens = 0u32;
+    for q in demo.sequences() {
+        let id = SeqId(q.id);
+        let table = m.block_table(id).map_err(err)?.to_vec();
+        let len = m.seq_len(id).map_err(err)? as u32;
+        // A request is first seen right after admission, holding its prompt;
+        // its forks share that prompt.
+        let prompt = *prompts.entry(q.request).or_insert(len);
+        contiguous_tokens += prompt + cfg.max_output;
+        if table.len() as u32 != len.div_ceil(bs) {
+            problems.push(format!(
+                "sequence {id} holds {len} tokens in {} blocks",
+                table.len()
+            ));
+        }
+        for (i, &b) in table.iter().enumerate() {
+            let Some(v) = blocks.get_mut(b as usize) else {
+                problems.push(format!("sequence {id} maps to block {b} outside the pool"));
+                continue;
+            };
+            let bi = b as usize;
+            holders[bi] += 1;
+            match owner[bi] {
+                None => owner[bi] = Some(q.request),
+                Some(r) if r != q.request => mixed[bi] = true,
+                _ => {}
+            }
+            v.sample = if holders[bi] == 1 {
+                q.sample as i64
+            } else {
+                -1
+            };
+            v.fill = v.fill.max((len - i as u32 * bs).min(bs));
+        }
+        seqs.push(SeqView {
+            id: q.id,
+            request: q.request,
+            sample: q.sample,
+            len,
+            remaining: q.remaining,
+            table,
+        });
+    }
+    for (b, v) in blocks.iter_mut().enumerate() {
+        if v.refs != holders[b] {
+            problems.push(format!(
+                "block {b}: ref count {} but {} tables hold it",
+                v.refs, holders[b]
+            ));
+        }
+        if let (Some(r), false) = (owner[b], mixed[b]) {
+            v.request = r as i64;
+        }
+    }
+    if let Some(r) = last.as_ref() {
+        for c in &r.copies {
+            if let Some(v) = blocks.get_mut(c[1] as usize) {
+                v.copied_to = true;
+            }
+            if let Some(v) = blocks.get_mut(c[0] as usize) {
+                v.copied_from = true;
+            }
+        }
+    }
+    let st = m.stats();
+    if st.sequences != seqs.len() {
+        problems.push(format!(
+            "manager has {} sequences, the demo tracks {}",
+            st.sequences,
+            seqs.len()
+        ));
+    }
+    let used = holders.iter().filter(|&&h| h > 0).count();
+    let shared = holders.iter().filter(|&&h| h > 1).count();
+    if used != st.used || shared != st.shared {
+        problems.push(format!(
+            "tables hold {used} blocks ({shared} shared), manager counts {} ({} shared)",
+            st.used, st.shared
+        ));
+    }
+    if st.used + st.free + st.evictable != st.total {
+        problems.push(format!(
+            "used {} + free {} + evictable {} != total {}",
+            st.used, st.free, st.evictable, st.total
+        ));
+    }
+    let waste_pct = if st.capacity_held == 0 {
+        0.0
+    } else {
+        100.0 * (st.capacity_held - st.tokens_stored) as f64 / st.capacity_held as f64
+    };
+    let snap = Snapshot {
+        step: last.as_ref(),
+        done: demo.done(),
+        block_size: bs,
+        blocks,
+        seqs,
+        numbers: Numbers {
+            total: st.total as u32,
+            used: st.used as u32,
+            free: (st.free + st.evictable) as u32,
+            shared: st.shared as u32,
+            sequences: st.sequences as u32,
+            waiting: last.as_ref().map_or(cfg.requests, |r| r.waiting),
+            tokens_stored: st.tokens_stored as u32,
+            logical_tokens: st.logical_tokens as u32,
+            waste_pct,
+            contiguous_blocks: contiguous_tokens.div_ceil(bs),
+            contiguous_tokens,
+            max_output: cfg.max_output,
+        },
+        check: Check {
+            consistent: problems.is_empty(),
+            problems,
+            tolerance: tolerance(cfg.f16),
+            worst_err: demo.worst_err,
+            total_copies: demo.total_copies,
+            gpu_errors: GPU_ERRORS.with(|l| l.borrow().clone()),
+        },
+    };
+    json(&snap)
+}
