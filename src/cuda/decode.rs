@@ -1,0 +1,283 @@
+//! Paged decode on CUDA: the twin of [`PagedAttention`](crate::gpu::PagedAttention)
+//! over a [`CudaKvCache`], one pass per (sequence, kv head).
+
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+
+use super::{guarded, Cuda, CudaError, CudaKvCache, DriverResultExt, Shape};
+use crate::gpu::AttnOptions;
+
+/// Threads per block and tokens per tile of `decode` in kernels.cu.
+const NT: u32 = 128;
+const TILE: u32 = 64;
+/// Static shared memory a block may use without opting in.
+const MAX_SHARED: u32 = 48 * 1024;
+
+/// Shared memory `decode` declares for a shape (keep in sync with kernels.cu).
+fn shared_bytes(head_dim: u32, group: u32) -> u32 {
+    let hd_t = head_dim.min(NT);
+    let rows = NT / hd_t;
+    4 * group * head_dim + 4 * group * TILE + 8 * TILE + 12 * group + 4 * rows * head_dim
+}
+
+/// A batch's tables, query and output on the device.
+pub(crate) struct DecodeBuffers {
+    pub q: CudaSlice<f32>,
+    pub kv_indptr: CudaSlice<u32>,
+    pub kv_indices: CudaSlice<u32>,
+    pub seq_lens: CudaSlice<u32>,
+    pub slopes: CudaSlice<f32>,
+    pub out: CudaSlice<f32>,
+    pub num_seqs: u32,
+    pub indices_len: u32,
+}
+
+/// The decode kernel for one cache shape and head count.
+pub struct CudaAttention {
+    num_heads: u32,
+    num_kv_heads: u32,
+    head_dim: u32,
+    block_size: u32,
+    num_blocks: u32,
+    decode: CudaFunction,
+}
+
+impl CudaAttention {
+    /// Compiles decode for `num_heads` query heads over `cache`.
+    pub fn new(cuda: &Cuda, cache: &CudaKvCache, num_heads: u32) -> Result<Self, CudaError> {
+        let c = *cache.config();
+        if num_heads == 0 || !num_heads.is_multiple_of(c.num_kv_heads) {
+            return Err(CudaError::InvalidArgument(format!(
+                "num_heads {num_heads} is not a positive multiple of num_kv_heads {}",
+                c.num_kv_heads
+            )));
+        }
+        let group = num_heads / c.num_kv_heads;
+        let need = shared_bytes(c.head_dim, group);
+        if need > MAX_SHARED {
+            return Err(CudaError::Unsupported(format!(
+                "GQA group of {group} heads with head_dim {} needs {need} bytes of shared memory (at most {MAX_SHARED})",
+                c.head_dim
+            )));
+        }
+        let module = cuda.module(Shape {
+            head_dim: c.head_dim,
+            group,
+            block_size: c.block_size,
+            dtype: c.dtype,
+        })?;
+        let decode = guarded("loading decode", || {
+            module.load_function("decode").during("decode")
+        })?;
+        Ok(Self {
+            num_heads,
+            num_kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+            block_size: c.block_size,
+            num_blocks: c.num_blocks,
+            decode,
+        })
+    }
+
+    /// Query heads.
+    pub fn num_heads(&self) -> u32 {
+        self.num_heads
+    }
+
+    /// The same checks as `PagedAttention::check_tables`.
+    pub fn check_tables(
+        &self,
+        kv_indptr: &[u32],
+        kv_indices: &[u32],
+        seq_lens: &[u32],
+    ) -> Result<(), CudaError> {
+        let bad = |m: String| Err(CudaError::InvalidArgument(m));
+        let n = seq_lens.len();
+        if kv_indptr.len() != n + 1 {
+            return bad(format!(
+                "kv_indptr has {} entries for {n} sequences (need {})",
+                kv_indptr.len(),
+                n + 1
+            ));
+        }
+        if kv_indptr[0] != 0
+            || kv_indptr.windows(2).any(|w| w[0] > w[1])
+            || kv_indptr[n] as usize != kv_indices.len()
+        {
+            return bad(
+                "kv_indptr must start at 0, never decrease and end at kv_indices.len()".into(),
+            );
+        }
+        for s in 0..n {
+            let blocks = (kv_indptr[s + 1] - kv_indptr[s]) as u64;
+            if seq_lens[s] as u64 > blocks * self.block_size as u64 {
+                return bad(format!(
+                    "sequence {s} holds {} tokens but its table has only {blocks} blocks",
+                    seq_lens[s]
+                ));
+            }
+        }
+        if let Some(b) = kv_indices.iter().find(|&&b| b >= self.num_blocks) {
+            return bad(format!(
+                "block id {b} outside the pool of {} blocks",
+                self.num_blocks
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_options(&self, o: &AttnOptions) -> Result<(), CudaError> {
+        if let Some(s) = &o.alibi_slopes {
+            if s.len() != self.num_heads as usize {
+                return Err(CudaError::InvalidArgument(format!(
+                    "{} ALiBi slopes for {} heads",
+                    s.len(),
+                    self.num_heads
+                )));
+            }
+        }
+        if o.soft_cap.is_some_and(|c| c.is_nan() || c <= 0.0) || o.sliding_window == Some(0) {
+            return Err(CudaError::InvalidArgument(
+                "soft_cap must be positive and sliding_window at least 1".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Decode from host slices: validates everything, runs, returns
+    /// `[num_seqs][num_heads][head_dim]`. `opts.split` is ignored: the CUDA
+    /// kernel always makes one pass per sequence.
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode(
+        &self,
+        cuda: &Cuda,
+        cache: &CudaKvCache,
+        layer: u32,
+        q: &[f32],
+        kv_indptr: &[u32],
+        kv_indices: &[u32],
+        seq_lens: &[u32],
+        opts: &AttnOptions,
+    ) -> Result<Vec<f32>, CudaError> {
+        cache.layer(layer)?;
+        self.check_options(opts)?;
+        self.check_tables(kv_indptr, kv_indices, seq_lens)?;
+        let n = seq_lens.len();
+        let row = (self.num_heads * self.head_dim) as usize;
+        if q.len() != n * row {
+            return Err(CudaError::InvalidArgument(format!(
+                "q has {} floats; {n} sequences x {} heads x {} need {}",
+                q.len(),
+                self.num_heads,
+                self.head_dim,
+                n * row
+            )));
+        }
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let mut b = self.upload(cuda, q, kv_indptr, kv_indices, seq_lens, opts)?;
+        self.launch(cuda, cache, layer, &mut b, opts)?;
+        guarded("reading the output", || {
+            cuda.stream().clone_dtoh(&b.out).during("download out")
+        })
+    }
+
+    /// Uploads a batch; the output is poisoned with NaN so a kernel that
+    /// skips a write cannot pass.
+    pub(crate) fn upload(
+        &self,
+        cuda: &Cuda,
+        q: &[f32],
+        kv_indptr: &[u32],
+        kv_indices: &[u32],
+        seq_lens: &[u32],
+        opts: &AttnOptions,
+    ) -> Result<DecodeBuffers, CudaError> {
+        // Zero-length allocations are refused: pad empty inputs to one element.
+        let at_least_one = |v: &[u32]| if v.is_empty() { vec![0] } else { v.to_vec() };
+        let slopes = opts.alibi_slopes.clone().unwrap_or_else(|| vec![0.0]);
+        guarded("uploading the batch", || {
+            let s = cuda.stream();
+            Ok(DecodeBuffers {
+                q: s.clone_htod(q).during("upload q")?,
+                kv_indptr: s.clone_htod(kv_indptr).during("upload kv_indptr")?,
+                kv_indices: s
+                    .clone_htod(&at_least_one(kv_indices))
+                    .during("upload kv_indices")?,
+                seq_lens: s.clone_htod(seq_lens).during("upload seq_lens")?,
+                slopes: s.clone_htod(&slopes).during("upload slopes")?,
+                out: s
+                    .clone_htod(&vec![f32::NAN; q.len()])
+                    .during("allocate out")?,
+                num_seqs: seq_lens.len() as u32,
+                indices_len: kv_indices.len() as u32,
+            })
+        })
+    }
+
+    /// Queues one decode over uploaded buffers (no checks, no sync).
+    pub(crate) fn launch(
+        &self,
+        cuda: &Cuda,
+        cache: &CudaKvCache,
+        layer: u32,
+        b: &mut DecodeBuffers,
+        opts: &AttnOptions,
+    ) -> Result<(), CudaError> {
+        let [k, v] = cache.layer(layer)?;
+        if b.num_seqs > i32::MAX as u32 {
+            return Err(CudaError::InvalidArgument(format!(
+                "{} sequences in one decode",
+                b.num_seqs
+            )));
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (b.num_seqs, self.num_kv_heads, 1),
+            block_dim: (NT, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let scale = opts.scale.unwrap_or(1.0 / (self.head_dim as f32).sqrt());
+        let soft_cap = opts.soft_cap.unwrap_or(0.0);
+        let window = opts.sliding_window.unwrap_or(0);
+        let alibi = opts.alibi_slopes.is_some() as u32;
+        guarded("decode", || {
+            let s = cuda.stream();
+            let mut launch = s.launch_builder(&self.decode);
+            launch
+                .arg(&b.q)
+                .arg(k)
+                .arg(v)
+                .arg(&b.kv_indptr)
+                .arg(&b.kv_indices)
+                .arg(&b.seq_lens)
+                .arg(&b.slopes)
+                .arg(&mut b.out)
+                .arg(&self.num_heads)
+                .arg(&self.num_kv_heads)
+                .arg(&self.num_blocks)
+                .arg(&b.indices_len)
+                .arg(&scale)
+                .arg(&soft_cap)
+                .arg(&window)
+                .arg(&alibi);
+            // SAFETY: the argument list matches decode in kernels.cu; the
+            // kernel reads only table entries inside the CSR range and
+            // blocks inside the pool.
+            unsafe { launch.launch(cfg) }.during("launch decode")?;
+            Ok(())
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shared_memory_of_common_shapes_fits() {
+        for (hd, g) in [(64, 8), (128, 8), (256, 8), (80, 4), (256, 16)] {
+            assert!(shared_bytes(hd, g) <= MAX_SHARED, "{hd} {g}");
+        }
+        assert!(shared_bytes(256, 64) > MAX_SHARED);
+    }
+}
