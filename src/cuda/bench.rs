@@ -9,7 +9,7 @@ use crate::gpu::{AttnOptions, KvCacheConfig, KvDtype};
 use crate::rng::SplitMix64;
 
 /// What to time.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct DecodeBench {
     /// Sequences in the batch.
     pub num_seqs: u32,
@@ -23,7 +23,8 @@ pub struct DecodeBench {
     pub head_dim: u32,
     /// Tokens per block.
     pub block_size: u32,
-    /// Pool element type.
+    /// Pool element type ("f32" or "f16" in JSON).
+    #[serde(serialize_with = "dtype_name")]
     pub dtype: KvDtype,
     /// Untimed launches first.
     pub warmup: u32,
@@ -74,8 +75,16 @@ impl DecodeBench {
     }
 }
 
-/// Timings of one [`bench_decode`] run (milliseconds per decode).
-#[derive(Clone, Debug, PartialEq)]
+fn dtype_name<S: serde::Serializer>(d: &KvDtype, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(match d {
+        KvDtype::F32 => "f32",
+        KvDtype::F16 => "f16",
+    })
+}
+
+/// Timings of one [`bench_decode`] run (milliseconds per decode), for the
+/// bench report (text through [`summary`](Self::summary), or JSON).
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct DecodeTiming {
     /// `Cuda::describe` of the device.
     pub device: String,
