@@ -91,7 +91,7 @@ function drawPool() {
   // Wider than tall; small pools get big readable cells.
   const cols = Math.max(8, Math.ceil(Math.sqrt(n * 2.4)));
   const rows = Math.ceil(n / cols);
-  const cell = Math.floor(cssW / cols);
+  const cell = Math.min(40, Math.floor(cssW / cols)); // small pools: readable, not huge
   const gap = cell >= 10 ? 2 : 1;
   const cssH = rows * cell;
   const dpr = window.devicePixelRatio || 1;
@@ -123,12 +123,17 @@ function drawPool() {
       g.fillStyle = blockColor(b);
       g.fillRect(x, y, fw, w);
     }
+    // Copies are ringed black-and-white, which stands out on every hue.
     if (b.copied_to) {
-      g.strokeStyle = '#ff8f00';
-      g.lineWidth = Math.max(2, cell / 7);
-      g.strokeRect(x + g.lineWidth / 2, y + g.lineWidth / 2, w - g.lineWidth, w - g.lineWidth);
+      const lw = Math.max(2, Math.round(cell / 8));
+      g.strokeStyle = '#111';
+      g.lineWidth = lw;
+      g.strokeRect(x + lw / 2, y + lw / 2, w - lw, w - lw);
+      g.strokeStyle = '#fff';
+      g.lineWidth = 1;
+      g.strokeRect(x + lw + 0.5, y + lw + 0.5, w - 2 * lw - 1, w - 2 * lw - 1);
     } else if (b.copied_from) {
-      g.strokeStyle = '#ff8f00';
+      g.strokeStyle = '#111';
       g.lineWidth = 2;
       g.setLineDash([3, 2]);
       g.strokeRect(x + 1, y + 1, w - 2, w - 2);
@@ -183,7 +188,7 @@ function drawNumbers() {
   dl($('numbers'), [
     ['blocks used / free', `${n.used} (${pct(n.used)}) / ${n.free}`],
     ['blocks shared (ref > 1)', `${n.shared}`],
-    ['pool', `${n.total} blocks × ${snap.block_size} tokens`],
+    ['pool (blocks × tokens)', `${n.total} × ${snap.block_size}`],
     ['sequences live / waiting', `${n.sequences} / ${n.waiting}`],
     ['tokens logical → stored', `${n.logical_tokens} → ${n.tokens_stored}`],
     ['saved by sharing', `${n.logical_tokens - n.tokens_stored} tokens`],
@@ -203,7 +208,8 @@ function drawNumbers() {
     ['admitted / forked / finished', s ? `${s.admitted} / ${s.forked} / ${s.finished}` : '–'],
     ['write_kv tokens · decode seqs', s ? `${s.written} · ${s.decoded} (× 2 layers)` : '–'],
     ['copy_blocks (CoW) now / total', s ? `${s.copied} / ${c.total_copies}` : '–'],
-    ['max rel. error, this step', s ? fmtErr(s.max_rel_err) : '–', s && s.max_rel_err < c.tolerance ? 'ok' : s ? 'bad' : ''],
+    ['max rel. error, this step', s && s.decoded ? fmtErr(s.max_rel_err) : '–',
+      !s || !s.decoded ? '' : s.max_rel_err < c.tolerance ? 'ok' : 'bad'],
     [`worst error (tolerance ${c.tolerance.toExponential(0)})`, fmtErr(c.worst_err), errOk ? 'ok' : 'bad'],
     ['time per step (avg)', state.stepMs === null ? '–'
       : `${state.stepMs.toFixed(1)} ms (${(state.stepMsTotal / Math.max(1, state.steps)).toFixed(1)})`],
@@ -336,15 +342,19 @@ async function step() {
 
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 
+// Each Play starts a new loop; a paused loop still asleep must not resume.
+let loopId = 0;
+
 async function play() {
   if (state.running) return;
   state.running = true;
+  const id = ++loopId;
   buttons();
-  while (state.running && snap && !snap.done && !state.error) {
+  while (state.running && id === loopId && snap && !snap.done && !state.error) {
     await step();
     await sleep(Number($('delay').value));
   }
-  state.running = false;
+  if (id === loopId) state.running = false;
   buttons();
 }
 

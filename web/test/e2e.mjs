@@ -2,7 +2,8 @@
 // on SwiftShader) loads the page from a local server, plays a fixed seed,
 // and checks from `window.pagedattnState` that the kernels ran on WebGPU,
 // every step's error is within tolerance, and the block accounting holds.
-// Saves web/screenshot.png taken mid-run, while blocks are shared.
+// Saves web/screenshot.png (or $PAGEDATTN_SCREENSHOT), taken mid-run at a
+// step with copy-on-write copies.
 //
 // Usage: node e2e.mjs http://127.0.0.1:PORT/   (scripts/web-test.sh does it all)
 // `--dump-dom` cannot be used instead: it returns before the GPU work ends.
@@ -22,7 +23,8 @@ const SEED = 7;
 const PLAY_TO_STEP = 20; // then Step until a step copies blocks (seed 7: step 22)
 const TOLERANCE = 2e-3; // packed f16 KV, relative L2 (DESIGN.md)
 const LIMIT_MS = 120_000;
-const screenshot = join(dirname(fileURLToPath(import.meta.url)), '..', 'screenshot.png');
+const screenshot = process.env.PAGEDATTN_SCREENSHOT
+  || join(dirname(fileURLToPath(import.meta.url)), '..', 'screenshot.png');
 
 const failures = [];
 function check(ok, what) {
