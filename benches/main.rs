@@ -3,5 +3,6 @@
 use criterion::criterion_main;
 
 mod bookkeeping;
+mod decode;
 
-criterion_main!(bookkeeping::benches);
+criterion_main!(bookkeeping::benches, decode::benches);

@@ -113,9 +113,11 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     // Every thread keeps the same running max per row (it computes it from
     // the same shared values), its own share of the V accumulator, and, in
     // the threads of column 0, its share of the running sum.
-    var m_run: array<f32, NROW>;
-    var l_run: array<f32, NROW>;
-    var acc: array<vec4<f32>, NROW>;
+    // Explicit zeros: some WGSL compilers have been seen not to zero a bare
+    // `var` array (see the score array below).
+    var m_run = array<f32, NROW>();
+    var l_run = array<f32, NROW>();
+    var acc = array<vec4<f32>, NROW>();
     for (var r = 0u; r < NROW; r++) {
         m_run[r] = NEG_INF;
     }
@@ -185,7 +187,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
 
         // 3. Every thread derives the new row maxima (same values everywhere),
         // rescales its shares, and turns its own tokens' scores into weights.
-        var alpha: array<f32, NROW>;
+        var alpha = array<f32, NROW>();
         for (var r = 0u; r < NROW; r++) {
             var m_new = m_run[r];
             for (var seg = 0u; seg < SEGS; seg++) {

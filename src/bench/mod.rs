@@ -113,7 +113,7 @@ fn progress(cfg: &BenchConfig, msg: &str) {
 
 /// A cache of `layers` layers holding `tokens` tokens of the grid's shape,
 /// filled with a repeating random pattern; `None` if a layer would not fit.
-fn filled_cache(
+pub fn filled_cache(
     gpu: &Gpu,
     tokens: u32,
     dtype: KvDtype,
@@ -159,7 +159,7 @@ fn filled_cache(
 
 /// CSR tables for `batch` sequences of `context` tokens over `batch *
 /// blocks_per_seq` blocks: identity order, or a seeded shuffle.
-fn tables(
+pub fn tables(
     batch: u32,
     context: u32,
     shuffled: bool,
@@ -238,31 +238,57 @@ fn rig<'a>(
     }))
 }
 
+/// The streaming-read reference kernel bound to a cache's first two layers
+/// (K and V of each): reads exactly the bytes one decode over the whole pool reads.
+pub struct StreamRead {
+    pipe: wgpu::ComputePipeline,
+    groups: Vec<wgpu::BindGroup>,
+    workgroups: u32,
+    /// Bytes one run reads (K and V of one layer).
+    pub bytes: u64,
+}
+
+impl StreamRead {
+    /// Binds the kernel to every layer of `cache`.
+    pub fn new(gpu: &Gpu, cache: &KvCache) -> Result<Self, GpuError> {
+        use crate::gpu::shader::ShaderShape;
+        let shape = ShaderShape {
+            head_dim: 4,
+            group: 1,
+            block_size: 1,
+            dtype: KvDtype::F32,
+            qtile: 1,
+            paged: true,
+        };
+        let pipe = crate::gpu::kv_cache_pipeline(gpu, "stream_read", &shape)?;
+        let sink = gpu.storage("sink", 16);
+        let mut groups = Vec::new();
+        for l in 0..cache.config().num_layers {
+            let [k, v] = cache.layer(l)?;
+            groups.push(crate::gpu::bind_buffers(gpu, &pipe, &[k, v, &sink]));
+        }
+        let bytes = 2 * cache.config().layer_bytes();
+        // Enough threads that each does at most ~256 iterations.
+        let workgroups = (bytes / 16 / 64 / 256).clamp(1, 65535) as u32;
+        Ok(Self {
+            pipe,
+            groups,
+            workgroups,
+            bytes,
+        })
+    }
+
+    /// Records one read of layer `layer % num_layers`.
+    pub fn record(&self, enc: &mut wgpu::CommandEncoder, layer: usize) {
+        let bg = &self.groups[layer % self.groups.len()];
+        crate::gpu::dispatch_pass(enc, "stream_read", &self.pipe, bg, (self.workgroups, 1, 1));
+    }
+}
+
 fn stream_gbs(gpu: &Gpu, timer: &Timer, cache: &KvCache) -> Result<f64, GpuError> {
-    use crate::gpu::shader::ShaderShape;
-    let shape = ShaderShape {
-        head_dim: 4,
-        group: 1,
-        block_size: 1,
-        dtype: KvDtype::F32,
-        qtile: 1,
-        paged: true,
-    };
-    let pipe = crate::gpu::kv_cache_pipeline(gpu, "stream_read", &shape)?;
-    let sink = gpu.storage("sink", 16);
-    let [k0, v0] = cache.layer(0)?;
-    let [k1, v1] = cache.layer(1)?;
-    let bgs = [
-        crate::gpu::bind_buffers(gpu, &pipe, &[k0, v0, &sink]),
-        crate::gpu::bind_buffers(gpu, &pipe, &[k1, v1, &sink]),
-    ];
-    let bytes = 2 * cache.config().layer_bytes();
-    // Enough threads that each does at most ~256 iterations.
-    let wgs = (bytes / 16 / 64 / 256).clamp(1, 65535) as u32;
-    let ms = timer.median(|run, enc| {
-        crate::gpu::dispatch_pass(enc, "stream_read", &pipe, &bgs[run % 2], (wgs, 1, 1))
-    })?;
-    Ok(bytes as f64 / ms / 1e6)
+    let s = StreamRead::new(gpu, cache)?;
+    let ms = timer.median(|run, enc| s.record(enc, run))?;
+    Ok(s.bytes as f64 / ms / 1e6)
 }
 
 fn memcpy_gbs(gpu: &Gpu, timer: &Timer) -> Result<f64, GpuError> {

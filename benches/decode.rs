@@ -1,0 +1,118 @@
+//! Paged decode over a grid of batch x context, paged (shuffled physical
+//! blocks) vs the same kernel with an identity table, with K+V bytes as the
+//! throughput, beside the adapter's copy_buffer_to_buffer and streaming-read
+//! bandwidth measured in the same run. GPU time comes from timestamp queries
+//! where the adapter has them (criterion's `iter_custom`), else wall time.
+//! Shape: 32 query heads over 8 KV heads, head_dim 128, block 16, f16 KV.
+
+use std::time::Duration;
+
+use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
+use pagedattn::bench::{filled_cache, tables, StreamRead, Timer, BLOCK, HEADS, HEAD_DIM, KV_HEADS};
+use pagedattn::gpu::{AttnOptions, BatchTables, Gpu, KvDtype, PagedAttention};
+use pagedattn::rng::SplitMix64;
+
+fn gpu_time(
+    timer: &Timer,
+    iters: u64,
+    record: &mut dyn FnMut(usize, &mut wgpu::CommandEncoder),
+) -> Duration {
+    let mut total = 0.0;
+    for i in 0..iters {
+        total += timer.once(i as usize, record).expect("GPU run");
+    }
+    Duration::from_secs_f64(total / 1e3)
+}
+
+fn decode(c: &mut Criterion) {
+    let gpu = match Gpu::new() {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("decode bench skipped: {e}");
+            return;
+        }
+    };
+    let timer = Timer::new(&gpu, false);
+    eprintln!(
+        "decode bench on {} ({:?} timing)",
+        gpu.describe(),
+        timer.source()
+    );
+    let mut rng = SplitMix64::new(42);
+    let mut g = c.benchmark_group("decode");
+    g.sample_size(10)
+        .warm_up_time(Duration::from_millis(200))
+        .measurement_time(Duration::from_secs(1));
+    for &batch in &[1u32, 8, 32, 64] {
+        for &ctx in &[128u32, 512, 2048, 8192] {
+            // Two layers, rotated, so a run never finds the last run's data cached.
+            let Some(cache) =
+                filled_cache(&gpu, batch * ctx, KvDtype::F16, 2, &mut rng).expect("cache")
+            else {
+                eprintln!("decode b{batch} c{ctx}: over the adapter's binding limit, skipped");
+                continue;
+            };
+            let attn = PagedAttention::new(&gpu, &cache, HEADS).expect("kernels");
+            let q = gpu.storage_init("q", &rng.signed_vec((batch * HEADS * HEAD_DIM) as usize));
+            let out = gpu.storage("out", (batch * HEADS * HEAD_DIM * 4) as u64);
+            let bytes = 2 * batch as u64 * ctx as u64 * (KV_HEADS * HEAD_DIM) as u64 * 2;
+            g.throughput(Throughput::Bytes(bytes));
+            for (name, shuffled) in [("paged", true), ("identity", false)] {
+                let (ip, ix, ln) = tables(batch, ctx, shuffled, &mut rng);
+                let t = BatchTables::upload(&gpu, &ip, &ix, &ln, None);
+                let opts = AttnOptions::default();
+                g.bench_function(BenchmarkId::new(name, format!("b{batch}/c{ctx}")), |b| {
+                    b.iter_custom(|iters| {
+                        gpu_time(&timer, iters, &mut |run, enc| {
+                            attn.encode_decode(
+                                &gpu,
+                                enc,
+                                &cache,
+                                run as u32 % 2,
+                                &q,
+                                &t,
+                                &out,
+                                &opts,
+                            )
+                            .expect("decode");
+                        })
+                    })
+                });
+            }
+        }
+    }
+    g.finish();
+
+    // The adapter's own bandwidth in the same run, over a pool the size of
+    // the largest decode cell that fits.
+    let mut g = c.benchmark_group("bandwidth");
+    g.sample_size(10)
+        .warm_up_time(Duration::from_millis(200))
+        .measurement_time(Duration::from_secs(1));
+    let tokens = (gpu.max_binding_bytes() / (KV_HEADS * HEAD_DIM * 2) as u64).min(32 * 2048) as u32
+        / BLOCK
+        * BLOCK;
+    let cache = filled_cache(&gpu, tokens, KvDtype::F16, 2, &mut rng)
+        .expect("cache")
+        .expect("fits by construction");
+    let stream = StreamRead::new(&gpu, &cache).expect("stream kernel");
+    g.throughput(Throughput::Bytes(stream.bytes));
+    g.bench_function("stream_read", |b| {
+        b.iter_custom(|iters| gpu_time(&timer, iters, &mut |run, enc| stream.record(enc, run)))
+    });
+    let [k0, _] = cache.layer(0).expect("layer");
+    let [k1, _] = cache.layer(1).expect("layer");
+    let half = cache.config().layer_bytes();
+    g.throughput(Throughput::Bytes(half));
+    g.bench_function("copy_buffer_to_buffer", |b| {
+        b.iter_custom(|iters| {
+            gpu_time(&timer, iters, &mut |run, enc| {
+                let (src, dst) = if run % 2 == 0 { (k0, k1) } else { (k1, k0) };
+                enc.copy_buffer_to_buffer(src, 0, dst, 0, half);
+            })
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, decode);
