@@ -43,12 +43,45 @@ fn run_bench(a: &BenchArgs) -> Result<(), Box<dyn std::error::Error>> {
         progress: true,
     };
     let report = pagedattn::bench::run(&gpu, &cfg)?;
+    #[cfg(feature = "cuda")]
+    let cuda = cuda_bench(a.quick)?;
+    #[cfg(not(feature = "cuda"))]
+    let cuda: Option<serde_json::Value> = None;
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        let mut v = serde_json::to_value(&report)?;
+        v["cuda"] = serde_json::to_value(&cuda)?;
+        println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
         print!("{}", pagedattn::bench::render(&report));
+        #[cfg(feature = "cuda")]
+        if let Some(c) = &cuda {
+            println!("{}", c.summary());
+        }
     }
     Ok(())
+}
+
+/// The CUDA twin of the decode bench, when the feature is on and a driver is there.
+#[cfg(feature = "cuda")]
+fn cuda_bench(
+    quick: bool,
+) -> Result<Option<pagedattn::cuda::DecodeTiming>, Box<dyn std::error::Error>> {
+    use pagedattn::cuda::{bench_decode, Cuda, DecodeBench};
+    match Cuda::new(0) {
+        Ok(c) => {
+            let b = if quick {
+                DecodeBench::quick()
+            } else {
+                DecodeBench::default()
+            };
+            Ok(Some(bench_decode(&c, &b)?))
+        }
+        Err(e) if e.is_unavailable() => {
+            eprintln!("cuda: {e} (skipped)");
+            Ok(None)
+        }
+        Err(e) => Err(e.into()),
+    }
 }
 
 #[derive(clap::Args, Debug, Default)]
