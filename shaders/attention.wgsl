@@ -21,14 +21,11 @@
 // writes zeros.
 
 const WG: u32 = 64u;
-// Tokens per tile: one per thread in the exp pass.
-const TILE: u32 = WG;
+// Tokens per tile: each thread scores TPT tokens.
+const TPT: u32 = 1u;
+const TILE: u32 = WG * TPT;
 const VROWS: u32 = WG / HEAD_DIM4;
 const NROW: u32 = QTILE * GROUP;
-// LPT (from the prelude, a power of two) lanes score one token together,
-// each over every LPT-th vec4 of the head, so a token's K row is read by
-// neighbouring lanes from neighbouring addresses.
-const TPASS: u32 = WG / LPT;
 // The row max of a tile is found by SEGS threads per row, each over TILE / SEGS scores.
 const SEGS: u32 = max(WG / NROW, 1u);
 
@@ -47,11 +44,11 @@ const SEGS: u32 = max(WG / NROW, 1u);
 @group(0) @binding(6) var<storage, read_write> out_ml: array<vec2<f32>>;
 
 var<workgroup> q_sh: array<vec4<f32>, NROW * HEAD_DIM4>;
-// Per-lane partial dot products [NROW][TILE][LPT]; slot 0 of each then holds
-// the token's logit, and after the exp pass its weight.
-var<workgroup> dots: array<f32, NROW * TILE * LPT>;
+// Scores of a tile, then their probabilities, [NROW][TILE]; double-buffered
+// by tile parity so the next tile's scores never wait for this tile's V pass.
+var<workgroup> sc: array<array<f32, NROW * TILE>, 2>;
 // Pool offset of each token's row in the tile, INVALID when unreadable.
-var<workgroup> row_of: array<u32, TILE>;
+var<workgroup> row_of: array<array<u32, TILE>, 2>;
 // Per-(row, segment) maxima of the current tile.
 var<workgroup> seg_max: array<f32, NROW * SEGS>;
 // End of pass: partial accumulators (VROWS per row) and partial sums.
@@ -128,11 +125,11 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     let c = lid % HEAD_DIM4;
     workgroupBarrier();
 
-    let lane = lid % LPT;
+    var buf = 0u;
     for (var tile = t_begin; tile < t_end; tile += TILE) {
-        // 1. Partial scores: LPT lanes per token, TPASS tokens per pass.
-        for (var sweep = 0u; sweep < LPT; sweep++) {
-            let t = sweep * TPASS + lid / LPT;
+        // 1. Score: thread lid takes tokens tile + lid + k * WG, every row.
+        for (var k = 0u; k < TPT; k++) {
+            let t = lid + k * WG;
             let tok = tile + t;
             var row = INVALID;
             if tok < t_end {
@@ -149,12 +146,13 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
                     }
                 }
             }
-            if lane == 0u {
-                row_of[t] = row;
-            }
+            row_of[buf][t] = row;
+            // Zeroed explicitly: Chrome's WebGPU (seen on SwiftShader) does not re-zero a
+            // `var` without initializer each time a loop body runs it, so the
+            // scores of one tile leaked into the next (naga/Vulkan did re-zero).
             var s = array<f32, NROW>();
             if row != INVALID {
-                for (var d = lane; d < HEAD_DIM4; d += LPT) {
+                for (var d = 0u; d < HEAD_DIM4; d++) {
                     let kv = kv_load(k_pool[row + d]);
                     for (var r = 0u; r < NROW; r++) {
                         s[r] += dot(q_sh[r * HEAD_DIM4 + d], kv);
@@ -162,41 +160,33 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
                 }
             }
             for (var r = 0u; r < NROW; r++) {
-                dots[(r * TILE + t) * LPT + lane] = s[r];
+                let qi = r / GROUP;
+                let q_pos = pos0 + qi;
+                var v = NEG_INF;
+                let in_window = p.sliding_window == 0u || tok + p.sliding_window > q_pos;
+                if row != INVALID && qi < q_count && tok <= q_pos && in_window {
+                    let slope = bitcast<f32>(table_at(p.slopes_off + h0 + r % GROUP));
+                    v = logit(p, s[r], slope, q_pos, tok);
+                }
+                sc[buf][r * TILE + t] = v;
             }
         }
         workgroupBarrier();
 
-        // 2. Logits and segment maxima: SEGS threads per row, in parallel;
-        // each sums the LPT partials of its tokens.
+        // 2. Segment maxima: SEGS threads per row, in parallel.
         for (var i = lid; i < NROW * SEGS; i += WG) {
             let r = i / SEGS;
             let seg = i % SEGS;
-            let qi = r / GROUP;
-            let q_pos = pos0 + qi;
-            let slope = bitcast<f32>(table_at(p.slopes_off + h0 + r % GROUP));
             var mt = NEG_INF;
             for (var t = seg; t < TILE; t += SEGS) {
-                let tok = tile + t;
-                let o = (r * TILE + t) * LPT;
-                var v = NEG_INF;
-                let in_window = p.sliding_window == 0u || tok + p.sliding_window > q_pos;
-                if row_of[t] != INVALID && qi < q_count && tok <= q_pos && in_window {
-                    var dot_qk = dots[o];
-                    for (var l = 1u; l < LPT; l++) {
-                        dot_qk += dots[o + l];
-                    }
-                    v = logit(p, dot_qk, slope, q_pos, tok);
-                }
-                dots[o] = v;
-                mt = max(mt, v);
+                mt = max(mt, sc[buf][r * TILE + t]);
             }
             seg_max[i] = mt;
         }
         workgroupBarrier();
 
         // 3. Every thread derives the new row maxima (same values everywhere),
-        // rescales its shares, and turns its token's logits into weights.
+        // rescales its shares, and turns its own tokens' scores into weights.
         var alpha = array<f32, NROW>();
         for (var r = 0u; r < NROW; r++) {
             var m_new = m_run[r];
@@ -206,34 +196,37 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
             alpha[r] = exp(m_run[r] - m_new);
             m_run[r] = m_new;
         }
-        for (var r = 0u; r < NROW; r++) {
-            let o = (r * TILE + lid) * LPT;
-            let v = dots[o];
-            dots[o] = select(exp(v - m_run[r]), 0.0, v == NEG_INF);
+        for (var k = 0u; k < TPT; k++) {
+            let t = lid + k * WG;
+            for (var r = 0u; r < NROW; r++) {
+                let v = sc[buf][r * TILE + t];
+                sc[buf][r * TILE + t] = select(exp(v - m_run[r]), 0.0, v == NEG_INF);
+            }
         }
         workgroupBarrier();
 
         // 4. V: thread (vr, c) adds column c of every VROWS-th token, for all
-        // rows; every thread also adds the weights themselves (its share of the sum).
+        // rows; column-0 threads also add the weights themselves (the sum).
         if vr < VROWS {
             for (var r = 0u; r < NROW; r++) {
                 acc[r] *= alpha[r];
                 l_run[r] *= alpha[r];
             }
             for (var t = vr; t < TILE; t += VROWS) {
-                let vrow = row_of[t];
+                let vrow = row_of[buf][t];
                 if vrow != INVALID {
                     let v = kv_load(v_pool[vrow + c]);
                     for (var r = 0u; r < NROW; r++) {
-                        let w = dots[(r * TILE + t) * LPT];
+                        let w = sc[buf][r * TILE + t];
                         acc[r] += w * v;
                         l_run[r] += w;
                     }
                 }
             }
         }
-        workgroupBarrier();
+        buf ^= 1u;
     }
+    workgroupBarrier();
 
     // Sum the VROWS partial accumulators and sums of each row; write once.
     for (var r = 0u; r < NROW; r++) {

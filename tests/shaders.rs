@@ -21,8 +21,7 @@ fn shapes() -> Vec<ShaderShape> {
     ] {
         for dtype in [KvDtype::F32, KvDtype::F16] {
             for block_size in [1, 16, 256] {
-                for (qtile, paged, lpt) in [(1, true, 1), (1, true, 8), (4, true, 2), (1, false, 4)]
-                {
+                for (qtile, paged) in [(1, true), (4, true), (1, false)] {
                     v.push(ShaderShape {
                         head_dim,
                         group,
@@ -30,7 +29,6 @@ fn shapes() -> Vec<ShaderShape> {
                         dtype,
                         qtile,
                         paged,
-                        lpt,
                     });
                 }
             }
@@ -148,7 +146,6 @@ fn param_struct_sizes_match_wgsl() {
         dtype: KvDtype::F32,
         qtile: 1,
         paged: true,
-        lpt: 1,
     };
     let (module, _) = parse("attention", &shape);
     let mut layouter = naga::proc::Layouter::default();
@@ -177,7 +174,6 @@ fn a_broken_shader_is_rejected() {
         dtype: KvDtype::F32,
         qtile: 1,
         paged: true,
-        lpt: 1,
     };
     let src = source("copy_blocks", &shape)
         .unwrap()

@@ -259,7 +259,6 @@ impl StreamRead {
             dtype: KvDtype::F32,
             qtile: 1,
             paged: true,
-            lpt: 1,
         };
         let pipe = crate::gpu::kv_cache_pipeline(gpu, "stream_read", &shape)?;
         let sink = gpu.storage("sink", 16);

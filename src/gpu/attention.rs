@@ -204,28 +204,16 @@ impl PagedAttention {
             dtype: c.dtype,
             qtile: 1,
             paged,
-            lpt: 1,
         };
+        let need = shader::attention_workgroup_bytes(&shape);
         let have = gpu.limits.max_compute_workgroup_storage_size;
-        let Some(lpt) = shader::lanes_per_token(&shape, have) else {
+        if need > have {
             return Err(GpuError::Unsupported(format!(
-                "GQA group of {} heads with head_dim {} needs {} bytes of workgroup memory; the adapter has {have}",
-                shape.group,
-                c.head_dim,
-                shader::attention_workgroup_bytes(&shape)
+                "GQA group of {} heads with head_dim {} needs {need} bytes of workgroup memory; the adapter has {have}",
+                shape.group, c.head_dim
             )));
-        };
-        let shape = ShaderShape { lpt, ..shape };
+        }
         let qtile = shader::prefill_qtile(&shape, have);
-        let prefill_shape = ShaderShape {
-            qtile,
-            lpt: 1,
-            ..shape
-        };
-        let prefill_shape = ShaderShape {
-            lpt: shader::lanes_per_token(&prefill_shape, have).unwrap_or(1),
-            ..prefill_shape
-        };
         Ok(Self {
             num_heads,
             num_kv_heads: c.num_kv_heads,
@@ -234,7 +222,7 @@ impl PagedAttention {
             num_blocks: c.num_blocks,
             decode: pipeline(gpu, "attention", &shape)?,
             reduce: pipeline(gpu, "reduce", &shape)?,
-            prefill: pipeline(gpu, "attention", &prefill_shape)?,
+            prefill: pipeline(gpu, "attention", &ShaderShape { qtile, ..shape })?,
             prefill_qtile: qtile,
         })
     }
@@ -388,22 +376,19 @@ impl PagedAttention {
         if nq == 0 {
             return Ok(Vec::new());
         }
-        gpu.scoped_try(|| {
-            let tables = BatchTables::upload_prefill(
-                gpu,
-                kv_indptr,
-                kv_indices,
-                seq_lens,
-                opts.alibi_slopes.as_deref(),
-                qo_indptr,
-                self.prefill_qtile,
-            );
-            let qb = gpu.storage_init("q", q);
-            let mut enc = gpu.device.create_command_encoder(&Default::default());
-            self.encode_prefill(gpu, &mut enc, cache, layer, &qb, &tables, &out, opts)?;
-            gpu.queue.submit([enc.finish()]);
-            Ok(())
-        })?;
+        let tables = BatchTables::upload_prefill(
+            gpu,
+            kv_indptr,
+            kv_indices,
+            seq_lens,
+            opts.alibi_slopes.as_deref(),
+            qo_indptr,
+            self.prefill_qtile,
+        );
+        let qb = gpu.storage_init("q", q);
+        let mut enc = gpu.device.create_command_encoder(&Default::default());
+        self.encode_prefill(gpu, &mut enc, cache, layer, &qb, &tables, &out, opts)?;
+        gpu.queue.submit([enc.finish()]);
         gpu.read(&out, bytes)
     }
 
@@ -562,9 +547,8 @@ impl PagedAttention {
         seq_lens: &[u32],
         opts: &AttnOptions,
     ) -> Result<Vec<f32>, GpuError> {
-        let (out, bytes) = gpu.scoped_try(|| {
-            self.submit_decode(gpu, cache, layer, q, kv_indptr, kv_indices, seq_lens, opts)
-        })?;
+        let (out, bytes) =
+            self.submit_decode(gpu, cache, layer, q, kv_indptr, kv_indices, seq_lens, opts)?;
         gpu.read(&out, bytes)
     }
 
@@ -581,11 +565,8 @@ impl PagedAttention {
         seq_lens: &[u32],
         opts: &AttnOptions,
     ) -> Result<Vec<f32>, GpuError> {
-        let (out, bytes) = gpu
-            .scoped(|| {
-                self.submit_decode(gpu, cache, layer, q, kv_indptr, kv_indices, seq_lens, opts)
-            })
-            .await??;
+        let (out, bytes) =
+            self.submit_decode(gpu, cache, layer, q, kv_indptr, kv_indices, seq_lens, opts)?;
         gpu.read_async(&out, bytes).await
     }
 
