@@ -432,7 +432,8 @@ impl BlockManager {
         let bs = self.cfg.block_size as usize;
         let cow = len % bs != 0
             && self.ref_counts[*s.table.last().expect("sequences hold a block") as usize] > 1;
-        (self.blocks_for(len + n) - s.table.len(), cow)
+        // Saturating: a count no sequence could reach gives a huge bound, not a panic.
+        (self.blocks_for(len.saturating_add(n)) - s.table.len(), cow)
     }
 
     /// Blocks that appending `n` tokens to each of `seqs` would take at most,
@@ -440,11 +441,12 @@ impl BlockManager {
     /// [`available_blocks`](Self::available_blocks) before a step). Exact
     /// unless two of `seqs` share a partly filled last block: the second
     /// writer then finds it unshared, which this bound does not assume.
+    /// Saturates at `usize::MAX` rather than overflowing for a huge `n`.
     pub fn blocks_needed_to_append(&self, seqs: &[SeqId], n: usize) -> Result<usize, BlockError> {
-        let mut total = 0;
+        let mut total = 0usize;
         for &id in seqs {
             let (grow, cow) = self.append_cost(self.seq(id)?, n);
-            total += grow + cow as usize;
+            total = total.saturating_add(grow).saturating_add(cow as usize);
         }
         Ok(total)
     }

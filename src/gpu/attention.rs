@@ -197,6 +197,13 @@ impl PagedAttention {
                 c.num_kv_heads
             )));
         }
+        // Decode and prefill run a workgroup per KV head, reduce one per query head.
+        let max_dim = gpu.limits.max_compute_workgroups_per_dimension;
+        if num_heads > max_dim {
+            return Err(GpuError::Unsupported(format!(
+                "{num_heads} query heads: one dispatch dimension holds at most {max_dim} workgroups"
+            )));
+        }
         let shape = ShaderShape {
             head_dim: c.head_dim,
             group: num_heads / c.num_kv_heads,
@@ -376,19 +383,22 @@ impl PagedAttention {
         if nq == 0 {
             return Ok(Vec::new());
         }
-        let tables = BatchTables::upload_prefill(
-            gpu,
-            kv_indptr,
-            kv_indices,
-            seq_lens,
-            opts.alibi_slopes.as_deref(),
-            qo_indptr,
-            self.prefill_qtile,
-        );
-        let qb = gpu.storage_init("q", q);
-        let mut enc = gpu.device.create_command_encoder(&Default::default());
-        self.encode_prefill(gpu, &mut enc, cache, layer, &qb, &tables, &out, opts)?;
-        gpu.queue.submit([enc.finish()]);
+        gpu.scoped_try(|| {
+            let tables = BatchTables::upload_prefill(
+                gpu,
+                kv_indptr,
+                kv_indices,
+                seq_lens,
+                opts.alibi_slopes.as_deref(),
+                qo_indptr,
+                self.prefill_qtile,
+            );
+            let qb = gpu.storage_init("q", q);
+            let mut enc = gpu.device.create_command_encoder(&Default::default());
+            self.encode_prefill(gpu, &mut enc, cache, layer, &qb, &tables, &out, opts)?;
+            gpu.queue.submit([enc.finish()]);
+            Ok(())
+        })?;
         gpu.read(&out, bytes)
     }
 
@@ -547,8 +557,9 @@ impl PagedAttention {
         seq_lens: &[u32],
         opts: &AttnOptions,
     ) -> Result<Vec<f32>, GpuError> {
-        let (out, bytes) =
-            self.submit_decode(gpu, cache, layer, q, kv_indptr, kv_indices, seq_lens, opts)?;
+        let (out, bytes) = gpu.scoped_try(|| {
+            self.submit_decode(gpu, cache, layer, q, kv_indptr, kv_indices, seq_lens, opts)
+        })?;
         gpu.read(&out, bytes)
     }
 
@@ -565,8 +576,11 @@ impl PagedAttention {
         seq_lens: &[u32],
         opts: &AttnOptions,
     ) -> Result<Vec<f32>, GpuError> {
-        let (out, bytes) =
-            self.submit_decode(gpu, cache, layer, q, kv_indptr, kv_indices, seq_lens, opts)?;
+        let (out, bytes) = gpu
+            .scoped(|| {
+                self.submit_decode(gpu, cache, layer, q, kv_indptr, kv_indices, seq_lens, opts)
+            })
+            .await??;
         gpu.read_async(&out, bytes).await
     }
 

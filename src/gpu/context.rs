@@ -5,6 +5,13 @@ use wgpu::util::DeviceExt;
 use super::GpuError;
 
 /// A wgpu device and queue, with what the adapter is and allows.
+///
+/// wgpu's default for an error raised outside an error scope is to panic;
+/// a `Gpu` instead records the first such error and reports it from the next
+/// [`wait`](Self::wait) (and so from every readback) or
+/// [`take_error`](Self::take_error). A lost device is recorded too: from then
+/// on those calls, and [`scoped`](Self::scoped) work, return
+/// [`GpuError::Device`].
 pub struct Gpu {
     /// The device.
     pub device: wgpu::Device,
@@ -16,6 +23,20 @@ pub struct Gpu {
     pub limits: wgpu::Limits,
     /// Features enabled on the device.
     pub features: wgpu::Features,
+    health: std::sync::Arc<Health>,
+}
+
+/// What the device's callbacks recorded.
+#[derive(Default)]
+struct Health {
+    /// Why the device was lost, once it is.
+    lost: std::sync::Mutex<Option<String>>,
+    /// First error raised outside an error scope and not yet reported.
+    uncaptured: std::sync::Mutex<Option<GpuError>>,
+}
+
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 const NO_ADAPTER_HINT: &str = "install a Vulkan driver (on Linux without a GPU: `apt-get install mesa-vulkan-drivers` for lavapipe), or set PAGEDATTN_BACKEND to a backend this machine has";
@@ -84,12 +105,22 @@ impl Gpu {
     /// Opens a device on `adapter` with the adapter's own limits (the
     /// browser's defaults on the web) and the optional features that help.
     pub async fn from_adapter(adapter: wgpu::Adapter) -> Result<Self, GpuError> {
-        let info = adapter.get_info();
         let limits = if cfg!(target_arch = "wasm32") {
             wgpu::Limits::default().using_resolution(adapter.limits())
         } else {
             adapter.limits()
         };
+        Self::from_adapter_with_limits(adapter, limits).await
+    }
+
+    /// Opens a device on `adapter` with the given limits (at most the
+    /// adapter's own): e.g. the browser's defaults on a native adapter, to
+    /// see how a configuration fares on the web.
+    pub async fn from_adapter_with_limits(
+        adapter: wgpu::Adapter,
+        limits: wgpu::Limits,
+    ) -> Result<Self, GpuError> {
+        let info = adapter.get_info();
         let features = adapter.features() & wgpu::Features::TIMESTAMP_QUERY;
         let (device, queue) = adapter
             .request_device(&wgpu::DeviceDescriptor {
@@ -105,13 +136,41 @@ impl Gpu {
                 adapter: info.name.clone(),
                 reason: e.to_string(),
             })?;
+        let health = std::sync::Arc::new(Health::default());
+        let h = health.clone();
+        device.on_uncaptured_error(std::sync::Arc::new(move |e: wgpu::Error| {
+            lock(&h.uncaptured).get_or_insert_with(|| e.into());
+        }));
+        let h = health.clone();
+        device.set_device_lost_callback(move |reason, msg| {
+            *lock(&h.lost) = Some(format!("device lost ({reason:?}): {msg}"));
+        });
         Ok(Self {
             device,
             queue,
             info,
             limits,
             features,
+            health,
         })
+    }
+
+    /// Whether the device has been lost (destroyed, reset, or its driver gone).
+    pub fn is_lost(&self) -> bool {
+        lock(&self.health.lost).is_some()
+    }
+
+    /// `Err(GpuError::Device)` once the device is lost; else the first error
+    /// wgpu raised outside an error scope since the last call, if any
+    /// (taking it); else `Ok`.
+    pub fn take_error(&self) -> Result<(), GpuError> {
+        if let Some(why) = lock(&self.health.lost).clone() {
+            return Err(GpuError::Device(why));
+        }
+        match lock(&self.health.uncaptured).take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 
     /// "name (backend)", for logs and test names.
@@ -124,25 +183,26 @@ impl Gpu {
         (self.limits.max_storage_buffer_binding_size as u64).min(self.limits.max_buffer_size)
     }
 
-    /// A storage buffer holding `data`.
+    /// A storage buffer holding `data` (at least 16 bytes: zero-sized
+    /// bindings are invalid, so empty inputs get a zeroed buffer).
+    ///
+    /// Filled through the queue rather than mapped at creation: a buffer the
+    /// device refuses (over `max_buffer_size`) is then a wgpu error that a
+    /// scope or [`take_error`](Self::take_error) reports, where
+    /// `create_buffer_init` would panic on mapping it.
     pub fn storage_init<T: bytemuck::Pod>(&self, label: &str, data: &[T]) -> wgpu::Buffer {
-        // Zero-sized bindings are invalid: pad empty inputs to one element.
         let bytes: &[u8] = bytemuck::cast_slice(data);
-        let padded;
-        let contents = if bytes.is_empty() {
-            padded = [0u8; 16];
-            &padded[..]
+        let buf = self.storage(label, bytes.len() as u64);
+        if bytes.is_empty() {
+            // wgpu zero-initialises new buffers.
+        } else if bytes.len() % 4 == 0 {
+            self.queue.write_buffer(&buf, 0, bytes);
         } else {
-            bytes
-        };
-        self.device
-            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
-                label: Some(label),
-                contents,
-                usage: wgpu::BufferUsages::STORAGE
-                    | wgpu::BufferUsages::COPY_DST
-                    | wgpu::BufferUsages::COPY_SRC,
-            })
+            let mut padded = bytes.to_vec();
+            padded.resize(bytes.len().next_multiple_of(4), 0);
+            self.queue.write_buffer(&buf, 0, &padded);
+        }
+        buf
     }
 
     /// A uniform buffer holding `value`.
@@ -167,12 +227,15 @@ impl Gpu {
         })
     }
 
-    /// Waits for all submitted work.
+    /// Waits for all submitted work, then reports what
+    /// [`take_error`](Self::take_error) does. Never polls a lost device
+    /// (wgpu panics on that).
     pub fn wait(&self) -> Result<(), GpuError> {
+        self.take_error()?;
         self.device
             .poll(wgpu::PollType::wait_indefinitely())
-            .map(|_| ())
-            .map_err(|e| GpuError::Device(e.to_string()))
+            .map_err(|e| GpuError::Device(e.to_string()))?;
+        self.take_error()
     }
 
     /// Reads `bytes` bytes of `buf` back to the host as `T`s (blocking: native only).
@@ -221,16 +284,42 @@ impl Gpu {
     }
 
     /// Runs `f` inside a validation + out-of-memory error scope and returns
-    /// the first error wgpu reported as ours.
+    /// the first error wgpu reported as ours (and `GpuError::Device` if the
+    /// device is lost, whose errors no scope sees).
     pub async fn scoped<R>(&self, f: impl FnOnce() -> R) -> Result<R, GpuError> {
+        if let Some(why) = lock(&self.health.lost).clone() {
+            return Err(GpuError::Device(why));
+        }
         let oom = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
         let val = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
         let r = f();
-        let ve = val.pop().await;
-        let oe = oom.pop().await;
+        // Both popped (innermost first) before awaiting, so no scope guard
+        // (which is !Send) lives across an await.
+        let (ve, oe) = (val.pop(), oom.pop());
+        let (ve, oe) = (ve.await, oe.await);
+        if let Some(why) = lock(&self.health.lost).clone() {
+            return Err(GpuError::Device(why));
+        }
         match ve.or(oe) {
             Some(e) => Err(e.into()),
             None => Ok(r),
+        }
+    }
+
+    /// Runs fallible GPU work inside the error scopes natively (blocking on
+    /// the pop, which wgpu-core answers at once); on the web, where nothing
+    /// may block, errors go to the uncaptured-error handler instead.
+    pub(crate) fn scoped_try<R>(
+        &self,
+        f: impl FnOnce() -> Result<R, GpuError>,
+    ) -> Result<R, GpuError> {
+        #[cfg(not(target_arch = "wasm32"))]
+        {
+            self.scoped_blocking(f)?
+        }
+        #[cfg(target_arch = "wasm32")]
+        {
+            f()
         }
     }
 

@@ -319,13 +319,15 @@ impl KvCache {
         if n == 0 {
             return Ok(());
         }
-        let kb = gpu.storage_init("k_new", k);
-        let vb = gpu.storage_init("v_new", v);
-        let sb = gpu.storage_init("slots", slots);
-        let mut enc = gpu.device.create_command_encoder(&Default::default());
-        self.encode_write_kv(gpu, &mut enc, layer, &kb, &vb, &sb, n as u32)?;
-        gpu.queue.submit([enc.finish()]);
-        Ok(())
+        gpu.scoped_try(|| {
+            let kb = gpu.storage_init("k_new", k);
+            let vb = gpu.storage_init("v_new", v);
+            let sb = gpu.storage_init("slots", slots);
+            let mut enc = gpu.device.create_command_encoder(&Default::default());
+            self.encode_write_kv(gpu, &mut enc, layer, &kb, &vb, &sb, n as u32)?;
+            gpu.queue.submit([enc.finish()]);
+            Ok(())
+        })
     }
 
     /// Records `copy_blocks` for every layer (one dispatch per layer, so no
@@ -375,11 +377,13 @@ impl KvCache {
         if copies.is_empty() {
             return Ok(());
         }
-        let cb = gpu.storage_init("copies", copies);
-        let mut enc = gpu.device.create_command_encoder(&Default::default());
-        self.encode_copy_blocks(gpu, &mut enc, &cb, copies.len() as u32)?;
-        gpu.queue.submit([enc.finish()]);
-        Ok(())
+        gpu.scoped_try(|| {
+            let cb = gpu.storage_init("copies", copies);
+            let mut enc = gpu.device.create_command_encoder(&Default::default());
+            self.encode_copy_blocks(gpu, &mut enc, &cb, copies.len() as u32)?;
+            gpu.queue.submit([enc.finish()]);
+            Ok(())
+        })
     }
 
     /// Reads one layer's K and V pools back as f32 (f16 pools are widened).

@@ -1,0 +1,1182 @@
+//! The bad-input matrix: every row feeds the library something wrong and
+//! checks that it answers with a clear error (or a documented, bounds-safe
+//! result) and that nothing changed: the block manager equals a copy taken
+//! before the call, the GPU pool reads back the same bytes.
+//!
+//! Rows without a GPU run everywhere; GPU rows use `common::gpu()` (skipped
+//! without an adapter unless `PAGEDATTN_REQUIRE_GPU=1`). See GUARANTEES.md.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use pagedattn::blocks::{BatchView, BlockError, BlockManager, BlockManagerConfig, SeqId};
+use pagedattn::demo::{Demo, DemoConfig, DemoError};
+use pagedattn::gpu::{
+    AttnOptions, BatchTables, Gpu, GpuError, KvCache, KvCacheConfig, KvDtype, PagedAttention, Split,
+};
+use pagedattn::reference::{self, rel_l2, AttnParams};
+use pagedattn::rng::SplitMix64;
+
+// ---------------------------------------------------------------------------
+// Block manager (no GPU)
+// ---------------------------------------------------------------------------
+
+/// A manager with a forked pair, a pending copy and an unviewed sequence, so
+/// that "unchanged" covers every part of its state.
+fn busy_manager(prefix: bool) -> (BlockManager, Vec<SeqId>) {
+    let cfg = BlockManagerConfig {
+        max_seq_len: 64,
+        ..BlockManagerConfig::new(16, 4).with_prefix_caching(prefix)
+    };
+    let mut m = BlockManager::new(cfg).unwrap();
+    let a = m.add_sequence(&[1, 2, 3, 4, 5, 6]).unwrap();
+    m.batch_view(&[a]).unwrap();
+    let b = m.fork(a).unwrap();
+    m.append(b, &[7]).unwrap(); // copy-on-write pending
+    let c = m.add_sequence(&[9; 9]).unwrap(); // not viewed yet
+    assert_eq!(m.pending_copies().len(), 1);
+    (m, vec![a, b, c])
+}
+
+/// Runs `f` on the manager and checks it failed with `want` and changed nothing.
+#[track_caller]
+fn refused<T: std::fmt::Debug>(
+    m: &mut BlockManager,
+    want: BlockError,
+    f: impl FnOnce(&mut BlockManager) -> Result<T, BlockError>,
+) {
+    let before = m.clone();
+    let got = f(m);
+    match got {
+        Err(e) => assert_eq!(e, want),
+        Ok(v) => panic!("expected {want:?}, got Ok({v:?})"),
+    }
+    assert!(*m == before, "a failing call changed the manager");
+    assert!(!want.to_string().is_empty());
+}
+
+fn every_id_call_refuses(m: &mut BlockManager, id: SeqId) {
+    let e = BlockError::UnknownSequence(id);
+    refused(m, e.clone(), |m| m.append(id, &[1]));
+    refused(m, e.clone(), |m| m.append(id, &[]));
+    refused(m, e.clone(), |m| m.fork(id));
+    refused(m, e.clone(), |m| m.free(id));
+    refused(m, e.clone(), |m| m.batch_view(&[id]));
+    let live = m.sequence_ids();
+    refused(m, e.clone(), |m| m.batch_view(&[live[0], id]));
+    let mut view = BatchView::default();
+    refused(m, e.clone(), |m| m.batch_view_into(&[id], &mut view));
+    assert_eq!(
+        view,
+        BatchView::default(),
+        "a failing view touched its output"
+    );
+    refused(m, e.clone(), |m| m.slot(id, 0));
+    refused(m, e.clone(), |m| m.block_table(id).map(|t| t.to_vec()));
+    refused(m, e.clone(), |m| m.seq_len(id));
+    refused(m, e.clone(), |m| m.tokens(id).map(|t| t.to_vec()));
+    refused(m, e.clone(), |m| m.pending_tokens(id));
+    refused(m, e, |m| m.blocks_needed_to_append(&[live[0], id], 1));
+}
+
+#[test]
+fn unknown_sequence_every_call() {
+    for prefix in [false, true] {
+        let (mut m, _) = busy_manager(prefix);
+        for id in [SeqId(3), SeqId(1_000), SeqId(u64::MAX)] {
+            every_id_call_refuses(&mut m, id);
+        }
+    }
+}
+
+#[test]
+fn freed_sequence_every_call() {
+    for prefix in [false, true] {
+        let (mut m, ids) = busy_manager(prefix);
+        for &id in &ids[1..] {
+            m.free(id).unwrap();
+            every_id_call_refuses(&mut m, id);
+        }
+        // The pending copy's destination went with its sequence.
+        assert!(m.pending_copies().is_empty());
+    }
+}
+
+#[test]
+fn zero_tokens() {
+    let (mut m, ids) = busy_manager(true);
+    refused(&mut m, BlockError::EmptyPrompt, |m| m.add_sequence(&[]));
+    // An empty append is a no-op that succeeds, for every live sequence.
+    for &id in &ids {
+        let before = m.clone();
+        assert_eq!(m.append(id, &[]), Ok(Vec::new()));
+        assert!(m == before);
+    }
+    assert_eq!(m.blocks_needed_to_append(&ids, 0), Ok(0));
+    assert_eq!(m.blocks_needed_to_append(&[], 5), Ok(0));
+}
+
+#[test]
+fn huge_token_counts() {
+    let (mut m, ids) = busy_manager(true);
+    let (a, c) = (ids[0], ids[2]);
+    // Past max_seq_len (64): prompt and append.
+    refused(
+        &mut m,
+        BlockError::TooManyTokens {
+            requested: 65,
+            limit: 64,
+        },
+        |m| m.add_sequence(&[0; 65]),
+    );
+    refused(
+        &mut m,
+        BlockError::TooManyTokens {
+            requested: 6 + 59,
+            limit: 64,
+        },
+        |m| m.append(a, &[0; 59]),
+    );
+    // Within the limit but past the pool: 16 blocks of 4, 5 held.
+    let free = m.available_blocks();
+    refused(&mut m, BlockError::OutOfBlocks { needed: 16, free }, |m| {
+        m.add_sequence(&[0; 64])
+    });
+    refused(
+        &mut m,
+        BlockError::OutOfBlocks {
+            needed: 16 - 3,
+            free,
+        },
+        |m| m.append(c, &[0; 64 - 9]),
+    );
+    // Queries with absurd numbers: a saturated bound, an out-of-range position.
+    assert!(m.blocks_needed_to_append(&ids, usize::MAX).unwrap() > 1 << 60);
+    let many = vec![a; 8];
+    assert_eq!(m.blocks_needed_to_append(&many, usize::MAX), Ok(usize::MAX));
+    refused(
+        &mut m,
+        BlockError::PositionOutOfRange { pos: 6, len: 6 },
+        |m| m.slot(a, 6),
+    );
+    refused(
+        &mut m,
+        BlockError::PositionOutOfRange {
+            pos: usize::MAX,
+            len: 6,
+        },
+        |m| m.slot(a, usize::MAX),
+    );
+    // A pool of more than u32::MAX slots is refused (slots are u32 on the GPU).
+    let e = BlockManager::new(BlockManagerConfig::new(u32::MAX / 256 + 1, 256)).unwrap_err();
+    assert_eq!(
+        e,
+        BlockError::BadPoolSize {
+            num_blocks: u32::MAX / 256 + 1,
+            block_size: 256,
+            max: u32::MAX / 256
+        }
+    );
+}
+
+#[test]
+fn block_size_not_a_power_of_two() {
+    for bs in [0u32, 3, 6, 12, 24, 100, 255, 257, 512, u32::MAX] {
+        let e = BlockManager::new(BlockManagerConfig::new(8, bs)).unwrap_err();
+        assert_eq!(e, BlockError::BadBlockSize(bs));
+        assert!(e.to_string().contains("power of two"), "{e}");
+        let kv = KvCacheConfig {
+            num_layers: 1,
+            num_blocks: 8,
+            block_size: bs,
+            num_kv_heads: 1,
+            head_dim: 64,
+            dtype: KvDtype::F32,
+        };
+        match kv.validate() {
+            Err(GpuError::InvalidArgument(m)) => assert!(m.contains("power of two"), "{m}"),
+            other => panic!("block size {bs}: {other:?}"),
+        }
+    }
+    for bs in [1u32, 2, 4, 8, 16, 32, 64, 128, 256] {
+        BlockManager::new(BlockManagerConfig::new(8, bs)).unwrap();
+    }
+}
+
+#[test]
+fn pool_size_out_of_range() {
+    for (nb, bs) in [
+        (0u32, 16u32),
+        (0, 1),
+        (u32::MAX, 16),
+        (u32::MAX / 16 + 1, 16),
+        (u32::MAX, 2),
+    ] {
+        let e = BlockManager::new(BlockManagerConfig::new(nb, bs)).unwrap_err();
+        assert_eq!(
+            e,
+            BlockError::BadPoolSize {
+                num_blocks: nb,
+                block_size: bs,
+                max: u32::MAX / bs
+            }
+        );
+    }
+    let zero = |f: fn(&mut KvCacheConfig)| {
+        let mut c = KvCacheConfig {
+            num_layers: 1,
+            num_blocks: 8,
+            block_size: 16,
+            num_kv_heads: 1,
+            head_dim: 64,
+            dtype: KvDtype::F16,
+        };
+        f(&mut c);
+        assert!(
+            matches!(c.validate(), Err(GpuError::InvalidArgument(_))),
+            "{c:?}"
+        );
+    };
+    zero(|c| c.num_blocks = 0);
+    zero(|c| c.num_layers = 0);
+    zero(|c| c.num_kv_heads = 0);
+}
+
+#[test]
+fn duplicate_sequence_in_a_batch() {
+    let (mut m, ids) = busy_manager(true);
+    let (a, b) = (ids[0], ids[1]);
+    refused(&mut m, BlockError::DuplicateInBatch(a), |m| {
+        m.batch_view(&[a, b, a])
+    });
+    let mut view = m.clone().batch_view(&[b]).unwrap();
+    let kept = view.clone();
+    refused(&mut m, BlockError::DuplicateInBatch(b), |m| {
+        m.batch_view_into(&[b, b], &mut view)
+    });
+    assert_eq!(view, kept, "a failing view touched its output");
+}
+
+#[test]
+fn fork_before_the_view() {
+    let (mut m, ids) = busy_manager(false);
+    let (b, c) = (ids[1], ids[2]);
+    refused(
+        &mut m,
+        BlockError::PendingTokens { seq: b, pending: 1 },
+        |m| m.fork(b),
+    );
+    refused(
+        &mut m,
+        BlockError::PendingTokens { seq: c, pending: 9 },
+        |m| m.fork(c),
+    );
+}
+
+/// An empty batch is a valid view: CSR offsets `[0]`, nothing else. Taking
+/// it hands out the pending copies (a view always does) and nothing more.
+#[test]
+fn empty_batch_view() {
+    let (mut m, _) = busy_manager(true);
+    let copies = m.pending_copies().to_vec();
+    let stats = m.stats();
+    let v = m.batch_view(&[]).unwrap();
+    assert_eq!(v.num_seqs(), 0);
+    assert_eq!((&v.kv_indptr[..], &v.new_indptr[..]), (&[0][..], &[0][..]));
+    assert!(v.kv_indices.is_empty() && v.seq_lens.is_empty() && v.slot_mapping.is_empty());
+    assert_eq!(v.copies, copies);
+    let after = m.stats();
+    assert_eq!(
+        (after.used, after.sequences, after.pending_copies),
+        (stats.used, stats.sequences, 0)
+    );
+}
+
+// ---------------------------------------------------------------------------
+// GPU
+// ---------------------------------------------------------------------------
+
+const HEADS: u32 = 8;
+const KVH: u32 = 2;
+const HD: u32 = 64;
+
+fn kv_config(num_blocks: u32, bs: u32) -> KvCacheConfig {
+    KvCacheConfig {
+        num_layers: 2,
+        num_blocks,
+        block_size: bs,
+        num_kv_heads: KVH,
+        head_dim: HD,
+        dtype: KvDtype::F32,
+    }
+}
+
+/// A small pool filled with random K/V, its host mirror and the kernels.
+struct Filled {
+    kv: KvCache,
+    attn: PagedAttention,
+    host: HostPool,
+    nb: u32,
+    bs: u32,
+}
+
+fn filled(gpu: &Gpu, rng: &mut SplitMix64) -> Filled {
+    let (nb, bs) = (8u32, 16u32);
+    let kv = KvCache::new(gpu, kv_config(nb, bs)).unwrap();
+    let attn = PagedAttention::new(gpu, &kv, HEADS).unwrap();
+    let slots: Vec<u32> = (0..nb * bs).collect();
+    let row = (KVH * HD) as usize;
+    let (k, v) = (
+        rng.signed_vec(slots.len() * row),
+        rng.signed_vec(slots.len() * row),
+    );
+    let mut host = HostPool::new(nb as usize, KVH as usize, bs as usize, HD as usize);
+    host.write(&slots, &k, &v, KvDtype::F32);
+    for layer in 0..2 {
+        kv.write_kv(gpu, layer, &k, &v, &slots).unwrap();
+    }
+    Filled {
+        kv,
+        attn,
+        host,
+        nb,
+        bs,
+    }
+}
+
+fn snapshot(gpu: &Gpu, kv: &KvCache) -> Vec<(Vec<f32>, Vec<f32>)> {
+    (0..kv.config().num_layers)
+        .map(|l| kv.read_layer(gpu, l).unwrap())
+        .collect()
+}
+
+#[track_caller]
+fn invalid<T: std::fmt::Debug>(r: Result<T, GpuError>, needle: &str) {
+    match r {
+        Err(GpuError::InvalidArgument(m)) => {
+            assert!(
+                m.contains(needle),
+                "message {m:?} does not mention {needle:?}"
+            )
+        }
+        other => panic!("expected InvalidArgument mentioning {needle:?}, got {other:?}"),
+    }
+}
+
+/// A pool over the adapter's binding limit is refused before anything is
+/// allocated, and the error names the largest pool that fits.
+#[test]
+fn gpu_pool_larger_than_the_adapter_allows() {
+    let Some(gpu) = gpu() else { return };
+    let limit = gpu.max_binding_bytes();
+    let mut cfg = KvCacheConfig {
+        num_layers: 1,
+        num_blocks: 1,
+        block_size: 256,
+        num_kv_heads: 8,
+        head_dim: 256,
+        dtype: KvDtype::F32,
+    };
+    let block = cfg.block_bytes(); // 2 MiB
+    let fit = cfg.max_blocks_for(limit);
+    assert!(fit > 0 && fit as u64 * block <= limit);
+    for nb in [fit + 1, u32::MAX] {
+        cfg.num_blocks = nb;
+        match KvCache::new(&gpu, cfg) {
+            Err(e @ GpuError::CacheTooLarge { .. }) => {
+                let GpuError::CacheTooLarge {
+                    num_blocks,
+                    bytes,
+                    limit: l,
+                    max_blocks,
+                } = e.clone()
+                else {
+                    unreachable!()
+                };
+                assert_eq!((num_blocks, l, max_blocks), (nb, limit, fit));
+                assert_eq!(bytes, nb as u64 * block);
+                assert!(
+                    e.to_string().contains(&format!("at most {fit} blocks")),
+                    "{e}"
+                );
+            }
+            other => panic!("{nb} blocks: {:?}", other.map(|_| ())),
+        }
+    }
+    assert!(gpu.take_error().is_ok());
+}
+
+/// Allocations the device must refuse come back as errors, never as
+/// wgpu's default panic: inside an error scope directly; outside one,
+/// recorded and reported by the next `wait()`/`take_error()`; and a cache
+/// whose layers each fit but together exceed the device's memory (run on
+/// real GPUs only: a CPU adapter allocates lazily and would say yes).
+#[test]
+fn gpu_allocation_the_adapter_must_refuse() {
+    let Some(gpu) = gpu() else { return };
+    let too_big = gpu.limits.max_buffer_size.saturating_add(256) & !3;
+    let r = gpu.scoped_blocking(|| gpu.storage("too big", too_big));
+    assert!(
+        matches!(r, Err(GpuError::Validation(_))),
+        "{:?}",
+        r.map(|_| ())
+    );
+    // Outside a scope: no panic; the error surfaces once, at the next check.
+    let _b = gpu.storage("too big, unscoped", too_big);
+    assert!(matches!(gpu.take_error(), Err(GpuError::Validation(_))));
+    assert!(gpu.take_error().is_ok());
+    let _b = gpu.storage("too big again", too_big);
+    assert!(matches!(gpu.wait(), Err(GpuError::Validation(_))));
+    assert!(gpu.wait().is_ok());
+    if gpu.info.device_type == wgpu::DeviceType::Cpu {
+        eprintln!(
+            "skipped the memory-exhaustion part: {} allocates lazily",
+            gpu.describe()
+        );
+        return;
+    }
+    // Layers of up to 1 GiB each, 1 TiB in all: more than any device holds.
+    let mut cfg = KvCacheConfig {
+        num_layers: 1,
+        num_blocks: 1,
+        block_size: 256,
+        num_kv_heads: 8,
+        head_dim: 128,
+        dtype: KvDtype::F32,
+    };
+    cfg.num_blocks = cfg.max_blocks_for(gpu.max_binding_bytes().min(1 << 30));
+    cfg.num_layers = ((1u64 << 40) / (2 * cfg.layer_bytes())).max(2) as u32;
+    let t = Instant::now();
+    let r = KvCache::new(&gpu, cfg);
+    eprintln!(
+        "{} layers of {} MiB: {:?} in {:.1?}",
+        cfg.num_layers,
+        cfg.layer_bytes() >> 20,
+        r.as_ref().map(|_| ()),
+        t.elapsed()
+    );
+    assert!(
+        matches!(r, Err(GpuError::OutOfMemory(_) | GpuError::Validation(_))),
+        "1 TiB of KV cache was accepted"
+    );
+    // The device still works afterwards.
+    let mut rng = SplitMix64::new(1);
+    let f = filled(&gpu, &mut rng);
+    assert_eq!(f.kv.read_layer(&gpu, 1).unwrap().0.len(), f.host.k.len());
+}
+
+#[test]
+fn gpu_head_counts_and_head_dims() {
+    let Some(gpu) = gpu() else { return };
+    let kv = KvCache::new(&gpu, kv_config(4, 16)).unwrap();
+    for heads in [0, 1, 3, 5, 7] {
+        invalid(
+            PagedAttention::new(&gpu, &kv, heads).map(|_| ()),
+            "multiple of num_kv_heads",
+        );
+    }
+    for hd in [0u32, 2, 6, 66, 260, 512, u32::MAX] {
+        let cfg = KvCacheConfig {
+            head_dim: hd,
+            ..kv_config(4, 16)
+        };
+        match KvCache::new(&gpu, cfg) {
+            Err(GpuError::Unsupported(m)) => assert!(m.contains("head_dim"), "{m}"),
+            other => panic!("head_dim {hd}: {:?}", other.map(|_| ())),
+        }
+    }
+    // A GQA group too big for the adapter's workgroup memory.
+    let wide = KvCache::new(
+        &gpu,
+        KvCacheConfig {
+            num_kv_heads: 1,
+            head_dim: 256,
+            ..kv_config(4, 16)
+        },
+    )
+    .unwrap();
+    match PagedAttention::new(&gpu, &wide, 4096) {
+        Err(GpuError::Unsupported(m)) => assert!(m.contains("workgroup memory"), "{m}"),
+        other => panic!("{:?}", other.map(|_| ())),
+    }
+    // More KV heads than one dispatch dimension holds (a workgroup each).
+    let too_many = gpu.limits.max_compute_workgroups_per_dimension + 1;
+    let many = KvCache::new(
+        &gpu,
+        KvCacheConfig {
+            num_layers: 1,
+            num_kv_heads: too_many,
+            head_dim: 4,
+            ..kv_config(4, 1)
+        },
+    )
+    .unwrap();
+    match PagedAttention::new(&gpu, &many, too_many) {
+        Err(GpuError::Unsupported(m)) => assert!(m.contains("dispatch"), "{m}"),
+        other => panic!("{:?}", other.map(|_| ())),
+    }
+    assert!(gpu.take_error().is_ok());
+}
+
+/// Q/K/V/slot slices of the wrong length and out-of-range indices: refused
+/// with a message, the pool byte-for-byte as it was.
+#[test]
+fn gpu_wrong_lengths_and_out_of_range_indices() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = SplitMix64::new(seed("wrong lengths"));
+    let f = filled(&gpu, &mut rng);
+    let before = snapshot(&gpu, &f.kv);
+    let row = (KVH * HD) as usize;
+    let k = rng.signed_vec(3 * row);
+    let slots = [0u32, 17, 40];
+    invalid(
+        f.kv.write_kv(&gpu, 0, &k[..3 * row - 1], &k, &slots),
+        "K and V",
+    );
+    invalid(f.kv.write_kv(&gpu, 0, &k, &k[..row], &slots), "K and V");
+    invalid(f.kv.write_kv(&gpu, 0, &k, &k, &slots[..2]), "K and V");
+    invalid(
+        f.kv.write_kv(&gpu, 0, &k, &k, &[0, f.nb * f.bs, 1]),
+        "outside the pool",
+    );
+    invalid(
+        f.kv.write_kv(&gpu, 0, &k, &k, &[0, u32::MAX, 1]),
+        "outside the pool",
+    );
+    invalid(
+        f.kv.write_kv(&gpu, 2, &k, &k, &slots),
+        "layer 2 out of range",
+    );
+    invalid(
+        f.kv.copy_blocks(&gpu, &[[0, 1], [2, f.nb]]),
+        "outside the pool",
+    );
+    invalid(f.kv.copy_blocks(&gpu, &[[u32::MAX, 1]]), "outside the pool");
+    invalid(f.kv.read_layer(&gpu, 7), "out of range");
+
+    let opts = AttnOptions::default();
+    let q1 = rng.signed_vec((HEADS * HD) as usize);
+    let dec = |q: &[f32], indptr: &[u32], idx: &[u32], lens: &[u32], o: &AttnOptions| {
+        f.attn.decode(&gpu, &f.kv, 0, q, indptr, idx, lens, o)
+    };
+    invalid(dec(&q1[1..], &[0, 1], &[3], &[5], &opts), "q has");
+    invalid(
+        dec(
+            &[q1.clone(), q1.clone()].concat(),
+            &[0, 1],
+            &[3],
+            &[5],
+            &opts,
+        ),
+        "q has",
+    );
+    invalid(dec(&q1, &[0, 1], &[f.nb], &[5], &opts), "outside the pool");
+    invalid(
+        dec(&q1, &[0, 1], &[u32::MAX], &[5], &opts),
+        "outside the pool",
+    );
+    invalid(dec(&q1, &[0, 1, 1], &[3], &[5], &opts), "kv_indptr has");
+    invalid(dec(&q1, &[], &[3], &[5], &opts), "kv_indptr has");
+    invalid(dec(&q1, &[1, 1], &[3], &[5], &opts), "kv_indptr must");
+    invalid(dec(&q1, &[0, 2], &[3], &[5], &opts), "kv_indptr must");
+    invalid(dec(&q1, &[0, 1], &[3], &[17], &opts), "only 1 blocks");
+    invalid(dec(&q1, &[0, 1], &[3], &[u32::MAX], &opts), "only 1 blocks");
+    let q2 = [q1.clone(), q1.clone()].concat();
+    invalid(dec(&q2, &[0, 1, 0], &[3], &[5, 0], &opts), "kv_indptr must");
+    let bad_opts = [
+        AttnOptions {
+            split: Split::Tokens(0),
+            ..Default::default()
+        },
+        AttnOptions {
+            split: Split::Tokens(100),
+            ..Default::default()
+        },
+        AttnOptions {
+            soft_cap: Some(f32::NAN),
+            ..Default::default()
+        },
+        AttnOptions {
+            soft_cap: Some(-1.0),
+            ..Default::default()
+        },
+        AttnOptions {
+            sliding_window: Some(0),
+            ..Default::default()
+        },
+        AttnOptions {
+            alibi_slopes: Some(vec![0.5; HEADS as usize - 1]),
+            ..Default::default()
+        },
+    ];
+    for o in &bad_opts {
+        assert!(
+            matches!(
+                dec(&q1, &[0, 1], &[3], &[5], o),
+                Err(GpuError::InvalidArgument(_))
+            ),
+            "{o:?}"
+        );
+    }
+    invalid(
+        f.attn
+            .decode(&gpu, &f.kv, 2, &q1, &[0, 1], &[3], &[5], &opts),
+        "layer 2",
+    );
+    // Prefill: the same checks, and query offsets.
+    let pre = |q: &[f32], qo: &[u32], lens: &[u32]| {
+        f.attn
+            .prefill(&gpu, &f.kv, 0, q, qo, &[0, 1], &[3], lens, &opts)
+    };
+    invalid(pre(&q1, &[0, 2], &[5]), "q has");
+    invalid(pre(&q2, &[0, 2], &[1]), "only 1 tokens");
+    invalid(pre(&q1, &[0], &[5]), "qo_indptr");
+    invalid(pre(&q1, &[1, 1], &[5]), "qo_indptr");
+    assert!(
+        before == snapshot(&gpu, &f.kv),
+        "a refused call changed the pool"
+    );
+    assert!(gpu.take_error().is_ok());
+}
+
+/// Tables the host path cannot check (the encoder API takes them as they
+/// are): entries past the pool, repeated entries, CSR ranges past
+/// `kv_indices`, decreasing offsets, and lengths far past the table. The
+/// kernel must finish promptly, read nothing outside the pool and produce
+/// what the reference produces with those tokens skipped; a length past
+/// the table counts only the tokens the table holds.
+#[test]
+fn gpu_corrupt_tables_are_bounded() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = SplitMix64::new(seed("corrupt tables, bounded"));
+    let f = filled(&gpu, &mut rng);
+    let before = snapshot(&gpu, &f.kv);
+    let nb = f.nb;
+    // seq 0: length u32::MAX over a 2-block table; seq 1: repeated entries
+    // and one past the pool; seq 2: offsets that decrease (8 -> 5) and run
+    // past kv_indices; seq 3: an empty table with a length.
+    let kv_indptr = vec![0u32, 2, 6, 5, 99, 99];
+    let kv_indices = vec![1u32, 6, 3, 3, nb + 1, 3, 0, 4];
+    let seq_lens = vec![u32::MAX, 64, 40, 30, 16];
+    let n = seq_lens.len();
+    let q = rng.signed_vec(n * (HEADS * HD) as usize);
+    for split in [Split::Never, Split::Auto, Split::Tokens(64)] {
+        let opts = AttnOptions {
+            split,
+            ..Default::default()
+        };
+        let t = Instant::now();
+        let got = run_unchecked(&gpu, &f, &q, &kv_indptr, &kv_indices, &seq_lens, &opts);
+        let took = t.elapsed();
+        eprintln!("{split:?}: {took:.2?}, {:?}", got.as_ref().map(|v| v.len()));
+        assert!(took < Duration::from_secs(30), "{split:?} took {took:?}");
+        let Ok(got) = got else {
+            // The split path sizes its partitions from the lengths: refused.
+            assert!(!matches!(split, Split::Never), "{got:?}");
+            continue;
+        };
+        // Reference: lengths clamped to what each (clamped) table range holds.
+        let clamped: Vec<u32> = (0..n)
+            .map(|s| {
+                let end = (kv_indptr[s + 1] as usize).min(kv_indices.len());
+                let start = (kv_indptr[s] as usize).min(end);
+                seq_lens[s].min(((end - start) as u32) * f.bs)
+            })
+            .collect();
+        let want = reference_unchecked(&f, &q, &kv_indptr, &kv_indices, &clamped);
+        let per = (HEADS * HD) as usize;
+        let errs: Vec<f64> = (0..n)
+            .map(|s| {
+                let (g, w) = (&got[s * per..(s + 1) * per], &want[s * per..(s + 1) * per]);
+                if w.iter().all(|&x| x == 0.0) {
+                    // No readable token: zeros, exactly.
+                    if g.iter().all(|&x| x == 0.0) {
+                        0.0
+                    } else {
+                        f64::INFINITY
+                    }
+                } else {
+                    rel_l2(g, w)
+                }
+            })
+            .collect();
+        assert!(
+            errs.iter().all(|&e| e < 1e-5),
+            "{split:?}: rel L2 per sequence {errs:?}"
+        );
+    }
+    assert!(before == snapshot(&gpu, &f.kv), "decode wrote to the pool");
+    assert!(gpu.take_error().is_ok());
+}
+
+fn run_unchecked(
+    gpu: &Gpu,
+    f: &Filled,
+    q: &[f32],
+    kv_indptr: &[u32],
+    kv_indices: &[u32],
+    seq_lens: &[u32],
+    opts: &AttnOptions,
+) -> Result<Vec<f32>, GpuError> {
+    let tables = BatchTables::upload(gpu, kv_indptr, kv_indices, seq_lens, None);
+    let qb = gpu.storage_init("q", q);
+    let bytes = (q.len() * 4) as u64;
+    let out = gpu.storage("out", bytes);
+    gpu.queue
+        .write_buffer(&out, 0, bytemuck::cast_slice(&vec![f32::NAN; q.len()]));
+    let mut enc = gpu.device.create_command_encoder(&Default::default());
+    f.attn
+        .encode_decode(gpu, &mut enc, &f.kv, 0, &qb, &tables, &out, opts)?;
+    gpu.queue.submit([enc.finish()]);
+    gpu.read(&out, bytes)
+}
+
+/// The reference over a table the kernel sees as corrupt: each sequence's
+/// CSR range clamped to `kv_indices` the way the kernel clamps it.
+fn reference_unchecked(
+    f: &Filled,
+    q: &[f32],
+    kv_indptr: &[u32],
+    kv_indices: &[u32],
+    seq_lens: &[u32],
+) -> Vec<f64> {
+    let n = seq_lens.len();
+    let per = (HEADS * HD) as usize;
+    let mut out = Vec::with_capacity(q.len());
+    for s in 0..n {
+        let end = (kv_indptr[s + 1] as usize).min(kv_indices.len());
+        let start = (kv_indptr[s] as usize).min(end);
+        let table = &kv_indices[start..end];
+        out.extend(reference::decode(
+            &f.host.view(),
+            &AttnParams::new(HEADS as usize, HD as usize),
+            &q[s * per..(s + 1) * per],
+            &[0, table.len() as u32],
+            table,
+            &[seq_lens[s]],
+        ));
+    }
+    out
+}
+
+/// Repeated block ids in a checked table are allowed: the sequence reads
+/// that block at each position it appears, as the reference does.
+#[test]
+fn gpu_repeated_table_entries() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = SplitMix64::new(seed("repeated entries"));
+    let f = filled(&gpu, &mut rng);
+    let (kv_indptr, kv_indices, seq_lens) = (
+        vec![0u32, 4, 7],
+        vec![2u32, 2, 2, 5, 5, 0, 5],
+        vec![60u32, 33],
+    );
+    let q = rng.signed_vec(2 * (HEADS * HD) as usize);
+    let got = f
+        .attn
+        .decode(
+            &gpu,
+            &f.kv,
+            1,
+            &q,
+            &kv_indptr,
+            &kv_indices,
+            &seq_lens,
+            &Default::default(),
+        )
+        .unwrap();
+    let want = reference::decode(
+        &f.host.view(),
+        &AttnParams::new(HEADS as usize, HD as usize),
+        &q,
+        &kv_indptr,
+        &kv_indices,
+        &seq_lens,
+    );
+    let e = rel_l2(&got, &want);
+    assert!(e < 1e-5, "rel L2 {e:.2e}");
+}
+
+/// NaN or infinity in Q, K or V: no error, no crash, and only the rows that
+/// read the bad value are affected. Their values are whatever the adapter's
+/// float arithmetic makes of it (IEEE adapters such as lavapipe give NaN;
+/// WGSL lets others give any value), so only the other rows are compared.
+#[test]
+fn gpu_nan_and_inf_inputs() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = SplitMix64::new(seed("nan inputs"));
+    let f = filled(&gpu, &mut rng);
+    let (bs, row) = (f.bs as usize, (KVH * HD) as usize);
+    let per = (HEADS * HD) as usize;
+    // Three sequences over disjoint blocks: [0, 1], [2, 3], [4, 5].
+    let (kv_indptr, kv_indices, seq_lens) = (
+        vec![0u32, 2, 4, 6],
+        vec![0u32, 1, 2, 3, 4, 5],
+        vec![20u32, 32, 17],
+    );
+    let params = AttnParams::new(HEADS as usize, HD as usize);
+    for case in ["q nan", "q inf", "k nan", "k inf", "v nan", "v -inf"] {
+        let mut q = rng.signed_vec(3 * per);
+        let mut host = HostPool::new(f.nb as usize, KVH as usize, bs, HD as usize);
+        host.k.copy_from_slice(&f.host.k);
+        host.v.copy_from_slice(&f.host.v);
+        let (bad, val) = match case {
+            "q nan" | "k nan" | "v nan" => (1usize, f32::NAN),
+            "q inf" | "k inf" => (1, f32::INFINITY),
+            _ => (1, f32::NEG_INFINITY),
+        };
+        let layer = 1;
+        if case.starts_with('q') {
+            q[bad * per + 5] = val;
+        } else {
+            // Token 3 of sequence 1 (block 2, offset 3), kv head 0, element 7.
+            let slot = 2 * f.bs + 3;
+            let (mut k, mut v) = (rng.signed_vec(row), rng.signed_vec(row));
+            if case.starts_with('k') {
+                k[7] = val;
+            } else {
+                v[7] = val;
+            }
+            f.kv.write_kv(&gpu, layer, &k, &v, &[slot]).unwrap();
+            host.write(&[slot], &k, &v, KvDtype::F32);
+        }
+        let got = f
+            .attn
+            .decode(
+                &gpu,
+                &f.kv,
+                layer,
+                &q,
+                &kv_indptr,
+                &kv_indices,
+                &seq_lens,
+                &Default::default(),
+            )
+            .unwrap_or_else(|e| panic!("{case}: {e}"));
+        assert_eq!(got.len(), q.len());
+        let want = reference::decode(
+            &host.view(),
+            &params,
+            &q,
+            &kv_indptr,
+            &kv_indices,
+            &seq_lens,
+        );
+        for s in [0, 2] {
+            let e = rel_l2(&got[s * per..(s + 1) * per], &want[s * per..(s + 1) * per]);
+            assert!(e < 1e-5, "{case}: clean sequence {s} rel L2 {e:.2e}");
+        }
+        let bad_rows = &got[bad * per..(bad + 1) * per];
+        let non_finite = bad_rows.iter().filter(|x| !x.is_finite()).count();
+        eprintln!("{case}: {non_finite} of {per} outputs of the poisoned sequence are non-finite");
+        if gpu.info.device_type == wgpu::DeviceType::Cpu && case.contains("nan") {
+            // IEEE arithmetic: a NaN reaches the output.
+            assert!(non_finite > 0, "{case}: poisoned sequence came out finite");
+        }
+        // Put the clean values back for the next case.
+        if !case.starts_with('q') {
+            let slot = 2 * f.bs + 3;
+            let b = slot as usize / bs;
+            let o = slot as usize % bs;
+            let mut k = vec![0.0; row];
+            let mut v = vec![0.0; row];
+            for h in 0..KVH as usize {
+                let src = ((b * KVH as usize + h) * bs + o) * HD as usize;
+                k[h * HD as usize..][..HD as usize]
+                    .copy_from_slice(&f.host.k[src..][..HD as usize]);
+                v[h * HD as usize..][..HD as usize]
+                    .copy_from_slice(&f.host.v[src..][..HD as usize]);
+            }
+            f.kv.write_kv(&gpu, layer, &k, &v, &[slot]).unwrap();
+        }
+    }
+    // A NaN scale is not validated: it poisons every row, and nothing else.
+    let q = rng.signed_vec(3 * per);
+    let opts = AttnOptions {
+        scale: Some(f32::NAN),
+        ..Default::default()
+    };
+    let got = f.attn.decode(
+        &gpu,
+        &f.kv,
+        0,
+        &q,
+        &kv_indptr,
+        &kv_indices,
+        &seq_lens,
+        &opts,
+    );
+    assert!(got.is_ok(), "{got:?}");
+    assert!(gpu.take_error().is_ok());
+}
+
+/// Empty batches everywhere: valid, do nothing, return empty results.
+#[test]
+fn gpu_empty_batches() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = SplitMix64::new(seed("empty batches"));
+    let f = filled(&gpu, &mut rng);
+    let before = snapshot(&gpu, &f.kv);
+    let opts = AttnOptions::default();
+    assert_eq!(
+        f.attn.decode(&gpu, &f.kv, 0, &[], &[0], &[], &[], &opts),
+        Ok(Vec::new())
+    );
+    assert_eq!(
+        f.attn
+            .prefill(&gpu, &f.kv, 0, &[], &[0], &[0], &[], &[], &opts),
+        Ok(Vec::new())
+    );
+    // Sequences with no queries in a prefill.
+    assert_eq!(
+        f.attn
+            .prefill(&gpu, &f.kv, 0, &[], &[0, 0], &[0, 1], &[2], &[5], &opts),
+        Ok(Vec::new())
+    );
+    f.kv.write_kv(&gpu, 0, &[], &[], &[]).unwrap();
+    f.kv.copy_blocks(&gpu, &[]).unwrap();
+    // The manager's view of an empty batch goes straight to decode.
+    let mut m = BlockManager::new(BlockManagerConfig::new(f.nb, f.bs)).unwrap();
+    let v = m.batch_view(&[]).unwrap();
+    let out = f
+        .attn
+        .decode(
+            &gpu,
+            &f.kv,
+            1,
+            &[],
+            &v.kv_indptr,
+            &v.kv_indices,
+            &v.seq_lens,
+            &opts,
+        )
+        .unwrap();
+    assert!(out.is_empty());
+    // Encoder level: zero tokens, zero copies, zero sequences record nothing.
+    let empty = gpu.storage_init::<u32>("empty", &[]);
+    let tables = BatchTables::upload(&gpu, &[0], &[], &[], None);
+    let mut enc = gpu.device.create_command_encoder(&Default::default());
+    f.kv.encode_write_kv(&gpu, &mut enc, 0, &empty, &empty, &empty, 0)
+        .unwrap();
+    f.kv.encode_copy_blocks(&gpu, &mut enc, &empty, 0).unwrap();
+    f.attn
+        .encode_decode(&gpu, &mut enc, &f.kv, 0, &empty, &tables, &empty, &opts)
+        .unwrap();
+    gpu.queue.submit([enc.finish()]);
+    gpu.wait().unwrap();
+    assert!(before == snapshot(&gpu, &f.kv));
+}
+
+/// A device opened with the browser's limits (128 MiB per binding) and one
+/// with tiny limits: what exceeds them is an error from the call, never a
+/// panic from wgpu's default error handler.
+#[test]
+fn gpu_inputs_over_the_device_limits() {
+    let Some(default_gpu) = gpu() else { return };
+    drop(default_gpu);
+    let (backends, _) = pagedattn::gpu::backends_from_env().unwrap();
+    let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
+    desc.backends = backends;
+    let inst = wgpu::Instance::new(desc);
+    let open = |limits: fn(wgpu::Limits) -> wgpu::Limits| {
+        let adapter = pollster::block_on(inst.request_adapter(&wgpu::RequestAdapterOptions {
+            power_preference: wgpu::PowerPreference::HighPerformance,
+            ..Default::default()
+        }))
+        .unwrap();
+        let l = limits(adapter.limits());
+        pollster::block_on(Gpu::from_adapter_with_limits(adapter, l)).unwrap()
+    };
+    // The browser's defaults: a pool over 128 MiB per layer is refused.
+    let web = open(|a| wgpu::Limits::default().using_resolution(a));
+    assert_eq!(web.max_binding_bytes(), 128 << 20);
+    let cfg = KvCacheConfig {
+        num_blocks: 1 + (128 << 20) / kv_config(1, 16).block_bytes() as u32,
+        ..kv_config(1, 16)
+    };
+    let fit = ((128 << 20) / cfg.block_bytes()) as u32;
+    match KvCache::new(&web, cfg) {
+        Err(GpuError::CacheTooLarge { max_blocks, .. }) => assert_eq!(max_blocks, fit),
+        other => panic!("{:?}", other.map(|_| ())),
+    }
+    drop(web);
+
+    // Tiny limits: 64 KiB per binding, 1 MiB per buffer.
+    let tiny = open(|a| wgpu::Limits {
+        max_storage_buffer_binding_size: 64 << 10,
+        max_buffer_size: 1 << 20,
+        ..wgpu::Limits::default().using_resolution(a)
+    });
+    let kv = KvCache::new(&tiny, kv_config(8, 16)).unwrap(); // 64 KiB per layer
+    let attn = PagedAttention::new(&tiny, &kv, HEADS).unwrap();
+    let per = (HEADS * HD) as usize; // 2 KiB of q per sequence
+                                     // 40 sequences: q and out are 80 KiB, over the binding limit.
+    let n = 40;
+    let q = vec![0.5f32; n * per];
+    let kv_indptr: Vec<u32> = (0..=n as u32).collect();
+    let r = attn.decode(
+        &tiny,
+        &kv,
+        0,
+        &q,
+        &kv_indptr,
+        &vec![0; n],
+        &vec![3; n],
+        &AttnOptions::default(),
+    );
+    assert!(matches!(r, Err(GpuError::Validation(_))), "{r:?}");
+    // Split scratch: one sequence in 64-token partitions, 2 KiB each.
+    let opts = AttnOptions {
+        split: Split::Tokens(64),
+        ..Default::default()
+    };
+    let table: Vec<u32> = (0..200).map(|i| i % 8).collect();
+    let ok = attn.decode(
+        &tiny,
+        &kv,
+        0,
+        &q[..per],
+        &[0, 8],
+        &table[..8],
+        &[128],
+        &opts,
+    );
+    assert!(ok.is_ok(), "{ok:?}");
+    // 33 partitions: 66 KiB of scratch, over the binding limit.
+    let r = attn.decode(
+        &tiny,
+        &kv,
+        0,
+        &q[..per],
+        &[0, 200],
+        &table,
+        &[33 * 64],
+        &opts,
+    );
+    assert!(matches!(r, Err(GpuError::Validation(_))), "{r:?}");
+    let slots: Vec<u32> = (0..20_000).map(|i| i % 128).collect();
+    let big = vec![0.0f32; slots.len() * (KVH * HD) as usize]; // 10 MB
+    let r = kv.write_kv(&tiny, 0, &big, &big, &slots);
+    assert!(matches!(r, Err(GpuError::Validation(_))), "{r:?}");
+    let copies: Vec<[u32; 2]> = (0..9000).map(|i| [i % 4, 4 + i % 4]).collect(); // 72 KB
+    let r = kv.copy_blocks(&tiny, &copies);
+    assert!(matches!(r, Err(GpuError::Validation(_))), "{r:?}");
+    // Nothing was left for the uncaptured handler, and the device still works.
+    assert!(tiny.take_error().is_ok());
+    let r = attn.decode(
+        &tiny,
+        &kv,
+        0,
+        &q[..per],
+        &[0, 1],
+        &[0],
+        &[3],
+        &AttnOptions::default(),
+    );
+    assert!(r.is_ok(), "{r:?}");
+}
+
+/// A lost device: every later call returns `GpuError::Device`, none panics.
+#[test]
+fn gpu_device_lost() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = SplitMix64::new(seed("device lost"));
+    let f = filled(&gpu, &mut rng);
+    gpu.device.destroy();
+    // The callback may run on the next poll; any call gets there.
+    let _ = gpu.wait();
+    assert!(gpu.is_lost());
+    let dev = |r: Result<(), GpuError>, what: &str| match r {
+        Err(GpuError::Device(m)) => assert!(m.contains("lost"), "{what}: {m}"),
+        other => panic!("{what}: {other:?}"),
+    };
+    let row = (KVH * HD) as usize;
+    let k = rng.signed_vec(row);
+    dev(f.kv.write_kv(&gpu, 0, &k, &k, &[3]), "write_kv");
+    dev(f.kv.copy_blocks(&gpu, &[[0, 1]]), "copy_blocks");
+    let q = rng.signed_vec((HEADS * HD) as usize);
+    let r = f
+        .attn
+        .decode(&gpu, &f.kv, 0, &q, &[0, 1], &[2], &[9], &Default::default());
+    dev(r.map(|_| ()), "decode");
+    dev(f.kv.read_layer(&gpu, 0).map(|_| ()), "read_layer");
+    dev(
+        KvCache::new(&gpu, kv_config(4, 16)).map(|_| ()),
+        "KvCache::new",
+    );
+    dev(
+        PagedAttention::new(&gpu, &f.kv, HEADS).map(|_| ()),
+        "PagedAttention::new",
+    );
+    dev(gpu.wait(), "wait");
+    dev(gpu.take_error(), "take_error");
+    let r = Demo::new(&gpu, DemoConfig::default())
+        .map(|_| ())
+        .map_err(|e| match e {
+            DemoError::Gpu(g) => g,
+            other => panic!("{other}"),
+        });
+    dev(r, "Demo::new");
+}
+
+/// The demo refuses bad settings with the layer's error instead of panicking.
+#[test]
+fn gpu_demo_bad_settings() {
+    let Some(gpu) = gpu() else { return };
+    let bad = [
+        DemoConfig {
+            block_size: 12,
+            ..Default::default()
+        },
+        DemoConfig {
+            num_blocks: 0,
+            ..Default::default()
+        },
+        DemoConfig {
+            num_heads: 7,
+            ..Default::default()
+        },
+        DemoConfig {
+            head_dim: 66,
+            ..Default::default()
+        },
+        DemoConfig {
+            num_kv_heads: 0,
+            ..Default::default()
+        },
+        DemoConfig {
+            num_blocks: u32::MAX,
+            ..Default::default()
+        },
+    ];
+    for cfg in bad {
+        let r = Demo::new(&gpu, cfg.clone());
+        assert!(r.is_err(), "{cfg:?} accepted");
+    }
+    // Degenerate but valid: no requests, one sample, one-token limits.
+    for cfg in [
+        DemoConfig {
+            requests: 0,
+            ..Default::default()
+        },
+        DemoConfig {
+            requests: 2,
+            samples: 0,
+            max_prompt: 0,
+            max_output: 0,
+            arrival_every: 0,
+            ..Default::default()
+        },
+    ] {
+        let mut d = Demo::new(&gpu, cfg.clone()).unwrap();
+        let mut steps = 0;
+        while !d.done() {
+            pollster::block_on(d.step(&gpu)).unwrap();
+            steps += 1;
+            assert!(steps < 1000, "{cfg:?} never finished");
+        }
+        assert_eq!(d.manager().stats().free, d.manager().stats().total);
+    }
+}
