@@ -51,6 +51,9 @@ var<workgroup> sc: array<array<f32, NROW * TILE>, 2>;
 var<workgroup> row_of: array<array<u32, TILE>, 2>;
 // Per-(row, segment) maxima of the current tile.
 var<workgroup> seg_max: array<f32, NROW * SEGS>;
+// Running max per row, and the factor of the current tile's rescale.
+var<workgroup> m_sh: array<f32, NROW>;
+var<workgroup> alpha_sh: array<f32, NROW>;
 // End of pass: partial accumulators (VROWS per row) and partial sums.
 var<workgroup> red: array<vec4<f32>, WG>;
 var<workgroup> red_l: array<f32, WG>;
@@ -110,16 +113,13 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         }
         q_sh[i] = v;
     }
-    // Every thread keeps the same running max per row (it computes it from
-    // the same shared values), its own share of the V accumulator, and, in
-    // the threads of column 0, its share of the running sum.
-    // Explicit zeros: some WGSL compilers have been seen not to zero a bare
-    // `var` array (see the score array below).
-    var m_run = array<f32, NROW>();
+    // Each thread keeps its share of the V accumulator and of the running
+    // sum; the running max lives in workgroup memory. Explicit zeros: some
+    // WGSL compilers have been seen not to zero a bare `var` array.
     var l_run = array<f32, NROW>();
     var acc = array<vec4<f32>, NROW>();
-    for (var r = 0u; r < NROW; r++) {
-        m_run[r] = NEG_INF;
+    for (var r = lid; r < NROW; r += WG) {
+        m_sh[r] = NEG_INF;
     }
     let vr = lid / HEAD_DIM4;
     let c = lid % HEAD_DIM4;
@@ -185,32 +185,34 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         }
         workgroupBarrier();
 
-        // 3. Every thread derives the new row maxima (same values everywhere),
-        // rescales its shares, and turns its own tokens' scores into weights.
-        var alpha = array<f32, NROW>();
-        for (var r = 0u; r < NROW; r++) {
-            var m_new = m_run[r];
+        // 3. One thread per row folds the segment maxima into the running
+        // max and the factor that rescales what came before.
+        for (var r = lid; r < NROW; r += WG) {
+            var m_new = m_sh[r];
             for (var seg = 0u; seg < SEGS; seg++) {
                 m_new = max(m_new, seg_max[r * SEGS + seg]);
             }
-            alpha[r] = exp(m_run[r] - m_new);
-            m_run[r] = m_new;
+            alpha_sh[r] = exp(m_sh[r] - m_new);
+            m_sh[r] = m_new;
         }
+        workgroupBarrier();
+
+        // 4. Each thread turns its token's scores into weights.
         for (var k = 0u; k < TPT; k++) {
             let t = lid + k * WG;
             for (var r = 0u; r < NROW; r++) {
                 let v = sc[buf][r * TILE + t];
-                sc[buf][r * TILE + t] = select(exp(v - m_run[r]), 0.0, v == NEG_INF);
+                sc[buf][r * TILE + t] = select(exp(v - m_sh[r]), 0.0, v == NEG_INF);
             }
         }
         workgroupBarrier();
 
-        // 4. V: thread (vr, c) adds column c of every VROWS-th token, for all
+        // 5. V: thread (vr, c) adds column c of every VROWS-th token, for all
         // rows; column-0 threads also add the weights themselves (the sum).
         if vr < VROWS {
             for (var r = 0u; r < NROW; r++) {
-                acc[r] *= alpha[r];
-                l_run[r] *= alpha[r];
+                acc[r] *= alpha_sh[r];
+                l_run[r] *= alpha_sh[r];
             }
             for (var t = vr; t < TILE; t += VROWS) {
                 let vrow = row_of[buf][t];
@@ -250,7 +252,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
                 let o = (seq * p.num_heads + hq) * p.num_partitions + part;
                 out[o * HEAD_DIM4 + lid] = a;
                 if lid == 0u {
-                    out_ml[o] = vec2<f32>(m_run[r], l);
+                    out_ml[o] = vec2<f32>(m_sh[r], l);
                 }
             }
         }

@@ -75,7 +75,7 @@ pub fn source(kernel: &str, shape: &ShaderShape) -> Option<String> {
 pub fn attention_workgroup_bytes(s: &ShaderShape) -> u32 {
     let (rows, d4, tile, wg) = (s.group * s.qtile.max(1), s.head_dim / 4, 64, 64);
     let segs = (wg / rows).max(1);
-    16 * rows * d4 + 2 * (4 * rows * tile + 4 * tile) + 4 * rows * segs + 20 * wg
+    16 * rows * d4 + 2 * (4 * rows * tile + 4 * tile) + 4 * rows * segs + 8 * rows + 20 * wg
 }
 
 /// Queries per prefill workgroup for `shape` (its `qtile` ignored): the most
