@@ -167,8 +167,10 @@ pub struct PagedAttention {
     num_blocks: u32,
     decode: wgpu::ComputePipeline,
     reduce: wgpu::ComputePipeline,
-    prefill: wgpu::ComputePipeline,
-    prefill_qtile: u32,
+    /// Built on first use: decode-only callers never pay for its compile
+    /// (seconds per shape on software GL).
+    prefill: std::sync::OnceLock<wgpu::ComputePipeline>,
+    prefill_shape: ShaderShape,
 }
 
 impl PagedAttention {
@@ -229,14 +231,22 @@ impl PagedAttention {
             num_blocks: c.num_blocks,
             decode: pipeline(gpu, "attention", &shape)?,
             reduce: pipeline(gpu, "reduce", &shape)?,
-            prefill: pipeline(gpu, "attention", &ShaderShape { qtile, ..shape })?,
-            prefill_qtile: qtile,
+            prefill: std::sync::OnceLock::new(),
+            prefill_shape: ShaderShape { qtile, ..shape },
         })
     }
 
     /// Queries per prefill workgroup (chosen from the adapter's workgroup memory).
     pub fn prefill_qtile(&self) -> u32 {
-        self.prefill_qtile
+        self.prefill_shape.qtile
+    }
+
+    fn prefill_pipeline(&self, gpu: &Gpu) -> Result<&wgpu::ComputePipeline, GpuError> {
+        if let Some(p) = self.prefill.get() {
+            return Ok(p);
+        }
+        let p = pipeline(gpu, "attention", &self.prefill_shape)?;
+        Ok(self.prefill.get_or_init(|| p))
     }
 
     /// Query heads.
@@ -307,18 +317,15 @@ impl PagedAttention {
                 tables.num_tiles
             )));
         }
+        let prefill = self.prefill_pipeline(gpu)?;
         let p = self.attn_params(tables, opts, 0, 1);
         let ub = gpu.uniform("prefill params", &p);
         let dummy = gpu.storage("unused", 16);
-        let bg = bind(
-            gpu,
-            &self.prefill,
-            &[&ub, q, k, v, &tables.buffer, out, &dummy],
-        );
+        let bg = bind(gpu, prefill, &[&ub, q, k, v, &tables.buffer, out, &dummy]);
         dispatch(
             enc,
             "prefill",
-            &self.prefill,
+            prefill,
             &bg,
             (tables.num_tiles, self.num_kv_heads, 1),
         );
@@ -391,7 +398,7 @@ impl PagedAttention {
                 seq_lens,
                 opts.alibi_slopes.as_deref(),
                 qo_indptr,
-                self.prefill_qtile,
+                self.prefill_shape.qtile,
             );
             let qb = gpu.storage_init("q", q);
             let mut enc = gpu.device.create_command_encoder(&Default::default());
