@@ -973,3 +973,42 @@ fn blocks_needed_to_append_counts_growth_and_copy_on_write() {
         Err(BlockError::UnknownSequence(_))
     ));
 }
+
+#[test]
+fn sliding_window_releases_blocks_wholly_outside_it() {
+    use pagedattn::blocks::RELEASED;
+    let mut m = manager(16, 4);
+    let a = m.add_sequence(&toks(0, 18)).unwrap(); // blocks 0..5, 18 tokens
+    assert_eq!(
+        m.release_outside_window(a, 5).unwrap(),
+        0,
+        "pending tokens are never released"
+    );
+    m.batch_view(&[a]).unwrap();
+    let before = m.clone();
+    assert_eq!(m.release_outside_window(a, 0), Err(BlockError::ZeroWindow));
+    assert_eq!(m, before, "a failed release changes nothing");
+    // Window 5 over 18 tokens keeps positions 13..18: blocks 3 and 4; 0-2 go.
+    assert_eq!(m.release_outside_window(a, 5).unwrap(), 3);
+    let t = m.block_table(a).unwrap().to_vec();
+    assert_eq!(&t[..3], &[RELEASED; 3]);
+    assert!(t[3..].iter().all(|&b| b != RELEASED));
+    let s = m.stats();
+    assert_eq!((s.used, s.free), (2, 14));
+    assert_eq!(s.tokens_stored, 4 + 2);
+    assert_eq!(m.release_outside_window(a, 5).unwrap(), 0, "idempotent");
+    assert!(matches!(
+        m.slot(a, 2),
+        Err(BlockError::PositionReleased { pos: 2 })
+    ));
+    assert!(m.slot(a, 13).is_ok());
+    // The view carries the sentinel; fork and free skip it.
+    let v = m.batch_view(&[a]).unwrap();
+    assert_eq!(&v.kv_indices[..3], &[RELEASED; 3]);
+    let b = m.fork(a).unwrap();
+    m.append(b, &[7, 7, 7]).unwrap(); // copy-on-write of the partial block
+    m.free(a).unwrap();
+    m.take_copies();
+    m.free(b).unwrap();
+    assert_eq!(m.stats().free, 16, "every block back");
+}

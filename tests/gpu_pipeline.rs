@@ -299,3 +299,85 @@ fn corrupt_tables_are_skipped_not_read() {
         "{err}"
     );
 }
+
+/// Sliding window with the blocks outside it released by the block manager:
+/// the tables then hold RELEASED entries, and decode still equals the
+/// reference with the window (and the result before the release).
+#[test]
+fn sliding_window_after_releasing_old_blocks() {
+    let Some(gpu) = gpu() else { return };
+    for dtype in [KvDtype::F32, KvDtype::F16] {
+        let s = seed("window release");
+        let mut rng = SplitMix64::new(s);
+        let (bs, lens, window) = (16u32, [300usize, 47, 5], 40u32);
+        let nb = blocks_for(&lens, bs, 4);
+        let (mut m, ids, view) = shuffled_batch(&mut rng, nb, bs, &lens);
+        let kv = cache(&gpu, 1, nb, bs, dtype);
+        let attn = PagedAttention::new(&gpu, &kv, HEADS).unwrap();
+        let row = (KVH * HD) as usize;
+        let n = view.slot_mapping.len();
+        let (k, v) = (rng.signed_vec(n * row), rng.signed_vec(n * row));
+        kv.write_kv(&gpu, 0, &k, &v, &view.slot_mapping).unwrap();
+        let mut host = HostPool::new(nb as usize, KVH as usize, bs as usize, HD as usize);
+        host.write(&view.slot_mapping, &k, &v, dtype);
+        let q = rng.signed_vec(lens.len() * (HEADS * HD) as usize);
+        let opts = AttnOptions {
+            sliding_window: Some(window),
+            ..Default::default()
+        };
+        let before = attn
+            .decode(
+                &gpu,
+                &kv,
+                0,
+                &q,
+                &view.kv_indptr,
+                &view.kv_indices,
+                &view.seq_lens,
+                &opts,
+            )
+            .unwrap();
+        let free0 = m.stats().free;
+        let released: usize = ids
+            .iter()
+            .map(|&id| m.release_outside_window(id, window as usize).unwrap())
+            .sum();
+        assert_eq!(
+            released,
+            (300 - 40) / 16,
+            "the long sequence drops its old blocks"
+        );
+        assert_eq!(m.stats().free, free0 + released);
+        let after_view = m.batch_view(&ids).unwrap();
+        let after = attn
+            .decode(
+                &gpu,
+                &kv,
+                0,
+                &q,
+                &after_view.kv_indptr,
+                &after_view.kv_indices,
+                &after_view.seq_lens,
+                &opts,
+            )
+            .unwrap();
+        let mut p = AttnParams::new(HEADS as usize, HD as usize);
+        p.sliding_window = Some(window);
+        let want = reference::decode(
+            &host.view(),
+            &p,
+            &q,
+            &after_view.kv_indptr,
+            &after_view.kv_indices,
+            &after_view.seq_lens,
+        );
+        let e = rel_l2(&after, &want);
+        let same = before.iter().zip(&after).all(|(a, b)| a == b);
+        eprintln!("{dtype:?}: released {released} blocks, rel L2 {e:.2e}, identical to before release: {same}");
+        assert!(e < 1e-5, "{e:.2e} (seed {s})");
+        assert!(
+            same,
+            "releasing blocks outside the window must not change the output"
+        );
+    }
+}

@@ -48,6 +48,15 @@ pub enum BlockError {
         /// Tokens the sequence holds.
         len: usize,
     },
+    /// A position whose block a sliding window released.
+    #[error("position {pos} was released (outside the sliding window)")]
+    PositionReleased {
+        /// Position asked for.
+        pos: usize,
+    },
+    /// A sliding window must cover at least one position.
+    #[error("sliding window of 0 positions")]
+    ZeroWindow,
     /// A prompt must hold at least one token.
     #[error("empty prompt")]
     EmptyPrompt,

@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
-use super::{BatchView, BlockError, BlockStats, SeqId};
+use super::{BatchView, BlockError, BlockStats, SeqId, RELEASED};
 
 /// How a [`BlockManager`] is laid out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -223,6 +223,9 @@ impl BlockManager {
                 pos,
                 len: s.tokens.len(),
             });
+        }
+        if s.table[pos / self.cfg.block_size as usize] == RELEASED {
+            return Err(BlockError::PositionReleased { pos });
         }
         Ok(self.slot_of(&s.table, pos))
     }
@@ -451,6 +454,36 @@ impl BlockManager {
         Ok(total)
     }
 
+    /// Sliding-window attention never reads a position more than `window - 1`
+    /// before the newest one: drops this sequence's references to blocks that
+    /// lie wholly before its window (and before its pending tokens), leaving
+    /// [`RELEASED`] in their table entries, which the kernels skip. Returns
+    /// how many entries were released.
+    pub fn release_outside_window(
+        &mut self,
+        id: SeqId,
+        window: usize,
+    ) -> Result<usize, BlockError> {
+        let s = self.seq(id)?;
+        if window == 0 {
+            return Err(BlockError::ZeroWindow);
+        }
+        let bs = self.cfg.block_size as usize;
+        let keep_from = s.tokens.len().saturating_sub(window.max(s.pending));
+        let dead = keep_from / bs;
+        let victims: Vec<(usize, u32)> = s.table[..dead]
+            .iter()
+            .enumerate()
+            .filter(|(_, &b)| b != RELEASED)
+            .map(|(i, &b)| (i, b))
+            .collect();
+        for &(i, b) in &victims {
+            self.release(b);
+            self.seqs.get_mut(&id.0).expect("checked above").table[i] = RELEASED;
+        }
+        Ok(victims.len())
+    }
+
     /// Forks a sequence: the child shares every block of the parent.
     ///
     /// The parent's newest tokens must have been taken by a batch view first
@@ -465,7 +498,7 @@ impl BlockManager {
             });
         }
         let child = s.clone();
-        for &b in &child.table {
+        for &b in child.table.iter().filter(|&&b| b != RELEASED) {
             self.retain(b);
         }
         let id = self.next_seq;
@@ -483,7 +516,7 @@ impl BlockManager {
             .ok_or(BlockError::UnknownSequence(id))?;
         // Tail blocks first: they become the oldest evictable entries, so a
         // chain's prefix outlives its suffix in the cache.
-        for &b in s.table.iter().rev() {
+        for &b in s.table.iter().rev().filter(|&&b| b != RELEASED) {
             self.release(b);
         }
         Ok(())
@@ -581,7 +614,7 @@ impl BlockManager {
             let h = chain_hash(parent, &s.tokens[i * bs..(i + 1) * bs]);
             s.hashes.push(h);
             let b = s.table[i];
-            if self.block_hash[b as usize].is_none() {
+            if b != RELEASED && self.block_hash[b as usize].is_none() {
                 if let std::collections::hash_map::Entry::Vacant(e) = self.cache.entry(h) {
                     e.insert(b);
                     self.block_hash[b as usize] = Some(h);
@@ -598,7 +631,7 @@ impl BlockManager {
         for s in self.seqs.values() {
             let len = s.tokens.len();
             logical_tokens += len;
-            for (i, &b) in s.table.iter().enumerate() {
+            for (i, &b) in s.table.iter().enumerate().filter(|(_, &b)| b != RELEASED) {
                 let f = (len - i * bs).min(bs) as u32;
                 let slot = &mut filled[b as usize];
                 *slot = (*slot).max(f);

@@ -9,6 +9,11 @@ mod manager;
 pub use error::BlockError;
 pub use manager::{BlockManager, BlockManagerConfig};
 
+/// Table entry of a block dropped by
+/// [`BlockManager::release_outside_window`]: outside every pool, so the
+/// kernels skip it (those positions are outside the window anyway).
+pub const RELEASED: u32 = u32::MAX;
+
 /// Handle of a live sequence in a [`BlockManager`]. Ids are never reused.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct SeqId(pub u64);
@@ -32,7 +37,8 @@ impl std::fmt::Display for SeqId {
 pub struct BatchView {
     /// `num_seqs + 1` offsets into `kv_indices`.
     pub kv_indptr: Vec<u32>,
-    /// Physical block ids, sequence after sequence.
+    /// Physical block ids, sequence after sequence ([`RELEASED`] for blocks
+    /// a sliding window dropped).
     pub kv_indices: Vec<u32>,
     /// Tokens held by each sequence.
     pub seq_lens: Vec<u32>,

@@ -442,7 +442,11 @@ impl PagedAttention {
                 ));
             }
         }
-        if let Some(b) = kv_indices.iter().find(|&&b| b >= self.num_blocks) {
+        // RELEASED marks a block a sliding window dropped: skipped by the kernels.
+        if let Some(b) = kv_indices
+            .iter()
+            .find(|&&b| b >= self.num_blocks && b != crate::blocks::RELEASED)
+        {
             return bad(format!(
                 "block id {b} outside the pool of {} blocks",
                 self.num_blocks
