@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
 use pagedattn::bench::{filled_cache, tables, StreamRead, Timer, BLOCK, HEADS, HEAD_DIM, KV_HEADS};
-use pagedattn::gpu::{AttnOptions, BatchTables, Gpu, KvDtype, PagedAttention};
+use pagedattn::gpu::{AttnOptions, BatchTables, Gpu, KvDtype, PagedAttention, Split};
 use pagedattn::rng::SplitMix64;
 
 fn gpu_time(
@@ -61,6 +61,57 @@ fn decode(c: &mut Criterion) {
                 let (ip, ix, ln) = tables(batch, ctx, shuffled, &mut rng);
                 let t = BatchTables::upload(&gpu, &ip, &ix, &ln, None);
                 let opts = AttnOptions::default();
+                g.bench_function(BenchmarkId::new(name, format!("b{batch}/c{ctx}")), |b| {
+                    b.iter_custom(|iters| {
+                        gpu_time(&timer, iters, &mut |run, enc| {
+                            attn.encode_decode(
+                                &gpu,
+                                enc,
+                                &cache,
+                                run as u32 % 2,
+                                &q,
+                                &t,
+                                &out,
+                                &opts,
+                            )
+                            .expect("decode");
+                        })
+                    })
+                });
+            }
+        }
+    }
+    g.finish();
+
+    // Split-K vs one workgroup per (sequence, kv head) where it matters:
+    // few sequences, long contexts.
+    let mut g = c.benchmark_group("decode_split");
+    g.sample_size(10)
+        .warm_up_time(Duration::from_millis(200))
+        .measurement_time(Duration::from_secs(1));
+    for &batch in &[1u32, 4] {
+        for &ctx in &[2048u32, 8192, 32768] {
+            let Some(cache) =
+                filled_cache(&gpu, batch * ctx, KvDtype::F16, 2, &mut rng).expect("cache")
+            else {
+                eprintln!(
+                    "decode_split b{batch} c{ctx}: over the adapter's binding limit, skipped"
+                );
+                continue;
+            };
+            let attn = PagedAttention::new(&gpu, &cache, HEADS).expect("kernels");
+            let q = gpu.storage_init("q", &rng.signed_vec((batch * HEADS * HEAD_DIM) as usize));
+            let out = gpu.storage("out", (batch * HEADS * HEAD_DIM * 4) as u64);
+            g.throughput(Throughput::Bytes(
+                2 * batch as u64 * ctx as u64 * (KV_HEADS * HEAD_DIM) as u64 * 2,
+            ));
+            let (ip, ix, ln) = tables(batch, ctx, true, &mut rng);
+            let t = BatchTables::upload(&gpu, &ip, &ix, &ln, None);
+            for (name, split) in [("whole", Split::Never), ("split512", Split::Tokens(512))] {
+                let opts = AttnOptions {
+                    split,
+                    ..Default::default()
+                };
                 g.bench_function(BenchmarkId::new(name, format!("b{batch}/c{ctx}")), |b| {
                     b.iter_custom(|iters| {
                         gpu_time(&timer, iters, &mut |run, enc| {
