@@ -33,6 +33,10 @@ struct BenchArgs {
     /// Time with the wall clock even where GPU timestamps exist.
     #[arg(long)]
     wall_clock: bool,
+    /// Stop measuring new grid cells after this many seconds (they are
+    /// listed as skipped). Default: 150, or 25 with --quick.
+    #[arg(long)]
+    max_seconds: Option<f64>,
 }
 
 fn run_bench(a: &BenchArgs) -> Result<(), Box<dyn std::error::Error>> {
@@ -41,6 +45,7 @@ fn run_bench(a: &BenchArgs) -> Result<(), Box<dyn std::error::Error>> {
         quick: a.quick,
         wall_clock: a.wall_clock,
         progress: true,
+        max_seconds: a.max_seconds.unwrap_or(if a.quick { 25.0 } else { 150.0 }),
     };
     let report = pagedattn::bench::run(&gpu, &cfg)?;
     #[cfg(feature = "cuda")]

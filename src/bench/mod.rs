@@ -4,7 +4,7 @@
 //! same run, split vs non-split, host bookkeeping, write_kv and copy_blocks
 //! throughput. Everything in one process on one adapter, so the ratios hold.
 
-mod timer;
+pub mod timer;
 
 pub use timer::{Timer, TimingSource};
 
@@ -23,6 +23,9 @@ pub struct BenchConfig {
     pub wall_clock: bool,
     /// Print progress on stderr.
     pub progress: bool,
+    /// Time budget in seconds: once spent, the remaining grid cells are
+    /// listed as skipped instead of measured (software adapters are slow).
+    pub max_seconds: f64,
 }
 
 /// Shape of the decode grid's attention: 32 query heads over 8 KV heads, head_dim 128.
@@ -183,6 +186,65 @@ struct DecodeRig<'a> {
 }
 
 impl DecodeRig<'_> {
+    /// Median ms of each of several decode variants, measured interleaved
+    /// (variant 0, 1, 2, 0, 1, 2, ...) so that a slow drift of the machine
+    /// lands on all of them alike; layers rotate so no run finds the
+    /// previous run's data in a cache.
+    fn time_interleaved(
+        &self,
+        timer: &Timer,
+        variants: &[(&PagedAttention, &BatchTables, Split)],
+    ) -> Result<Vec<f64>, GpuError> {
+        let mut err = None;
+        let mut one = |run: usize, v: &(&PagedAttention, &BatchTables, Split)| {
+            let opts = AttnOptions {
+                split: v.2,
+                ..Default::default()
+            };
+            timer.once(run, &mut |run, enc| {
+                let layer = run as u32 % self.layers;
+                if let Err(e) = v.0.encode_decode(
+                    self.gpu,
+                    enc,
+                    &self.cache,
+                    layer,
+                    &self.q,
+                    v.1,
+                    &self.out,
+                    &opts,
+                ) {
+                    err = Some(e);
+                }
+            })
+        };
+        // Warm-up of every variant; its time decides how many runs follow.
+        let mut slowest: f64 = 0.0;
+        for v in variants {
+            slowest = slowest.max(one(0, v)?);
+        }
+        let runs = if slowest > timer::SLOW_RUN_MS {
+            3
+        } else {
+            timer.runs
+        };
+        let mut times = vec![Vec::with_capacity(runs); variants.len()];
+        for run in 1..=runs {
+            for (i, v) in variants.iter().enumerate() {
+                times[i].push(one(run, v)?);
+            }
+        }
+        if let Some(e) = err {
+            return Err(e);
+        }
+        Ok(times
+            .into_iter()
+            .map(|mut t| {
+                t.sort_by(|a, b| a.total_cmp(b));
+                t[t.len() / 2]
+            })
+            .collect())
+    }
+
     /// Median ms of one decode call, rotating over layers so no run finds the
     /// previous run's data in a cache.
     fn time(
@@ -342,6 +404,8 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, GpuError> {
             &[KvDtype::F32, KvDtype::F16],
         )
     };
+    let start = std::time::Instant::now();
+    let over_budget = || start.elapsed().as_secs_f64() > cfg.max_seconds;
     progress(cfg, "memcpy bandwidth");
     let memcpy = memcpy_gbs(gpu, &timer)?;
     let mut decode = Vec::new();
@@ -354,6 +418,13 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, GpuError> {
                     cfg,
                     &format!("decode {dname} batch {batch} context {context}"),
                 );
+                if over_budget() {
+                    skipped.push(format!(
+                        "decode {dname} batch {batch} context {context}: over the {} s time budget",
+                        cfg.max_seconds
+                    ));
+                    continue;
+                }
                 let Some(r) = rig(gpu, batch, context, dtype, &mut rng)? else {
                     skipped.push(format!("decode {dname} batch {batch} context {context}: a layer exceeds the adapter's {} MiB binding limit", gpu.max_binding_bytes() >> 20));
                     continue;
@@ -365,9 +436,15 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, GpuError> {
                 let (ip, ix, ln) = tables(batch, context, false, &mut rng);
                 let identity = BatchTables::upload(gpu, &ip, &ix, &ln, None);
                 let split = Split::Auto;
-                let paged_ms = r.time(&timer, &paged, &shuffled, split)?;
-                let identity_ms = r.time(&timer, &paged, &identity, split)?;
-                let contiguous_ms = r.time(&timer, &contiguous, &identity, split)?;
+                let t = r.time_interleaved(
+                    &timer,
+                    &[
+                        (&paged, &shuffled, split),
+                        (&paged, &identity, split),
+                        (&contiguous, &identity, split),
+                    ],
+                )?;
+                let (paged_ms, identity_ms, contiguous_ms) = (t[0], t[1], t[2]);
                 let bytes = 2.0
                     * batch as f64
                     * context as f64
@@ -405,6 +482,13 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, GpuError> {
     };
     for &(batch, context) in split_grid {
         progress(cfg, &format!("split batch {batch} context {context}"));
+        if over_budget() {
+            skipped.push(format!(
+                "split batch {batch} context {context}: over the {} s time budget",
+                cfg.max_seconds
+            ));
+            continue;
+        }
         let Some(r) = rig(gpu, batch, context, KvDtype::F16, &mut rng)? else {
             skipped.push(format!(
                 "split batch {batch} context {context}: a layer exceeds the binding limit"
@@ -414,13 +498,14 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, GpuError> {
         let attn = PagedAttention::new(gpu, &r.cache, HEADS)?;
         let (ip, ix, ln) = tables(batch, context, true, &mut rng);
         let t = BatchTables::upload(gpu, &ip, &ix, &ln, None);
-        let whole_ms = r.time(&timer, &attn, &t, Split::Never)?;
-        let split_ms = r.time(
+        let tt = r.time_interleaved(
             &timer,
-            &attn,
-            &t,
-            Split::Tokens(crate::gpu::AUTO_PARTITION_TOKENS),
+            &[
+                (&attn, &t, Split::Never),
+                (&attn, &t, Split::Tokens(crate::gpu::AUTO_PARTITION_TOKENS)),
+            ],
         )?;
+        let (whole_ms, split_ms) = (tt[0], tt[1]);
         split.push(SplitRow {
             batch,
             context,

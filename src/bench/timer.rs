@@ -3,6 +3,9 @@
 
 use crate::gpu::{Gpu, GpuError};
 
+/// A first warm-up slower than this (milliseconds) means fewer repeats.
+pub const SLOW_RUN_MS: f64 = 250.0;
+
 /// Where the times come from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 pub enum TimingSource {
@@ -104,17 +107,25 @@ impl<'a> Timer<'a> {
     }
 
     /// Median milliseconds of `runs` runs after `warmup` runs. The closure
-    /// gets the run index so it can rotate inputs.
+    /// gets the run index so it can rotate inputs. When the first warm-up
+    /// takes longer than [`SLOW_RUN_MS`], 3 runs after that one warm-up are
+    /// measured, so a software adapter finishes the grid in minutes.
     pub fn median(
         &self,
         mut record: impl FnMut(usize, &mut wgpu::CommandEncoder),
     ) -> Result<f64, GpuError> {
-        for i in 0..self.warmup {
+        let first = self.once(0, &mut record)?;
+        let (warmup, runs) = if first > SLOW_RUN_MS {
+            (1, self.runs.min(3))
+        } else {
+            (self.warmup.max(1), self.runs)
+        };
+        for i in 1..warmup {
             self.once(i, &mut record)?;
         }
-        let mut t = Vec::with_capacity(self.runs);
-        for i in 0..self.runs {
-            t.push(self.once(self.warmup + i, &mut record)?);
+        let mut t = Vec::with_capacity(runs);
+        for i in 0..runs {
+            t.push(self.once(warmup + i, &mut record)?);
         }
         t.sort_by(|a, b| a.total_cmp(b));
         Ok(t[t.len() / 2])
