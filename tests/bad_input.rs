@@ -11,7 +11,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use pagedattn::blocks::{BatchView, BlockError, BlockManager, BlockManagerConfig, SeqId};
+use pagedattn::blocks::{BatchView, BlockError, BlockManager, BlockManagerConfig, SeqId, RELEASED};
 use pagedattn::demo::{Demo, DemoConfig, DemoError};
 use pagedattn::gpu::{
     AttnOptions, BatchTables, Gpu, GpuError, KvCache, KvCacheConfig, KvDtype, PagedAttention, Split,
@@ -78,6 +78,8 @@ fn every_id_call_refuses(m: &mut BlockManager, id: SeqId) {
     refused(m, e.clone(), |m| m.seq_len(id));
     refused(m, e.clone(), |m| m.tokens(id).map(|t| t.to_vec()));
     refused(m, e.clone(), |m| m.pending_tokens(id));
+    refused(m, e.clone(), |m| m.release_outside_window(id, 4));
+    refused(m, e.clone(), |m| m.release_outside_window(id, 0));
     refused(m, e, |m| m.blocks_needed_to_append(&[live[0], id], 1));
 }
 
@@ -116,6 +118,9 @@ fn zero_tokens() {
     }
     assert_eq!(m.blocks_needed_to_append(&ids, 0), Ok(0));
     assert_eq!(m.blocks_needed_to_append(&[], 5), Ok(0));
+    refused(&mut m, BlockError::ZeroWindow, |m| {
+        m.release_outside_window(ids[0], 0)
+    });
 }
 
 #[test]
@@ -152,6 +157,12 @@ fn huge_token_counts() {
         },
         |m| m.append(c, &[0; 64 - 9]),
     );
+    // A window longer than any sequence releases nothing and changes nothing.
+    for &id in &ids {
+        let before = m.clone();
+        assert_eq!(m.release_outside_window(id, usize::MAX), Ok(0));
+        assert!(m == before);
+    }
     // Queries with absurd numbers: a saturated bound, an out-of-range position.
     assert!(m.blocks_needed_to_append(&ids, usize::MAX).unwrap() > 1 << 60);
     let many = vec![a; 8];
@@ -574,9 +585,13 @@ fn gpu_wrong_lengths_and_out_of_range_indices() {
     );
     invalid(dec(&q1, &[0, 1], &[f.nb], &[5], &opts), "outside the pool");
     invalid(
-        dec(&q1, &[0, 1], &[u32::MAX], &[5], &opts),
+        dec(&q1, &[0, 1], &[u32::MAX - 1], &[5], &opts),
         "outside the pool",
     );
+    // u32::MAX is RELEASED (a block a sliding window dropped): accepted and
+    // skipped, so a sequence with nothing else reads no token: zeros.
+    let zeros = dec(&q1, &[0, 1], &[RELEASED], &[5], &opts).unwrap();
+    assert!(zeros.iter().all(|&x| x == 0.0));
     invalid(dec(&q1, &[0, 1, 1], &[3], &[5], &opts), "kv_indptr has");
     invalid(dec(&q1, &[], &[3], &[5], &opts), "kv_indptr has");
     invalid(dec(&q1, &[1, 1], &[3], &[5], &opts), "kv_indptr must");

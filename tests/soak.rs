@@ -1,0 +1,617 @@
+//! Soak: a long seeded multi-tenant run through the real kernels, checked
+//! as it goes, that must end with every block back in the pool and the
+//! process's memory where it was after warm-up.
+//!
+//! Requests come from the simulator's workload generator (Alpaca-like
+//! lengths, a shared system prompt so the prefix cache hits, Poisson
+//! arrivals, parallel samples that fork off the prompt and copy-on-write
+//! its last block). A small scheduler drives the real [`BlockManager`]:
+//! admission while blocks and batch slots allow, one token per running
+//! sequence per step, preemption of the newest request when the step does
+//! not fit (freed, requeued, recomputed later), frees when a sample ends.
+//! Every step runs `copy_blocks`, `write_kv` and `decode` on the adapter for
+//! every layer and compares each decode to the f64 reference over a host
+//! mirror of the pool.
+//!
+//! K and V of a token are a function of (layer, token id, position), so
+//! every `check_every` steps a full check reads the whole pool back and
+//! verifies, for every position of every live sequence, that the slot its
+//! table points to holds exactly that token's K and V (a wrong prefix-cache
+//! hit, a missed copy or a reused block shows up here), that the pool
+//! equals the mirror, and that the block accounting adds up (reference
+//! counts = tables holding each block, `free + evictable + used + awaiting
+//! = total`). At the end every block is free again, and the resident set
+//! has not grown past a bound since the first check after warm-up.
+//!
+//! `soak_small` (100 requests) runs in the normal test run; the full
+//! size (2000 requests, `PAGEDATTN_SOAK_REQUESTS` to change) is
+//! `cargo test --release --test soak -- --ignored`.
+
+mod common;
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::time::Instant;
+
+use common::gpu;
+use pagedattn::blocks::{BlockError, BlockManager, BlockManagerConfig, SeqId};
+use pagedattn::demo::tolerance;
+use pagedattn::gpu::{AttnOptions, Gpu, KvCache, KvCacheConfig, KvDtype, PagedAttention};
+use pagedattn::reference::{self, rel_l2, AttnParams, PagedPool};
+use pagedattn::rng::SplitMix64;
+use pagedattn::sim::workload::{self, Arrival, LenDist, Request, Sampling, WorkloadSpec};
+
+#[derive(Clone, Debug)]
+struct SoakConfig {
+    seed: u64,
+    requests: usize,
+    samples: usize,
+    /// Poisson arrivals per step.
+    rate: f64,
+    max_len: usize,
+    shared_prefix: usize,
+    block_size: u32,
+    num_blocks: u32,
+    layers: u32,
+    num_heads: u32,
+    num_kv_heads: u32,
+    head_dim: u32,
+    dtype: KvDtype,
+    /// Most sequences decoding at once.
+    max_batch: usize,
+    /// Steps between full checks.
+    check_every: u64,
+}
+
+#[derive(Debug, Default)]
+struct SoakReport {
+    steps: u64,
+    requests_done: usize,
+    tokens_decoded: u64,
+    prompt_tokens: u64,
+    prefix_hit_tokens: u64,
+    copies: u64,
+    preemptions: u64,
+    full_checks: u64,
+    peak_sequences: usize,
+    peak_used_blocks: usize,
+    max_rel_err: f64,
+    rss_warm_mib: f64,
+    rss_end_mib: f64,
+    rss_peak_mib: f64,
+    seconds: f64,
+}
+
+/// One sequence (a sample) of a running request.
+struct Sample {
+    id: SeqId,
+    /// Tokens still to generate.
+    remaining: usize,
+}
+
+struct Running {
+    req: usize,
+    samples: Vec<Sample>,
+    /// Fork the other samples off the prompt next step (once it is written).
+    fork_pending: bool,
+}
+
+/// K and V of one token in one layer: `[num_kv_heads][head_dim]` each, a
+/// function of (layer, token id, position) only.
+fn kv_of(layer: u32, token: u32, pos: usize, row: usize) -> (Vec<f32>, Vec<f32>) {
+    let key = ((layer as u64) << 56) ^ ((token as u64) << 24) ^ pos as u64;
+    let mut r = SplitMix64::new(key.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    (r.signed_vec(row), r.signed_vec(row))
+}
+
+fn round(x: f32, d: KvDtype) -> f32 {
+    match d {
+        KvDtype::F32 => x,
+        KvDtype::F16 => half::f16::from_f32(x).to_f32(),
+    }
+}
+
+/// Resident set of this process, MiB.
+fn rss_mib() -> f64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+    let pages: f64 = statm
+        .split_whitespace()
+        .nth(1)
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(0.0);
+    pages * 4096.0 / (1 << 20) as f64
+}
+
+struct Soak<'a> {
+    cfg: SoakConfig,
+    gpu: &'a Gpu,
+    reqs: Vec<Request>,
+    m: BlockManager,
+    kv: KvCache,
+    attn: PagedAttention,
+    /// Host mirror of each layer's pool (K, V), values as stored.
+    mirror: Vec<(Vec<f32>, Vec<f32>)>,
+    running: Vec<Running>,
+    queue: VecDeque<usize>,
+    next_arrival: usize,
+    rng: SplitMix64,
+    rep: SoakReport,
+}
+
+impl<'a> Soak<'a> {
+    fn new(gpu: &'a Gpu, cfg: SoakConfig) -> Self {
+        let spec = WorkloadSpec {
+            input: LenDist::LogNormal {
+                mean: 19.0,
+                sigma: 0.7,
+            },
+            output: LenDist::LogNormal {
+                mean: 58.0,
+                sigma: 0.9,
+            },
+            requests: cfg.requests,
+            arrival: Arrival::Poisson(cfg.rate),
+            max_len: cfg.max_len,
+            max_output: cfg.max_len / 2,
+            shared_prefix: cfg.shared_prefix,
+            seed: cfg.seed,
+        };
+        let reqs = workload::generate(&spec, Sampling::Parallel(cfg.samples));
+        let mcfg = BlockManagerConfig {
+            max_seq_len: cfg.max_len,
+            ..BlockManagerConfig::new(cfg.num_blocks, cfg.block_size).with_prefix_caching(true)
+        };
+        let mut m = BlockManager::new(mcfg).unwrap();
+        m.scramble_free_list(cfg.seed);
+        let kv = KvCache::new(
+            gpu,
+            KvCacheConfig {
+                num_layers: cfg.layers,
+                num_blocks: cfg.num_blocks,
+                block_size: cfg.block_size,
+                num_kv_heads: cfg.num_kv_heads,
+                head_dim: cfg.head_dim,
+                dtype: cfg.dtype,
+            },
+        )
+        .unwrap();
+        let attn = PagedAttention::new(gpu, &kv, cfg.num_heads).unwrap();
+        let n = (cfg.num_blocks * cfg.num_kv_heads * cfg.block_size * cfg.head_dim) as usize;
+        let mirror = (0..cfg.layers)
+            .map(|_| (vec![0.0; n], vec![0.0; n]))
+            .collect();
+        Soak {
+            rng: SplitMix64::new(cfg.seed ^ 0x50A4),
+            cfg,
+            gpu,
+            reqs,
+            m,
+            kv,
+            attn,
+            mirror,
+            running: Vec::new(),
+            queue: VecDeque::new(),
+            next_arrival: 0,
+            rep: SoakReport::default(),
+        }
+    }
+
+    fn done(&self) -> bool {
+        self.next_arrival == self.reqs.len() && self.queue.is_empty() && self.running.is_empty()
+    }
+
+    /// Sequences running, counting samples still to be forked.
+    fn live_sequences(&self) -> usize {
+        self.running
+            .iter()
+            .map(|r| {
+                if r.fork_pending {
+                    self.reqs[r.req].outputs.len()
+                } else {
+                    r.samples.len()
+                }
+            })
+            .sum()
+    }
+
+    /// Frees the newest request and puts it back at the head of the queue.
+    fn preempt_newest(&mut self) -> bool {
+        let Some(r) = self.running.pop() else {
+            return false;
+        };
+        for s in &r.samples {
+            self.m.free(s.id).unwrap();
+        }
+        self.queue.push_front(r.req);
+        self.rep.preemptions += 1;
+        true
+    }
+
+    fn step(&mut self) {
+        let step = self.rep.steps;
+        while self.next_arrival < self.reqs.len() && self.reqs[self.next_arrival].arrival <= step {
+            self.queue.push_back(self.next_arrival);
+            self.next_arrival += 1;
+        }
+        // Samples fork off a prompt written last step.
+        for r in &mut self.running {
+            if !std::mem::take(&mut r.fork_pending) {
+                continue;
+            }
+            let parent = r.samples[0].id;
+            for &out in &self.reqs[r.req].outputs[1..] {
+                let id = self.m.fork(parent).unwrap();
+                r.samples.push(Sample { id, remaining: out });
+            }
+        }
+        // One token per sequence that still generates: the step must fit, or
+        // the newest request makes room.
+        let mut preempted = false;
+        loop {
+            let ids: Vec<SeqId> = self.decoding().collect();
+            let need = self.m.blocks_needed_to_append(&ids, 1).unwrap();
+            if need <= self.m.available_blocks() {
+                break;
+            }
+            assert!(
+                self.preempt_newest(),
+                "one request alone does not fit the pool"
+            );
+            preempted = true;
+        }
+        for i in 0..self.running.len() {
+            for j in 0..self.running[i].samples.len() {
+                let s = &mut self.running[i].samples[j];
+                if s.remaining == 0 {
+                    continue;
+                }
+                let tok = self.rng.below(32000) as u32;
+                self.m
+                    .append(s.id, &[tok])
+                    .unwrap_or_else(|e| panic!("step {step}: append within the bound: {e}"));
+                s.remaining -= 1;
+                self.rep.tokens_decoded += 1;
+            }
+        }
+        // Admission, first come first served, unless this step preempted.
+        while !preempted {
+            let Some(&req) = self.queue.front() else {
+                break;
+            };
+            let r = &self.reqs[req];
+            let blocks = r.prompt.len().div_ceil(self.cfg.block_size as usize);
+            let watermark = self.cfg.num_blocks as usize / 16 + r.outputs.len();
+            if self.live_sequences() + r.outputs.len() > self.cfg.max_batch
+                || blocks + watermark > self.m.available_blocks()
+            {
+                break;
+            }
+            let hits = self.m.prefix_hit_tokens();
+            let id = match self.m.add_sequence(&r.prompt) {
+                Ok(id) => id,
+                Err(BlockError::OutOfBlocks { .. }) => break,
+                Err(e) => panic!("admitting request {req}: {e}"),
+            };
+            self.queue.pop_front();
+            self.rep.prompt_tokens += r.prompt.len() as u64;
+            self.rep.prefix_hit_tokens += self.m.prefix_hit_tokens() - hits;
+            self.running.push(Running {
+                req,
+                samples: vec![Sample {
+                    id,
+                    remaining: r.outputs[0],
+                }],
+                fork_pending: r.outputs.len() > 1,
+            });
+        }
+        let ids: Vec<SeqId> = self
+            .running
+            .iter()
+            .flat_map(|r| r.samples.iter().map(|s| s.id))
+            .collect();
+        self.run_gpu(&ids);
+        // Samples that generated their last token leave; a request leaves with its last sample.
+        for r in &mut self.running {
+            r.samples.retain(|s| {
+                // A request with samples still to fork keeps its parent.
+                if s.remaining == 0 && !r.fork_pending {
+                    self.m.free(s.id).unwrap();
+                    false
+                } else {
+                    true
+                }
+            });
+        }
+        let before = self.running.len();
+        self.running.retain(|r| !r.samples.is_empty());
+        self.rep.requests_done += before - self.running.len();
+        let st = self.m.stats();
+        self.rep.peak_sequences = self.rep.peak_sequences.max(st.sequences);
+        self.rep.peak_used_blocks = self.rep.peak_used_blocks.max(st.used);
+        self.rep.steps += 1;
+    }
+
+    fn decoding(&self) -> impl Iterator<Item = SeqId> + '_ {
+        self.running
+            .iter()
+            .flat_map(|r| r.samples.iter().filter(|s| s.remaining > 0).map(|s| s.id))
+    }
+
+    /// copy_blocks, then write_kv and decode for every layer, each decode
+    /// compared to the reference over the mirror.
+    fn run_gpu(&mut self, ids: &[SeqId]) {
+        let view = self.m.batch_view(ids).unwrap();
+        self.rep.copies += view.copies.len() as u64;
+        self.kv.copy_blocks(self.gpu, &view.copies).unwrap();
+        let (kvh, d, bs) = (
+            self.cfg.num_kv_heads as usize,
+            self.cfg.head_dim as usize,
+            self.cfg.block_size as usize,
+        );
+        let row = kvh * d;
+        let per_block = kvh * bs * d;
+        // Token id and position of every new slot, in slot_mapping order.
+        let mut new_tokens = Vec::with_capacity(view.slot_mapping.len());
+        for (i, &id) in ids.iter().enumerate() {
+            let toks = self.m.tokens(id).unwrap();
+            let n = (view.new_indptr[i + 1] - view.new_indptr[i]) as usize;
+            let len = view.seq_lens[i] as usize;
+            for p in len - n..len {
+                new_tokens.push((toks[p], p));
+            }
+        }
+        let params = AttnParams::new(self.cfg.num_heads as usize, d);
+        let dtype = self.cfg.dtype;
+        for layer in 0..self.cfg.layers {
+            let mut k = Vec::with_capacity(new_tokens.len() * row);
+            let mut v = Vec::with_capacity(new_tokens.len() * row);
+            for &(t, p) in &new_tokens {
+                let (kk, vv) = kv_of(layer, t, p, row);
+                k.extend(kk);
+                v.extend(vv);
+            }
+            self.kv
+                .write_kv(self.gpu, layer, &k, &v, &view.slot_mapping)
+                .unwrap();
+            let (mk, mv) = &mut self.mirror[layer as usize];
+            for c in &view.copies {
+                let (s, t) = (c[0] as usize * per_block, c[1] as usize * per_block);
+                mk.copy_within(s..s + per_block, t);
+                mv.copy_within(s..s + per_block, t);
+            }
+            for (t, &slot) in view.slot_mapping.iter().enumerate() {
+                let (b, o) = (slot as usize / bs, slot as usize % bs);
+                for h in 0..kvh {
+                    let dst = ((b * kvh + h) * bs + o) * d;
+                    for i in 0..d {
+                        mk[dst + i] = round(k[t * row + h * d + i], dtype);
+                        mv[dst + i] = round(v[t * row + h * d + i], dtype);
+                    }
+                }
+            }
+            if ids.is_empty() {
+                continue;
+            }
+            let q = self
+                .rng
+                .signed_vec(ids.len() * self.cfg.num_heads as usize * d);
+            let out = self
+                .attn
+                .decode(
+                    self.gpu,
+                    &self.kv,
+                    layer,
+                    &q,
+                    &view.kv_indptr,
+                    &view.kv_indices,
+                    &view.seq_lens,
+                    &AttnOptions::default(),
+                )
+                .unwrap();
+            let pool = PagedPool {
+                k: mk,
+                v: mv,
+                num_kv_heads: kvh,
+                block_size: bs,
+                head_dim: d,
+            };
+            let want = reference::decode(
+                &pool,
+                &params,
+                &q,
+                &view.kv_indptr,
+                &view.kv_indices,
+                &view.seq_lens,
+            );
+            let e = rel_l2(&out, &want);
+            assert!(
+                e < tolerance(dtype == KvDtype::F16),
+                "step {} layer {layer}: rel L2 {e:.2e}",
+                self.rep.steps
+            );
+            self.rep.max_rel_err = self.rep.max_rel_err.max(e);
+        }
+    }
+
+    /// Reads every layer back: each live sequence's slots hold its own
+    /// tokens' K and V, the pool equals the mirror, and the accounting adds up.
+    fn full_check(&mut self) {
+        let (kvh, d, bs) = (
+            self.cfg.num_kv_heads as usize,
+            self.cfg.head_dim as usize,
+            self.cfg.block_size as usize,
+        );
+        let row = kvh * d;
+        let ids = self.m.sequence_ids();
+        let live: HashSet<SeqId> = self
+            .running
+            .iter()
+            .flat_map(|r| r.samples.iter().map(|s| s.id))
+            .collect();
+        assert_eq!(ids.iter().copied().collect::<HashSet<_>>(), live);
+        for layer in 0..self.cfg.layers {
+            let (gk, gv) = self.kv.read_layer(self.gpu, layer).unwrap();
+            let (mk, mv) = &self.mirror[layer as usize];
+            // Only slots of live sequences are defined (freed blocks keep stale data).
+            for &id in &ids {
+                let toks = self.m.tokens(id).unwrap();
+                let table = self.m.block_table(id).unwrap();
+                for (p, &t) in toks.iter().enumerate() {
+                    let (b, o) = (table[p / bs] as usize, p % bs);
+                    let (k, v) = kv_of(layer, t, p, row);
+                    for h in 0..kvh {
+                        let at = ((b * kvh + h) * bs + o) * d;
+                        for i in 0..d {
+                            let (wk, wv) = (
+                                round(k[h * d + i], self.cfg.dtype),
+                                round(v[h * d + i], self.cfg.dtype),
+                            );
+                            assert!(
+                                gk[at + i] == wk && gv[at + i] == wv,
+                                "step {}: {id} position {p} (block {b}) layer {layer} holds another token's K/V",
+                                self.rep.steps
+                            );
+                            assert!(mk[at + i] == wk && mv[at + i] == wv, "mirror out of step");
+                        }
+                    }
+                }
+            }
+        }
+        // Block accounting.
+        let st = self.m.stats();
+        let mut holders: HashMap<u32, u32> = HashMap::new();
+        let mut logical = 0;
+        for &id in &ids {
+            logical += self.m.seq_len(id).unwrap();
+            for &b in self.m.block_table(id).unwrap() {
+                *holders.entry(b).or_default() += 1;
+            }
+        }
+        for b in 0..self.cfg.num_blocks {
+            assert_eq!(
+                self.m.ref_count(b),
+                Some(holders.get(&b).copied().unwrap_or(0))
+            );
+        }
+        assert_eq!(st.used, holders.len());
+        assert_eq!(st.shared, holders.values().filter(|&&h| h > 1).count());
+        assert_eq!(
+            st.free + st.evictable + st.used + st.awaiting_copy,
+            st.total
+        );
+        assert_eq!(st.logical_tokens, logical);
+        assert_eq!(st.sequences, ids.len());
+        assert_eq!(st.pending_copies, 0, "a view took every copy");
+        assert_eq!(self.m.available_blocks(), st.free + st.evictable);
+        self.rep.full_checks += 1;
+    }
+}
+
+fn soak(gpu: &Gpu, cfg: SoakConfig) -> SoakReport {
+    let t = Instant::now();
+    let rss0 = rss_mib();
+    let mut s = Soak::new(gpu, cfg.clone());
+    let total = cfg.requests;
+    let mut warm: Option<f64> = None;
+    let mut peak: f64 = rss0;
+    while !s.done() {
+        s.step();
+        if s.rep.steps % cfg.check_every == 0 {
+            s.full_check();
+            let rss = rss_mib();
+            peak = peak.max(rss);
+            // Warm: a fifth of the requests through, every buffer size seen.
+            if warm.is_none() && s.rep.requests_done * 5 >= total {
+                warm = Some(rss);
+            }
+        }
+        assert!(s.rep.steps < 200_000, "the soak did not finish");
+    }
+    s.full_check();
+    // Nothing leaked: no sequence, no copy, every block back in the pool
+    // (cached ones evictable), and plain free once the cache is dropped.
+    let st = s.m.stats();
+    assert_eq!(
+        (st.sequences, st.used, st.pending_copies, st.awaiting_copy),
+        (0, 0, 0, 0),
+        "{st:?}"
+    );
+    assert_eq!(st.free + st.evictable, st.total, "{st:?}");
+    assert_eq!(s.m.available_blocks(), cfg.num_blocks as usize);
+    s.m.evict_all_cached();
+    assert_eq!(s.m.stats().free, cfg.num_blocks as usize);
+    assert_eq!(s.rep.requests_done, total);
+    gpu.wait().unwrap();
+    let end = rss_mib();
+    let mut rep = s.rep;
+    rep.rss_warm_mib = warm.unwrap_or(rss0);
+    rep.rss_end_mib = end;
+    rep.rss_peak_mib = peak.max(end);
+    rep.seconds = t.elapsed().as_secs_f64();
+    eprintln!("soak {cfg:?}\n  {rep:?}");
+    rep
+}
+
+fn config(requests: usize) -> SoakConfig {
+    SoakConfig {
+        seed: std::env::var("PAGEDATTN_SEED")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0x50A6),
+        requests,
+        samples: 2,
+        rate: 0.5,
+        max_len: 256,
+        shared_prefix: 32,
+        block_size: 16,
+        num_blocks: 192,
+        layers: 2,
+        num_heads: 8,
+        num_kv_heads: 2,
+        head_dim: 64,
+        dtype: KvDtype::F16,
+        max_batch: 48,
+        check_every: 25,
+    }
+}
+
+/// The memory bound: the resident set may not grow by more than this after
+/// warm-up (allocator and driver caches settle; a leak of per-call GPU
+/// buffers or host state over thousands of steps would pass it).
+const RSS_GROWTH_MIB: f64 = 48.0;
+
+fn check_report(r: &SoakReport, cfg: &SoakConfig) {
+    assert!(r.preemptions > 0, "the pool never ran short: {r:?}");
+    assert!(r.copies > 0 && r.prefix_hit_tokens > 0, "{r:?}");
+    assert!(r.full_checks >= r.steps / cfg.check_every);
+    assert!(
+        r.rss_end_mib - r.rss_warm_mib < RSS_GROWTH_MIB,
+        "resident set grew from {:.1} MiB after warm-up to {:.1} MiB",
+        r.rss_warm_mib,
+        r.rss_end_mib
+    );
+}
+
+#[test]
+fn soak_small() {
+    let Some(gpu) = gpu() else { return };
+    let cfg = SoakConfig {
+        num_blocks: 96,
+        max_batch: 24,
+        ..config(100)
+    };
+    let r = soak(&gpu, cfg.clone());
+    check_report(&r, &cfg);
+}
+
+#[test]
+#[ignore = "minutes: cargo test --release --test soak -- --ignored"]
+fn soak_full() {
+    let Some(gpu) = gpu() else { return };
+    let requests = std::env::var("PAGEDATTN_SOAK_REQUESTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2000);
+    let cfg = config(requests);
+    let r = soak(&gpu, cfg.clone());
+    check_report(&r, &cfg);
+}
