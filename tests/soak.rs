@@ -25,7 +25,7 @@
 //!
 //! `soak_small` (100 requests) runs in the normal test run; the full
 //! size (2000 requests, `PAGEDATTN_SOAK_REQUESTS` to change) is
-//! `cargo test --release --test soak -- --ignored`.
+//! `cargo test --test soak -- --ignored`.
 
 mod common;
 
@@ -604,7 +604,7 @@ fn soak_small() {
 }
 
 #[test]
-#[ignore = "minutes: cargo test --release --test soak -- --ignored"]
+#[ignore = "minutes: cargo test --test soak -- --ignored"]
 fn soak_full() {
     let Some(gpu) = gpu() else { return };
     let requests = std::env::var("PAGEDATTN_SOAK_REQUESTS")
