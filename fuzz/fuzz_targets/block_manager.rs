@@ -1,0 +1,15 @@
+//! Fuzzes the block manager's whole API: the input is decoded into a
+//! configuration and a sequence of calls (add with prefix caching, append,
+//! fork, free, batch views, take copies, evict, queries), each checked
+//! against a model; see tests/common/block_ops.rs for the format and the
+//! invariants.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+
+#[path = "../../tests/common/block_ops.rs"]
+mod block_ops;
+
+fuzz_target!(|data: &[u8]| {
+    block_ops::run(data);
+});
