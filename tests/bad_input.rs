@@ -935,6 +935,62 @@ fn gpu_nan_and_inf_inputs() {
     assert!(gpu.take_error().is_ok());
 }
 
+/// The encoder-level API takes GPU buffers as they are: one of the wrong
+/// kind (no STORAGE usage) is a wgpu validation error outside any scope.
+/// It is recorded, not a panic, and the next `wait` reports it once; a
+/// buffer that is merely short is bounds-checked by WebGPU (no error, no
+/// out-of-bounds access, undefined values) and the pool is untouched.
+#[test]
+fn gpu_encoder_api_wrong_buffers() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = SplitMix64::new(seed("encoder buffers"));
+    let f = filled(&gpu, &mut rng);
+    let before = snapshot(&gpu, &f.kv);
+    let per = (HEADS * HD) as usize;
+    let q = gpu.storage_init("q", &rng.signed_vec(per));
+    let tables = BatchTables::upload(&gpu, &[0, 1], &[2], &[9], None);
+    let wrong = gpu.device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("not a storage buffer"),
+        size: (per * 4) as u64,
+        usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+        mapped_at_creation: false,
+    });
+    let opts = AttnOptions::default();
+    let mut enc = gpu.device.create_command_encoder(&Default::default());
+    f.attn
+        .encode_decode(&gpu, &mut enc, &f.kv, 0, &q, &tables, &wrong, &opts)
+        .unwrap();
+    gpu.queue.submit([enc.finish()]);
+    let r = gpu.wait();
+    assert!(matches!(r, Err(GpuError::Validation(_))), "{r:?}");
+    assert!(gpu.wait().is_ok(), "reported once");
+    // Short buffers: one float of output, no K/V for the tokens written.
+    let short = |label| gpu.storage(label, 4);
+    let (q_short, out_short, k_short, v_short) = (short("q"), short("out"), short("k"), short("v"));
+    let mut enc = gpu.device.create_command_encoder(&Default::default());
+    f.attn
+        .encode_decode(
+            &gpu, &mut enc, &f.kv, 0, &q_short, &tables, &out_short, &opts,
+        )
+        .unwrap();
+    let slots = gpu.storage_init("slots", &[5u32, 6, 7]);
+    f.kv.encode_write_kv(&gpu, &mut enc, 1, &k_short, &v_short, &slots, 3)
+        .unwrap();
+    gpu.queue.submit([enc.finish()]);
+    gpu.wait().unwrap();
+    let after = snapshot(&gpu, &f.kv);
+    // Layer 0 untouched; in layer 1 only slots 5..8 may have changed.
+    assert!(before[0] == after[0]);
+    let row = (KVH * HD) as usize;
+    let (bs, d) = (f.bs as usize, HD as usize);
+    for (i, (a, b)) in before[1].0.iter().zip(&after[1].0).enumerate() {
+        let (blk, o) = (i / (row * bs), i / d % bs);
+        if blk != 0 || !(5..8).contains(&o) {
+            assert_eq!(a, b, "element {i} outside the written slots changed");
+        }
+    }
+}
+
 /// Empty batches everywhere: valid, do nothing, return empty results.
 #[test]
 fn gpu_empty_batches() {

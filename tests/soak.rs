@@ -75,6 +75,7 @@ struct SoakReport {
     peak_sequences: usize,
     peak_used_blocks: usize,
     max_rel_err: f64,
+    rss_start_mib: f64,
     rss_warm_mib: f64,
     rss_end_mib: f64,
     rss_peak_mib: f64,
@@ -273,10 +274,7 @@ impl<'a> Soak<'a> {
             }
         }
         // Admission, first come first served, unless this step preempted.
-        while !preempted {
-            let Some(&req) = self.queue.front() else {
-                break;
-            };
+        while let Some(&req) = self.queue.front().filter(|_| !preempted) {
             let r = &self.reqs[req];
             let blocks = r.prompt.len().div_ceil(self.cfg.block_size as usize);
             let watermark = self.cfg.num_blocks as usize / 16 + r.outputs.len();
@@ -355,9 +353,7 @@ impl<'a> Soak<'a> {
             let toks = self.m.tokens(id).unwrap();
             let n = (view.new_indptr[i + 1] - view.new_indptr[i]) as usize;
             let len = view.seq_lens[i] as usize;
-            for p in len - n..len {
-                new_tokens.push((toks[p], p));
-            }
+            new_tokens.extend(toks.iter().enumerate().skip(len - n).map(|(p, &t)| (t, p)));
         }
         let params = AttnParams::new(self.cfg.num_heads as usize, d);
         let dtype = self.cfg.dtype;
@@ -515,7 +511,7 @@ fn soak(gpu: &Gpu, cfg: SoakConfig) -> SoakReport {
     let mut peak: f64 = rss0;
     while !s.done() {
         s.step();
-        if s.rep.steps % cfg.check_every == 0 {
+        if s.rep.steps.is_multiple_of(cfg.check_every) {
             s.full_check();
             let rss = rss_mib();
             peak = peak.max(rss);
@@ -543,6 +539,7 @@ fn soak(gpu: &Gpu, cfg: SoakConfig) -> SoakReport {
     gpu.wait().unwrap();
     let end = rss_mib();
     let mut rep = s.rep;
+    rep.rss_start_mib = rss0;
     rep.rss_warm_mib = warm.unwrap_or(rss0);
     rep.rss_end_mib = end;
     rep.rss_peak_mib = peak.max(end);
