@@ -86,12 +86,18 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         q_count = min(qo_end - qo_start - min(q_first, qo_end - qo_start), QTILE);
         q_row0 = qo_start + q_first;
     }
-    let len = table_at(p.lens_off + seq);
+    let ind_end = min(table_at(seq + 1u), p.indices_len);
+    let ind_start = min(table_at(seq), ind_end);
+    // A length past what the table holds (a corrupt table) is cut to it, so
+    // the token loop is never longer than the table.
+    let held = ind_end - ind_start;
+    var len = table_at(p.lens_off + seq);
+    if held <= 0xFFFFFFFFu / BLOCK_SIZE {
+        len = min(len, held * BLOCK_SIZE);
+    }
     let qo_len = select(1u, table_at(p.qo_off + seq + 1u) - table_at(p.qo_off + seq), p.qo_off != 0u);
     // Position of the first query; causal: it sees tokens [0, pos0 + i].
     let pos0 = len - min(qo_len, len) + q_first;
-    let ind_end = min(table_at(seq + 1u), p.indices_len);
-    let ind_start = min(table_at(seq), ind_end);
     let first_blk = table_at(p.indices_off + ind_start);
 
     var t_begin = 0u;

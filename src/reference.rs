@@ -230,7 +230,11 @@ pub fn prefill(
     let hq = p.num_heads;
     let mut out = vec![0.0; q.len()];
     for s in 0..seq_lens.len() {
-        let len = seq_lens[s] as usize;
+        // As the kernels: a length past what the table holds (a corrupt
+        // table) is cut to the table's blocks.
+        let start = (kv_indptr[s] as usize).min(kv_indices.len());
+        let end = (kv_indptr[s + 1] as usize).min(kv_indices.len()).max(start);
+        let len = (seq_lens[s] as usize).min((end - start) * pool.block_size);
         let (q0, q1) = (qo_indptr[s] as usize, qo_indptr[s + 1] as usize);
         let table = (kv_indices, kv_indptr[s] as usize, kv_indptr[s + 1] as usize);
         for (i, row) in (q0..q1).enumerate() {

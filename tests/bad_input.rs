@@ -670,7 +670,7 @@ fn gpu_wrong_lengths_and_out_of_range_indices() {
 fn gpu_corrupt_tables_are_bounded() {
     // Whether the over-long sequence (index 0) must match the reference with
     // its length cut to its table: true once the kernel clamps it.
-    const STRICT_OVERLONG: bool = false;
+    const STRICT_OVERLONG: bool = true;
     let Some(gpu) = gpu() else { return };
     let mut rng = SplitMix64::new(seed("corrupt tables, bounded"));
     let f = filled(&gpu, &mut rng);
