@@ -139,9 +139,12 @@ extern "C" __global__ void __launch_bounds__(NT) decode(
     const u32 warp = tid / 32;
     const u32 h0 = kvh * GROUP;
 
-    const u32 len = seq_lens[seq];
     const u32 ind_end = min_u32(kv_indptr[seq + 1], indices_len);
     const u32 ind_start = min_u32(kv_indptr[seq], ind_end);
+    // As attention.wgsl: a length past what the table holds is cut to it.
+    const u32 held = ind_end - ind_start;
+    u32 len = seq_lens[seq];
+    if (held <= 0xFFFFFFFFu / BLOCK_SIZE) len = min_u32(len, held * BLOCK_SIZE);
     // Only used when len > 0.
     const u32 q_pos = len - 1;
     u32 t_begin = 0;

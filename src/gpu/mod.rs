@@ -12,6 +12,7 @@ pub mod shader;
 pub use attention::{AttnOptions, BatchTables, PagedAttention, Split, AUTO_PARTITION_TOKENS};
 pub use context::{backends_from_env, Gpu};
 pub use error::GpuError;
+#[cfg(not(target_arch = "wasm32"))]
 pub(crate) use kv_cache::{
     bind as bind_buffers, dispatch as dispatch_pass, pipeline as kv_cache_pipeline,
 };
