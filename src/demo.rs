@@ -271,7 +271,7 @@ impl Demo {
             }
         }
         // Admission on arrival, when the prompt and its samples' growth fit.
-        if self.step % self.cfg.arrival_every.max(1) == 0 {
+        if self.step.is_multiple_of(self.cfg.arrival_every.max(1)) {
             if let Some(&(r, p, o)) = self.queue.first() {
                 let prompt: Vec<u32> = (0..p).map(|_| self.rng.below(32000) as u32).collect();
                 let reserve = self.cfg.samples as usize * 2;

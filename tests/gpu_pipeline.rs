@@ -46,7 +46,7 @@ fn copy_on_write_branches_match_from_scratch() {
 
         // Prompt of 37 tokens: the last block is partly filled, so the first
         // write of each branch after the fork must copy it.
-        let parent = m.add_sequence(&vec![1; 37]).unwrap();
+        let parent = m.add_sequence(&[1; 37]).unwrap();
         let view = m.batch_view(&[parent]).unwrap();
         let prompt_k = rng.signed_vec(37 * row);
         let prompt_v = rng.signed_vec(37 * row);

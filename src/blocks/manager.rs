@@ -433,7 +433,7 @@ impl BlockManager {
         }
         let len = s.tokens.len();
         let bs = self.cfg.block_size as usize;
-        let cow = len % bs != 0
+        let cow = !len.is_multiple_of(bs)
             && self.ref_counts[*s.table.last().expect("sequences hold a block") as usize] > 1;
         // Saturating: a count no sequence could reach gives a huge bound, not a panic.
         (self.blocks_for(len.saturating_add(n)) - s.table.len(), cow)

@@ -193,7 +193,7 @@ impl PagedAttention {
         paged: bool,
     ) -> Result<Self, GpuError> {
         let c = cache.config();
-        if num_heads == 0 || num_heads % c.num_kv_heads != 0 {
+        if num_heads == 0 || !num_heads.is_multiple_of(c.num_kv_heads) {
             return Err(GpuError::InvalidArgument(format!(
                 "num_heads {num_heads} is not a positive multiple of num_kv_heads {}",
                 c.num_kv_heads

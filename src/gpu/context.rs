@@ -180,7 +180,9 @@ impl Gpu {
 
     /// Largest bytes one storage binding may address.
     pub fn max_binding_bytes(&self) -> u64 {
-        (self.limits.max_storage_buffer_binding_size as u64).min(self.limits.max_buffer_size)
+        self.limits
+            .max_storage_buffer_binding_size
+            .min(self.limits.max_buffer_size)
     }
 
     /// A storage buffer holding `data` (at least 16 bytes: zero-sized
@@ -195,7 +197,7 @@ impl Gpu {
         let buf = self.storage(label, bytes.len() as u64);
         if bytes.is_empty() {
             // wgpu zero-initialises new buffers.
-        } else if bytes.len() % 4 == 0 {
+        } else if bytes.len().is_multiple_of(4) {
             self.queue.write_buffer(&buf, 0, bytes);
         } else {
             let mut padded = bytes.to_vec();

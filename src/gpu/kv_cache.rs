@@ -70,7 +70,7 @@ impl KvCacheConfig {
                 self.block_size
             ));
         }
-        if self.head_dim == 0 || self.head_dim % 4 != 0 || self.head_dim > 256 {
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(4) || self.head_dim > 256 {
             return Err(GpuError::Unsupported(format!(
                 "head_dim {} (must be a multiple of 4 between 4 and 256)",
                 self.head_dim
@@ -255,6 +255,7 @@ impl KvCache {
     /// Records `write_kv` for `num_tokens` tokens: `k_new`/`v_new` hold
     /// `[num_tokens][num_kv_heads][head_dim]` f32, `slots` their slots.
     /// Slots outside the pool are skipped.
+    #[allow(clippy::too_many_arguments)]
     pub fn encode_write_kv(
         &self,
         gpu: &Gpu,
