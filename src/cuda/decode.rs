@@ -90,39 +90,14 @@ impl CudaAttention {
         kv_indices: &[u32],
         seq_lens: &[u32],
     ) -> Result<(), CudaError> {
-        let bad = |m: String| Err(CudaError::InvalidArgument(m));
-        let n = seq_lens.len();
-        if kv_indptr.len() != n + 1 {
-            return bad(format!(
-                "kv_indptr has {} entries for {n} sequences (need {})",
-                kv_indptr.len(),
-                n + 1
-            ));
-        }
-        if kv_indptr[0] != 0
-            || kv_indptr.windows(2).any(|w| w[0] > w[1])
-            || kv_indptr[n] as usize != kv_indices.len()
-        {
-            return bad(
-                "kv_indptr must start at 0, never decrease and end at kv_indices.len()".into(),
-            );
-        }
-        for s in 0..n {
-            let blocks = (kv_indptr[s + 1] - kv_indptr[s]) as u64;
-            if seq_lens[s] as u64 > blocks * self.block_size as u64 {
-                return bad(format!(
-                    "sequence {s} holds {} tokens but its table has only {blocks} blocks",
-                    seq_lens[s]
-                ));
-            }
-        }
-        if let Some(b) = kv_indices.iter().find(|&&b| b >= self.num_blocks) {
-            return bad(format!(
-                "block id {b} outside the pool of {} blocks",
-                self.num_blocks
-            ));
-        }
-        Ok(())
+        crate::gpu::check_csr_tables(
+            self.num_blocks,
+            self.block_size,
+            kv_indptr,
+            kv_indices,
+            seq_lens,
+        )
+        .map_err(CudaError::InvalidArgument)
     }
 
     fn check_options(&self, o: &AttnOptions) -> Result<(), CudaError> {

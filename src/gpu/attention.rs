@@ -409,50 +409,22 @@ impl PagedAttention {
         gpu.read(&out, bytes)
     }
 
-    /// Checks host-side CSR tables against the pool and the batch.
+    /// Checks host-side CSR tables against the pool and the batch
+    /// ([`check_csr_tables`] with this kernel's pool).
     pub fn check_tables(
         &self,
         kv_indptr: &[u32],
         kv_indices: &[u32],
         seq_lens: &[u32],
     ) -> Result<(), GpuError> {
-        let bad = |m: String| Err(GpuError::InvalidArgument(m));
-        let n = seq_lens.len();
-        if kv_indptr.len() != n + 1 {
-            return bad(format!(
-                "kv_indptr has {} entries for {n} sequences (need {})",
-                kv_indptr.len(),
-                n + 1
-            ));
-        }
-        if kv_indptr[0] != 0
-            || kv_indptr.windows(2).any(|w| w[0] > w[1])
-            || kv_indptr[n] as usize != kv_indices.len()
-        {
-            return bad(
-                "kv_indptr must start at 0, never decrease and end at kv_indices.len()".into(),
-            );
-        }
-        for s in 0..n {
-            let blocks = (kv_indptr[s + 1] - kv_indptr[s]) as u64;
-            if seq_lens[s] as u64 > blocks * self.block_size as u64 {
-                return bad(format!(
-                    "sequence {s} holds {} tokens but its table has only {blocks} blocks",
-                    seq_lens[s]
-                ));
-            }
-        }
-        // RELEASED marks a block a sliding window dropped: skipped by the kernels.
-        if let Some(b) = kv_indices
-            .iter()
-            .find(|&&b| b >= self.num_blocks && b != crate::blocks::RELEASED)
-        {
-            return bad(format!(
-                "block id {b} outside the pool of {} blocks",
-                self.num_blocks
-            ));
-        }
-        Ok(())
+        check_csr_tables(
+            self.num_blocks,
+            self.block_size,
+            kv_indptr,
+            kv_indices,
+            seq_lens,
+        )
+        .map_err(GpuError::InvalidArgument)
     }
 
     fn check_options(&self, o: &AttnOptions) -> Result<(), GpuError> {
@@ -645,4 +617,51 @@ impl PagedAttention {
         gpu.queue.submit([enc.finish()]);
         Ok((out, bytes))
     }
+}
+
+/// Checks CSR block tables for a pool of `num_blocks` blocks of `block_size`
+/// tokens: `kv_indptr` has one entry more than `seq_lens`, starts at 0,
+/// never decreases and ends at `kv_indices.len()`; each sequence's table
+/// covers its length; every entry is in the pool or [`RELEASED`](crate::blocks::RELEASED).
+/// The message says what is wrong. Shared by every backend's host path.
+pub fn check_csr_tables(
+    num_blocks: u32,
+    block_size: u32,
+    kv_indptr: &[u32],
+    kv_indices: &[u32],
+    seq_lens: &[u32],
+) -> Result<(), String> {
+    let n = seq_lens.len();
+    if kv_indptr.len() != n + 1 {
+        return Err(format!(
+            "kv_indptr has {} entries for {n} sequences (need {})",
+            kv_indptr.len(),
+            n + 1
+        ));
+    }
+    if kv_indptr[0] != 0
+        || kv_indptr.windows(2).any(|w| w[0] > w[1])
+        || kv_indptr[n] as usize != kv_indices.len()
+    {
+        return Err("kv_indptr must start at 0, never decrease and end at kv_indices.len()".into());
+    }
+    for s in 0..n {
+        let blocks = (kv_indptr[s + 1] - kv_indptr[s]) as u64;
+        if seq_lens[s] as u64 > blocks * block_size as u64 {
+            return Err(format!(
+                "sequence {s} holds {} tokens but its table has only {blocks} blocks",
+                seq_lens[s]
+            ));
+        }
+    }
+    // RELEASED marks a block a sliding window dropped: skipped by the kernels.
+    if let Some(b) = kv_indices
+        .iter()
+        .find(|&&b| b >= num_blocks && b != crate::blocks::RELEASED)
+    {
+        return Err(format!(
+            "block id {b} outside the pool of {num_blocks} blocks"
+        ));
+    }
+    Ok(())
 }

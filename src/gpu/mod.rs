@@ -9,7 +9,9 @@ mod kv_cache;
 pub mod params;
 pub mod shader;
 
-pub use attention::{AttnOptions, BatchTables, PagedAttention, Split, AUTO_PARTITION_TOKENS};
+pub use attention::{
+    check_csr_tables, AttnOptions, BatchTables, PagedAttention, Split, AUTO_PARTITION_TOKENS,
+};
 pub use context::{backends_from_env, Gpu};
 pub use error::GpuError;
 #[cfg(not(target_arch = "wasm32"))]
