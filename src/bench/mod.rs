@@ -244,38 +244,6 @@ impl DecodeRig<'_> {
             })
             .collect())
     }
-
-    /// Median ms of one decode call, rotating over layers so no run finds the
-    /// previous run's data in a cache.
-    fn time(
-        &self,
-        timer: &Timer,
-        attn: &PagedAttention,
-        t: &BatchTables,
-        split: Split,
-    ) -> Result<f64, GpuError> {
-        let opts = AttnOptions {
-            split,
-            ..Default::default()
-        };
-        let mut err = None;
-        let ms = timer.median(|run, enc| {
-            let layer = run as u32 % self.layers;
-            if let Err(e) = attn.encode_decode(
-                self.gpu,
-                enc,
-                &self.cache,
-                layer,
-                &self.q,
-                t,
-                &self.out,
-                &opts,
-            ) {
-                err = Some(e);
-            }
-        })?;
-        err.map_or(Ok(ms), Err)
-    }
 }
 
 fn rig<'a>(
@@ -644,23 +612,4 @@ pub fn render(r: &BenchReport) -> String {
         r.copy_blocks_per_s, r.copy_blocks_gbs
     );
     s
-}
-
-/// One decode cell (f16, shuffled): (paged ms, stream GB/s, effective GB/s). For probing.
-#[doc(hidden)]
-pub fn probe_decode(
-    gpu: &Gpu,
-    timer: &Timer,
-    batch: u32,
-    context: u32,
-) -> Result<(f64, f64, f64), GpuError> {
-    let mut rng = SplitMix64::new(1);
-    let r = rig(gpu, batch, context, KvDtype::F16, &mut rng)?
-        .ok_or_else(|| GpuError::Unsupported("too big".into()))?;
-    let attn = PagedAttention::new(gpu, &r.cache, HEADS)?;
-    let (ip, ix, ln) = tables(batch, context, true, &mut rng);
-    let t = BatchTables::upload(gpu, &ip, &ix, &ln, None);
-    let ms = r.time(timer, &attn, &t, Split::Never)?;
-    let bytes = 2.0 * batch as f64 * context as f64 * (KV_HEADS * HEAD_DIM) as f64 * 2.0;
-    Ok((ms, stream_gbs(gpu, timer, &r.cache)?, bytes / ms / 1e6))
 }
