@@ -23,6 +23,12 @@ pub fn gpu() -> Option<Gpu> {
     }
 }
 
+/// Says, for the test log, that part of a test cannot run on this adapter
+/// (a missing feature or limit), instead of passing silently.
+pub fn unsupported(gpu: &Gpu, what: &str) {
+    eprintln!("unsupported on {}: {what}", gpu.describe());
+}
+
 /// A seed: `PAGEDATTN_SEED` if set, else fresh from the clock. Printed so a
 /// failure can be replayed.
 pub fn seed(test: &str) -> u64 {
