@@ -171,6 +171,9 @@ pub struct PagedAttention {
     /// (seconds per shape on software GL).
     prefill: std::sync::OnceLock<wgpu::ComputePipeline>,
     prefill_shape: ShaderShape,
+    /// Bound in place of the split-K (max, sum) output when there is none,
+    /// made once rather than per call.
+    unused_ml: wgpu::Buffer,
 }
 
 impl PagedAttention {
@@ -233,6 +236,7 @@ impl PagedAttention {
             reduce: pipeline(gpu, "reduce", &shape)?,
             prefill: std::sync::OnceLock::new(),
             prefill_shape: ShaderShape { qtile, ..shape },
+            unused_ml: gpu.storage("unused split (max, sum)", 16),
         })
     }
 
@@ -320,8 +324,8 @@ impl PagedAttention {
         let prefill = self.prefill_pipeline(gpu)?;
         let p = self.attn_params(tables, opts, 0, 1);
         let ub = gpu.uniform("prefill params", &p);
-        let dummy = gpu.storage("unused", 16);
-        let bg = bind(gpu, prefill, &[&ub, q, k, v, &tables.buffer, out, &dummy]);
+        let dummy = &self.unused_ml;
+        let bg = bind(gpu, prefill, &[&ub, q, k, v, &tables.buffer, out, dummy]);
         dispatch(
             enc,
             "prefill",
@@ -488,11 +492,11 @@ impl PagedAttention {
         if pt == 0 {
             let p = self.attn_params(tables, opts, 0, 1);
             let ub = gpu.uniform("decode params", &p);
-            let dummy = gpu.storage("unused", 16);
+            let dummy = &self.unused_ml;
             let bg = bind(
                 gpu,
                 &self.decode,
-                &[&ub, q, k, v, &tables.buffer, out, &dummy],
+                &[&ub, q, k, v, &tables.buffer, out, dummy],
             );
             dispatch(enc, "decode", &self.decode, &bg, (n, self.num_kv_heads, 1));
             return Ok(());
