@@ -101,21 +101,9 @@ impl CudaAttention {
     }
 
     fn check_options(&self, o: &AttnOptions) -> Result<(), CudaError> {
-        if let Some(s) = &o.alibi_slopes {
-            if s.len() != self.num_heads as usize {
-                return Err(CudaError::InvalidArgument(format!(
-                    "{} ALiBi slopes for {} heads",
-                    s.len(),
-                    self.num_heads
-                )));
-            }
-        }
-        if o.soft_cap.is_some_and(|c| c.is_nan() || c <= 0.0) || o.sliding_window == Some(0) {
-            return Err(CudaError::InvalidArgument(
-                "soft_cap must be positive and sliding_window at least 1".into(),
-            ));
-        }
-        Ok(())
+        // The split policy is validated too, though this kernel ignores it.
+        o.validate(self.num_heads)
+            .map_err(CudaError::InvalidArgument)
     }
 
     /// Decode from host slices: validates everything, runs, returns

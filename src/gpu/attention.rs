@@ -57,6 +57,29 @@ pub struct AttnOptions {
     pub split: Split,
 }
 
+impl AttnOptions {
+    /// Checks the options for `num_heads` query heads; the message says
+    /// what is wrong. Shared by every backend's host path.
+    pub fn validate(&self, num_heads: u32) -> Result<(), String> {
+        if let Split::Tokens(t) = self.split {
+            if t == 0 || !t.is_multiple_of(64) {
+                return Err(format!(
+                    "partition of {t} tokens: must be a positive multiple of 64"
+                ));
+            }
+        }
+        if let Some(s) = &self.alibi_slopes {
+            if s.len() != num_heads as usize {
+                return Err(format!("{} ALiBi slopes for {num_heads} heads", s.len()));
+            }
+        }
+        if self.soft_cap.is_some_and(|c| c.is_nan() || c <= 0.0) || self.sliding_window == Some(0) {
+            return Err("soft_cap must be positive and sliding_window at least 1".into());
+        }
+        Ok(())
+    }
+}
+
 /// A batch's block tables packed into one GPU buffer:
 /// `kv_indptr[n + 1] | seq_lens[n] | kv_indices[m] | alibi slopes[num_heads]`,
 /// and for prefill `| qo_indptr[n + 1] | tile list (sequence, first query)`.
@@ -432,28 +455,8 @@ impl PagedAttention {
     }
 
     fn check_options(&self, o: &AttnOptions) -> Result<(), GpuError> {
-        if let Split::Tokens(t) = o.split {
-            if t == 0 || t % 64 != 0 {
-                return Err(GpuError::InvalidArgument(format!(
-                    "partition of {t} tokens: must be a positive multiple of 64"
-                )));
-            }
-        }
-        if let Some(s) = &o.alibi_slopes {
-            if s.len() != self.num_heads as usize {
-                return Err(GpuError::InvalidArgument(format!(
-                    "{} ALiBi slopes for {} heads",
-                    s.len(),
-                    self.num_heads
-                )));
-            }
-        }
-        if o.soft_cap.is_some_and(|c| c.is_nan() || c <= 0.0) || o.sliding_window == Some(0) {
-            return Err(GpuError::InvalidArgument(
-                "soft_cap must be positive and sliding_window at least 1".into(),
-            ));
-        }
-        Ok(())
+        o.validate(self.num_heads)
+            .map_err(GpuError::InvalidArgument)
     }
 
     /// Records decode into `enc`: `q` holds `[num_seqs][num_heads][head_dim]`
