@@ -3,7 +3,7 @@
 # node dependencies if missing, builds the page (scripts/build-web.sh),
 # serves it on a free port of 127.0.0.1, runs web/test/e2e.mjs in headless
 # Chromium (WebGPU on SwiftShader), and stops the server. Exits non-zero on
-# any failure. Writes web/screenshot.png.
+# any failure. Writes web/screenshot.png (or $PAGEDATTN_SCREENSHOT).
 #
 # The first run also installs the wasm-bindgen CLI (about 4 minutes); caching
 # ~/.cargo/bin/wasm-bindgen in CI skips that.
@@ -34,4 +34,10 @@ for _ in $(seq 50); do
 done
 
 # The test bounds itself at 2 minutes; this outer bound catches a stuck browser launch.
-timeout 180 node web/test/e2e.mjs "http://127.0.0.1:$port/"
+# PAGEDATTN_WEB_REPEAT=N runs it N times in a row (a flake hunt); any failure fails.
+repeat=${PAGEDATTN_WEB_REPEAT:-1}
+for i in $(seq "$repeat"); do
+  [ "$repeat" -gt 1 ] && echo "== browser test run $i of $repeat"
+  timeout 180 node web/test/e2e.mjs "http://127.0.0.1:$port/"
+done
+[ "$repeat" -gt 1 ] && echo "browser test: $repeat runs in a row passed"

@@ -18,7 +18,8 @@ const state = {
   backend: null,
   adapter: null,
   config: null,
-  running: false,
+  running: false, // the Play loop is on
+  busy: false, // a step is in flight (its result not yet absorbed and drawn)
   steps: 0,
   done: false,
   maxErr: 0,
@@ -314,6 +315,7 @@ function absorb(next) {
 
 async function step() {
   if (busy || !demo || (snap && snap.done)) return busy;
+  state.busy = true;
   busy = (async () => {
     try {
       const t0 = performance.now();
@@ -334,6 +336,7 @@ async function step() {
       fatal(`Step failed: ${e && e.message ? e.message : e}` + (window.pagedattnPanic ? ` (${window.pagedattnPanic})` : ''));
     } finally {
       busy = null;
+      state.busy = false;
       buttons();
     }
   })();
@@ -358,9 +361,16 @@ async function play() {
   buttons();
 }
 
+// Stops the Play loop from starting another step. A step already in flight
+// still lands: the page is paused once `!state.running && !state.busy`
+// (`settled()` resolves then), which is what the end-to-end test waits for.
 function pause() {
   state.running = false;
   buttons();
+}
+
+async function settled() {
+  while (busy) await busy;
 }
 
 function buttons() {
@@ -372,7 +382,7 @@ function buttons() {
 
 async function reset() {
   pause();
-  if (busy) await busy;
+  await settled();
   $('fatal').hidden = true;
   if (state.error && state.ready) state.error = null;
   const cfg = readConfig();

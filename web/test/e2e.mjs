@@ -76,6 +76,10 @@ try {
     if (m.type() === 'error') pageErrors.push(`console.error: ${m.text()}`);
   });
   const state = () => page.evaluate(() => window.pagedattnState);
+  // Every wait below is on a condition the page exposes, never on time.
+  await page.addInitScript(() => {
+    window.idle = (st) => !st.running && !st.busy;
+  });
 
   await page.goto(url, { waitUntil: 'load' });
   await page.waitForFunction(() => {
@@ -96,7 +100,7 @@ try {
   s = await state();
   check(s.used === 0 && s.free === s.total && s.total === 256, `fresh pool: 0 used, ${s.free} free of ${s.total}`);
   await page.click('#step');
-  await page.waitForFunction(() => window.pagedattnState.steps === 1 && !window.pagedattnState.running);
+  await page.waitForFunction(() => window.pagedattnState.steps === 1 && idle(window.pagedattnState));
   s = await state();
   check(s.sequences === 1 && s.used > 0, `one step admits the first request (${s.sequences} sequence, ${s.used} blocks)`);
 
@@ -105,15 +109,19 @@ try {
   await page.waitForFunction((n) => window.pagedattnState.steps >= n || window.pagedattnState.error,
     PLAY_TO_STEP, { timeout: 60_000 });
   await page.click('#play'); // pause
-  await page.waitForFunction(() => !window.pagedattnState.running);
+  // Paused means: the loop stopped and no step in flight (one may still land
+  // after the click; wait for it rather than for time).
+  await page.waitForFunction(() => idle(window.pagedattnState));
   // Step on to one where copy-on-write happened, so the screenshot shows it.
   for (let i = 0; i < 40; i++) {
     s = await state();
     if (s.lastCopies > 0 || s.done || s.error) break;
     await page.click('#step');
-    await page.waitForFunction((n) => window.pagedattnState.steps > n && !window.pagedattnState.running, s.steps);
+    await page.waitForFunction((n) => window.pagedattnState.steps > n && idle(window.pagedattnState), s.steps);
   }
-  await page.waitForTimeout(100); // let the last step's drawing land
+  // A step's snapshot is absorbed and drawn before `busy` clears, so an idle
+  // page shows exactly the state read here.
+  await page.waitForFunction(() => idle(window.pagedattnState));
   s = await state();
   if (s.error) throw new Error(`page reported: ${s.error}`);
   check(s.lastCopies > 0, `a step with copy-on-write copies reached by stepping (step ${s.steps}, ${s.lastCopies} copies)`);
@@ -126,7 +134,7 @@ try {
 
   // Then run the seed to the end.
   await page.click('#play');
-  await page.waitForFunction(() => window.pagedattnState.done || window.pagedattnState.error,
+  await page.waitForFunction(() => (window.pagedattnState.done || window.pagedattnState.error) && idle(window.pagedattnState),
     null, { timeout: LIMIT_MS });
   s = await state();
   if (s.error) throw new Error(`page reported: ${s.error}`);
