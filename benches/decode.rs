@@ -53,13 +53,17 @@ fn decode(c: &mut Criterion) {
                 continue;
             };
             let attn = PagedAttention::new(&gpu, &cache, HEADS).expect("kernels");
-            let q = gpu.storage_init("q", &rng.signed_vec((batch * HEADS * HEAD_DIM) as usize));
-            let out = gpu.storage("out", (batch * HEADS * HEAD_DIM * 4) as u64);
+            let q = gpu
+                .storage_init("q", &rng.signed_vec((batch * HEADS * HEAD_DIM) as usize))
+                .unwrap();
+            let out = gpu
+                .storage("out", (batch * HEADS * HEAD_DIM * 4) as u64)
+                .unwrap();
             let bytes = 2 * batch as u64 * ctx as u64 * (KV_HEADS * HEAD_DIM) as u64 * 2;
             g.throughput(Throughput::Bytes(bytes));
             for (name, shuffled) in [("paged", true), ("identity", false)] {
                 let (ip, ix, ln) = tables(batch, ctx, shuffled, &mut rng);
-                let t = BatchTables::upload(&gpu, &ip, &ix, &ln, None);
+                let t = BatchTables::upload(&gpu, &ip, &ix, &ln, None).unwrap();
                 let opts = AttnOptions::default();
                 g.bench_function(BenchmarkId::new(name, format!("b{batch}/c{ctx}")), |b| {
                     b.iter_custom(|iters| {
@@ -100,13 +104,17 @@ fn decode(c: &mut Criterion) {
                 continue;
             };
             let attn = PagedAttention::new(&gpu, &cache, HEADS).expect("kernels");
-            let q = gpu.storage_init("q", &rng.signed_vec((batch * HEADS * HEAD_DIM) as usize));
-            let out = gpu.storage("out", (batch * HEADS * HEAD_DIM * 4) as u64);
+            let q = gpu
+                .storage_init("q", &rng.signed_vec((batch * HEADS * HEAD_DIM) as usize))
+                .unwrap();
+            let out = gpu
+                .storage("out", (batch * HEADS * HEAD_DIM * 4) as u64)
+                .unwrap();
             g.throughput(Throughput::Bytes(
                 2 * batch as u64 * ctx as u64 * (KV_HEADS * HEAD_DIM) as u64 * 2,
             ));
             let (ip, ix, ln) = tables(batch, ctx, true, &mut rng);
-            let t = BatchTables::upload(&gpu, &ip, &ix, &ln, None);
+            let t = BatchTables::upload(&gpu, &ip, &ix, &ln, None).unwrap();
             for (name, split) in [("whole", Split::Never), ("split512", Split::Tokens(512))] {
                 let opts = AttnOptions {
                     split,

@@ -91,7 +91,9 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     // A length past what the table holds (a corrupt table) is cut to it, so
     // the token loop is never longer than the table.
     let held = ind_end - ind_start;
-    var len = table_at(p.lens_off + seq);
+    // Lengths past 2^31 are refused by the host; cut here too, so no
+    // position or tile counter below can wrap whatever the buffer holds.
+    var len = min(table_at(p.lens_off + seq), 0x80000000u);
     if held <= 0xFFFFFFFFu / BLOCK_SIZE {
         len = min(len, held * BLOCK_SIZE);
     }
@@ -169,7 +171,8 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
                 let qi = r / GROUP;
                 let q_pos = pos0 + qi;
                 var v = NEG_INF;
-                let in_window = p.sliding_window == 0u || tok + p.sliding_window > q_pos;
+                // q_pos - tok, never tok + window: exact for any u32 window.
+                let in_window = p.sliding_window == 0u || q_pos - tok < p.sliding_window;
                 if row != INVALID && qi < q_count && tok <= q_pos && in_window {
                     let slope = bitcast<f32>(table_at(p.slopes_off + h0 + r % GROUP));
                     v = logit(p, s[r], slope, q_pos, tok);

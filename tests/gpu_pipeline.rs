@@ -165,8 +165,9 @@ fn encoder_api_two_layers_one_submit() {
         &view.kv_indices,
         &view.seq_lens,
         None,
-    );
-    let slots = gpu.storage_init("slots", &view.slot_mapping);
+    )
+    .unwrap();
+    let slots = gpu.storage_init("slots", &view.slot_mapping).unwrap();
     let qlen = lens.len() * (HEADS * HD) as usize;
     let mut enc = gpu.device.create_command_encoder(&Default::default());
     let mut expect = Vec::new();
@@ -175,11 +176,11 @@ fn encoder_api_two_layers_one_submit() {
         let (k, v) = (rng.signed_vec(ntok * row), rng.signed_vec(ntok * row));
         let q = rng.signed_vec(qlen);
         let (kb, vb, qb) = (
-            gpu.storage_init("k", &k),
-            gpu.storage_init("v", &v),
-            gpu.storage_init("q", &q),
+            gpu.storage_init("k", &k).unwrap(),
+            gpu.storage_init("v", &v).unwrap(),
+            gpu.storage_init("q", &q).unwrap(),
         );
-        let out = gpu.storage("out", (qlen * 4) as u64);
+        let out = gpu.storage("out", (qlen * 4) as u64).unwrap();
         gpu.queue
             .write_buffer(&out, 0, bytemuck::cast_slice(&vec![f32::NAN; qlen]));
         kv.encode_write_kv(&gpu, &mut enc, layer, &kb, &vb, &slots, ntok as u32)
@@ -246,9 +247,9 @@ fn corrupt_tables_are_skipped_not_read() {
     let n = seq_lens.len();
     let qlen = n * (HEADS * HD) as usize;
     let q = rng.signed_vec(qlen);
-    let tables = BatchTables::upload(&gpu, &kv_indptr, &kv_indices, &seq_lens, None);
-    let qb = gpu.storage_init("q", &q);
-    let out = gpu.storage("out", (qlen * 4) as u64);
+    let tables = BatchTables::upload(&gpu, &kv_indptr, &kv_indices, &seq_lens, None).unwrap();
+    let qb = gpu.storage_init("q", &q).unwrap();
+    let out = gpu.storage("out", (qlen * 4) as u64).unwrap();
     gpu.queue
         .write_buffer(&out, 0, bytemuck::cast_slice(&vec![f32::NAN; qlen]));
     let mut enc = gpu.device.create_command_encoder(&Default::default());

@@ -28,6 +28,19 @@ pub struct BenchConfig {
     pub max_seconds: f64,
 }
 
+impl BenchConfig {
+    /// Checks the settings: `max_seconds` finite and not negative.
+    pub fn validate(&self) -> Result<(), GpuError> {
+        if !(self.max_seconds.is_finite() && self.max_seconds >= 0.0) {
+            return Err(GpuError::InvalidArgument(format!(
+                "max_seconds {} is not a finite number of seconds, at least 0",
+                self.max_seconds
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// Shape of the decode grid's attention: 32 query heads over 8 KV heads, head_dim 128.
 pub const HEADS: u32 = 32;
 /// KV heads.
@@ -257,8 +270,8 @@ fn rig<'a>(
     let Some(cache) = filled_cache(gpu, tokens, dtype, 2, rng)? else {
         return Ok(None);
     };
-    let q = gpu.storage_init("q", &rng.signed_vec((batch * HEADS * HEAD_DIM) as usize));
-    let out = gpu.storage("out", (batch * HEADS * HEAD_DIM * 4) as u64);
+    let q = gpu.storage_init("q", &rng.signed_vec((batch * HEADS * HEAD_DIM) as usize))?;
+    let out = gpu.storage("out", (batch * HEADS * HEAD_DIM * 4) as u64)?;
     Ok(Some(DecodeRig {
         gpu,
         cache,
@@ -291,7 +304,7 @@ impl StreamRead {
             paged: true,
         };
         let pipe = crate::gpu::kv_cache_pipeline(gpu, "stream_read", &shape)?;
-        let sink = gpu.storage("sink", 16);
+        let sink = gpu.storage("sink", 16)?;
         let mut groups = Vec::new();
         for l in 0..cache.config().num_layers {
             let [k, v] = cache.layer(l)?;
@@ -323,8 +336,8 @@ fn stream_gbs(gpu: &Gpu, timer: &Timer, cache: &KvCache) -> Result<f64, GpuError
 
 fn memcpy_gbs(gpu: &Gpu, timer: &Timer) -> Result<f64, GpuError> {
     let bytes = (64u64 << 20).min(gpu.max_binding_bytes());
-    let a = gpu.storage("memcpy a", bytes);
-    let b = gpu.storage("memcpy b", bytes);
+    let a = gpu.storage("memcpy a", bytes)?;
+    let b = gpu.storage("memcpy b", bytes)?;
     let ms = timer.median(|run, enc| {
         if run % 2 == 0 {
             enc.copy_buffer_to_buffer(&a, 0, &b, 0, bytes);
@@ -361,6 +374,7 @@ pub fn host_bookkeeping_us_per_seq(steps: usize) -> f64 {
 
 /// Runs the benchmark.
 pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, GpuError> {
+    cfg.validate()?;
     let timer = Timer::new(gpu, cfg.wall_clock);
     let mut rng = SplitMix64::new(0x5eed);
     let (batches, contexts, dtypes): (&[u32], &[u32], &[KvDtype]) = if cfg.quick {
@@ -401,9 +415,9 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, GpuError> {
                 let paged = PagedAttention::new(gpu, &r.cache, HEADS)?;
                 let contiguous = PagedAttention::contiguous(gpu, &r.cache, HEADS)?;
                 let (ip, ix, ln) = tables(batch, context, true, &mut rng);
-                let shuffled = BatchTables::upload(gpu, &ip, &ix, &ln, None);
+                let shuffled = BatchTables::upload(gpu, &ip, &ix, &ln, None)?;
                 let (ip, ix, ln) = tables(batch, context, false, &mut rng);
-                let identity = BatchTables::upload(gpu, &ip, &ix, &ln, None);
+                let identity = BatchTables::upload(gpu, &ip, &ix, &ln, None)?;
                 let split = Split::Auto;
                 let t = r.time_interleaved(
                     &timer,
@@ -466,7 +480,7 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, GpuError> {
         };
         let attn = PagedAttention::new(gpu, &r.cache, HEADS)?;
         let (ip, ix, ln) = tables(batch, context, true, &mut rng);
-        let t = BatchTables::upload(gpu, &ip, &ix, &ln, None);
+        let t = BatchTables::upload(gpu, &ip, &ix, &ln, None)?;
         let tt = r.time_interleaved(
             &timer,
             &[
@@ -517,12 +531,12 @@ fn write_and_copy(
         .ok_or_else(|| GpuError::Unsupported("bench pool does not fit".into()))?;
     let ntok = 256u32;
     let row = (KV_HEADS * HEAD_DIM) as usize;
-    let k = gpu.storage_init("k", &rng.signed_vec(ntok as usize * row));
-    let v = gpu.storage_init("v", &rng.signed_vec(ntok as usize * row));
+    let k = gpu.storage_init("k", &rng.signed_vec(ntok as usize * row))?;
+    let v = gpu.storage_init("v", &rng.signed_vec(ntok as usize * row))?;
     let mut slots: Vec<u32> = (0..blocks * BLOCK).collect();
     rng.shuffle(&mut slots);
     slots.truncate(ntok as usize);
-    let sb = gpu.storage_init("slots", &slots);
+    let sb = gpu.storage_init("slots", &slots)?;
     let mut err = None;
     let ms = timer.median(|_, enc| {
         if let Err(e) = cache.encode_write_kv(gpu, enc, 0, &k, &v, &sb, ntok) {
@@ -537,7 +551,7 @@ fn write_and_copy(
     let copies: Vec<[u32; 2]> = (0..ncopies as usize)
         .map(|i| [ids[2 * i], ids[2 * i + 1]])
         .collect();
-    let cb = gpu.storage_init("copies", &copies);
+    let cb = gpu.storage_init("copies", &copies)?;
     let ms_c = timer.median(|_, enc| {
         if let Err(e) = cache.encode_copy_blocks(gpu, enc, &cb, ncopies) {
             err = Some(e);

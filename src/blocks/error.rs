@@ -22,14 +22,16 @@ pub enum BlockError {
     /// The block size is not a power of two in 1..=256.
     #[error("block size {0} is not a power of two between 1 and 256")]
     BadBlockSize(u32),
-    /// A pool must hold at least one block and at most `u32::MAX / block_size` slots.
-    #[error("pool of {num_blocks} blocks of {block_size} tokens is not addressable (need 1..={max} blocks)")]
+    /// A pool must hold at least one block, at most `u32::MAX / block_size`
+    /// blocks (so every slot fits a `u32`) and at most
+    /// [`MAX_BLOCKS`](super::MAX_BLOCKS) (the manager's host memory bound).
+    #[error("pool of {num_blocks} blocks of {block_size} tokens is not supported (need 1..={max} blocks: slots must fit a u32, and a manager holds at most 2^24 blocks)")]
     BadPoolSize {
         /// Requested number of blocks.
         num_blocks: u32,
         /// Requested block size.
         block_size: u32,
-        /// Largest number of blocks whose slots fit a `u32`.
+        /// Largest number of blocks allowed at this block size.
         max: u32,
     },
     /// A sequence would grow past the longest length the manager allows.

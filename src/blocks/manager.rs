@@ -3,7 +3,16 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
+use sha2::{Digest as _, Sha256};
+
 use super::{BatchView, BlockError, BlockStats, SeqId, RELEASED};
+
+/// Most blocks one manager takes: bounds its host memory (about 24 bytes a
+/// block up front) before anything is allocated.
+pub const MAX_BLOCKS: u32 = 1 << 24;
+
+/// SHA-256 digest naming a full block's content and everything before it.
+type ChainDigest = [u8; 32];
 
 /// How a [`BlockManager`] is laid out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -45,8 +54,10 @@ struct Sequence {
     tokens: Vec<u32>,
     /// Tokens at the end of `tokens` not yet taken by a batch view.
     pending: usize,
-    /// Hash chain of the leading full blocks already registered in the cache.
-    hashes: Vec<u64>,
+    /// Digest chain of the leading full blocks already offered to the cache.
+    hashes: Vec<ChainDigest>,
+    /// Root of the chain: the digest of the sequence's cache salt.
+    root: ChainDigest,
 }
 
 /// Host-side owner of the paged KV cache's bookkeeping.
@@ -77,10 +88,10 @@ pub struct BlockManager {
     ref_counts: Vec<u32>,
     /// Plain free blocks (no cached content), used as a stack.
     free: Vec<u32>,
-    /// Hash of the cached full block a physical block holds, if registered.
-    block_hash: Vec<Option<u64>>,
-    /// Cached content hash -> physical block.
-    cache: HashMap<u64, u32>,
+    /// Digest of the cached full block a physical block holds, if registered.
+    block_hash: HashMap<u32, ChainDigest>,
+    /// Cached content digest -> physical block.
+    cache: HashMap<ChainDigest, u32>,
     /// Cached blocks at ref count 0, oldest release first.
     evictable: BTreeMap<u64, u32>,
     /// Key of each evictable block in `evictable`.
@@ -97,20 +108,32 @@ pub struct BlockManager {
     prefix_hit_tokens: u64,
 }
 
-/// Hash of a full block given its parent's hash: a SplitMix64-style mix
-/// over the token ids, written here so the value never changes with the Rust
-/// release (std's DefaultHasher makes no such promise).
-fn chain_hash(parent: u64, tokens: &[u32]) -> u64 {
-    let mix = |mut z: u64| {
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    };
-    let mut h = mix(parent ^ 0x9E37_79B9_7F4A_7C15);
-    for &t in tokens {
-        h = mix(h.wrapping_add(t as u64).wrapping_add(0x9E37_79B9_7F4A_7C15));
+/// Root of a digest chain: the cache salt (namespace), domain-separated.
+/// The empty salt is the default namespace.
+fn chain_root(salt: &[u8]) -> ChainDigest {
+    let mut h = Sha256::new();
+    h.update(b"pagedattn prefix cache v1 root");
+    h.update((salt.len() as u64).to_le_bytes());
+    h.update(salt);
+    h.finalize().into()
+}
+
+/// Digest of a full block given its parent's digest: SHA-256 over the
+/// parent's digest and the block's token ids (little-endian). A cache hit
+/// therefore means equal tokens, an equal chain before them and an equal
+/// salt, short of a SHA-256 collision; unlike a fast 64-bit mix, nobody can
+/// search for two prompts that share a key.
+fn chain_hash(parent: &ChainDigest, tokens: &[u32]) -> ChainDigest {
+    let mut h = Sha256::new();
+    h.update(parent);
+    let mut buf = [0u8; 256];
+    for chunk in tokens.chunks(64) {
+        for (i, t) in chunk.iter().enumerate() {
+            buf[i * 4..i * 4 + 4].copy_from_slice(&t.to_le_bytes());
+        }
+        h.update(&buf[..chunk.len() * 4]);
     }
-    mix(h ^ tokens.len() as u64)
+    h.finalize().into()
 }
 
 impl BlockManager {
@@ -120,7 +143,7 @@ impl BlockManager {
         if !(1..=256).contains(&bs) || !bs.is_power_of_two() {
             return Err(BlockError::BadBlockSize(bs));
         }
-        let max = u32::MAX / bs;
+        let max = (u32::MAX / bs).min(MAX_BLOCKS);
         if cfg.num_blocks == 0 || cfg.num_blocks > max {
             return Err(BlockError::BadPoolSize {
                 num_blocks: cfg.num_blocks,
@@ -134,7 +157,7 @@ impl BlockManager {
             ref_counts: vec![0; n],
             // Reversed so that blocks are handed out 0, 1, 2, ... from a fresh pool.
             free: (0..cfg.num_blocks).rev().collect(),
-            block_hash: vec![None; n],
+            block_hash: HashMap::new(),
             cache: HashMap::new(),
             evictable: BTreeMap::new(),
             evict_key: vec![0; n],
@@ -250,7 +273,7 @@ impl BlockManager {
                     .evictable
                     .pop_first()
                     .expect("caller checked availability");
-                if let Some(h) = self.block_hash[b as usize].take() {
+                if let Some(h) = self.block_hash.remove(&b) {
                     self.cache.remove(&h);
                 }
                 b
@@ -303,7 +326,7 @@ impl BlockManager {
     /// Puts a block at ref count 0 back where it can be taken again.
     fn recycle(&mut self, b: u32) {
         let i = b as usize;
-        if self.block_hash[i].is_some() {
+        if self.block_hash.contains_key(&b) {
             self.tick += 1;
             self.evict_key[i] = self.tick;
             self.evictable.insert(self.tick, b);
@@ -323,19 +346,35 @@ impl BlockManager {
     }
 
     /// Adds a sequence holding `prompt`. With prefix caching on, leading full
-    /// blocks whose hash chain is cached are shared instead of allocated.
+    /// blocks whose content and whole chain before them are cached are shared
+    /// instead of allocated.
     pub fn add_sequence(&mut self, prompt: &[u32]) -> Result<SeqId, BlockError> {
+        self.add_sequence_salted(prompt, &[])
+    }
+
+    /// [`add_sequence`](Self::add_sequence) in a prefix-cache namespace:
+    /// blocks are shared only between prompts with the same `cache_salt`
+    /// (and equal tokens). An engine gives each tenant, or each LoRA
+    /// adapter, its own salt so that equal prompts of different tenants
+    /// never share KV. The empty salt is the namespace of `add_sequence`.
+    /// Forks inherit their parent's namespace.
+    pub fn add_sequence_salted(
+        &mut self,
+        prompt: &[u32],
+        cache_salt: &[u8],
+    ) -> Result<SeqId, BlockError> {
         if prompt.is_empty() {
             return Err(BlockError::EmptyPrompt);
         }
         self.check_len(prompt.len())?;
         let bs = self.cfg.block_size as usize;
+        let root = chain_root(cache_salt);
         let mut matched = Vec::new();
         let mut hashes = Vec::new();
         if self.cfg.prefix_caching {
-            let mut h = 0u64;
+            let mut h = root;
             for chunk in prompt.chunks_exact(bs) {
-                h = chain_hash(h, chunk);
+                h = chain_hash(&h, chunk);
                 match self.cache.get(&h) {
                     Some(&b) => {
                         matched.push(b);
@@ -377,6 +416,7 @@ impl BlockManager {
                 tokens: prompt.to_vec(),
                 pending: prompt.len() - cached_tokens,
                 hashes,
+                root,
             },
         );
         Ok(SeqId(id))
@@ -540,7 +580,7 @@ impl BlockManager {
     pub fn evict_all_cached(&mut self) -> usize {
         let n = self.evictable.len();
         while let Some((_, b)) = self.evictable.pop_first() {
-            if let Some(h) = self.block_hash[b as usize].take() {
+            if let Some(h) = self.block_hash.remove(&b) {
                 self.cache.remove(&h);
             }
             self.free.push(b);
@@ -610,14 +650,14 @@ impl BlockManager {
         let full = s.tokens.len() / bs;
         while s.hashes.len() < full {
             let i = s.hashes.len();
-            let parent = s.hashes.last().copied().unwrap_or(0);
+            let parent = s.hashes.last().unwrap_or(&s.root);
             let h = chain_hash(parent, &s.tokens[i * bs..(i + 1) * bs]);
             s.hashes.push(h);
             let b = s.table[i];
-            if b != RELEASED && self.block_hash[b as usize].is_none() {
+            if b != RELEASED && !self.block_hash.contains_key(&b) {
                 if let std::collections::hash_map::Entry::Vacant(e) = self.cache.entry(h) {
                     e.insert(b);
-                    self.block_hash[b as usize] = Some(h);
+                    self.block_hash.insert(b, h);
                 }
             }
         }

@@ -7,7 +7,7 @@ mod error;
 mod manager;
 
 pub use error::BlockError;
-pub use manager::{BlockManager, BlockManagerConfig};
+pub use manager::{BlockManager, BlockManagerConfig, MAX_BLOCKS};
 
 /// Table entry of a block dropped by
 /// [`BlockManager::release_outside_window`]: outside every pool, so the

@@ -72,17 +72,148 @@ impl AttnOptions {
             if s.len() != num_heads as usize {
                 return Err(format!("{} ALiBi slopes for {num_heads} heads", s.len()));
             }
+            if let Some((h, x)) = s.iter().enumerate().find(|(_, x)| !x.is_finite()) {
+                return Err(format!(
+                    "ALiBi slope of head {h} is {x}: slopes must be finite"
+                ));
+            }
         }
-        if self.soft_cap.is_some_and(|c| c.is_nan() || c <= 0.0) || self.sliding_window == Some(0) {
-            return Err("soft_cap must be positive and sliding_window at least 1".into());
+        if let Some(x) = self.scale.filter(|x| !x.is_finite()) {
+            return Err(format!("scale {x}: must be finite"));
+        }
+        if let Some(c) = self.soft_cap.filter(|c| !c.is_finite() || *c <= 0.0) {
+            return Err(format!("soft_cap {c}: must be finite and positive"));
+        }
+        if self.sliding_window == Some(0) {
+            return Err("sliding_window of 0 positions: must be at least 1".into());
         }
         Ok(())
     }
 }
 
-/// A batch's block tables packed into one GPU buffer:
+/// Longest sequence (tokens of context) the kernels take: positions and
+/// tile counters are `u32`, and a length this far below `u32::MAX` can
+/// never wrap them.
+pub const MAX_SEQ_LEN: u32 = 1 << 31;
+
+/// Most sequences in one decode, and most query tiles in one prefill (one
+/// dispatch dimension).
+pub const MAX_BATCH: u32 = 65535;
+
+/// A batch's block tables packed as the kernels read them, on the host:
 /// `kv_indptr[n + 1] | seq_lens[n] | kv_indices[m] | alibi slopes[num_heads]`,
 /// and for prefill `| qo_indptr[n + 1] | tile list (sequence, first query)`.
+/// [`BatchTables::upload`] puts it in a GPU buffer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PackedTables {
+    /// The words of the buffer.
+    pub words: Vec<u32>,
+    /// Sequences.
+    pub num_seqs: u32,
+    /// Length of `kv_indices`.
+    pub indices_len: u32,
+    /// Longest sequence.
+    pub max_len: u32,
+    /// The ALiBi slopes packed, if any.
+    pub slopes: Option<Vec<f32>>,
+    /// Prefill only: offset of `qo_indptr` in the words (0 for decode).
+    pub qo_off: u32,
+    /// Prefill only: query tiles (workgroups).
+    pub num_tiles: u32,
+}
+
+impl PackedTables {
+    /// Packs tables without a GPU. No check of the CSR structure or of block
+    /// ids (the kernels clip ranges and skip ids outside the pool), but every
+    /// bound the kernels and the host arithmetic rely on is enforced: at most
+    /// [`MAX_BATCH`] sequences and query tiles, lengths up to
+    /// [`MAX_SEQ_LEN`], offsets that fit a `u32`, finite slopes.
+    pub fn pack(
+        kv_indptr: &[u32],
+        kv_indices: &[u32],
+        seq_lens: &[u32],
+        slopes: Option<&[f32]>,
+        prefill: Option<(&[u32], u32)>,
+    ) -> Result<Self, GpuError> {
+        let bad = |m: String| Err(GpuError::InvalidArgument(m));
+        let n = seq_lens.len();
+        if n > MAX_BATCH as usize {
+            return bad(format!("{n} sequences in one batch (at most {MAX_BATCH})"));
+        }
+        if let Some((s, &l)) = seq_lens.iter().enumerate().find(|(_, &l)| l > MAX_SEQ_LEN) {
+            return bad(format!(
+                "sequence {s} holds {l} tokens, over the limit of {MAX_SEQ_LEN}"
+            ));
+        }
+        if let Some(x) = slopes.and_then(|s| s.iter().find(|x| !x.is_finite())) {
+            return bad(format!("ALiBi slope {x}: slopes must be finite"));
+        }
+        let slopes_len = slopes.map_or(0, |s| s.len());
+        let qo_len = prefill.map_or(0, |_| n + 1);
+        // Every offset the kernels compute into the buffer fits a u32.
+        let words = (2 * n + 1)
+            .checked_add(kv_indices.len())
+            .and_then(|w| w.checked_add(slopes_len))
+            .and_then(|w| w.checked_add(qo_len))
+            .filter(|&w| w <= (u32::MAX / 2) as usize);
+        let Some(words) = words else {
+            return bad(format!(
+                "tables of {} block ids and {slopes_len} slopes do not fit u32 offsets",
+                kv_indices.len()
+            ));
+        };
+        let mut packed = Vec::with_capacity(words);
+        packed.extend_from_slice(&kv_indptr[..kv_indptr.len().min(n + 1)]);
+        packed.resize(n + 1, 0);
+        packed.extend_from_slice(seq_lens);
+        packed.extend_from_slice(kv_indices);
+        if let Some(s) = slopes {
+            packed.extend(s.iter().map(|x| x.to_bits()));
+        }
+        let (mut qo_off, mut num_tiles) = (0u32, 0u32);
+        if let Some((qo, qtile)) = prefill {
+            let qtile = qtile.max(1);
+            qo_off = packed.len() as u32;
+            packed.extend_from_slice(&qo[..qo.len().min(n + 1)]);
+            packed.resize(qo_off as usize + n + 1, 0);
+            let mut tiles = 0u64;
+            for s in 0..n {
+                let nq = qo
+                    .get(s + 1)
+                    .unwrap_or(&0)
+                    .saturating_sub(*qo.get(s).unwrap_or(&0));
+                tiles += nq.div_ceil(qtile) as u64;
+            }
+            if tiles > MAX_BATCH as u64 {
+                return bad(format!(
+                    "{tiles} query tiles of {qtile} in one prefill (at most {MAX_BATCH}; split the batch)"
+                ));
+            }
+            packed.reserve(2 * tiles as usize);
+            for s in 0..n {
+                let nq = qo
+                    .get(s + 1)
+                    .unwrap_or(&0)
+                    .saturating_sub(*qo.get(s).unwrap_or(&0));
+                for first in (0..nq).step_by(qtile as usize) {
+                    packed.extend_from_slice(&[s as u32, first]);
+                }
+            }
+            num_tiles = tiles as u32;
+        }
+        Ok(Self {
+            words: packed,
+            num_seqs: n as u32,
+            indices_len: kv_indices.len() as u32,
+            max_len: seq_lens.iter().copied().max().unwrap_or(0),
+            slopes: slopes.map(|s| s.to_vec()),
+            qo_off,
+            num_tiles,
+        })
+    }
+}
+
+/// A batch's block tables in one GPU buffer ([`PackedTables`]'s layout).
 pub struct BatchTables {
     /// The packed buffer.
     pub buffer: wgpu::Buffer,
@@ -92,8 +223,9 @@ pub struct BatchTables {
     pub indices_len: u32,
     /// Longest sequence (for the split rule).
     pub max_len: u32,
-    /// Whether slopes were packed.
-    pub has_slopes: bool,
+    /// The ALiBi slopes packed, if any: they must equal the
+    /// [`AttnOptions::alibi_slopes`] given with these tables.
+    pub slopes: Option<Vec<f32>>,
     /// Prefill only: offset of `qo_indptr` in the buffer (0 for decode).
     pub qo_off: u32,
     /// Prefill only: workgroups of the tile list.
@@ -101,16 +233,20 @@ pub struct BatchTables {
 }
 
 impl BatchTables {
-    /// Packs and uploads decode tables. No validation: the kernels skip
-    /// entries outside the pool. [`PagedAttention::check_tables`] checks host input.
+    /// Packs ([`PackedTables::pack`]) and uploads decode tables. No check of
+    /// the tables against a pool: the kernels skip entries outside it.
+    /// [`PagedAttention::check_tables`] checks host input fully.
     pub fn upload(
         gpu: &Gpu,
         kv_indptr: &[u32],
         kv_indices: &[u32],
         seq_lens: &[u32],
         slopes: Option<&[f32]>,
-    ) -> Self {
-        Self::pack(gpu, kv_indptr, kv_indices, seq_lens, slopes, None)
+    ) -> Result<Self, GpuError> {
+        Self::from_packed(
+            gpu,
+            PackedTables::pack(kv_indptr, kv_indices, seq_lens, slopes, None)?,
+        )
     }
 
     /// Packs and uploads prefill tables: sequence `s` has queries
@@ -124,65 +260,37 @@ impl BatchTables {
         slopes: Option<&[f32]>,
         qo_indptr: &[u32],
         qtile: u32,
-    ) -> Self {
-        Self::pack(
+    ) -> Result<Self, GpuError> {
+        Self::from_packed(
             gpu,
-            kv_indptr,
-            kv_indices,
-            seq_lens,
-            slopes,
-            Some((qo_indptr, qtile)),
+            PackedTables::pack(
+                kv_indptr,
+                kv_indices,
+                seq_lens,
+                slopes,
+                Some((qo_indptr, qtile)),
+            )?,
         )
     }
 
-    fn pack(
-        gpu: &Gpu,
-        kv_indptr: &[u32],
-        kv_indices: &[u32],
-        seq_lens: &[u32],
-        slopes: Option<&[f32]>,
-        prefill: Option<(&[u32], u32)>,
-    ) -> Self {
-        let n = seq_lens.len();
-        let mut packed =
-            Vec::with_capacity(2 * n + 1 + kv_indices.len() + slopes.map_or(0, |s| s.len()));
-        packed.extend_from_slice(kv_indptr);
-        packed.resize(n + 1, 0);
-        packed.extend_from_slice(seq_lens);
-        packed.extend_from_slice(kv_indices);
-        if let Some(s) = slopes {
-            packed.extend(s.iter().map(|x| x.to_bits()));
-        }
-        let (mut qo_off, mut num_tiles) = (0, 0);
-        if let Some((qo, qtile)) = prefill {
-            qo_off = packed.len() as u32;
-            packed.extend_from_slice(qo);
-            packed.resize(qo_off as usize + n + 1, 0);
-            for s in 0..n {
-                let nq = qo
-                    .get(s + 1)
-                    .unwrap_or(&0)
-                    .saturating_sub(*qo.get(s).unwrap_or(&0));
-                for first in (0..nq).step_by(qtile.max(1) as usize) {
-                    packed.extend_from_slice(&[s as u32, first]);
-                    num_tiles += 1;
-                }
-            }
-        }
-        Self {
-            buffer: gpu.storage_init("tables", &packed),
-            num_seqs: n as u32,
-            indices_len: kv_indices.len() as u32,
-            max_len: seq_lens.iter().copied().max().unwrap_or(0),
-            has_slopes: slopes.is_some(),
-            qo_off,
-            num_tiles,
-        }
+    /// Uploads packed tables.
+    pub fn from_packed(gpu: &Gpu, p: PackedTables) -> Result<Self, GpuError> {
+        Ok(Self {
+            buffer: gpu.storage_init("tables", &p.words)?,
+            num_seqs: p.num_seqs,
+            indices_len: p.indices_len,
+            max_len: p.max_len,
+            slopes: p.slopes,
+            qo_off: p.qo_off,
+            num_tiles: p.num_tiles,
+        })
     }
 }
 
 /// Decode kernels specialised for one cache shape and head count.
 pub struct PagedAttention {
+    /// The cache shape the kernels were built for.
+    cache_cfg: super::KvCacheConfig,
     num_heads: u32,
     num_kv_heads: u32,
     head_dim: u32,
@@ -218,6 +326,7 @@ impl PagedAttention {
         num_heads: u32,
         paged: bool,
     ) -> Result<Self, GpuError> {
+        gpu.alive()?;
         let c = cache.config();
         if num_heads == 0 || !num_heads.is_multiple_of(c.num_kv_heads) {
             return Err(GpuError::InvalidArgument(format!(
@@ -250,6 +359,7 @@ impl PagedAttention {
         }
         let qtile = shader::prefill_qtile(&shape, have);
         Ok(Self {
+            cache_cfg: *c,
             num_heads,
             num_kv_heads: c.num_kv_heads,
             head_dim: c.head_dim,
@@ -259,7 +369,7 @@ impl PagedAttention {
             reduce: pipeline(gpu, "reduce", &shape)?,
             prefill: std::sync::OnceLock::new(),
             prefill_shape: ShaderShape { qtile, ..shape },
-            unused_ml: gpu.storage("unused split (max, sum)", 16),
+            unused_ml: gpu.storage("unused split (max, sum)", 16)?,
         })
     }
 
@@ -287,25 +397,109 @@ impl PagedAttention {
         o: &AttnOptions,
         partition_tokens: u32,
         num_partitions: u32,
-    ) -> params::AttnParams {
+    ) -> Result<params::AttnParams, GpuError> {
         let n = t.num_seqs;
-        params::AttnParams {
+        // The offsets of the packed layout; checked, since BatchTables'
+        // fields are public and may not come from `pack`.
+        let off = |parts: &[u32]| {
+            parts
+                .iter()
+                .try_fold(0u32, |a, &b| a.checked_add(b))
+                .ok_or_else(|| {
+                    GpuError::InvalidArgument(format!(
+                        "tables of {n} sequences and {} block ids overflow u32 offsets",
+                        t.indices_len
+                    ))
+                })
+        };
+        let lens_off = off(&[n, 1])?;
+        let indices_off = off(&[n, n, 1])?;
+        let slopes_off = off(&[indices_off, t.indices_len])?;
+        off(&[slopes_off, self.num_heads])?;
+        // A sliding window at least as long as every sequence masks
+        // nothing: passed as "no window", so the kernels never add it to a
+        // position (any u32 window is exact).
+        let window = o
+            .sliding_window
+            .filter(|&w| w < t.max_len.max(1))
+            .unwrap_or(0);
+        Ok(params::AttnParams {
             num_seqs: n,
             num_heads: self.num_heads,
             num_kv_heads: self.num_kv_heads,
             num_blocks: self.num_blocks,
             scale: o.scale.unwrap_or(1.0 / (self.head_dim as f32).sqrt()),
             soft_cap: o.soft_cap.unwrap_or(0.0),
-            sliding_window: o.sliding_window.unwrap_or(0),
-            alibi: t.has_slopes as u32,
+            sliding_window: window,
+            alibi: o.alibi_slopes.is_some() as u32,
             partition_tokens,
             num_partitions,
-            lens_off: n + 1,
-            indices_off: 2 * n + 1,
+            lens_off,
+            indices_off,
             indices_len: t.indices_len,
-            slopes_off: 2 * n + 1 + t.indices_len,
+            slopes_off,
             qo_off: t.qo_off,
             _pad: 0,
+        })
+    }
+
+    /// Checks what every call checks: the device is alive, `cache` is the
+    /// shape these kernels were built for, the options are valid, and the
+    /// ALiBi slopes packed in `tables` (if any) are the options' slopes.
+    fn check_call(
+        &self,
+        gpu: &Gpu,
+        cache: &KvCache,
+        opts: &AttnOptions,
+        tables: Option<&BatchTables>,
+    ) -> Result<(), GpuError> {
+        gpu.alive()?;
+        if cache.config() != &self.cache_cfg {
+            return Err(GpuError::InvalidArgument(format!(
+                "this PagedAttention was built for a cache of {:?}, but was given one of {:?}",
+                self.cache_cfg,
+                cache.config()
+            )));
+        }
+        self.check_options(opts)?;
+        if let Some(t) = tables {
+            let same = match (&t.slopes, &opts.alibi_slopes) {
+                (None, None) => true,
+                (Some(a), Some(b)) => {
+                    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+                }
+                _ => false,
+            };
+            if !same {
+                return Err(GpuError::InvalidArgument(
+                    "the ALiBi slopes packed in the tables differ from AttnOptions::alibi_slopes; \
+                     pass the same slopes to BatchTables::upload and to the options"
+                        .into(),
+                ));
+            }
+            if t.max_len > MAX_SEQ_LEN {
+                return Err(GpuError::InvalidArgument(format!(
+                    "a sequence of {} tokens, over the limit of {MAX_SEQ_LEN}",
+                    t.max_len
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// On an adapter that ends long loops early (llvmpipe: 65535 loop
+    /// iterations per invocation), refuses a pass over more tokens than it
+    /// can finish, instead of returning a silently wrong answer.
+    fn check_pass_tokens(&self, gpu: &Gpu, tokens: u32, what: &str) -> Result<(), GpuError> {
+        match gpu.max_tokens_per_pass(self.head_dim) {
+            Some(cap) if tokens > cap => Err(GpuError::Unsupported(format!(
+                "{what} walks {tokens} tokens in one pass, but {} ends loops after 65535 \
+                 iterations per invocation (at most {cap} tokens per pass at head_dim {}): \
+                 use Split::Auto or Split::Tokens({cap}) or less for decode; split the \
+                 context of a prefill",
+                gpu.info.name, self.head_dim
+            ))),
+            _ => Ok(()),
         }
     }
 
@@ -328,7 +522,7 @@ impl PagedAttention {
         out: &wgpu::Buffer,
         opts: &AttnOptions,
     ) -> Result<(), GpuError> {
-        self.check_options(opts)?;
+        self.check_call(gpu, cache, opts, Some(tables))?;
         let [k, v] = cache.layer(layer)?;
         if tables.qo_off == 0 {
             return Err(GpuError::InvalidArgument(
@@ -338,15 +532,16 @@ impl PagedAttention {
         if tables.num_tiles == 0 {
             return Ok(());
         }
-        if tables.num_tiles > 65535 {
+        if tables.num_tiles > MAX_BATCH {
             return Err(GpuError::InvalidArgument(format!(
-                "{} query tiles in one prefill (at most 65535; split the batch)",
+                "{} query tiles in one prefill (at most {MAX_BATCH}; split the batch)",
                 tables.num_tiles
             )));
         }
+        self.check_pass_tokens(gpu, tables.max_len, "prefill")?;
         let prefill = self.prefill_pipeline(gpu)?;
-        let p = self.attn_params(tables, opts, 0, 1);
-        let ub = gpu.uniform("prefill params", &p);
+        let p = self.attn_params(tables, opts, 0, 1)?;
+        let ub = gpu.uniform("prefill params", &p)?;
         let dummy = &self.unused_ml;
         let bg = bind(gpu, prefill, &[&ub, q, k, v, &tables.buffer, out, dummy]);
         dispatch(
@@ -375,8 +570,8 @@ impl PagedAttention {
         seq_lens: &[u32],
         opts: &AttnOptions,
     ) -> Result<Vec<f32>, GpuError> {
+        self.check_call(gpu, cache, opts, None)?;
         cache.layer(layer)?;
-        self.check_options(opts)?;
         self.check_tables(kv_indptr, kv_indices, seq_lens)?;
         let n = seq_lens.len();
         let bad = |m: String| Err(GpuError::InvalidArgument(m));
@@ -398,40 +593,38 @@ impl PagedAttention {
                 ));
             }
         }
-        let row = (self.num_heads * self.head_dim) as usize;
+        let row = self.num_heads as usize * self.head_dim as usize;
         let nq = qo_indptr[n] as usize;
-        if q.len() != nq * row {
+        if nq.checked_mul(row) != Some(q.len()) {
             return bad(format!(
-                "q has {} floats; {nq} queries need {}",
+                "q has {} floats; {nq} queries x {row} need {}",
                 q.len(),
-                nq * row
+                nq as u128 * row as u128
             ));
         }
-        let bytes = (q.len() * 4) as u64;
-        let out = gpu.storage("prefill out", bytes);
-        gpu.queue.write_buffer(
-            &out,
-            0,
-            bytemuck::cast_slice(&vec![f32::NAN; q.len().max(4)]),
-        );
         if nq == 0 {
             return Ok(Vec::new());
         }
-        gpu.scoped_try(|| {
-            let tables = BatchTables::upload_prefill(
-                gpu,
-                kv_indptr,
-                kv_indices,
-                seq_lens,
-                opts.alibi_slopes.as_deref(),
-                qo_indptr,
-                self.prefill_shape.qtile,
-            );
-            let qb = gpu.storage_init("q", q);
+        let bytes = (q.len() * 4) as u64;
+        let tables = PackedTables::pack(
+            kv_indptr,
+            kv_indices,
+            seq_lens,
+            opts.alibi_slopes.as_deref(),
+            Some((qo_indptr, self.prefill_shape.qtile)),
+        )?;
+        self.check_pass_tokens(gpu, tables.max_len, "prefill")?;
+        let out = gpu.scoped_try(|| {
+            let out = gpu.storage("prefill out", bytes)?;
+            // Poisoned, so a kernel that skips a write cannot pass.
+            gpu.queue
+                .write_buffer(&out, 0, bytemuck::cast_slice(&vec![f32::NAN; q.len()]));
+            let tables = BatchTables::from_packed(gpu, tables)?;
+            let qb = gpu.storage_init("q", q)?;
             let mut enc = gpu.device.create_command_encoder(&Default::default());
             self.encode_prefill(gpu, &mut enc, cache, layer, &qb, &tables, &out, opts)?;
             gpu.queue.submit([enc.finish()]);
-            Ok(())
+            Ok(out)
         })?;
         gpu.read(&out, bytes)
     }
@@ -474,7 +667,7 @@ impl PagedAttention {
         out: &wgpu::Buffer,
         opts: &AttnOptions,
     ) -> Result<(), GpuError> {
-        self.check_options(opts)?;
+        self.check_call(gpu, cache, opts, Some(tables))?;
         let [k, v] = cache.layer(layer)?;
         let n = tables.num_seqs;
         if tables.qo_off != 0 {
@@ -485,16 +678,25 @@ impl PagedAttention {
         if n == 0 {
             return Ok(());
         }
-        if n > 65535 {
+        if n > MAX_BATCH {
             return Err(GpuError::InvalidArgument(format!(
-                "{n} sequences in one decode (at most 65535)"
+                "{n} sequences in one decode (at most {MAX_BATCH})"
             )));
         }
         let pt = opts.split.choose(n, self.num_kv_heads, tables.max_len);
+        self.check_pass_tokens(
+            gpu,
+            if pt == 0 {
+                tables.max_len
+            } else {
+                pt.min(tables.max_len)
+            },
+            "decode",
+        )?;
         let d4 = self.head_dim as u64 / 4;
         if pt == 0 {
-            let p = self.attn_params(tables, opts, 0, 1);
-            let ub = gpu.uniform("decode params", &p);
+            let p = self.attn_params(tables, opts, 0, 1)?;
+            let ub = gpu.uniform("decode params", &p)?;
             let dummy = &self.unused_ml;
             let bg = bind(
                 gpu,
@@ -510,11 +712,11 @@ impl PagedAttention {
                 "{parts} partitions (at most 65535)"
             )));
         }
-        let p = self.attn_params(tables, opts, pt, parts);
-        let ub = gpu.uniform("decode params", &p);
+        let p = self.attn_params(tables, opts, pt, parts)?;
+        let ub = gpu.uniform("decode params", &p)?;
         let rows = n as u64 * self.num_heads as u64 * parts as u64;
-        let acc = gpu.storage("split acc", rows * d4 * 16);
-        let ml = gpu.storage("split ml", rows * 8);
+        let acc = gpu.storage("split acc", rows * d4 * 16)?;
+        let ml = gpu.storage("split ml", rows * 8)?;
         let bg = bind(
             gpu,
             &self.decode,
@@ -586,12 +788,12 @@ impl PagedAttention {
         seq_lens: &[u32],
         opts: &AttnOptions,
     ) -> Result<(wgpu::Buffer, u64), GpuError> {
+        self.check_call(gpu, cache, opts, None)?;
         cache.layer(layer)?;
-        self.check_options(opts)?;
         self.check_tables(kv_indptr, kv_indices, seq_lens)?;
         let n = seq_lens.len();
-        let row = (self.num_heads * self.head_dim) as usize;
-        if q.len() != n * row {
+        let row = self.num_heads as usize * self.head_dim as usize;
+        if n.checked_mul(row) != Some(q.len()) {
             return Err(GpuError::InvalidArgument(format!(
                 "q has {} floats; {n} sequences x {} heads x {} need {}",
                 q.len(),
@@ -601,7 +803,7 @@ impl PagedAttention {
             )));
         }
         let bytes = (q.len() * 4) as u64;
-        let out = gpu.storage("decode out", bytes);
+        let out = gpu.storage("decode out", bytes)?;
         // Poison the output so a kernel that skips a write cannot pass.
         gpu.queue.write_buffer(
             &out,
@@ -617,8 +819,8 @@ impl PagedAttention {
             kv_indices,
             seq_lens,
             opts.alibi_slopes.as_deref(),
-        );
-        let qb = gpu.storage_init("q", q);
+        )?;
+        let qb = gpu.storage_init("q", q)?;
         let mut enc = gpu.device.create_command_encoder(&Default::default());
         self.encode_decode(gpu, &mut enc, cache, layer, &qb, &tables, &out, opts)?;
         gpu.queue.submit([enc.finish()]);
@@ -660,6 +862,15 @@ pub fn check_csr_tables(
                 seq_lens[s]
             ));
         }
+        if seq_lens[s] > MAX_SEQ_LEN {
+            return Err(format!(
+                "sequence {s} holds {} tokens, over the limit of {MAX_SEQ_LEN}",
+                seq_lens[s]
+            ));
+        }
+    }
+    if n > MAX_BATCH as usize {
+        return Err(format!("{n} sequences in one batch (at most {MAX_BATCH})"));
     }
     // RELEASED marks a block a sliding window dropped: skipped by the kernels.
     if let Some(b) = kv_indices

@@ -1,7 +1,5 @@
 //! The device: adapter choice, limits, and small buffer helpers.
 
-use wgpu::util::DeviceExt;
-
 use super::GpuError;
 
 /// A wgpu device and queue, with what the adapter is and allows.
@@ -156,17 +154,48 @@ impl Gpu {
     }
 
     /// Whether the device has been lost (destroyed, reset, or its driver gone).
+    ///
+    /// Polls the device first (without blocking), so that a loss wgpu has
+    /// noticed but not yet announced (e.g. `device.destroy()` from another
+    /// thread) is seen at once.
     pub fn is_lost(&self) -> bool {
-        lock(&self.health.lost).is_some()
+        self.alive().is_err()
+    }
+
+    /// `Err(GpuError::Device)` once the device is lost, else `Ok`. Every
+    /// public call of the library checks this first. Never reports errors
+    /// raised outside the library's scopes (that is
+    /// [`take_error`](Self::take_error)'s job).
+    pub fn alive(&self) -> Result<(), GpuError> {
+        if let Some(why) = lock(&self.health.lost).clone() {
+            return Err(GpuError::Device(why));
+        }
+        // A non-blocking poll runs wgpu's device-lost callback when the
+        // device was destroyed (wgpu calls it from poll, not from destroy).
+        #[cfg(not(target_arch = "wasm32"))]
+        {
+            let polled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                self.device.poll(wgpu::PollType::Poll)
+            }));
+            if polled.is_err() {
+                self.mark_lost("device lost: wgpu failed to poll it");
+            }
+        }
+        match lock(&self.health.lost).clone() {
+            Some(why) => Err(GpuError::Device(why)),
+            None => Ok(()),
+        }
+    }
+
+    fn mark_lost(&self, why: &str) {
+        lock(&self.health.lost).get_or_insert_with(|| why.to_string());
     }
 
     /// `Err(GpuError::Device)` once the device is lost; else the first error
     /// wgpu raised outside an error scope since the last call, if any
     /// (taking it); else `Ok`.
     pub fn take_error(&self) -> Result<(), GpuError> {
-        if let Some(why) = lock(&self.health.lost).clone() {
-            return Err(GpuError::Device(why));
-        }
+        self.alive()?;
         match lock(&self.health.uncaptured).take() {
             Some(e) => Err(e),
             None => Ok(()),
@@ -176,6 +205,23 @@ impl Gpu {
     /// "name (backend)", for logs and test names.
     pub fn describe(&self) -> String {
         format!("{} ({:?})", self.info.name, self.info.backend)
+    }
+
+    /// Whether the adapter is known to end long loops early: llvmpipe
+    /// (lavapipe on Vulkan, and on GL) stops every loop of an invocation
+    /// after 65535 iterations in total, silently.
+    pub fn caps_loops(&self) -> bool {
+        self.info.name.to_ascii_lowercase().contains("llvmpipe")
+    }
+
+    /// On an adapter that [caps loops](Self::caps_loops), the most tokens
+    /// one attention pass (a workgroup over one sequence's context or
+    /// partition) may walk at `head_dim` and still finish: measured on
+    /// llvmpipe with margin (`tests/adversarial_gpu.rs` checks the bound).
+    /// `None` elsewhere.
+    pub fn max_tokens_per_pass(&self, head_dim: u32) -> Option<u32> {
+        self.caps_loops()
+            .then_some(if head_dim > 128 { 4096 } else { 8192 })
     }
 
     /// Largest bytes one storage binding may address.
@@ -188,13 +234,15 @@ impl Gpu {
     /// A storage buffer holding `data` (at least 16 bytes: zero-sized
     /// bindings are invalid, so empty inputs get a zeroed buffer).
     ///
-    /// Filled through the queue rather than mapped at creation: a buffer the
-    /// device refuses (over `max_buffer_size`) is then a wgpu error that a
-    /// scope or [`take_error`](Self::take_error) reports, where
-    /// `create_buffer_init` would panic on mapping it.
-    pub fn storage_init<T: bytemuck::Pod>(&self, label: &str, data: &[T]) -> wgpu::Buffer {
+    /// Filled through the queue rather than mapped at creation: mapping a
+    /// buffer of a lost device panics inside wgpu.
+    pub fn storage_init<T: bytemuck::Pod>(
+        &self,
+        label: &str,
+        data: &[T],
+    ) -> Result<wgpu::Buffer, GpuError> {
         let bytes: &[u8] = bytemuck::cast_slice(data);
-        let buf = self.storage(label, bytes.len() as u64);
+        let buf = self.storage(label, bytes.len() as u64)?;
         if bytes.is_empty() {
             // wgpu zero-initialises new buffers.
         } else if bytes.len().is_multiple_of(4) {
@@ -204,29 +252,52 @@ impl Gpu {
             padded.resize(bytes.len().next_multiple_of(4), 0);
             self.queue.write_buffer(&buf, 0, &padded);
         }
-        buf
+        Ok(buf)
     }
 
-    /// A uniform buffer holding `value`.
-    pub fn uniform<T: bytemuck::Pod>(&self, label: &str, value: &T) -> wgpu::Buffer {
-        self.device
-            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
-                label: Some(label),
-                contents: bytemuck::bytes_of(value),
-                usage: wgpu::BufferUsages::UNIFORM,
-            })
-    }
-
-    /// An uninitialised storage buffer of `bytes` (at least 16).
-    pub fn storage(&self, label: &str, bytes: u64) -> wgpu::Buffer {
-        self.device.create_buffer(&wgpu::BufferDescriptor {
+    /// A uniform buffer holding `value` (written through the queue, never
+    /// mapped at creation).
+    pub fn uniform<T: bytemuck::Pod>(
+        &self,
+        label: &str,
+        value: &T,
+    ) -> Result<wgpu::Buffer, GpuError> {
+        self.alive()?;
+        let bytes = bytemuck::bytes_of(value);
+        let buf = self.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some(label),
-            size: bytes.max(16).next_multiple_of(4),
+            size: (bytes.len() as u64).max(16).next_multiple_of(16),
+            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        self.queue.write_buffer(&buf, 0, bytes);
+        Ok(buf)
+    }
+
+    /// An uninitialised storage buffer of `bytes` (at least 16, rounded up to
+    /// a multiple of 4). A size over the device's `max_buffer_size` is
+    /// refused here, naming the limit, before wgpu sees it; a lost device is
+    /// `GpuError::Device`.
+    pub fn storage(&self, label: &str, bytes: u64) -> Result<wgpu::Buffer, GpuError> {
+        self.alive()?;
+        let size = bytes
+            .max(16)
+            .checked_next_multiple_of(4)
+            .filter(|&s| s <= self.limits.max_buffer_size)
+            .ok_or_else(|| {
+                GpuError::InvalidArgument(format!(
+                    "buffer {label:?} of {bytes} bytes is over the device's max_buffer_size of {}",
+                    self.limits.max_buffer_size
+                ))
+            })?;
+        Ok(self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(label),
+            size,
             usage: wgpu::BufferUsages::STORAGE
                 | wgpu::BufferUsages::COPY_DST
                 | wgpu::BufferUsages::COPY_SRC,
             mapped_at_creation: false,
-        })
+        }))
     }
 
     /// Waits for all submitted work, then reports what
@@ -234,10 +305,28 @@ impl Gpu {
     /// (wgpu panics on that).
     pub fn wait(&self) -> Result<(), GpuError> {
         self.take_error()?;
-        self.device
-            .poll(wgpu::PollType::wait_indefinitely())
-            .map_err(|e| GpuError::Device(e.to_string()))?;
+        self.wait_own()?;
         self.take_error()
+    }
+
+    /// Waits for all submitted work and reports only device loss: what the
+    /// library's own calls use, so that an error raised by someone else's
+    /// work outside any scope (another thread's encoder, say) is never
+    /// returned from a call that did not cause it.
+    pub(crate) fn wait_own(&self) -> Result<(), GpuError> {
+        self.alive()?;
+        #[cfg(not(target_arch = "wasm32"))]
+        {
+            let polled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                self.device.poll(wgpu::PollType::wait_indefinitely())
+            }));
+            match polled {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => return Err(GpuError::Device(e.to_string())),
+                Err(_) => self.mark_lost("device lost: wgpu failed to wait for it"),
+            }
+        }
+        self.alive()
     }
 
     /// Reads `bytes` bytes of `buf` back to the host as `T`s (blocking: native only).
@@ -257,7 +346,20 @@ impl Gpu {
         buf: &wgpu::Buffer,
         bytes: u64,
     ) -> Result<Vec<T>, GpuError> {
-        let bytes = bytes.next_multiple_of(4);
+        self.alive()?;
+        let want = bytes;
+        let bytes = bytes
+            .checked_next_multiple_of(4)
+            .filter(|&b| b <= buf.size())
+            .ok_or_else(|| {
+                GpuError::InvalidArgument(format!(
+                    "read of {want} bytes from a buffer of {}",
+                    buf.size()
+                ))
+            })?;
+        if bytes == 0 {
+            return Ok(Vec::new());
+        }
         let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("readback"),
             size: bytes.max(4),
@@ -270,7 +372,7 @@ impl Gpu {
         let (tx, rx) = futures_channel();
         staging.map_async(wgpu::MapMode::Read, .., move |r| tx.send(r));
         #[cfg(not(target_arch = "wasm32"))]
-        self.wait()?;
+        self.wait_own()?;
         rx.recv()
             .await
             .map_err(|e| GpuError::Device(format!("readback failed: {e}")))?;
@@ -289,9 +391,7 @@ impl Gpu {
     /// the first error wgpu reported as ours (and `GpuError::Device` if the
     /// device is lost, whose errors no scope sees).
     pub async fn scoped<R>(&self, f: impl FnOnce() -> R) -> Result<R, GpuError> {
-        if let Some(why) = lock(&self.health.lost).clone() {
-            return Err(GpuError::Device(why));
-        }
+        self.alive()?;
         let oom = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
         let val = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
         let r = f();
@@ -299,9 +399,7 @@ impl Gpu {
         // (which is !Send) lives across an await.
         let (ve, oe) = (val.pop(), oom.pop());
         let (ve, oe) = (ve.await, oe.await);
-        if let Some(why) = lock(&self.health.lost).clone() {
-            return Err(GpuError::Device(why));
-        }
+        self.alive()?;
         match ve.or(oe) {
             Some(e) => Err(e.into()),
             None => Ok(r),

@@ -25,6 +25,13 @@ impl KvDtype {
     }
 }
 
+/// Most layers one [`KvCache`] holds.
+pub const MAX_LAYERS: u32 = 4096;
+
+/// Most KV heads a cache may have (the kernels put KV heads on one
+/// dispatch dimension).
+pub const MAX_KV_HEADS: u32 = 65535;
+
 /// Shape of a KV cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KvCacheConfig {
@@ -56,9 +63,11 @@ impl KvCacheConfig {
         self.block_bytes() * self.num_blocks as u64
     }
 
-    /// KV4 elements (4 cache elements) per block.
+    /// KV4 elements (4 cache elements) per block (saturating: a shape whose
+    /// count does not fit a `u32` is refused by [`validate`](Self::validate)).
     pub fn block_elems4(&self) -> u32 {
-        self.num_kv_heads * self.block_size * self.head_dim / 4
+        let e = self.num_kv_heads as u64 * self.block_size as u64 * self.head_dim as u64 / 4;
+        e.min(u32::MAX as u64) as u32
     }
 
     /// Checks the shape on its own (no adapter limits).
@@ -82,14 +91,29 @@ impl KvCacheConfig {
                 self.num_layers, self.num_blocks, self.num_kv_heads
             ));
         }
+        if self.num_layers > MAX_LAYERS {
+            return bad(format!(
+                "num_layers {} is over the limit of {MAX_LAYERS}",
+                self.num_layers
+            ));
+        }
+        if self.num_kv_heads > MAX_KV_HEADS {
+            return Err(GpuError::Unsupported(format!(
+                "num_kv_heads {} is over the limit of {MAX_KV_HEADS} (one dispatch dimension)",
+                self.num_kv_heads
+            )));
+        }
         Ok(())
     }
 
     /// Largest `num_blocks` whose layer buffer fits `limit` bytes (and whose
-    /// element offsets fit the kernels' `u32` indices).
+    /// element offsets fit the kernels' `u32` indices); 0 for a shape whose
+    /// one block is already too big.
     pub fn max_blocks_for(&self, limit: u64) -> u32 {
-        let by_bytes = limit / self.block_bytes();
-        let by_index = (u32::MAX as u64) / self.block_elems4() as u64;
+        let block = self.block_bytes().max(1);
+        let elems4 = self.num_kv_heads as u64 * self.block_size as u64 * self.head_dim as u64 / 4;
+        let by_bytes = limit / block;
+        let by_index = (u32::MAX as u64) / elems4.max(1);
         by_bytes.min(by_index).min(u32::MAX as u64) as u32
     }
 }
@@ -192,6 +216,7 @@ impl KvCache {
     /// Allocates the pool. Errors name the largest `num_blocks` that would
     /// fit when the adapter's binding limit is too small.
     pub fn new(gpu: &Gpu, cfg: KvCacheConfig) -> Result<Self, GpuError> {
+        gpu.alive()?;
         cfg.validate()?;
         let limit = gpu.max_binding_bytes();
         let max_blocks = cfg.max_blocks_for(limit);
@@ -214,20 +239,21 @@ impl KvCache {
         let write_kv = pipeline(gpu, "write_kv", &shape)?;
         let copy_blocks = pipeline(gpu, "copy_blocks", &shape)?;
         let mut layers = Vec::with_capacity(cfg.num_layers as usize);
-        let alloc = || {
+        let alloc = || -> Result<(), GpuError> {
             for l in 0..cfg.num_layers {
-                let k = gpu.storage(&format!("k_pool[{l}]"), cfg.layer_bytes());
-                let v = gpu.storage(&format!("v_pool[{l}]"), cfg.layer_bytes());
+                let k = gpu.storage(&format!("k_pool[{l}]"), cfg.layer_bytes())?;
+                let v = gpu.storage(&format!("v_pool[{l}]"), cfg.layer_bytes())?;
                 layers.push([k, v]);
             }
+            Ok(())
         };
         #[cfg(not(target_arch = "wasm32"))]
-        gpu.scoped_blocking(alloc)?;
+        gpu.scoped_blocking(alloc)??;
         // The web cannot block on the error scope; errors surface on first use.
         #[cfg(target_arch = "wasm32")]
         {
             let mut alloc = alloc;
-            alloc();
+            alloc()?;
         }
         Ok(Self {
             cfg,
@@ -266,6 +292,7 @@ impl KvCache {
         slots: &wgpu::Buffer,
         num_tokens: u32,
     ) -> Result<(), GpuError> {
+        gpu.alive()?;
         let [k, v] = self.layer(layer)?;
         if num_tokens == 0 {
             return Ok(());
@@ -283,7 +310,7 @@ impl KvCache {
             num_slots: self.cfg.num_blocks * self.cfg.block_size,
             _pad: 0,
         };
-        let ub = gpu.uniform("write_kv params", &p);
+        let ub = gpu.uniform("write_kv params", &p)?;
         let bg = bind(gpu, &self.write_kv, &[&ub, k_new, v_new, slots, k, v]);
         let (x, y) = grid_1d(threads);
         dispatch(enc, "write_kv", &self.write_kv, &bg, (x, y, 1));
@@ -300,15 +327,22 @@ impl KvCache {
         v: &[f32],
         slots: &[u32],
     ) -> Result<(), GpuError> {
+        gpu.alive()?;
         self.layer(layer)?;
-        let row = (self.cfg.num_kv_heads * self.cfg.head_dim) as usize;
+        let row = self.cfg.num_kv_heads as usize * self.cfg.head_dim as usize;
         let n = slots.len();
-        if k.len() != n * row || v.len() != n * row {
+        let want = n.checked_mul(row);
+        if want != Some(k.len()) || want != Some(v.len()) {
             return Err(GpuError::InvalidArgument(format!(
                 "write_kv: {n} slots need K and V of {} floats each, got {} and {}",
-                n * row,
+                n as u128 * row as u128,
                 k.len(),
                 v.len()
+            )));
+        }
+        if n > u32::MAX as usize {
+            return Err(GpuError::InvalidArgument(format!(
+                "{n} tokens in one write_kv is too many"
             )));
         }
         let cap = self.cfg.num_blocks as u64 * self.cfg.block_size as u64;
@@ -321,9 +355,9 @@ impl KvCache {
             return Ok(());
         }
         gpu.scoped_try(|| {
-            let kb = gpu.storage_init("k_new", k);
-            let vb = gpu.storage_init("v_new", v);
-            let sb = gpu.storage_init("slots", slots);
+            let kb = gpu.storage_init("k_new", k)?;
+            let vb = gpu.storage_init("v_new", v)?;
+            let sb = gpu.storage_init("slots", slots)?;
             let mut enc = gpu.device.create_command_encoder(&Default::default());
             self.encode_write_kv(gpu, &mut enc, layer, &kb, &vb, &sb, n as u32)?;
             gpu.queue.submit([enc.finish()]);
@@ -340,6 +374,7 @@ impl KvCache {
         copies: &wgpu::Buffer,
         num_copies: u32,
     ) -> Result<(), GpuError> {
+        gpu.alive()?;
         if num_copies == 0 {
             return Ok(());
         }
@@ -355,7 +390,7 @@ impl KvCache {
                 "{num_copies} copies in one call is too many"
             )));
         }
-        let ub = gpu.uniform("copy_blocks params", &p);
+        let ub = gpu.uniform("copy_blocks params", &p)?;
         let (x, y) = grid_1d(threads);
         for [k, v] in &self.layers {
             let bg = bind(gpu, &self.copy_blocks, &[&ub, copies, k, v]);
@@ -366,6 +401,7 @@ impl KvCache {
 
     /// Applies a copy list `(src, dst)` to every layer in one submit.
     pub fn copy_blocks(&self, gpu: &Gpu, copies: &[[u32; 2]]) -> Result<(), GpuError> {
+        gpu.alive()?;
         if let Some(c) = copies
             .iter()
             .find(|c| c[0] >= self.cfg.num_blocks || c[1] >= self.cfg.num_blocks)
@@ -379,7 +415,7 @@ impl KvCache {
             return Ok(());
         }
         gpu.scoped_try(|| {
-            let cb = gpu.storage_init("copies", copies);
+            let cb = gpu.storage_init("copies", copies)?;
             let mut enc = gpu.device.create_command_encoder(&Default::default());
             self.encode_copy_blocks(gpu, &mut enc, &cb, copies.len() as u32)?;
             gpu.queue.submit([enc.finish()]);
@@ -390,6 +426,7 @@ impl KvCache {
     /// Reads one layer's K and V pools back as f32 (f16 pools are widened).
     #[cfg(not(target_arch = "wasm32"))]
     pub fn read_layer(&self, gpu: &Gpu, layer: u32) -> Result<(Vec<f32>, Vec<f32>), GpuError> {
+        gpu.alive()?;
         let [k, v] = self.layer(layer)?;
         let bytes = self.cfg.layer_bytes();
         let widen = |raw: Vec<u8>| -> Vec<f32> {

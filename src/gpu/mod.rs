@@ -10,7 +10,8 @@ pub mod params;
 pub mod shader;
 
 pub use attention::{
-    check_csr_tables, AttnOptions, BatchTables, PagedAttention, Split, AUTO_PARTITION_TOKENS,
+    check_csr_tables, AttnOptions, BatchTables, PackedTables, PagedAttention, Split,
+    AUTO_PARTITION_TOKENS, MAX_BATCH, MAX_SEQ_LEN,
 };
 pub use context::{backends_from_env, Gpu};
 pub use error::GpuError;
@@ -18,4 +19,4 @@ pub use error::GpuError;
 pub(crate) use kv_cache::{
     bind as bind_buffers, dispatch as dispatch_pass, pipeline as kv_cache_pipeline,
 };
-pub use kv_cache::{KvCache, KvCacheConfig, KvDtype};
+pub use kv_cache::{KvCache, KvCacheConfig, KvDtype, MAX_KV_HEADS, MAX_LAYERS};
