@@ -83,7 +83,7 @@ fn block_size_must_be_a_power_of_two_up_to_256() {
 #[test]
 fn pool_must_be_addressable_by_u32_slots() {
     let err = BlockManager::new(BlockManagerConfig::new(0, 16)).unwrap_err();
-    let max = u32::MAX / 16;
+    let max = (u32::MAX / 16).min(pagedattn::blocks::MAX_BLOCKS);
     assert_eq!(
         err,
         BlockError::BadPoolSize {

@@ -221,7 +221,7 @@ impl Gpu {
     /// `None` elsewhere.
     pub fn max_tokens_per_pass(&self, head_dim: u32) -> Option<u32> {
         self.caps_loops()
-            .then_some(if head_dim > 128 { 4096 } else { 8192 })
+            .then_some(if head_dim > 128 { 8192 } else { 16384 })
     }
 
     /// Largest bytes one storage binding may address.
@@ -401,7 +401,15 @@ impl Gpu {
         let (ve, oe) = (ve.await, oe.await);
         self.alive()?;
         match ve.or(oe) {
-            Some(e) => Err(e.into()),
+            Some(e) => {
+                // A device destroyed mid-call makes its objects invalid
+                // before wgpu announces the loss (it does so once the queue
+                // is idle): drain it and look again, so the caller learns
+                // of the loss rather than of its symptom.
+                #[cfg(not(target_arch = "wasm32"))]
+                self.wait_own()?;
+                Err(e.into())
+            }
             None => Ok(r),
         }
     }

@@ -29,17 +29,19 @@ pub fn unsupported(gpu: &Gpu, what: &str) {
     eprintln!("unsupported on {}: {what}", gpu.describe());
 }
 
-/// A seed: `PAGEDATTN_SEED` if set, else fresh from the clock. Printed so a
-/// failure can be replayed.
+/// A seed: `PAGEDATTN_SEED` if set, else a fixed one derived from the
+/// test's name (so every run is reproducible, and tests differ from each
+/// other). Printed, and every failure message names it, so a failure can be
+/// replayed; set `PAGEDATTN_SEED` to explore fresh inputs.
 pub fn seed(test: &str) -> u64 {
     let s = std::env::var("PAGEDATTN_SEED")
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos() as u64)
-                .unwrap_or(1)
+            // FNV-1a: stable across Rust releases and platforms.
+            test.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+                (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
+            })
         });
     eprintln!("{test}: seed {s} (replay with PAGEDATTN_SEED={s})");
     s
