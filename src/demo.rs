@@ -63,10 +63,96 @@ impl Default for DemoConfig {
     }
 }
 
+/// Most requests a demo may have (its queue is drawn up front).
+pub const MAX_REQUESTS: u32 = 10_000;
+/// Most parallel samples per request.
+pub const MAX_SAMPLES: u32 = 64;
+/// Largest host mirror of the pool (K and V of every layer, f32), in bytes:
+/// 1 GiB, or 524,288 token slots (`num_blocks * block_size`) at the
+/// default shape.
+pub const MAX_MIRROR_BYTES: u64 = 1 << 30;
+
+impl DemoConfig {
+    /// Bytes of the host mirror the reference check keeps of the pool.
+    pub fn mirror_bytes(&self) -> u128 {
+        self.layers as u128
+            * 2
+            * self.num_blocks as u128
+            * self.num_kv_heads as u128
+            * self.block_size as u128
+            * self.head_dim as u128
+            * 4
+    }
+
+    /// Blocks a request with the longest prompt needs to be admitted: its
+    /// prompt, plus the two blocks per sample the demo keeps for growth.
+    pub fn blocks_to_admit_longest(&self) -> u64 {
+        let bs = self.block_size.max(1) as u64;
+        (self.max_prompt.max(1) as u64).div_ceil(bs) + 2 * self.samples as u64
+    }
+
+    /// Checks what can be checked without an adapter: the block size (a
+    /// power of two in 1..=256), a non-empty pool whose host mirror is at
+    /// most [`MAX_MIRROR_BYTES`] and that can admit a request with the
+    /// longest prompt, at most [`MAX_REQUESTS`] requests and
+    /// [`MAX_SAMPLES`] samples. Zero requests, samples, lengths or arrival
+    /// gaps are degenerate but valid. [`Demo::new`] checks first; the
+    /// adapter's own limits (heads, head_dim, binding size) are checked there.
+    pub fn validate(&self) -> Result<(), DemoError> {
+        let bad = |m: String| Err(DemoError::Config(m));
+        let bs = self.block_size;
+        if !(1..=256).contains(&bs) || !bs.is_power_of_two() {
+            return bad(format!("block size {bs} is not a power of two in 1..=256"));
+        }
+        if self.num_blocks == 0 {
+            return bad("the pool needs at least 1 block".into());
+        }
+        if self.requests > MAX_REQUESTS {
+            return bad(format!(
+                "{} requests is over the limit of {MAX_REQUESTS}",
+                self.requests
+            ));
+        }
+        if self.samples > MAX_SAMPLES {
+            return bad(format!(
+                "{} samples per request is over the limit of {MAX_SAMPLES}",
+                self.samples
+            ));
+        }
+        let bytes = self.mirror_bytes();
+        if bytes > MAX_MIRROR_BYTES as u128 {
+            return bad(format!(
+                "a pool of {} blocks of {bs} tokens needs a {} MiB host mirror for the \
+                 reference check, over the limit of {} MiB; use fewer blocks",
+                self.num_blocks,
+                bytes >> 20,
+                MAX_MIRROR_BYTES >> 20
+            ));
+        }
+        let need = self.blocks_to_admit_longest();
+        if need > self.num_blocks as u64 {
+            return bad(format!(
+                "a pool of {} blocks of {bs} tokens cannot admit a request with the longest \
+                 prompt ({} tokens) and {} samples: that takes {need} blocks (the prompt, plus \
+                 2 per sample for growth); use more blocks, a larger block size or fewer samples",
+                self.num_blocks, self.max_prompt, self.samples
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// What went wrong in a demo step.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum DemoError {
+    /// The settings are out of range (see [`DemoConfig::validate`]).
+    #[error("invalid demo settings: {0}")]
+    Config(String),
+    /// No step can make progress any more: every running sequence waits
+    /// for a block that none of them will free (the demo never preempts).
+    #[error("the demo is stuck: {0}")]
+    Stalled(String),
     /// From the block manager.
     #[error(transparent)]
     Blocks(#[from] BlockError),
@@ -144,6 +230,8 @@ pub struct Demo {
     pub total_copies: u64,
     /// Worst error seen in any step.
     pub worst_err: f64,
+    /// Consecutive steps in which nothing moved while sequences ran.
+    idle: u32,
 }
 
 /// Tolerance of the demo's check: f32 KV 1e-5, packed f16 2e-3 (the mirror
@@ -159,6 +247,7 @@ pub fn tolerance(f16: bool) -> f64 {
 impl Demo {
     /// Sets up the pool and the workload.
     pub fn new(gpu: &Gpu, cfg: DemoConfig) -> Result<Self, DemoError> {
+        cfg.validate()?;
         let mut rng = SplitMix64::new(cfg.seed);
         let mut manager =
             BlockManager::new(BlockManagerConfig::new(cfg.num_blocks, cfg.block_size))?;
@@ -175,7 +264,11 @@ impl Demo {
             },
         )?;
         let attn = PagedAttention::new(gpu, &cache, cfg.num_heads)?;
-        let pool_len = (cfg.num_blocks * cfg.num_kv_heads * cfg.block_size * cfg.head_dim) as usize;
+        // Bounded by `validate` (MAX_MIRROR_BYTES), so this fits.
+        let pool_len = cfg.num_blocks as usize
+            * cfg.num_kv_heads as usize
+            * cfg.block_size as usize
+            * cfg.head_dim as usize;
         let mirror = (0..cfg.layers)
             .map(|_| (vec![0.0; pool_len], vec![0.0; pool_len]))
             .collect();
@@ -199,6 +292,7 @@ impl Demo {
             step: 0,
             total_copies: 0,
             worst_err: 0.0,
+            idle: 0,
         })
     }
 
@@ -261,10 +355,14 @@ impl Demo {
             keep.push(s);
         }
         self.seqs = keep;
+        let mut appended = 0u32;
         for i in 0..self.seqs.len() {
             let tok = self.rng.below(32000) as u32;
             match self.manager.append(SeqId(self.seqs[i].id), &[tok]) {
-                Ok(_) => self.seqs[i].remaining -= 1,
+                Ok(_) => {
+                    self.seqs[i].remaining -= 1;
+                    appended += 1;
+                }
                 // Out of blocks: this sequence waits a step (its state is unchanged).
                 Err(BlockError::OutOfBlocks { .. }) => {}
                 Err(e) => return Err(e.into()),
@@ -295,6 +393,31 @@ impl Demo {
             }
         }
         rep.waiting = self.queue.len() as u32;
+        // Sequences that cannot append found no free block. If a second step
+        // in a row moves nothing (the first may wait for blocks held back
+        // until last step's copies were handed out), nothing ever will:
+        // only a finishing sequence frees blocks, and none can finish.
+        let moved = appended + rep.forked + rep.finished + rep.admitted > 0;
+        if moved || self.seqs.is_empty() {
+            self.idle = 0;
+        } else {
+            self.idle += 1;
+        }
+        if self.idle >= 2 {
+            let st = self.manager.stats();
+            return Err(DemoError::Stalled(format!(
+                "at step {}, all {} running sequences wait for a block and {} requests wait to \
+                 be admitted, but the pool of {} blocks of {} tokens is full ({} free) and the \
+                 demo does not preempt; use more blocks, a larger block size, fewer samples or \
+                 shorter outputs",
+                self.step,
+                self.seqs.len(),
+                self.queue.len(),
+                self.cfg.num_blocks,
+                self.cfg.block_size,
+                st.free + st.evictable,
+            )));
+        }
         let ids: Vec<SeqId> = self.seqs.iter().map(|s| SeqId(s.id)).collect();
         let view = self.manager.batch_view(&ids)?;
         rep.copied = view.copies.len() as u32;
@@ -385,7 +508,7 @@ impl Demo {
         rep.free = (st.free + st.evictable) as u32;
         rep.tokens_stored = st.tokens_stored as u32;
         rep.logical_tokens = st.logical_tokens as u32;
-        self.step += 1;
+        self.step = self.step.saturating_add(1);
         Ok(rep)
     }
 }

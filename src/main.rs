@@ -1,66 +1,42 @@
 //! The `pagedattn` command line: the demo (default), the simulator and the benchmark.
+//!
+//! Arguments are parsed and checked in `cli` (shared with the fuzz target)
+//! before any adapter is opened. Every error is one `error: ...` line on
+//! stderr: exit code 2 for bad arguments, 1 for a failure while running.
+//! A closed stdout (`pagedattn demo | head -2`) ends the run quietly with
+//! exit code 0.
 
-use clap::{Parser, Subcommand};
+mod cli;
+
+use std::error::Error;
+use std::io::{self, Write};
+
+use cli::{Checked, Parsed};
 use pagedattn::demo::{self, Demo, DemoConfig};
 use pagedattn::gpu::Gpu;
 
-#[derive(Parser)]
-#[command(name = "pagedattn", version, about = "PagedAttention on any GPU")]
-struct Cli {
-    #[command(subcommand)]
-    command: Option<Command>,
-}
+/// The demo stops with an error after this many steps (every step makes
+/// progress or the demo reports that it is stuck, so this is a backstop).
+const DEMO_MAX_STEPS: u64 = 1_000_000;
 
-#[derive(Subcommand)]
-enum Command {
-    /// The end-to-end demo (the default): a seeded multi-tenant decode loop
-    /// with parallel sampling, every step checked against the f64 reference.
-    Demo(DemoArgs),
-    /// Multi-tenant paged-KV memory simulator: paged vs contiguous policies.
-    Simulate(pagedattn::sim::SimulateArgs),
-    /// Decode, bandwidth, split, bookkeeping and copy benchmarks on the adapter.
-    Bench(BenchArgs),
-}
+type Res = Result<(), Box<dyn Error>>;
 
-#[derive(clap::Args, Debug)]
-struct BenchArgs {
-    /// The small grid (under 30 s on lavapipe).
-    #[arg(long)]
-    quick: bool,
-    /// Print the report as JSON on stdout (fields documented in README.md).
-    #[arg(long)]
-    json: bool,
-    /// Time with the wall clock even where GPU timestamps exist.
-    #[arg(long)]
-    wall_clock: bool,
-    /// Stop measuring new grid cells after this many seconds (they are
-    /// listed as skipped). Default: 150, or 25 with --quick.
-    #[arg(long)]
-    max_seconds: Option<f64>,
-}
-
-fn run_bench(a: &BenchArgs) -> Result<(), Box<dyn std::error::Error>> {
+fn run_bench(out: &mut dyn Write, cfg: &pagedattn::bench::BenchConfig, json: bool) -> Res {
     let gpu = Gpu::new()?;
-    let cfg = pagedattn::bench::BenchConfig {
-        quick: a.quick,
-        wall_clock: a.wall_clock,
-        progress: true,
-        max_seconds: a.max_seconds.unwrap_or(if a.quick { 25.0 } else { 150.0 }),
-    };
-    let report = pagedattn::bench::run(&gpu, &cfg)?;
+    let report = pagedattn::bench::run(&gpu, cfg)?;
     #[cfg(feature = "cuda")]
-    let cuda = cuda_bench(a.quick)?;
+    let cuda = cuda_bench(cfg.quick)?;
     #[cfg(not(feature = "cuda"))]
     let cuda: Option<serde_json::Value> = None;
-    if a.json {
+    if json {
         let mut v = serde_json::to_value(&report)?;
         v["cuda"] = serde_json::to_value(&cuda)?;
-        println!("{}", serde_json::to_string_pretty(&v)?);
+        writeln!(out, "{}", serde_json::to_string_pretty(&v)?)?;
     } else {
-        print!("{}", pagedattn::bench::render(&report));
+        write!(out, "{}", pagedattn::bench::render(&report))?;
         #[cfg(feature = "cuda")]
         if let Some(c) = &cuda {
-            println!("{}", c.summary());
+            writeln!(out, "{}", c.summary())?;
         }
     }
     Ok(())
@@ -68,9 +44,7 @@ fn run_bench(a: &BenchArgs) -> Result<(), Box<dyn std::error::Error>> {
 
 /// The CUDA twin of the decode bench, when the feature is on and a driver is there.
 #[cfg(feature = "cuda")]
-fn cuda_bench(
-    quick: bool,
-) -> Result<Option<pagedattn::cuda::DecodeTiming>, Box<dyn std::error::Error>> {
+fn cuda_bench(quick: bool) -> Result<Option<pagedattn::cuda::DecodeTiming>, Box<dyn Error>> {
     use pagedattn::cuda::{bench_decode, Cuda, DecodeBench};
     match Cuda::new(0) {
         Ok(c) => {
@@ -82,58 +56,26 @@ fn cuda_bench(
             Ok(Some(bench_decode(&c, &b)?))
         }
         Err(e) if e.is_unavailable() => {
-            eprintln!("cuda: {e} (skipped)");
+            let _ = writeln!(io::stderr(), "cuda: {e} (skipped)");
             Ok(None)
         }
         Err(e) => Err(e.into()),
     }
 }
 
-#[derive(clap::Args, Debug, Default)]
-struct DemoArgs {
-    /// Seed.
-    #[arg(long, default_value_t = 7)]
-    seed: u64,
-    /// Requests.
-    #[arg(long, default_value_t = 8)]
-    requests: u32,
-    /// Parallel samples per request.
-    #[arg(long, default_value_t = 3)]
-    samples: u32,
-    /// Tokens per block.
-    #[arg(long, default_value_t = 16)]
-    block_size: u32,
-    /// Blocks in the pool.
-    #[arg(long, default_value_t = 256)]
-    num_blocks: u32,
-    /// Store K/V as f32 instead of packed f16.
-    #[arg(long)]
-    f32: bool,
-    /// Print every step (default: every 10th).
-    #[arg(long)]
-    verbose: bool,
-}
-
-fn run_demo(a: &DemoArgs) -> Result<(), Box<dyn std::error::Error>> {
+fn run_demo(out: &mut dyn Write, cfg: DemoConfig, verbose: bool) -> Res {
     let gpu = Gpu::new()?;
     let l = &gpu.limits;
-    println!("adapter: {}", gpu.describe());
-    println!(
+    writeln!(out, "adapter: {}", gpu.describe())?;
+    writeln!(
+        out,
         "limits: max storage binding {} MiB, max buffer {} MiB, workgroup memory {} KiB",
         l.max_storage_buffer_binding_size >> 20,
         l.max_buffer_size >> 20,
         l.max_compute_workgroup_storage_size >> 10
-    );
-    let cfg = DemoConfig {
-        seed: a.seed,
-        requests: a.requests,
-        samples: a.samples,
-        block_size: a.block_size,
-        num_blocks: a.num_blocks,
-        f16: !a.f32,
-        ..DemoConfig::default()
-    };
-    println!(
+    )?;
+    writeln!(
+        out,
         "workload: {} requests x {} samples, {} layers, {} q heads / {} kv heads, head_dim {}, {} KV, pool {} blocks of {} tokens, seed {}",
         cfg.requests,
         cfg.samples,
@@ -145,69 +87,107 @@ fn run_demo(a: &DemoArgs) -> Result<(), Box<dyn std::error::Error>> {
         cfg.num_blocks,
         cfg.block_size,
         cfg.seed
-    );
+    )?;
     let mut d = Demo::new(&gpu, cfg.clone())?;
-    println!("step  seqs  +req  fork  done  written  copied  used  shared  free  stored/logical  max_rel_err  gpu_ms");
+    writeln!(out, "step  seqs  +req  fork  done  written  copied  used  shared  free  stored/logical  max_rel_err  gpu_ms")?;
     let mut times = Vec::new();
     let mut peak_saved = 0u32;
-    let mut steps = 0;
+    let mut steps = 0u64;
     while !d.done() {
+        if steps >= DEMO_MAX_STEPS {
+            return Err(format!("the demo did not finish within {DEMO_MAX_STEPS} steps").into());
+        }
         let r = pollster::block_on(d.step(&gpu))?;
         times.push(r.gpu_ms);
         peak_saved = peak_saved.max(r.logical_tokens.saturating_sub(r.tokens_stored));
-        if a.verbose || r.step % 10 == 0 || r.copied > 0 && r.step < 40 {
-            println!(
+        if verbose || r.step % 10 == 0 || r.copied > 0 && r.step < 40 {
+            writeln!(
+                out,
                 "{:>4}  {:>4}  {:>4}  {:>4}  {:>4}  {:>7}  {:>6}  {:>4}  {:>6}  {:>4}  {:>6}/{:<7}  {:>11.2e}  {:>6.2}",
                 r.step, r.decoded, r.admitted, r.forked, r.finished, r.written, r.copied, r.used, r.shared, r.free,
                 r.tokens_stored, r.logical_tokens, r.max_rel_err, r.gpu_ms
-            );
+            )?;
         }
         steps += 1;
-        if steps > 100_000 {
-            return Err("demo did not finish".into());
-        }
     }
     times.sort_by(|a, b| a.total_cmp(b));
+    let median = times.get(times.len() / 2).copied().unwrap_or(0.0);
     let tol = demo::tolerance(cfg.f16);
-    println!(
-        "done: {steps} steps, {} copy-on-write block copies, peak tokens saved by sharing {peak_saved}, median {:.2} ms/step",
+    writeln!(
+        out,
+        "done: {steps} steps, {} copy-on-write block copies, peak tokens saved by sharing {peak_saved}, median {median:.2} ms/step",
         d.total_copies,
-        times[times.len() / 2]
-    );
-    println!(
+    )?;
+    writeln!(
+        out,
         "worst relative L2 error vs f64 reference: {:.3e} (tolerance {tol:.0e})",
         d.worst_err
-    );
+    )?;
     let st = d.manager().stats();
-    println!(
+    writeln!(
+        out,
         "pool after: {} free of {} (no leak: {})",
         st.free + st.evictable,
         st.total,
         st.free + st.evictable == st.total
-    );
+    )?;
     if d.worst_err >= tol || !d.worst_err.is_finite() {
         return Err(format!("error {:.3e} over tolerance {tol:.0e}", d.worst_err).into());
     }
     Ok(())
 }
 
-fn main() {
-    let cli = Cli::parse();
-    let result = match cli.command {
-        Some(Command::Simulate(args)) => pagedattn::sim::run_cli(&args),
-        Some(Command::Demo(args)) => run_demo(&args),
-        Some(Command::Bench(args)) => run_bench(&args),
-        None => run_demo(&DemoArgs {
-            seed: 7,
-            requests: 8,
-            samples: 3,
-            block_size: 16,
-            num_blocks: 256,
-            ..Default::default()
-        }),
-    };
-    if let Err(e) = result {
-        eprintln!("error: {e}");
-        std::process::exit(1);
+/// Whether `e` is a write to a closed pipe (the reader went away).
+fn is_broken_pipe(e: &(dyn Error + 'static)) -> bool {
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        if let Some(io) = err.downcast_ref::<io::Error>() {
+            if io.kind() == io::ErrorKind::BrokenPipe {
+                return true;
+            }
+        }
+        cur = err.source();
     }
+    false
+}
+
+fn run(checked: Checked) -> Res {
+    let stdout = io::stdout();
+    let mut out = stdout.lock();
+    match checked {
+        Checked::Demo { cfg, verbose } => run_demo(&mut out, cfg, verbose)?,
+        Checked::Simulate { cfg, args } => pagedattn::sim::run_cli_to(&cfg, &args, &mut out)?,
+        Checked::Bench { cfg, json } => run_bench(&mut out, &cfg, json)?,
+    }
+    out.flush()?;
+    Ok(())
+}
+
+fn main() {
+    let code = match cli::parse(std::env::args_os()) {
+        Parsed::Exit { text, stdout, code } => {
+            // Nothing useful to do if printing help fails (a closed pipe).
+            if stdout {
+                let _ = writeln!(io::stdout(), "{text}");
+            } else {
+                let _ = writeln!(io::stderr(), "{text}");
+            }
+            code
+        }
+        Parsed::Run(c) => match cli::check(c) {
+            Err(msg) => {
+                let _ = writeln!(io::stderr(), "{}", cli::error_line(&msg));
+                cli::EXIT_USAGE
+            }
+            Ok(checked) => match run(checked) {
+                Ok(()) => 0,
+                Err(e) if is_broken_pipe(&*e) => 0,
+                Err(e) => {
+                    let _ = writeln!(io::stderr(), "{}", cli::error_line(&e.to_string()));
+                    cli::EXIT_FAILURE
+                }
+            },
+        },
+    };
+    std::process::exit(code);
 }

@@ -81,22 +81,27 @@ pub struct SimulateArgs {
     #[arg(long, value_enum, default_value_t = Dataset::ShareGpt)]
     pub dataset: Dataset,
     /// Prompt lengths, overriding the preset: fixed:N, uniform:A:B,
-    /// lognormal:MEAN:SIGMA or geometric:MEAN.
+    /// lognormal:MEAN:SIGMA or geometric:MEAN (counts and means at most
+    /// 1048576, sigma at most 10).
     #[arg(long, value_name = "DIST")]
     pub input_len: Option<LenDist>,
     /// Output lengths, overriding the preset (same forms as --input-len).
     #[arg(long, value_name = "DIST")]
     pub output_len: Option<LenDist>,
-    /// Number of requests.
+    /// Number of requests (1 to 1000000, and requests x max-len at most
+    /// 268435456).
     #[arg(long, default_value_t = 500)]
     pub requests: usize,
-    /// Arrivals: all, poisson:RATE or fixed:RATE (requests per step).
+    /// Arrivals: all, poisson:RATE or fixed:RATE (requests per step, a
+    /// rate from 0.000001 to 1000000).
     #[arg(long, default_value = "poisson:1")]
     pub arrival: Arrival,
-    /// KV memory budget in tokens (slots), the same for every policy.
+    /// KV memory budget in tokens (slots), the same for every policy (at
+    /// most 16777216).
     #[arg(long, default_value_t = 32768)]
     pub budget: usize,
-    /// Longest sequence (prompt + output); draws are clipped to it.
+    /// Longest sequence (prompt + output, at most 1048576); draws are
+    /// clipped to it.
     #[arg(long, default_value_t = 2048)]
     pub max_len: usize,
     /// Longest output a request may ask for [default: --max-len]; the `max`
@@ -172,47 +177,26 @@ pub struct SimConfig {
     pub max_seqs: usize,
 }
 
+/// Most requests a simulation may have (`--requests`).
+pub const MAX_REQUESTS: usize = 1_000_000;
+/// Largest memory budget, in tokens (`--budget`): 16,777,216.
+pub const MAX_BUDGET: usize = 1 << 24;
+/// Most token slots the prompts may need, `--requests` times `--max-len`
+/// (268,435,456: a gibibyte of token ids at worst).
+pub const MAX_WORKLOAD_TOKENS: usize = 1 << 28;
+/// Most sequences a scenario may start, `--requests` times the widest
+/// sampling (4,194,304).
+pub const MAX_SEQUENCES: usize = 1 << 22;
+/// Most entries in each comma-separated list (`--block-size`,
+/// `--policies`, `--sampling`).
+pub const MAX_LIST: usize = 16;
+/// Widest sampling (`parallel:N`, `beam:K`).
+pub const MAX_WIDTH: usize = 64;
+
 impl SimConfig {
-    /// Checks and converts command-line options.
+    /// Checks and converts command-line options (see [`SimConfig::check`]).
     pub fn from_args(a: &SimulateArgs) -> Result<Self, SimError> {
-        let bad = |m: String| Err(SimError::Config(m));
-        if a.requests == 0 {
-            return bad("--requests must be at least 1".into());
-        }
-        if a.max_len < a.shared_prefix + 2 {
-            return bad(format!(
-                "--max-len {} leaves no room for a prompt and an output after --shared-prefix {}",
-                a.max_len, a.shared_prefix
-            ));
-        }
-        if a.max_output == Some(0) {
-            return bad("--max-output must be at least 1".into());
-        }
-        if a.policies.is_empty() || a.sampling.is_empty() {
-            return bad("give at least one policy and one sampling mode".into());
-        }
-        for &bs in &a.block_size {
-            if !(1..=256).contains(&bs) || !bs.is_power_of_two() {
-                return bad(format!("block size {bs} is not a power of two in 1..=256"));
-            }
-            if a.budget < bs as usize {
-                return bad(format!(
-                    "--budget {} is smaller than one block of {bs}",
-                    a.budget
-                ));
-            }
-        }
-        if a.policies.contains(&PolicyKind::Paged) && a.block_size.is_empty() {
-            return bad("the paged policy needs a --block-size".into());
-        }
-        let widest = a.sampling.iter().map(|s| s.width()).max().unwrap_or(1);
-        if a.max_seqs < widest {
-            return bad(format!(
-                "--max-seqs {} is below the widest sampling ({widest} sequences)",
-                a.max_seqs
-            ));
-        }
-        Ok(Self {
+        let cfg = Self {
             dataset: a.dataset,
             workload: WorkloadSpec {
                 input: a.input_len.unwrap_or(a.dataset.input()),
@@ -229,7 +213,78 @@ impl SimConfig {
             policies: a.policies.clone(),
             sampling: a.sampling.clone(),
             max_seqs: a.max_seqs,
-        })
+        };
+        cfg.check()?;
+        Ok(cfg)
+    }
+
+    /// Whether this is a runnable simulation of bounded size: the
+    /// workload passes [`WorkloadSpec::check`], the budget is at most
+    /// [`MAX_BUDGET`] and holds a block of each block size (powers of two
+    /// in 1..=256), lists are non-empty and at most [`MAX_LIST`] long,
+    /// sampling widths are in 1..=[`MAX_WIDTH`], `--max-seqs` admits the
+    /// widest and `requests * width` is at most [`MAX_SEQUENCES`].
+    /// [`simulate`] checks first.
+    pub fn check(&self) -> Result<(), SimError> {
+        let bad = |m: String| Err(SimError::Config(m));
+        if let Err(m) = self.workload.check() {
+            return bad(m);
+        }
+        if self.policies.is_empty() || self.sampling.is_empty() {
+            return bad("give at least one policy and one sampling mode".into());
+        }
+        for (name, n) in [
+            ("--block-size", self.block_sizes.len()),
+            ("--policies", self.policies.len()),
+            ("--sampling", self.sampling.len()),
+        ] {
+            if n > MAX_LIST {
+                return bad(format!(
+                    "{name} lists {n} entries, over the limit of {MAX_LIST}"
+                ));
+            }
+        }
+        if self.budget > MAX_BUDGET {
+            return bad(format!(
+                "--budget {} is over the limit of {MAX_BUDGET} tokens",
+                self.budget
+            ));
+        }
+        for &bs in &self.block_sizes {
+            if !(1..=256).contains(&bs) || !bs.is_power_of_two() {
+                return bad(format!("block size {bs} is not a power of two in 1..=256"));
+            }
+            if self.budget < bs as usize {
+                return bad(format!(
+                    "--budget {} is smaller than one block of {bs}",
+                    self.budget
+                ));
+            }
+        }
+        if self.policies.contains(&PolicyKind::Paged) && self.block_sizes.is_empty() {
+            return bad("the paged policy needs a --block-size".into());
+        }
+        for s in &self.sampling {
+            if !(1..=MAX_WIDTH).contains(&s.width()) {
+                return bad(format!("sampling {s} is not of a width in 1..={MAX_WIDTH}"));
+            }
+        }
+        let widest = self.sampling.iter().map(|s| s.width()).max().unwrap_or(1);
+        if self.max_seqs < widest {
+            return bad(format!(
+                "--max-seqs {} is below the widest sampling ({widest} sequences)",
+                self.max_seqs
+            ));
+        }
+        // Both factors are bounded by now.
+        let seqs = self.workload.requests as u64 * widest as u64;
+        if seqs > MAX_SEQUENCES as u64 {
+            return bad(format!(
+                "--requests {} x {widest} sequences each = {seqs} sequences is over the limit of {MAX_SEQUENCES}",
+                self.workload.requests
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -317,8 +372,10 @@ impl Report {
     }
 }
 
-/// Runs every scenario under every policy.
+/// Runs every scenario under every policy, once the configuration passes
+/// [`SimConfig::check`].
 pub fn simulate(cfg: &SimConfig) -> Result<Report, SimError> {
+    cfg.check()?;
     let w = &cfg.workload;
     let mut scenarios = Vec::new();
     for &sampling in &cfg.sampling {
@@ -384,14 +441,30 @@ pub fn simulate(cfg: &SimConfig) -> Result<Report, SimError> {
     })
 }
 
-/// `pagedattn simulate`: runs, prints the table (or JSON), writes the plot.
+/// `pagedattn simulate`: runs, prints the table (or JSON) on stdout,
+/// writes the plot. See [`run_cli_to`].
 pub fn run_cli(a: &SimulateArgs) -> Result<(), Box<dyn std::error::Error>> {
     let cfg = SimConfig::from_args(a)?;
-    let report = simulate(&cfg)?;
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    run_cli_to(&cfg, a, &mut out)
+}
+
+/// `pagedattn simulate` for a configuration checked from `a`
+/// ([`SimConfig::from_args`]), with its output on `out`; `a` gives the
+/// format and the plot file. A failure to write `out` comes back as the
+/// [`std::io::Error`] itself (boxed), so that a caller can tell a closed
+/// pipe (`ErrorKind::BrokenPipe`) from a real error.
+pub fn run_cli_to(
+    cfg: &SimConfig,
+    a: &SimulateArgs,
+    out: &mut dyn std::io::Write,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let report = simulate(cfg)?;
     if a.json {
-        print!("{}", report.to_json());
+        out.write_all(report.to_json().as_bytes())?;
     } else {
-        print!("{}", report.table());
+        out.write_all(report.table().as_bytes())?;
     }
     if let Some(path) = &a.plot {
         std::fs::write(path, report.svg()).map_err(|source| SimError::Io {
@@ -399,8 +472,9 @@ pub fn run_cli(a: &SimulateArgs) -> Result<(), Box<dyn std::error::Error>> {
             source,
         })?;
         if !a.json {
-            println!("plot written to {}", path.display());
+            writeln!(out, "plot written to {}", path.display())?;
         }
     }
+    out.flush()?;
     Ok(())
 }

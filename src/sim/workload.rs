@@ -16,6 +16,21 @@ use crate::rng::SplitMix64;
 /// prefix cache looks at them.
 const VOCAB: u64 = 32_000;
 
+/// Largest token count a length distribution may name (`fixed:N`,
+/// `uniform:A:B`, a mean), and the longest `--max-len`: 1,048,576 tokens.
+pub const MAX_TOKENS: usize = 1 << 20;
+
+/// Largest log-space sigma of `lognormal:MEAN:SIGMA`.
+pub const MAX_SIGMA: f64 = 10.0;
+
+/// Slowest arrival rate, requests per step (`poisson:RATE`, `fixed:RATE`):
+/// with at most a million requests the last one arrives within about 10^13
+/// steps, far from overflowing the step counter.
+pub const MIN_RATE: f64 = 1e-6;
+
+/// Fastest arrival rate, requests per step.
+pub const MAX_RATE: f64 = 1e6;
+
 /// A distribution of token counts. Every draw is clipped to `[1, max]`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum LenDist {
@@ -43,7 +58,12 @@ impl LenDist {
         let max = max.max(1);
         let raw = match *self {
             LenDist::Fixed(n) => n as f64,
-            LenDist::Uniform(a, b) => rng.range(a as u64, b as u64) as f64,
+            LenDist::Uniform(a, b) => {
+                // Saturating, so that no parameters can overflow (checked
+                // ones never get near: see `check`).
+                let (lo, hi) = (a.min(b) as u64, a.max(b) as u64);
+                lo.saturating_add(rng.below((hi - lo).saturating_add(1))) as f64
+            }
             LenDist::LogNormal { mean, sigma } => {
                 // Pick mu so that E[exp(mu + sigma * Z)] is the requested mean.
                 let mu = mean.ln() - sigma * sigma / 2.0;
@@ -68,14 +88,68 @@ impl LenDist {
     }
 }
 
+impl LenDist {
+    /// Whether the parameters are in range: token counts and means at most
+    /// [`MAX_TOKENS`], means and sigma finite and positive, sigma at most
+    /// [`MAX_SIGMA`], uniform bounds in order. Parsing checks the same.
+    pub fn check(&self) -> Result<(), String> {
+        let count = |n: usize| {
+            if n > MAX_TOKENS {
+                Err(format!(
+                    "{n} in `{self}` is over the limit of {MAX_TOKENS} tokens"
+                ))
+            } else {
+                Ok(())
+            }
+        };
+        let mean = |m: f64| {
+            if !(m.is_finite() && m > 0.0) {
+                Err(format!("mean {m} in `{self}` is not a positive number"))
+            } else if m > MAX_TOKENS as f64 {
+                Err(format!(
+                    "mean {m} in `{self}` is over the limit of {MAX_TOKENS} tokens"
+                ))
+            } else {
+                Ok(())
+            }
+        };
+        match *self {
+            LenDist::Fixed(n) => count(n),
+            LenDist::Uniform(a, b) => {
+                count(a)?;
+                count(b)?;
+                if a > b {
+                    return Err(format!("uniform:{a}:{b} has its bounds reversed"));
+                }
+                Ok(())
+            }
+            LenDist::LogNormal { mean: m, sigma } => {
+                mean(m)?;
+                if !(sigma.is_finite() && sigma > 0.0 && sigma <= MAX_SIGMA) {
+                    return Err(format!(
+                        "sigma {sigma} in `{self}` is not a positive number up to {MAX_SIGMA}"
+                    ));
+                }
+                Ok(())
+            }
+            LenDist::Geometric { mean: m } => mean(m),
+        }
+    }
+}
+
 impl FromStr for LenDist {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, String> {
         let parts: Vec<&str> = s.split(':').collect();
         let int = |t: &str| -> Result<usize, String> {
-            t.parse::<usize>()
-                .map_err(|_| format!("`{t}` is not a token count in `{s}`"))
+            match t.parse::<u64>() {
+                Ok(v) if v <= MAX_TOKENS as u64 => Ok(v as usize),
+                Ok(v) => Err(format!(
+                    "{v} in `{s}` is over the limit of {MAX_TOKENS} tokens"
+                )),
+                Err(_) => Err(format!("`{t}` is not a token count in `{s}`")),
+            }
         };
         let num = |t: &str| -> Result<f64, String> {
             match t.parse::<f64>() {
@@ -104,6 +178,7 @@ impl FromStr for LenDist {
                 ))
             }
         };
+        d.check()?;
         Ok(d)
     }
 }
@@ -181,14 +256,35 @@ pub enum Arrival {
     Fixed(f64),
 }
 
+impl Arrival {
+    /// Whether the rate is finite and in [`MIN_RATE`]`..=`[`MAX_RATE`]
+    /// requests per step. Parsing checks the same.
+    pub fn check(&self) -> Result<(), String> {
+        match *self {
+            Arrival::All => Ok(()),
+            Arrival::Poisson(r) | Arrival::Fixed(r) => {
+                if (MIN_RATE..=MAX_RATE).contains(&r) {
+                    Ok(())
+                } else {
+                    Err(format!(
+                        "rate {r} in `{self}` is not in {MIN_RATE}..={MAX_RATE} requests per step"
+                    ))
+                }
+            }
+        }
+    }
+}
+
 impl FromStr for Arrival {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, String> {
         let rate = |t: &str| -> Result<f64, String> {
             match t.parse::<f64>() {
-                Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
-                _ => Err(format!("`{t}` is not a positive rate in `{s}`")),
+                Ok(v) if (MIN_RATE..=MAX_RATE).contains(&v) => Ok(v),
+                _ => Err(format!(
+                    "`{t}` in `{s}` is not a rate in {MIN_RATE}..={MAX_RATE} requests per step"
+                )),
             }
         };
         match s.split(':').collect::<Vec<_>>().as_slice() {
@@ -308,7 +404,69 @@ fn request_rng(seed: u64, id: usize) -> SplitMix64 {
     r
 }
 
-/// Draws the workload for one sampling mode.
+impl WorkloadSpec {
+    /// Whether the shape is drawable and its size bounded: distributions
+    /// and arrivals in range, `max_len` in `2..=`[`MAX_TOKENS`] with room for
+    /// a prompt token and an output token after the shared prefix,
+    /// `max_output` at least 1, and `requests` in
+    /// `1..=`[`MAX_REQUESTS`](super::MAX_REQUESTS) with `requests * max_len`
+    /// at most [`MAX_WORKLOAD_TOKENS`](super::MAX_WORKLOAD_TOKENS) (the
+    /// prompts are held in memory).
+    pub fn check(&self) -> Result<(), String> {
+        use super::{MAX_REQUESTS, MAX_WORKLOAD_TOKENS};
+        self.input
+            .check()
+            .map_err(|e| format!("input length: {e}"))?;
+        self.output
+            .check()
+            .map_err(|e| format!("output length: {e}"))?;
+        self.arrival.check()?;
+        if self.requests == 0 {
+            return Err("--requests must be at least 1".into());
+        }
+        if self.requests > MAX_REQUESTS {
+            return Err(format!(
+                "--requests {} is over the limit of {MAX_REQUESTS}",
+                self.requests
+            ));
+        }
+        if self.max_len > MAX_TOKENS {
+            return Err(format!(
+                "--max-len {} is over the limit of {MAX_TOKENS} tokens",
+                self.max_len
+            ));
+        }
+        if self.shared_prefix > MAX_TOKENS {
+            return Err(format!(
+                "--shared-prefix {} is over the limit of {MAX_TOKENS} tokens",
+                self.shared_prefix
+            ));
+        }
+        if self.max_len < self.shared_prefix + 2 {
+            return Err(format!(
+                "--max-len {} leaves no room for a prompt and an output after --shared-prefix {}",
+                self.max_len, self.shared_prefix
+            ));
+        }
+        if self.max_output == 0 {
+            return Err("--max-output must be at least 1".into());
+        }
+        // Both factors are bounded above, so this cannot overflow.
+        let slots = self.requests as u64 * self.max_len as u64;
+        if slots > MAX_WORKLOAD_TOKENS as u64 {
+            return Err(format!(
+                "--requests {} x --max-len {} = {slots} token slots is over the limit of \
+                 {MAX_WORKLOAD_TOKENS} (prompts are held in memory); lower one of them",
+                self.requests, self.max_len
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Draws the workload for one sampling mode. The spec should pass
+/// [`WorkloadSpec::check`]: an unchecked one cannot overflow, but its
+/// sizes are not bounded.
 pub fn generate(spec: &WorkloadSpec, sampling: Sampling) -> Vec<Request> {
     let mut arrivals = SplitMix64::new(spec.seed ^ 0xA11C_E5A1_7E00_0001);
     let mut prefix_rng = SplitMix64::new(spec.seed ^ 0x5E55_1011_0000_0002);
@@ -334,11 +492,15 @@ pub fn generate(spec: &WorkloadSpec, sampling: Sampling) -> Vec<Request> {
                 Arrival::Fixed(rate) => (id as f64 / rate) as u64,
             };
             let mut rng = request_rng(spec.seed, id);
-            let room = spec.max_len - 1 - spec.shared_prefix;
+            // `WorkloadSpec::check` keeps room for a prompt and an output;
+            // saturating anyway, so an unchecked spec cannot overflow here.
+            let room = spec.max_len.saturating_sub(1 + spec.shared_prefix);
             let input = spec.input.sample(&mut rng, room);
             let mut prompt = prefix.clone();
             prompt.extend((0..input).map(|_| rng.below(VOCAB) as u32));
-            let out_cap = spec.max_output.min(spec.max_len - prompt.len());
+            let out_cap = spec
+                .max_output
+                .min(spec.max_len.saturating_sub(prompt.len()));
             let outputs = (0..samples)
                 .map(|_| spec.output.sample(&mut rng, out_cap))
                 .collect();

@@ -1,0 +1,20 @@
+//! Fuzzes the command line: the input is split into an argv (NUL or newline
+//! separated words), parsed by the binary's own clap parser (src/cli.rs) and
+//! checked; checked simulations run, cut down to a few small requests. No
+//! adapter is needed. See tests/common/cli_args.rs for the format and the
+//! rules checked; tests/fuzz_corpus.rs replays corpus/cli_args/ on stable.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+
+#[allow(dead_code)]
+#[path = "../../src/cli.rs"]
+mod cli;
+
+#[allow(dead_code)]
+#[path = "../../tests/common/cli_args.rs"]
+mod cli_args;
+
+fuzz_target!(|data: &[u8]| {
+    cli_args::run(data);
+});

@@ -1,0 +1,262 @@
+//! The `pagedattn` command line: the clap definitions and every check that
+//! turns arguments into a validated configuration, before any GPU work or
+//! simulation starts.
+//!
+//! Self-contained (clap and the library only), so that the binary
+//! (`src/main.rs`, `mod cli;`) and the argument fuzz target
+//! (`fuzz/fuzz_targets/cli_args.rs`, through `tests/common/cli_args.rs`)
+//! parse and check with the very same code.
+//!
+//! Errors are one line each: [`error_line`] flattens any message, and
+//! [`parse`]'s clap errors come back as [`Parsed::Exit`] with that line
+//! (help and version go to stdout with exit code 0).
+
+use std::ffi::OsString;
+
+use clap::{Parser, Subcommand};
+use pagedattn::bench::BenchConfig;
+use pagedattn::demo::{DemoConfig, MAX_REQUESTS as DEMO_MAX_REQUESTS, MAX_SAMPLES};
+use pagedattn::sim::{SimConfig, SimulateArgs};
+
+/// Exit code of a usage error: a bad flag or value, or options that fail a check.
+pub const EXIT_USAGE: i32 = 2;
+/// Exit code of a failure while running (no adapter, a stalled demo, ...).
+pub const EXIT_FAILURE: i32 = 1;
+
+#[derive(Parser, Debug)]
+#[command(name = "pagedattn", version, about = "PagedAttention on any GPU")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Option<Command>,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// The end-to-end demo (the default): a seeded multi-tenant decode loop
+    /// with parallel sampling, every step checked against the f64 reference.
+    Demo(DemoArgs),
+    /// Multi-tenant paged-KV memory simulator: paged vs contiguous policies.
+    Simulate(SimulateArgs),
+    /// Decode, bandwidth, split, bookkeeping and copy benchmarks on the adapter.
+    Bench(BenchArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct BenchArgs {
+    /// The small grid (under 30 s on lavapipe).
+    #[arg(long)]
+    pub quick: bool,
+    /// Print the report as JSON on stdout (fields documented in README.md).
+    #[arg(long)]
+    pub json: bool,
+    /// Time with the wall clock even where GPU timestamps exist.
+    #[arg(long)]
+    pub wall_clock: bool,
+    /// Stop measuring new grid cells after this many seconds (they are
+    /// listed as skipped); finite and not negative. Default: 150, or 25
+    /// with --quick.
+    #[arg(long, allow_hyphen_values = true)]
+    pub max_seconds: Option<f64>,
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct DemoArgs {
+    /// Seed.
+    #[arg(long, default_value_t = 7)]
+    pub seed: u64,
+    /// Requests (1 to 10000).
+    #[arg(long, default_value_t = 8)]
+    pub requests: u32,
+    /// Parallel samples per request (1 to 64).
+    #[arg(long, default_value_t = 3)]
+    pub samples: u32,
+    /// Tokens per block (a power of two up to 256).
+    #[arg(long, default_value_t = 16)]
+    pub block_size: u32,
+    /// Blocks in the pool (enough to admit the longest prompt, 120 tokens,
+    /// plus 2 per sample; at most 524288 token slots in all).
+    #[arg(long, default_value_t = 256)]
+    pub num_blocks: u32,
+    /// Store K/V as f32 instead of packed f16.
+    #[arg(long)]
+    pub f32: bool,
+    /// Print every step (default: every 10th).
+    #[arg(long)]
+    pub verbose: bool,
+}
+
+impl Default for DemoArgs {
+    /// The command line's defaults (clap's are the one source of truth).
+    fn default() -> Self {
+        #[derive(Parser)]
+        struct DefaultsOnly {
+            #[command(flatten)]
+            args: DemoArgs,
+        }
+        DefaultsOnly::parse_from(["demo"]).args
+    }
+}
+
+/// What the command line asked for, checked and ready to run.
+#[derive(Debug)]
+pub enum Checked {
+    /// The demo (also when no subcommand is given).
+    Demo {
+        /// Validated settings.
+        cfg: DemoConfig,
+        /// Print every step.
+        verbose: bool,
+    },
+    /// The simulator.
+    Simulate {
+        /// Validated configuration.
+        cfg: SimConfig,
+        /// The options as given (output format, plot file).
+        args: SimulateArgs,
+    },
+    /// The benchmark.
+    Bench {
+        /// Validated settings.
+        cfg: BenchConfig,
+        /// Print JSON instead of the table.
+        json: bool,
+    },
+}
+
+/// The outcome of parsing an argv.
+#[derive(Debug)]
+pub enum Parsed {
+    /// Arguments to check and run.
+    Run(Cli),
+    /// Nothing to run: print `text` (on stdout if `stdout`, else it is one
+    /// `error: ...` line for stderr) and exit with `code`.
+    Exit {
+        /// What to print, without a trailing newline.
+        text: String,
+        /// Whether it goes to stdout (help, version).
+        stdout: bool,
+        /// Exit code.
+        code: i32,
+    },
+}
+
+/// Parses an argv (program name first). Help and version are not errors:
+/// they come back as [`Parsed::Exit`] with code 0 and the text for stdout.
+/// Usage errors come back as one `error: ...` line with [`EXIT_USAGE`].
+pub fn parse<I, T>(argv: I) -> Parsed
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    match Cli::try_parse_from(argv) {
+        Ok(c) => Parsed::Run(c),
+        Err(e) => {
+            use clap::error::ErrorKind;
+            match e.kind() {
+                ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => Parsed::Exit {
+                    text: e.render().to_string().trim_end().to_string(),
+                    stdout: true,
+                    code: 0,
+                },
+                // Help in place of an error (no subcommand given to a
+                // command that needs one): not one line, so say it briefly.
+                ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => Parsed::Exit {
+                    text: error_line("missing arguments (see --help)"),
+                    stdout: false,
+                    code: EXIT_USAGE,
+                },
+                _ => Parsed::Exit {
+                    text: clap_error_line(&e),
+                    stdout: false,
+                    code: EXIT_USAGE,
+                },
+            }
+        }
+    }
+}
+
+/// A clap error as one `error: ...` line: clap's first line (which names
+/// the flag and the bad value), plus a pointer to `--help`.
+fn clap_error_line(e: &clap::Error) -> String {
+    let text = e.render().to_string();
+    let first = text
+        .lines()
+        .map(str::trim)
+        .find(|l| !l.is_empty())
+        .unwrap_or("invalid arguments");
+    let msg = first.strip_prefix("error:").unwrap_or(first).trim();
+    error_line(&format!("{msg} (see --help)"))
+}
+
+/// `error: ` and the message on one line: line breaks and control
+/// characters become spaces, runs of whitespace one space.
+pub fn error_line(msg: &str) -> String {
+    let flat: String = msg
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect();
+    let words: Vec<&str> = flat.split_whitespace().collect();
+    format!("error: {}", words.join(" "))
+}
+
+/// Checks the parsed options and builds the configuration to run, without
+/// touching an adapter. The message names the flag or the value and the
+/// limit it breaks.
+pub fn check(cli: Cli) -> Result<Checked, String> {
+    match cli.command {
+        None => demo(&DemoArgs::default()),
+        Some(Command::Demo(a)) => demo(&a),
+        Some(Command::Simulate(a)) => {
+            let cfg = SimConfig::from_args(&a).map_err(|e| e.to_string())?;
+            Ok(Checked::Simulate { cfg, args: a })
+        }
+        Some(Command::Bench(a)) => {
+            let cfg = BenchConfig {
+                quick: a.quick,
+                wall_clock: a.wall_clock,
+                progress: true,
+                max_seconds: a.max_seconds.unwrap_or(if a.quick { 25.0 } else { 150.0 }),
+            };
+            if let Some(s) = a.max_seconds {
+                if !(s.is_finite() && s >= 0.0) {
+                    return Err(format!(
+                        "--max-seconds {s} is not a finite number of seconds, at least 0"
+                    ));
+                }
+            }
+            cfg.validate().map_err(|e| e.to_string())?;
+            Ok(Checked::Bench { cfg, json: a.json })
+        }
+    }
+}
+
+fn demo(a: &DemoArgs) -> Result<Checked, String> {
+    // The library takes 0 requests or samples as a degenerate workload; the
+    // command line refuses them, since there would be nothing to report.
+    if !(1..=DEMO_MAX_REQUESTS).contains(&a.requests) {
+        return Err(format!(
+            "--requests {} is not in 1..={DEMO_MAX_REQUESTS}",
+            a.requests
+        ));
+    }
+    if !(1..=MAX_SAMPLES).contains(&a.samples) {
+        return Err(format!(
+            "--samples {} is not in 1..={MAX_SAMPLES}",
+            a.samples
+        ));
+    }
+    let cfg = DemoConfig {
+        seed: a.seed,
+        requests: a.requests,
+        samples: a.samples,
+        block_size: a.block_size,
+        num_blocks: a.num_blocks,
+        f16: !a.f32,
+        ..DemoConfig::default()
+    };
+    cfg.validate().map_err(|e| e.to_string())?;
+    Ok(Checked::Demo {
+        cfg,
+        verbose: a.verbose,
+    })
+}
