@@ -713,3 +713,43 @@ fn salted_prompts_keep_their_own_kv() {
         }
     }
 }
+
+/// `BatchTables`' fields are public: tables whose offsets overflow `u32`, or
+/// whose length is past the limit, are refused by the encoder calls (in
+/// debug builds too, where the old unchecked sum panicked).
+#[test]
+fn hand_edited_tables_are_refused_not_overflowed() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = SplitMix64::new(seed("hand-edited tables"));
+    let r = rig(&gpu, &mut rng, &[30], 1, 2, 64);
+    let v = &r.view;
+    let q = r.q(&mut rng);
+    let qb = gpu.storage_init("q", &q).unwrap();
+    let out = gpu.storage("out", (q.len() * 4) as u64).unwrap();
+    let edits: [(&str, fn(&mut BatchTables)); 3] = [
+        ("indices_len u32::MAX", |t| t.indices_len = u32::MAX),
+        ("num_seqs past the limit", |t| t.num_seqs = u32::MAX),
+        ("max_len u32::MAX", |t| t.max_len = u32::MAX),
+    ];
+    for (what, edit) in edits {
+        let mut t =
+            BatchTables::upload(&gpu, &v.kv_indptr, &v.kv_indices, &v.seq_lens, None).unwrap();
+        edit(&mut t);
+        let mut enc = gpu.device.create_command_encoder(&Default::default());
+        let res = r.attn.encode_decode(
+            &gpu,
+            &mut enc,
+            &r.cache,
+            0,
+            &qb,
+            &t,
+            &out,
+            &Default::default(),
+        );
+        match res {
+            Err(GpuError::InvalidArgument(m)) => eprintln!("{what}: {m}"),
+            other => panic!("{what}: {other:?}"),
+        }
+    }
+    assert!(gpu.take_error().is_ok());
+}

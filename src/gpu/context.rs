@@ -187,6 +187,7 @@ impl Gpu {
         }
     }
 
+    #[cfg(not(target_arch = "wasm32"))]
     fn mark_lost(&self, why: &str) {
         lock(&self.health.lost).get_or_insert_with(|| why.to_string());
     }

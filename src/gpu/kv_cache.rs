@@ -50,23 +50,25 @@ pub struct KvCacheConfig {
 }
 
 impl KvCacheConfig {
-    /// Bytes one block takes in one layer's K buffer.
+    /// Bytes one block takes in one layer's K buffer (saturating at
+    /// `u64::MAX` for shapes [`validate`](Self::validate) refuses).
     pub fn block_bytes(&self) -> u64 {
-        self.num_kv_heads as u64
-            * self.block_size as u64
-            * self.head_dim as u64
-            * self.dtype.bytes()
+        (self.num_kv_heads as u64 * self.block_size as u64)
+            .saturating_mul(self.head_dim as u64)
+            .saturating_mul(self.dtype.bytes())
     }
 
-    /// Bytes of one layer's K buffer.
+    /// Bytes of one layer's K buffer (saturating).
     pub fn layer_bytes(&self) -> u64 {
-        self.block_bytes() * self.num_blocks as u64
+        self.block_bytes().saturating_mul(self.num_blocks as u64)
     }
 
     /// KV4 elements (4 cache elements) per block (saturating: a shape whose
     /// count does not fit a `u32` is refused by [`validate`](Self::validate)).
     pub fn block_elems4(&self) -> u32 {
-        let e = self.num_kv_heads as u64 * self.block_size as u64 * self.head_dim as u64 / 4;
+        let e = (self.num_kv_heads as u64 * self.block_size as u64)
+            .saturating_mul(self.head_dim as u64)
+            / 4;
         e.min(u32::MAX as u64) as u32
     }
 
@@ -111,7 +113,9 @@ impl KvCacheConfig {
     /// one block is already too big.
     pub fn max_blocks_for(&self, limit: u64) -> u32 {
         let block = self.block_bytes().max(1);
-        let elems4 = self.num_kv_heads as u64 * self.block_size as u64 * self.head_dim as u64 / 4;
+        let elems4 = (self.num_kv_heads as u64 * self.block_size as u64)
+            .saturating_mul(self.head_dim as u64)
+            / 4;
         let by_bytes = limit / block;
         let by_index = (u32::MAX as u64) / elems4.max(1);
         by_bytes.min(by_index).min(u32::MAX as u64) as u32

@@ -1,0 +1,85 @@
+//! Replays the fuzz corpus of the GPU layer's host-side argument checks on
+//! stable Rust, through the same harness as the fuzz target
+//! (tests/common/gpu_args.rs): every input must pass, and together they must
+//! reach every outcome (accepted and refused, for each check). Then seeded
+//! random inputs, deterministic so a failure replays
+//! (`GPU_ARGS_INPUT=<file>` replays one file).
+
+#[path = "common/gpu_args.rs"]
+mod gpu_args;
+
+use std::path::{Path, PathBuf};
+
+use gpu_args::Reached;
+use pagedattn::rng::SplitMix64;
+
+fn replay(data: &[u8], what: &str, total: &mut Reached) {
+    match std::panic::catch_unwind(|| gpu_args::run(data)) {
+        Ok(r) => total.add(&r),
+        Err(p) => {
+            eprintln!("{what} failed");
+            std::panic::resume_unwind(p);
+        }
+    }
+}
+
+#[test]
+fn gpu_args_corpus_passes_and_reaches_every_outcome() {
+    let mut total = Reached::default();
+    if let Ok(one) = std::env::var("GPU_ARGS_INPUT") {
+        replay(&std::fs::read(&one).unwrap(), &one, &mut total);
+        println!("{:?}", total.named());
+        return;
+    }
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/gpu_args");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .expect("fuzz/corpus/gpu_args")
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_file())
+        .collect();
+    files.sort();
+    assert!(files.len() >= 20, "only {} corpus files", files.len());
+    for f in &files {
+        replay(
+            &std::fs::read(f).unwrap(),
+            &f.display().to_string(),
+            &mut total,
+        );
+    }
+    println!("{} inputs: {:?}", files.len(), total.named());
+    for (what, n) in total.named() {
+        assert!(
+            n > 0,
+            "the corpus never reaches {what}: {:?}",
+            total.named()
+        );
+    }
+}
+
+#[test]
+fn gpu_args_random_inputs_keep_the_contracts() {
+    let seed = std::env::var("PAGEDATTN_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0x6A7A_A265u64);
+    let mut rng = SplitMix64::new(seed);
+    let mut total = Reached::default();
+    for i in 0..3000 {
+        let len = rng.range(1, 400) as usize;
+        let data: Vec<u8> = (0..len).map(|_| rng.below(256) as u8).collect();
+        let what = format!("random input {i} (seed {seed}; PAGEDATTN_SEED replays)");
+        if std::panic::catch_unwind(|| gpu_args::run(&data)).is_err() {
+            let path = std::env::temp_dir().join(format!("gpu_args_random_{i}"));
+            let _ = std::fs::write(&path, &data);
+            panic!(
+                "{what} failed; saved to {} (GPU_ARGS_INPUT replays)",
+                path.display()
+            );
+        }
+        replay(&data, &what, &mut total);
+    }
+    println!("{:?}", total.named());
+    for (what, n) in total.named() {
+        assert!(n > 0, "random inputs never reach {what} (seed {seed})");
+    }
+}
