@@ -3,6 +3,8 @@
 //! checked; checked simulations run, cut down to a few small requests. No
 //! adapter is needed. See tests/common/cli_args.rs for the format and the
 //! rules checked; tests/fuzz_corpus.rs replays corpus/cli_args/ on stable.
+//! Run with the flag dictionary from the repository root:
+//!   RUSTC_BOOTSTRAP=1 cargo fuzz run cli_args -- -dict=fuzz/cli_args.dict -max_total_time=600
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
