@@ -99,6 +99,7 @@ impl Default for DemoArgs {
 
 /// What the command line asked for, checked and ready to run.
 #[derive(Debug)]
+#[allow(clippy::large_enum_variant)] // one per run
 pub enum Checked {
     /// The demo (also when no subcommand is given).
     Demo {
@@ -125,6 +126,7 @@ pub enum Checked {
 
 /// The outcome of parsing an argv.
 #[derive(Debug)]
+#[allow(clippy::large_enum_variant)] // one per run
 pub enum Parsed {
     /// Arguments to check and run.
     Run(Cli),
