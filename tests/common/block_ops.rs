@@ -313,7 +313,7 @@ impl Harness {
             cov.bad_configs += 1;
             return None;
         }
-        let max = u32::MAX / bs;
+        let max = (u32::MAX / bs).min(pagedattn::blocks::MAX_BLOCKS);
         if num_blocks == 0 || num_blocks > max {
             assert_eq!(
                 res,
