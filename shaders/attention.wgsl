@@ -30,7 +30,7 @@ const NROW: u32 = QTILE * GROUP;
 const SEGS: u32 = max(WG / NROW, 1u);
 
 @group(0) @binding(0) var<uniform> params: AttnParams;
-// [num_queries][num_heads][HEAD_DIM4]
+// [num_queries][num_heads][HEAD_DIM4], rows q_stride vec4s apart when set
 @group(0) @binding(1) var<storage, read> q: array<vec4<f32>>;
 // [num_blocks][num_kv_heads][BLOCK_SIZE][HEAD_DIM4]
 @group(0) @binding(2) var<storage, read> k_pool: array<KV4>;
@@ -117,7 +117,8 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         let qi = i / (GROUP * HEAD_DIM4);
         var v = vec4<f32>(0.0);
         if qi < q_count {
-            v = q[((q_row0 + qi) * p.num_heads + h0) * HEAD_DIM4 + i % (GROUP * HEAD_DIM4)];
+            let q_stride = select(p.num_heads * HEAD_DIM4, p.q_stride, p.q_stride != 0u);
+            v = q[(q_row0 + qi) * q_stride + h0 * HEAD_DIM4 + i % (GROUP * HEAD_DIM4)];
         }
         q_sh[i] = v;
     }

@@ -13,7 +13,9 @@ struct WriteKvParams {
     num_tokens: u32,
     num_kv_heads: u32,
     num_slots: u32,
-    _pad: u32,
+    // vec4s from one token's K (and V) row to the next; 0: packed rows
+    // (a fused QKV output has a longer stride).
+    kv_stride: u32,
 }
 
 struct CopyParams {
@@ -39,13 +41,14 @@ struct AttnParams {
     // Tokens per split-K partition; 0: one partition per sequence.
     partition_tokens: u32,
     num_partitions: u32,
-    // Offsets into the packed table buffer (see src/gpu/tables.rs).
+    // Offsets into the packed table buffer (PackedTables in src/gpu/attention.rs).
     lens_off: u32,
     indices_off: u32,
     indices_len: u32,
     slopes_off: u32,
     qo_off: u32,
-    _pad: u32,
+    // vec4s from one query's row of Q to the next; 0: packed rows.
+    q_stride: u32,
 }
 
 // -f32::MAX written exactly: Tint (Chrome's WebGPU) rejects the decimal

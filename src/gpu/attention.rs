@@ -135,82 +135,113 @@ impl PackedTables {
         slopes: Option<&[f32]>,
         prefill: Option<(&[u32], u32)>,
     ) -> Result<Self, GpuError> {
-        let bad = |m: String| Err(GpuError::InvalidArgument(m));
-        let n = seq_lens.len();
-        if n > MAX_BATCH as usize {
-            return bad(format!("{n} sequences in one batch (at most {MAX_BATCH})"));
-        }
-        if let Some((s, &l)) = seq_lens.iter().enumerate().find(|(_, &l)| l > MAX_SEQ_LEN) {
-            return bad(format!(
-                "sequence {s} holds {l} tokens, over the limit of {MAX_SEQ_LEN}"
-            ));
-        }
-        if let Some(x) = slopes.and_then(|s| s.iter().find(|x| !x.is_finite())) {
-            return bad(format!("ALiBi slope {x}: slopes must be finite"));
-        }
-        let slopes_len = slopes.map_or(0, |s| s.len());
-        let qo_len = prefill.map_or(0, |_| n + 1);
-        // Every offset the kernels compute into the buffer fits a u32.
-        let words = (2 * n + 1)
-            .checked_add(kv_indices.len())
-            .and_then(|w| w.checked_add(slopes_len))
-            .and_then(|w| w.checked_add(qo_len))
-            .filter(|&w| w <= (u32::MAX / 2) as usize);
-        let Some(words) = words else {
-            return bad(format!(
-                "tables of {} block ids and {slopes_len} slopes do not fit u32 offsets",
-                kv_indices.len()
-            ));
-        };
-        let mut packed = Vec::with_capacity(words);
-        packed.extend_from_slice(&kv_indptr[..kv_indptr.len().min(n + 1)]);
-        packed.resize(n + 1, 0);
-        packed.extend_from_slice(seq_lens);
-        packed.extend_from_slice(kv_indices);
-        if let Some(s) = slopes {
-            packed.extend(s.iter().map(|x| x.to_bits()));
-        }
-        let (mut qo_off, mut num_tiles) = (0u32, 0u32);
-        if let Some((qo, qtile)) = prefill {
-            let qtile = qtile.max(1);
-            qo_off = packed.len() as u32;
-            packed.extend_from_slice(&qo[..qo.len().min(n + 1)]);
-            packed.resize(qo_off as usize + n + 1, 0);
-            let mut tiles = 0u64;
-            for s in 0..n {
-                let nq = qo
-                    .get(s + 1)
-                    .unwrap_or(&0)
-                    .saturating_sub(*qo.get(s).unwrap_or(&0));
-                tiles += nq.div_ceil(qtile) as u64;
-            }
-            if tiles > MAX_BATCH as u64 {
-                return bad(format!(
-                    "{tiles} query tiles of {qtile} in one prefill (at most {MAX_BATCH}; split the batch)"
-                ));
-            }
-            packed.reserve(2 * tiles as usize);
-            for s in 0..n {
-                let nq = qo
-                    .get(s + 1)
-                    .unwrap_or(&0)
-                    .saturating_sub(*qo.get(s).unwrap_or(&0));
-                for first in (0..nq).step_by(qtile as usize) {
-                    packed.extend_from_slice(&[s as u32, first]);
-                }
-            }
-            num_tiles = tiles as u32;
-        }
+        let mut words = Vec::new();
+        let m = pack_into(&mut words, kv_indptr, kv_indices, seq_lens, slopes, prefill)?;
         Ok(Self {
-            words: packed,
-            num_seqs: n as u32,
-            indices_len: kv_indices.len() as u32,
-            max_len: seq_lens.iter().copied().max().unwrap_or(0),
+            words,
+            num_seqs: m.num_seqs,
+            indices_len: m.indices_len,
+            max_len: m.max_len,
             slopes: slopes.map(|s| s.to_vec()),
-            qo_off,
-            num_tiles,
+            qo_off: m.qo_off,
+            num_tiles: m.num_tiles,
         })
     }
+}
+
+/// What [`pack_into`] packed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct PackedMeta {
+    pub num_seqs: u32,
+    pub indices_len: u32,
+    pub max_len: u32,
+    pub qo_off: u32,
+    pub num_tiles: u32,
+}
+
+/// [`PackedTables::pack`] into a reused vector (cleared first).
+pub(crate) fn pack_into(
+    packed: &mut Vec<u32>,
+    kv_indptr: &[u32],
+    kv_indices: &[u32],
+    seq_lens: &[u32],
+    slopes: Option<&[f32]>,
+    prefill: Option<(&[u32], u32)>,
+) -> Result<PackedMeta, GpuError> {
+    packed.clear();
+    let bad = |m: String| Err(GpuError::InvalidArgument(m));
+    let n = seq_lens.len();
+    if n > MAX_BATCH as usize {
+        return bad(format!("{n} sequences in one batch (at most {MAX_BATCH})"));
+    }
+    if let Some((s, &l)) = seq_lens.iter().enumerate().find(|(_, &l)| l > MAX_SEQ_LEN) {
+        return bad(format!(
+            "sequence {s} holds {l} tokens, over the limit of {MAX_SEQ_LEN}"
+        ));
+    }
+    if let Some(x) = slopes.and_then(|s| s.iter().find(|x| !x.is_finite())) {
+        return bad(format!("ALiBi slope {x}: slopes must be finite"));
+    }
+    let slopes_len = slopes.map_or(0, |s| s.len());
+    let qo_len = prefill.map_or(0, |_| n + 1);
+    // Every offset the kernels compute into the buffer fits a u32.
+    let words = (2 * n + 1)
+        .checked_add(kv_indices.len())
+        .and_then(|w| w.checked_add(slopes_len))
+        .and_then(|w| w.checked_add(qo_len))
+        .filter(|&w| w <= (u32::MAX / 2) as usize);
+    let Some(words) = words else {
+        return bad(format!(
+            "tables of {} block ids and {slopes_len} slopes do not fit u32 offsets",
+            kv_indices.len()
+        ));
+    };
+    packed.reserve(words);
+    packed.extend_from_slice(&kv_indptr[..kv_indptr.len().min(n + 1)]);
+    packed.resize(n + 1, 0);
+    packed.extend_from_slice(seq_lens);
+    packed.extend_from_slice(kv_indices);
+    if let Some(s) = slopes {
+        packed.extend(s.iter().map(|x| x.to_bits()));
+    }
+    let (mut qo_off, mut num_tiles) = (0u32, 0u32);
+    if let Some((qo, qtile)) = prefill {
+        let qtile = qtile.max(1);
+        qo_off = packed.len() as u32;
+        packed.extend_from_slice(&qo[..qo.len().min(n + 1)]);
+        packed.resize(qo_off as usize + n + 1, 0);
+        let mut tiles = 0u64;
+        for s in 0..n {
+            let nq = qo
+                .get(s + 1)
+                .unwrap_or(&0)
+                .saturating_sub(*qo.get(s).unwrap_or(&0));
+            tiles += nq.div_ceil(qtile) as u64;
+        }
+        if tiles > MAX_BATCH as u64 {
+            return bad(format!(
+                "{tiles} query tiles of {qtile} in one prefill (at most {MAX_BATCH}; split the batch)"
+            ));
+        }
+        packed.reserve(2 * tiles as usize);
+        for s in 0..n {
+            let nq = qo
+                .get(s + 1)
+                .unwrap_or(&0)
+                .saturating_sub(*qo.get(s).unwrap_or(&0));
+            for first in (0..nq).step_by(qtile as usize) {
+                packed.extend_from_slice(&[s as u32, first]);
+            }
+        }
+        num_tiles = tiles as u32;
+    }
+    Ok(PackedMeta {
+        num_seqs: n as u32,
+        indices_len: kv_indices.len() as u32,
+        max_len: seq_lens.iter().copied().max().unwrap_or(0),
+        qo_off,
+        num_tiles,
+    })
 }
 
 /// A batch's block tables in one GPU buffer ([`PackedTables`]'s layout).
@@ -290,21 +321,23 @@ impl BatchTables {
 /// Decode kernels specialised for one cache shape and head count.
 pub struct PagedAttention {
     /// The cache shape the kernels were built for.
-    cache_cfg: super::KvCacheConfig,
-    num_heads: u32,
-    num_kv_heads: u32,
-    head_dim: u32,
-    block_size: u32,
-    num_blocks: u32,
-    decode: wgpu::ComputePipeline,
-    reduce: wgpu::ComputePipeline,
+    pub(super) cache_cfg: super::KvCacheConfig,
+    pub(super) num_heads: u32,
+    pub(super) num_kv_heads: u32,
+    pub(super) head_dim: u32,
+    pub(super) block_size: u32,
+    pub(super) num_blocks: u32,
+    pub(super) decode: wgpu::ComputePipeline,
+    pub(super) reduce: wgpu::ComputePipeline,
     /// Built on first use: decode-only callers never pay for its compile
     /// (seconds per shape on software GL).
-    prefill: std::sync::OnceLock<wgpu::ComputePipeline>,
-    prefill_shape: ShaderShape,
+    pub(super) prefill: std::sync::OnceLock<wgpu::ComputePipeline>,
+    pub(super) prefill_shape: ShaderShape,
     /// Bound in place of the split-K (max, sum) output when there is none,
     /// made once rather than per call.
-    unused_ml: wgpu::Buffer,
+    pub(super) unused_ml: wgpu::Buffer,
+    /// Identifies this instance to the plans it makes.
+    pub(super) id: u64,
 }
 
 impl PagedAttention {
@@ -370,6 +403,7 @@ impl PagedAttention {
             prefill: std::sync::OnceLock::new(),
             prefill_shape: ShaderShape { qtile, ..shape },
             unused_ml: gpu.storage("unused split (max, sum)", 16)?,
+            id: super::plan::next_id(),
         })
     }
 
@@ -378,7 +412,7 @@ impl PagedAttention {
         self.prefill_shape.qtile
     }
 
-    fn prefill_pipeline(&self, gpu: &Gpu) -> Result<&wgpu::ComputePipeline, GpuError> {
+    pub(super) fn prefill_pipeline(&self, gpu: &Gpu) -> Result<&wgpu::ComputePipeline, GpuError> {
         if let Some(p) = self.prefill.get() {
             return Ok(p);
         }
@@ -439,14 +473,14 @@ impl PagedAttention {
             indices_len: t.indices_len,
             slopes_off,
             qo_off: t.qo_off,
-            _pad: 0,
+            q_stride: 0,
         })
     }
 
     /// Checks what every call checks: the device is alive, `cache` is the
     /// shape these kernels were built for, the options are valid, and the
     /// ALiBi slopes packed in `tables` (if any) are the options' slopes.
-    fn check_call(
+    pub(super) fn check_call(
         &self,
         gpu: &Gpu,
         cache: &KvCache,
@@ -490,7 +524,7 @@ impl PagedAttention {
     /// On an adapter that ends long loops early (llvmpipe: 65535 loop
     /// iterations per invocation), refuses a pass over more tokens than it
     /// can finish, instead of returning a silently wrong answer.
-    fn check_pass_tokens(&self, gpu: &Gpu, tokens: u32, what: &str) -> Result<(), GpuError> {
+    pub(super) fn check_pass_tokens(&self, gpu: &Gpu, tokens: u32, what: &str) -> Result<(), GpuError> {
         match gpu.max_tokens_per_pass(self.head_dim) {
             Some(cap) if tokens > cap => Err(GpuError::Unsupported(format!(
                 "{what} walks {tokens} tokens in one pass, but {} ends loops after 65535 \
@@ -647,7 +681,7 @@ impl PagedAttention {
         .map_err(GpuError::InvalidArgument)
     }
 
-    fn check_options(&self, o: &AttnOptions) -> Result<(), GpuError> {
+    pub(super) fn check_options(&self, o: &AttnOptions) -> Result<(), GpuError> {
         o.validate(self.num_heads)
             .map_err(GpuError::InvalidArgument)
     }

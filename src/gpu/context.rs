@@ -4,12 +4,25 @@ use super::GpuError;
 
 /// A wgpu device and queue, with what the adapter is and allows.
 ///
-/// wgpu's default for an error raised outside an error scope is to panic;
-/// a `Gpu` instead records the first such error and reports it from the next
-/// [`wait`](Self::wait) (and so from every readback) or
-/// [`take_error`](Self::take_error). A lost device is recorded too: from then
-/// on those calls, and [`scoped`](Self::scoped) work, return
-/// [`GpuError::Device`].
+/// Two ways to get one:
+/// - [`Gpu::new`] (and `from_adapter*`) open a device of their own, asking
+///   for the optional features that help (`SHADER_F16`, `SUBGROUP`,
+///   `TIMESTAMP_QUERY`, where the adapter has them), and watch it: wgpu's
+///   default for an error raised outside an error scope is to panic; such a
+///   `Gpu` instead records the first one and reports it from the next
+///   [`wait`](Self::wait) or [`take_error`](Self::take_error), and records
+///   device loss, after which every call returns [`GpuError::Device`].
+/// - [`Gpu::from_device`] borrows an engine's device and queue as they are
+///   (wgpu handles are cheap clones): it enables nothing and installs no
+///   handler, since the device's uncaptured-error and device-lost callbacks
+///   are the engine's. The library's own work still runs in error scopes, so
+///   its calls return their own errors. [`watch`](Self::watch) opts in to
+///   what `Gpu::new` installs.
+///
+/// Pipelines are compiled once per (kernel, shape) and shared by every
+/// `KvCache` and `PagedAttention` made from clones of one `Gpu`.
+/// [`counters`](Self::counters) counts the GPU objects the library created.
+#[derive(Clone)]
 pub struct Gpu {
     /// The device.
     pub device: wgpu::Device,
@@ -22,6 +35,31 @@ pub struct Gpu {
     /// Features enabled on the device.
     pub features: wgpu::Features,
     health: std::sync::Arc<Health>,
+    pipelines: std::sync::Arc<
+        std::sync::Mutex<
+            std::collections::HashMap<(&'static str, super::shader::ShaderShape), wgpu::ComputePipeline>,
+        >,
+    >,
+    counts: std::sync::Arc<Counts>,
+}
+
+/// GPU objects the library created through one `Gpu` (and its clones), from
+/// [`Gpu::counters`]: a steady-state step should add none.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Buffers (storage, uniform, readback staging).
+    pub buffers: u64,
+    /// Bind groups.
+    pub bind_groups: u64,
+    /// Compute pipelines (each compiled once per kernel and shape).
+    pub pipelines: u64,
+}
+
+#[derive(Default)]
+struct Counts {
+    buffers: std::sync::atomic::AtomicU64,
+    bind_groups: std::sync::atomic::AtomicU64,
+    pipelines: std::sync::atomic::AtomicU64,
 }
 
 /// What the device's callbacks recorded.
@@ -119,7 +157,10 @@ impl Gpu {
         limits: wgpu::Limits,
     ) -> Result<Self, GpuError> {
         let info = adapter.get_info();
-        let features = adapter.features() & wgpu::Features::TIMESTAMP_QUERY;
+        let features = adapter.features()
+            & (wgpu::Features::TIMESTAMP_QUERY
+                | wgpu::Features::SHADER_F16
+                | wgpu::Features::SUBGROUP);
         let (device, queue) = adapter
             .request_device(&wgpu::DeviceDescriptor {
                 label: Some("pagedattn"),
@@ -134,23 +175,98 @@ impl Gpu {
                 adapter: info.name.clone(),
                 reason: e.to_string(),
             })?;
-        let health = std::sync::Arc::new(Health::default());
-        let h = health.clone();
-        device.on_uncaptured_error(std::sync::Arc::new(move |e: wgpu::Error| {
-            lock(&h.uncaptured).get_or_insert_with(|| e.into());
-        }));
-        let h = health.clone();
-        device.set_device_lost_callback(move |reason, msg| {
-            *lock(&h.lost) = Some(format!("device lost ({reason:?}): {msg}"));
-        });
-        Ok(Self {
+        let gpu = Self {
             device,
             queue,
             info,
             limits,
             features,
-            health,
-        })
+            health: Default::default(),
+            pipelines: Default::default(),
+            counts: Default::default(),
+        };
+        gpu.watch();
+        Ok(gpu)
+    }
+
+    /// Borrows an engine's device and queue (clones of its handles): the
+    /// library enables no feature, installs no handler and uses the device's
+    /// own limits and features. Its calls run their work in error scopes and
+    /// return their own errors; device loss is seen by the library only
+    /// after [`watch`](Self::watch) (or when a call fails because of it).
+    pub fn from_device(device: &wgpu::Device, queue: &wgpu::Queue) -> Self {
+        Self {
+            info: device.adapter_info(),
+            limits: device.limits(),
+            features: device.features(),
+            device: device.clone(),
+            queue: queue.clone(),
+            health: Default::default(),
+            pipelines: Default::default(),
+            counts: Default::default(),
+        }
+    }
+
+    /// Installs the device's uncaptured-error and device-lost callbacks (what
+    /// [`Gpu::new`] does): errors raised outside any scope are recorded for
+    /// [`take_error`](Self::take_error) instead of wgpu's default panic, and
+    /// loss is recorded for every call. Replaces any callbacks the device
+    /// had: for a borrowed device, only if the engine wants the library to
+    /// own them.
+    pub fn watch(&self) {
+        let h = self.health.clone();
+        self.device
+            .on_uncaptured_error(std::sync::Arc::new(move |e: wgpu::Error| {
+                lock(&h.uncaptured).get_or_insert_with(|| e.into());
+            }));
+        let h = self.health.clone();
+        self.device.set_device_lost_callback(move |reason, msg| {
+            *lock(&h.lost) = Some(format!("device lost ({reason:?}): {msg}"));
+        });
+    }
+
+    /// GPU objects the library created so far through this `Gpu` and its
+    /// clones.
+    pub fn counters(&self) -> Counters {
+        use std::sync::atomic::Ordering::Relaxed;
+        Counters {
+            buffers: self.counts.buffers.load(Relaxed),
+            bind_groups: self.counts.bind_groups.load(Relaxed),
+            pipelines: self.counts.pipelines.load(Relaxed),
+        }
+    }
+
+    pub(crate) fn count_buffer(&self) {
+        self.counts
+            .buffers
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub(crate) fn count_bind_group(&self) {
+        self.counts
+            .bind_groups
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The pipeline of `kernel` for `shape` from the shared cache, made by
+    /// `make` on first use.
+    pub(crate) fn cached_pipeline(
+        &self,
+        kernel: &'static str,
+        shape: &super::shader::ShaderShape,
+        make: impl FnOnce() -> Result<wgpu::ComputePipeline, GpuError>,
+    ) -> Result<wgpu::ComputePipeline, GpuError> {
+        if let Some(p) = lock(&self.pipelines).get(&(kernel, *shape)) {
+            return Ok(p.clone());
+        }
+        let p = make()?;
+        self.counts
+            .pipelines
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(lock(&self.pipelines)
+            .entry((kernel, *shape))
+            .or_insert(p)
+            .clone())
     }
 
     /// Whether the device has been lost (destroyed, reset, or its driver gone).
@@ -265,6 +381,7 @@ impl Gpu {
     ) -> Result<wgpu::Buffer, GpuError> {
         self.alive()?;
         let bytes = bytemuck::bytes_of(value);
+        self.count_buffer();
         let buf = self.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some(label),
             size: (bytes.len() as u64).max(16).next_multiple_of(16),
@@ -291,6 +408,7 @@ impl Gpu {
                     self.limits.max_buffer_size
                 ))
             })?;
+        self.count_buffer();
         Ok(self.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some(label),
             size,
@@ -361,6 +479,7 @@ impl Gpu {
         if bytes == 0 {
             return Ok(Vec::new());
         }
+        self.count_buffer();
         let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("readback"),
             size: bytes.max(4),

@@ -126,28 +126,33 @@ impl KvCacheConfig {
 /// `[num_blocks][num_kv_heads][block_size][head_dim]`, with the kernels that
 /// write and copy blocks.
 pub struct KvCache {
-    cfg: KvCacheConfig,
-    layers: Vec<[wgpu::Buffer; 2]>,
-    write_kv: wgpu::ComputePipeline,
-    copy_blocks: wgpu::ComputePipeline,
+    pub(super) cfg: KvCacheConfig,
+    pub(super) layers: Vec<[wgpu::Buffer; 2]>,
+    pub(super) write_kv: wgpu::ComputePipeline,
+    pub(super) copy_blocks: wgpu::ComputePipeline,
+    /// Identifies this cache to the plans it makes.
+    pub(super) id: u64,
 }
 
 /// Creates the pipeline of `kernel` for `shape`, reporting shader errors as ours.
 pub(crate) fn pipeline(
     gpu: &Gpu,
-    kernel: &str,
+    kernel: &'static str,
     shape: &ShaderShape,
 ) -> Result<wgpu::ComputePipeline, GpuError> {
-    let src = shader::source(kernel, shape)
-        .ok_or_else(|| GpuError::Unsupported(format!("no kernel {kernel}")))?;
-    #[cfg(not(target_arch = "wasm32"))]
-    {
-        gpu.scoped_blocking(|| make_pipeline(gpu, kernel, &src))
-    }
-    #[cfg(target_arch = "wasm32")]
-    {
-        Ok(make_pipeline(gpu, kernel, &src))
-    }
+    gpu.alive()?;
+    gpu.cached_pipeline(kernel, shape, || {
+        let src = shader::source(kernel, shape)
+            .ok_or_else(|| GpuError::Unsupported(format!("no kernel {kernel}")))?;
+        #[cfg(not(target_arch = "wasm32"))]
+        {
+            gpu.scoped_blocking(|| make_pipeline(gpu, kernel, &src))
+        }
+        #[cfg(target_arch = "wasm32")]
+        {
+            Ok(make_pipeline(gpu, kernel, &src))
+        }
+    })
 }
 
 fn make_pipeline(gpu: &Gpu, kernel: &str, src: &str) -> wgpu::ComputePipeline {
@@ -184,15 +189,29 @@ pub(crate) fn bind(
     pipeline: &wgpu::ComputePipeline,
     buffers: &[&wgpu::Buffer],
 ) -> wgpu::BindGroup {
+    let bindings: Vec<wgpu::BufferBinding> = buffers
+        .iter()
+        .map(|b| b.as_entire_buffer_binding())
+        .collect();
+    bind_ranges(gpu, pipeline, &bindings)
+}
+
+/// A bind group of buffer ranges, binding i = `bindings[i]`.
+pub(crate) fn bind_ranges(
+    gpu: &Gpu,
+    pipeline: &wgpu::ComputePipeline,
+    bindings: &[wgpu::BufferBinding],
+) -> wgpu::BindGroup {
     let layout = pipeline.get_bind_group_layout(0);
-    let entries: Vec<wgpu::BindGroupEntry> = buffers
+    let entries: Vec<wgpu::BindGroupEntry> = bindings
         .iter()
         .enumerate()
         .map(|(i, b)| wgpu::BindGroupEntry {
             binding: i as u32,
-            resource: b.as_entire_binding(),
+            resource: wgpu::BindingResource::Buffer(b.clone()),
         })
         .collect();
+    gpu.count_bind_group();
     gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
         label: None,
         layout: &layout,
@@ -264,6 +283,7 @@ impl KvCache {
             layers,
             write_kv,
             copy_blocks,
+            id: super::plan::next_id(),
         })
     }
 
@@ -312,7 +332,7 @@ impl KvCache {
             num_tokens,
             num_kv_heads: self.cfg.num_kv_heads,
             num_slots: self.cfg.num_blocks * self.cfg.block_size,
-            _pad: 0,
+            kv_stride: 0,
         };
         let ub = gpu.uniform("write_kv params", &p)?;
         let bg = bind(gpu, &self.write_kv, &[&ub, k_new, v_new, slots, k, v]);

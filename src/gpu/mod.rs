@@ -6,6 +6,7 @@ mod attention;
 mod context;
 mod error;
 mod kv_cache;
+mod plan;
 pub mod params;
 pub mod shader;
 
@@ -13,8 +14,9 @@ pub use attention::{
     check_csr_tables, AttnOptions, BatchTables, PackedTables, PagedAttention, Split,
     AUTO_PARTITION_TOKENS, MAX_BATCH, MAX_SEQ_LEN,
 };
-pub use context::{backends_from_env, Gpu};
+pub use context::{backends_from_env, Counters, Gpu};
 pub use error::GpuError;
+pub use plan::{AttentionPlan, DecodeTables, PrefillTables, WritePlan};
 #[cfg(not(target_arch = "wasm32"))]
 pub(crate) use kv_cache::{
     bind as bind_buffers, dispatch as dispatch_pass, pipeline as kv_cache_pipeline,

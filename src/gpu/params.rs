@@ -10,7 +10,8 @@ pub struct WriteKvParams {
     pub num_tokens: u32,
     pub num_kv_heads: u32,
     pub num_slots: u32,
-    pub _pad: u32,
+    /// vec4s from one token's K (and V) row to the next; 0: packed rows.
+    pub kv_stride: u32,
 }
 const _: () = assert!(size_of::<WriteKvParams>() == 16);
 
@@ -44,7 +45,8 @@ pub struct AttnParams {
     pub indices_len: u32,
     pub slopes_off: u32,
     pub qo_off: u32,
-    pub _pad: u32,
+    /// vec4s from one query's row of Q to the next; 0: packed rows.
+    pub q_stride: u32,
 }
 const _: () = assert!(size_of::<AttnParams>() == 64);
 

@@ -1,0 +1,893 @@
+//! Plan, then run: a step's host work done once, so that recording each
+//! layer only binds and dispatches.
+//!
+//! Per step, an engine
+//! 1. plans the attention of the batch ([`PagedAttention::plan_decode`] or
+//!    [`PagedAttention::plan_prefill`]): the tables are validated, packed and
+//!    written into a buffer the [`AttentionPlan`] owns and reuses (grown
+//!    geometrically), split-K is chosen and its workspace sized, and one
+//!    uniform per option set ("variant": e.g. full and sliding-window
+//!    layers) is written;
+//! 2. plans the cache side ([`KvCache::plan_write`]): the new tokens' slots
+//!    and the copy-on-write list, into buffers a [`WritePlan`] reuses;
+//! 3. records every layer ([`KvCache::run_copy_blocks`] once, then per layer
+//!    [`KvCache::run_write_kv`] and [`PagedAttention::run`]) into its own
+//!    encoder, with its own buffers as `wgpu::BufferBinding`s (offsets into
+//!    an arena, and a row stride for a fused QKV output, are fine).
+//!
+//! Bind groups are cached by (layer, variant, buffer ranges): once buffers
+//! and batch shape settle, a step creates no buffer and no bind group
+//! ([`Gpu::counters`] shows it; `tests/embed.rs` checks it).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::attention::{pack_into, PackedMeta};
+use super::kv_cache::{bind_ranges, dispatch, grid_1d};
+use super::{check_csr_tables, params, AttnOptions, Gpu, GpuError, KvCache, PagedAttention};
+
+/// A fresh id for a kernel object or plan owner.
+pub(crate) fn next_id() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// A buffer the library owns and reuses, reallocated (to twice what is
+/// needed) only when too small.
+#[derive(Default)]
+struct Grow {
+    buf: Option<wgpu::Buffer>,
+}
+
+impl Grow {
+    /// Makes room for `bytes`; true when the buffer was (re)allocated.
+    fn ensure(&mut self, gpu: &Gpu, label: &str, bytes: u64) -> Result<bool, GpuError> {
+        let bytes = bytes.max(4096);
+        if self.buf.as_ref().is_some_and(|b| b.size() >= bytes) {
+            return Ok(false);
+        }
+        let want = bytes
+            .saturating_mul(2)
+            .min(gpu.max_binding_bytes())
+            .max(bytes);
+        self.buf = Some(gpu.storage(label, want)?);
+        Ok(true)
+    }
+
+    fn get(&self) -> &wgpu::Buffer {
+        self.buf.as_ref().expect("ensured before use")
+    }
+}
+
+/// A buffer range as a cache key: which buffer, where, how much.
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct RangeKey(wgpu::Buffer, u64, Option<u64>);
+
+impl RangeKey {
+    fn of(b: &wgpu::BufferBinding) -> Self {
+        Self(b.buffer.clone(), b.offset, b.size.map(|s| s.get()))
+    }
+}
+
+/// Bytes a binding covers.
+fn binding_bytes(b: &wgpu::BufferBinding) -> u64 {
+    match b.size {
+        Some(s) => s.get(),
+        None => b.buffer.size().saturating_sub(b.offset),
+    }
+}
+
+/// Checks an engine buffer range before anything is recorded: STORAGE
+/// usage, an offset the device can bind, inside the buffer, and at least
+/// `need` bytes.
+fn check_binding(
+    gpu: &Gpu,
+    what: &str,
+    b: &wgpu::BufferBinding,
+    need: u64,
+) -> Result<(), GpuError> {
+    let bad = |m: String| Err(GpuError::InvalidArgument(format!("{what}: {m}")));
+    if !b.buffer.usage().contains(wgpu::BufferUsages::STORAGE) {
+        return bad(format!(
+            "buffer has usage {:?}, without STORAGE",
+            b.buffer.usage()
+        ));
+    }
+    let align = gpu.limits.min_storage_buffer_offset_alignment as u64;
+    if b.offset % align != 0 {
+        return bad(format!(
+            "offset {} is not a multiple of the device's min_storage_buffer_offset_alignment ({align})",
+            b.offset
+        ));
+    }
+    let end = b.offset.checked_add(binding_bytes(b));
+    if end.is_none_or(|e| e > b.buffer.size()) || b.offset > b.buffer.size() {
+        return bad(format!(
+            "range at offset {} of {} bytes runs past the buffer's {} bytes",
+            b.offset,
+            binding_bytes(b),
+            b.buffer.size()
+        ));
+    }
+    if binding_bytes(b) < need {
+        return bad(format!(
+            "{} bytes bound, the batch needs {need}",
+            binding_bytes(b)
+        ));
+    }
+    if binding_bytes(b) > gpu.max_binding_bytes() {
+        return bad(format!(
+            "{} bytes bound, over the device's storage binding limit of {}",
+            binding_bytes(b),
+            gpu.max_binding_bytes()
+        ));
+    }
+    Ok(())
+}
+
+/// Decode tables, from a batch view: sequence `i` owns
+/// `kv_indices[kv_indptr[i]..kv_indptr[i + 1]]`, holds `seq_lens[i]` tokens
+/// (its new token included), and has one query, at position
+/// `seq_lens[i] - 1`.
+#[derive(Clone, Copy, Debug)]
+pub struct DecodeTables<'a> {
+    /// `num_seqs + 1` offsets into `kv_indices`.
+    pub kv_indptr: &'a [u32],
+    /// Physical block ids.
+    pub kv_indices: &'a [u32],
+    /// Tokens held by each sequence, the new one included.
+    pub seq_lens: &'a [u32],
+}
+
+impl<'a> DecodeTables<'a> {
+    /// The decode tables of a batch view.
+    pub fn from_view(v: &'a crate::blocks::BatchView) -> Self {
+        Self {
+            kv_indptr: &v.kv_indptr,
+            kv_indices: &v.kv_indices,
+            seq_lens: &v.seq_lens,
+        }
+    }
+}
+
+/// Prefill tables (chunked prefill, and mixed steps): sequence `i` has
+/// queries `qo_indptr[i]..qo_indptr[i + 1]`, its newest positions (a chunk
+/// of `qo_len` tokens at positions `seq_lens[i] - qo_len ..`), which attend
+/// causally to its whole paged context including the chunk.
+#[derive(Clone, Copy, Debug)]
+pub struct PrefillTables<'a> {
+    /// `num_seqs + 1` offsets into `kv_indices`.
+    pub kv_indptr: &'a [u32],
+    /// Physical block ids.
+    pub kv_indices: &'a [u32],
+    /// Tokens held by each sequence, the chunk included.
+    pub seq_lens: &'a [u32],
+    /// `num_seqs + 1` offsets into the query rows.
+    pub qo_indptr: &'a [u32],
+}
+
+impl<'a> PrefillTables<'a> {
+    /// The prefill tables of a batch view: the queries are the tokens each
+    /// sequence gained since its previous view (`new_indptr`), so a view
+    /// mixing new prompts (or chunks) and decodes is one prefill.
+    pub fn from_view(v: &'a crate::blocks::BatchView) -> Self {
+        Self {
+            kv_indptr: &v.kv_indptr,
+            kv_indices: &v.kv_indices,
+            seq_lens: &v.seq_lens,
+            qo_indptr: &v.new_indptr,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Decode,
+    Prefill,
+}
+
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct GroupKey {
+    layer: u32,
+    variant: usize,
+    /// Bind groups belong to one pipeline's layout.
+    prefill: bool,
+    split: bool,
+    q: RangeKey,
+    out: RangeKey,
+}
+
+/// One step's attention, planned by a [`PagedAttention`]: its tables on the
+/// GPU, split-K workspace and per-variant parameters, reused from step to
+/// step. Make one with [`PagedAttention::plan`] and keep it.
+pub struct AttentionPlan {
+    owner: u64,
+    kind: Option<Kind>,
+    meta: PackedMeta,
+    num_queries: u32,
+    words: Vec<u32>,
+    tables: Grow,
+    acc: Grow,
+    ml: Grow,
+    variants: usize,
+    /// Per variant: (partition tokens, partitions).
+    splits: Vec<(u32, u32)>,
+    params: Vec<wgpu::Buffer>,
+    q_stride: u32,
+    groups: HashMap<GroupKey, wgpu::BindGroup>,
+    kv_bytes: u64,
+}
+
+impl AttentionPlan {
+    /// Floats from one query's row of Q to the next, for Q read straight
+    /// from a fused QKV output; `None` (the default): rows are packed,
+    /// `num_heads * head_dim` apart. A multiple of 4, at least that.
+    pub fn set_q_stride(&mut self, floats: Option<u32>) {
+        self.q_stride = floats.unwrap_or(0);
+    }
+
+    /// Query rows the plan covers (sequences for decode).
+    pub fn num_queries(&self) -> u32 {
+        self.num_queries
+    }
+
+    /// Whether some variant splits the KV range (split-K).
+    pub fn splits(&self) -> bool {
+        self.splits.iter().any(|s| s.0 != 0)
+    }
+
+    /// Bytes of K and V one layer reads for this plan (window ignored).
+    pub fn kv_bytes_per_layer(&self) -> u64 {
+        self.kv_bytes
+    }
+}
+
+impl PagedAttention {
+    /// An empty plan for this kernel, to fill with
+    /// [`plan_decode`](Self::plan_decode) or
+    /// [`plan_prefill`](Self::plan_prefill) each step.
+    pub fn plan(&self) -> AttentionPlan {
+        AttentionPlan {
+            owner: self.id,
+            kind: None,
+            meta: PackedMeta::default(),
+            num_queries: 0,
+            words: Vec::new(),
+            tables: Grow::default(),
+            acc: Grow::default(),
+            ml: Grow::default(),
+            variants: 0,
+            splits: Vec::new(),
+            params: Vec::new(),
+            q_stride: 0,
+            groups: HashMap::new(),
+            kv_bytes: 0,
+        }
+    }
+
+    /// Compiles every pipeline this kernel can use now (prefill's included),
+    /// so that no step pays for a compile.
+    pub fn warm_up(&self, gpu: &Gpu) -> Result<(), GpuError> {
+        self.prefill_pipeline(gpu).map(|_| ())
+    }
+
+    /// Plans a decode step: validates the tables against this kernel's pool
+    /// and every variant's options, packs and uploads the tables, chooses
+    /// split-K per variant and sizes its workspace. Nothing is recorded; on
+    /// an error the plan is left empty (no run until planned again).
+    pub fn plan_decode(
+        &self,
+        gpu: &Gpu,
+        plan: &mut AttentionPlan,
+        t: &DecodeTables,
+        variants: &[AttnOptions],
+    ) -> Result<(), GpuError> {
+        self.plan_any(
+            gpu,
+            plan,
+            t.kv_indptr,
+            t.kv_indices,
+            t.seq_lens,
+            None,
+            variants,
+        )
+    }
+
+    /// Plans a prefill (or mixed prefill and decode) step; see
+    /// [`plan_decode`](Self::plan_decode). Compiles the prefill pipeline if
+    /// [`warm_up`](Self::warm_up) did not.
+    pub fn plan_prefill(
+        &self,
+        gpu: &Gpu,
+        plan: &mut AttentionPlan,
+        t: &PrefillTables,
+        variants: &[AttnOptions],
+    ) -> Result<(), GpuError> {
+        self.prefill_pipeline(gpu)?;
+        self.plan_any(
+            gpu,
+            plan,
+            t.kv_indptr,
+            t.kv_indices,
+            t.seq_lens,
+            Some(t.qo_indptr),
+            variants,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn plan_any(
+        &self,
+        gpu: &Gpu,
+        plan: &mut AttentionPlan,
+        kv_indptr: &[u32],
+        kv_indices: &[u32],
+        seq_lens: &[u32],
+        qo_indptr: Option<&[u32]>,
+        variants: &[AttnOptions],
+    ) -> Result<(), GpuError> {
+        plan.kind = None;
+        gpu.alive()?;
+        let bad = |m: String| Err(GpuError::InvalidArgument(m));
+        if plan.owner != self.id {
+            return bad("this plan was made by another PagedAttention".into());
+        }
+        if variants.is_empty() {
+            return bad("a plan needs at least one variant (AttnOptions)".into());
+        }
+        for o in variants {
+            self.check_options(o)?;
+        }
+        check_csr_tables(
+            self.num_blocks,
+            self.block_size,
+            kv_indptr,
+            kv_indices,
+            seq_lens,
+        )
+        .map_err(GpuError::InvalidArgument)?;
+        let n = seq_lens.len();
+        let num_queries = match qo_indptr {
+            None => n as u32,
+            Some(qo) => {
+                if qo.len() != n + 1 || qo[0] != 0 || qo.windows(2).any(|w| w[0] > w[1]) {
+                    return bad(format!(
+                        "qo_indptr must hold {} non-decreasing offsets from 0",
+                        n + 1
+                    ));
+                }
+                if let Some(s) = (0..n).find(|&s| qo[s + 1] - qo[s] > seq_lens[s]) {
+                    return bad(format!(
+                        "sequence {s} has {} queries but holds only {} tokens",
+                        qo[s + 1] - qo[s],
+                        seq_lens[s]
+                    ));
+                }
+                qo[n]
+            }
+        };
+        let row4 = self.num_heads * (self.head_dim / 4);
+        if plan.q_stride != 0 && (plan.q_stride % 4 != 0 || plan.q_stride / 4 < row4) {
+            return bad(format!(
+                "q stride of {} floats: must be a multiple of 4 and at least num_heads x head_dim = {}",
+                plan.q_stride,
+                row4 * 4
+            ));
+        }
+        let qtile = self.prefill_shape.qtile;
+        let meta = pack_into(
+            &mut plan.words,
+            kv_indptr,
+            kv_indices,
+            seq_lens,
+            None,
+            qo_indptr.map(|q| (q, qtile)),
+        )?;
+        // Per-variant ALiBi slopes follow the tables.
+        let mut slopes_offs = Vec::with_capacity(variants.len());
+        let mut splits = std::mem::take(&mut plan.splits);
+        splits.clear();
+        let mut max_rows = 0u64;
+        for o in variants {
+            slopes_offs.push(plan.words.len() as u32);
+            if let Some(s) = &o.alibi_slopes {
+                plan.words.extend(s.iter().map(|x| x.to_bits()));
+            }
+            let (pt, parts) = match qo_indptr {
+                Some(_) => {
+                    self.check_pass_tokens(gpu, meta.max_len, "prefill")?;
+                    (0, 1)
+                }
+                None => {
+                    let pt = o
+                        .split
+                        .choose(meta.num_seqs, self.num_kv_heads, meta.max_len);
+                    let tokens = if pt == 0 {
+                        meta.max_len
+                    } else {
+                        pt.min(meta.max_len)
+                    };
+                    self.check_pass_tokens(gpu, tokens, "decode")?;
+                    if pt == 0 {
+                        (0, 1)
+                    } else {
+                        let parts = meta.max_len.div_ceil(pt).max(1);
+                        if parts > 65535 {
+                            return bad(format!("{parts} partitions (at most 65535)"));
+                        }
+                        (pt, parts)
+                    }
+                }
+            };
+            if pt != 0 {
+                max_rows = max_rows.max(n as u64 * self.num_heads as u64 * parts as u64);
+            }
+            splits.push((pt, parts));
+        }
+        // GPU side: nothing above failed, so the plan can change now.
+        let mut regrown = plan
+            .tables
+            .ensure(gpu, "plan tables", plan.words.len() as u64 * 4)?;
+        gpu.queue
+            .write_buffer(plan.tables.get(), 0, bytemuck::cast_slice(&plan.words));
+        if max_rows > 0 {
+            let d4 = self.head_dim as u64 / 4;
+            regrown |= plan.acc.ensure(gpu, "plan split acc", max_rows * d4 * 16)?;
+            regrown |= plan.ml.ensure(gpu, "plan split ml", max_rows * 8)?;
+        }
+        while plan.params.len() < variants.len() {
+            let p = params::AttnParams::default();
+            plan.params.push(gpu.uniform("plan params", &p)?);
+        }
+        if regrown {
+            plan.groups.clear();
+        }
+        let n32 = meta.num_seqs;
+        for (i, o) in variants.iter().enumerate() {
+            let (pt, parts) = splits[i];
+            let window = o
+                .sliding_window
+                .filter(|&w| w < meta.max_len.max(1))
+                .unwrap_or(0);
+            let p = params::AttnParams {
+                num_seqs: n32,
+                num_heads: self.num_heads,
+                num_kv_heads: self.num_kv_heads,
+                num_blocks: self.num_blocks,
+                scale: o.scale.unwrap_or(1.0 / (self.head_dim as f32).sqrt()),
+                soft_cap: o.soft_cap.unwrap_or(0.0),
+                sliding_window: window,
+                alibi: o.alibi_slopes.is_some() as u32,
+                partition_tokens: pt,
+                num_partitions: parts,
+                lens_off: n32 + 1,
+                indices_off: 2 * n32 + 1,
+                indices_len: meta.indices_len,
+                slopes_off: slopes_offs[i],
+                qo_off: meta.qo_off,
+                q_stride: plan.q_stride / 4,
+            };
+            gpu.queue
+                .write_buffer(&plan.params[i], 0, bytemuck::bytes_of(&p));
+        }
+        let elem = self.cache_cfg.dtype.bytes();
+        plan.kv_bytes = seq_lens
+            .iter()
+            .map(|&l| 2 * l as u64 * self.num_kv_heads as u64 * self.head_dim as u64 * elem)
+            .sum();
+        plan.splits = splits;
+        plan.variants = variants.len();
+        plan.meta = meta;
+        plan.num_queries = num_queries;
+        plan.kind = Some(if qo_indptr.is_some() {
+            Kind::Prefill
+        } else {
+            Kind::Decode
+        });
+        Ok(())
+    }
+
+    /// Records one layer's attention of a planned step into `enc`: `q` holds
+    /// the plan's query rows (`[num_queries][num_heads][head_dim]` f32, rows
+    /// `set_q_stride` apart), `out` receives `[num_queries][num_heads][head_dim]`.
+    /// `variant` indexes the options given to the plan. The bindings are
+    /// checked (usage, alignment, size) before anything is recorded; bind
+    /// groups are reused across steps.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run(
+        &self,
+        gpu: &Gpu,
+        enc: &mut wgpu::CommandEncoder,
+        plan: &mut AttentionPlan,
+        cache: &KvCache,
+        layer: u32,
+        variant: usize,
+        q: &wgpu::BufferBinding,
+        out: &wgpu::BufferBinding,
+    ) -> Result<(), GpuError> {
+        self.check_call(gpu, cache, &AttnOptions::default(), None)?;
+        let bad = |m: String| Err(GpuError::InvalidArgument(m));
+        if plan.owner != self.id {
+            return bad("this plan was made by another PagedAttention".into());
+        }
+        let Some(kind) = plan.kind else {
+            return bad("the plan holds no step: plan_decode or plan_prefill first".into());
+        };
+        if variant >= plan.variants {
+            return bad(format!(
+                "variant {variant} of a plan with {}",
+                plan.variants
+            ));
+        }
+        let [k, v] = cache.layer(layer)?;
+        let nq = plan.num_queries as u64;
+        let row = self.num_heads as u64 * self.head_dim as u64 * 4;
+        let stride = if plan.q_stride == 0 {
+            row
+        } else {
+            plan.q_stride as u64 * 4
+        };
+        let q_need = if nq == 0 { 0 } else { (nq - 1) * stride + row };
+        check_binding(gpu, "q", q, q_need)?;
+        check_binding(gpu, "out", out, nq * row)?;
+        if q.buffer == out.buffer {
+            return bad(
+                "q and out are ranges of one buffer: a dispatch may not read and write the same \
+                 buffer (WebGPU's usage rule), so out must live in another buffer"
+                    .into(),
+            );
+        }
+        if nq == 0 {
+            return Ok(());
+        }
+        let (pt, parts) = plan.splits[variant];
+        let key = GroupKey {
+            layer,
+            variant,
+            prefill: kind == Kind::Prefill,
+            split: pt != 0,
+            q: RangeKey::of(q),
+            out: RangeKey::of(out),
+        };
+        if plan.groups.len() > 4096 {
+            plan.groups.clear();
+        }
+        let params = plan.params[variant].as_entire_buffer_binding();
+        let tables = plan.tables.get().as_entire_buffer_binding();
+        let n = plan.meta.num_seqs;
+        match kind {
+            Kind::Prefill => {
+                let pipe = self.prefill_pipeline(gpu)?;
+                let bg = plan.groups.entry(key).or_insert_with(|| {
+                    bind_ranges(
+                        gpu,
+                        pipe,
+                        &[
+                            params,
+                            q.clone(),
+                            k.as_entire_buffer_binding(),
+                            v.as_entire_buffer_binding(),
+                            tables,
+                            out.clone(),
+                            self.unused_ml.as_entire_buffer_binding(),
+                        ],
+                    )
+                });
+                if plan.meta.num_tiles > 0 {
+                    dispatch(
+                        enc,
+                        "prefill",
+                        pipe,
+                        bg,
+                        (plan.meta.num_tiles, self.num_kv_heads, 1),
+                    );
+                }
+            }
+            Kind::Decode if pt == 0 => {
+                let bg = plan.groups.entry(key).or_insert_with(|| {
+                    bind_ranges(
+                        gpu,
+                        &self.decode,
+                        &[
+                            params,
+                            q.clone(),
+                            k.as_entire_buffer_binding(),
+                            v.as_entire_buffer_binding(),
+                            tables,
+                            out.clone(),
+                            self.unused_ml.as_entire_buffer_binding(),
+                        ],
+                    )
+                });
+                dispatch(enc, "decode", &self.decode, bg, (n, self.num_kv_heads, 1));
+            }
+            Kind::Decode => {
+                let acc = plan.acc.get().as_entire_buffer_binding();
+                let ml = plan.ml.get().as_entire_buffer_binding();
+                let bg = plan.groups.entry(key.clone()).or_insert_with(|| {
+                    bind_ranges(
+                        gpu,
+                        &self.decode,
+                        &[
+                            params.clone(),
+                            q.clone(),
+                            k.as_entire_buffer_binding(),
+                            v.as_entire_buffer_binding(),
+                            tables,
+                            acc.clone(),
+                            ml.clone(),
+                        ],
+                    )
+                });
+                dispatch(
+                    enc,
+                    "decode split",
+                    &self.decode,
+                    bg,
+                    (n, self.num_kv_heads, parts),
+                );
+                // The reduce's group: same key, another variant slot.
+                let rkey = GroupKey {
+                    variant: usize::MAX - variant,
+                    ..key
+                };
+                let bg = plan.groups.entry(rkey).or_insert_with(|| {
+                    bind_ranges(gpu, &self.reduce, &[params, acc, ml, out.clone()])
+                });
+                dispatch(enc, "reduce", &self.reduce, bg, (n, self.num_heads, 1));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct WriteKey {
+    layer: u32,
+    k: RangeKey,
+    v: RangeKey,
+}
+
+/// One step's cache-side work, planned by a [`KvCache`]: the new tokens'
+/// slots and the copy-on-write list in reused buffers.
+pub struct WritePlan {
+    owner: u64,
+    planned: bool,
+    num_tokens: u32,
+    num_copies: u32,
+    kv_stride: u32,
+    slots: Grow,
+    copies: Grow,
+    write_params: Option<wgpu::Buffer>,
+    copy_params: Option<wgpu::Buffer>,
+    write_groups: HashMap<WriteKey, wgpu::BindGroup>,
+    copy_groups: Vec<wgpu::BindGroup>,
+}
+
+impl WritePlan {
+    /// Floats from one token's K (and V) row to the next, for K and V read
+    /// straight from a fused QKV output; `None`: packed rows
+    /// (`num_kv_heads * head_dim` apart). A multiple of 4, at least that.
+    pub fn set_kv_stride(&mut self, floats: Option<u32>) {
+        self.kv_stride = floats.unwrap_or(0);
+    }
+}
+
+impl KvCache {
+    /// An empty plan for this cache's `write_kv` and `copy_blocks`.
+    pub fn plan(&self) -> WritePlan {
+        WritePlan {
+            owner: self.id,
+            planned: false,
+            num_tokens: 0,
+            num_copies: 0,
+            kv_stride: 0,
+            slots: Grow::default(),
+            copies: Grow::default(),
+            write_params: None,
+            copy_params: None,
+            write_groups: HashMap::new(),
+            copy_groups: Vec::new(),
+        }
+    }
+
+    /// Plans a step's writes and copies: `slots` of the new tokens (from the
+    /// batch view) and the copy-on-write pairs, checked against the pool and
+    /// uploaded into buffers the plan reuses.
+    pub fn plan_write(
+        &self,
+        gpu: &Gpu,
+        plan: &mut WritePlan,
+        slots: &[u32],
+        copies: &[[u32; 2]],
+    ) -> Result<(), GpuError> {
+        plan.planned = false;
+        gpu.alive()?;
+        let bad = |m: String| Err(GpuError::InvalidArgument(m));
+        if plan.owner != self.id {
+            return bad("this plan was made by another KvCache".into());
+        }
+        let cap = self.cfg.num_blocks as u64 * self.cfg.block_size as u64;
+        if let Some(&s) = slots.iter().find(|&&s| s as u64 >= cap) {
+            return bad(format!("slot {s} outside the pool of {cap} slots"));
+        }
+        if let Some(c) = copies
+            .iter()
+            .find(|c| c[0] >= self.cfg.num_blocks || c[1] >= self.cfg.num_blocks)
+        {
+            return bad(format!(
+                "copy {c:?} names a block outside the pool of {}",
+                self.cfg.num_blocks
+            ));
+        }
+        let row4 = self.cfg.num_kv_heads * self.cfg.head_dim / 4;
+        if plan.kv_stride != 0 && (plan.kv_stride % 4 != 0 || plan.kv_stride / 4 < row4) {
+            return bad(format!(
+                "K/V stride of {} floats: must be a multiple of 4 and at least num_kv_heads x head_dim = {}",
+                plan.kv_stride,
+                row4 * 4
+            ));
+        }
+        let threads = slots.len() as u64 * row4 as u64;
+        let copy_threads = copies.len() as u64 * self.cfg.block_elems4() as u64;
+        if threads > u32::MAX as u64 || copy_threads > u32::MAX as u64 {
+            return bad(format!(
+                "{} tokens and {} copies in one step are too many",
+                slots.len(),
+                copies.len()
+            ));
+        }
+        if plan
+            .slots
+            .ensure(gpu, "plan slots", slots.len() as u64 * 4)?
+        {
+            plan.write_groups.clear();
+        }
+        if plan
+            .copies
+            .ensure(gpu, "plan copies", copies.len() as u64 * 8)?
+        {
+            plan.copy_groups.clear();
+        }
+        if !slots.is_empty() {
+            gpu.queue
+                .write_buffer(plan.slots.get(), 0, bytemuck::cast_slice(slots));
+        }
+        if !copies.is_empty() {
+            gpu.queue
+                .write_buffer(plan.copies.get(), 0, bytemuck::cast_slice(copies));
+        }
+        let wp = params::WriteKvParams {
+            num_tokens: slots.len() as u32,
+            num_kv_heads: self.cfg.num_kv_heads,
+            num_slots: self.cfg.num_blocks * self.cfg.block_size,
+            kv_stride: plan.kv_stride / 4,
+        };
+        let cp = params::CopyParams {
+            num_copies: copies.len() as u32,
+            num_blocks: self.cfg.num_blocks,
+            block_elems: self.cfg.block_elems4(),
+            _pad: 0,
+        };
+        match &plan.write_params {
+            Some(b) => gpu.queue.write_buffer(b, 0, bytemuck::bytes_of(&wp)),
+            None => plan.write_params = Some(gpu.uniform("plan write_kv params", &wp)?),
+        }
+        match &plan.copy_params {
+            Some(b) => gpu.queue.write_buffer(b, 0, bytemuck::bytes_of(&cp)),
+            None => plan.copy_params = Some(gpu.uniform("plan copy params", &cp)?),
+        }
+        plan.num_tokens = slots.len() as u32;
+        plan.num_copies = copies.len() as u32;
+        plan.planned = true;
+        Ok(())
+    }
+
+    fn check_plan(&self, gpu: &Gpu, plan: &WritePlan) -> Result<(), GpuError> {
+        gpu.alive()?;
+        if plan.owner != self.id {
+            return Err(GpuError::InvalidArgument(
+                "this plan was made by another KvCache".into(),
+            ));
+        }
+        if !plan.planned {
+            return Err(GpuError::InvalidArgument(
+                "the plan holds no step: plan_write first".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Records the planned copy-on-write copies for every layer. Record it
+    /// before the step's writes.
+    pub fn run_copy_blocks(
+        &self,
+        gpu: &Gpu,
+        enc: &mut wgpu::CommandEncoder,
+        plan: &mut WritePlan,
+    ) -> Result<(), GpuError> {
+        self.check_plan(gpu, plan)?;
+        // Made on the first step, copies or not, so a later step's first
+        // copy creates nothing.
+        if plan.copy_groups.len() != self.layers.len() {
+            plan.copy_groups.clear();
+            for [k, v] in &self.layers {
+                let params = plan.copy_params.as_ref().expect("planned");
+                plan.copy_groups.push(bind_ranges(
+                    gpu,
+                    &self.copy_blocks,
+                    &[
+                        params.as_entire_buffer_binding(),
+                        plan.copies.get().as_entire_buffer_binding(),
+                        k.as_entire_buffer_binding(),
+                        v.as_entire_buffer_binding(),
+                    ],
+                ));
+            }
+        }
+        if plan.num_copies == 0 {
+            return Ok(());
+        }
+        let (x, y) = grid_1d(plan.num_copies as u64 * self.cfg.block_elems4() as u64);
+        for bg in &plan.copy_groups {
+            dispatch(enc, "copy_blocks", &self.copy_blocks, bg, (x, y, 1));
+        }
+        Ok(())
+    }
+
+    /// Records one layer's `write_kv` of the planned tokens: `k` and `v`
+    /// hold `[num_tokens][num_kv_heads][head_dim]` f32 (rows
+    /// `set_kv_stride` apart). Bindings are checked before recording.
+    pub fn run_write_kv(
+        &self,
+        gpu: &Gpu,
+        enc: &mut wgpu::CommandEncoder,
+        plan: &mut WritePlan,
+        layer: u32,
+        k: &wgpu::BufferBinding,
+        v: &wgpu::BufferBinding,
+    ) -> Result<(), GpuError> {
+        self.check_plan(gpu, plan)?;
+        let [kp, vp] = self.layer(layer)?;
+        let n = plan.num_tokens as u64;
+        let row = self.cfg.num_kv_heads as u64 * self.cfg.head_dim as u64 * 4;
+        let stride = if plan.kv_stride == 0 {
+            row
+        } else {
+            plan.kv_stride as u64 * 4
+        };
+        let need = if n == 0 { 0 } else { (n - 1) * stride + row };
+        check_binding(gpu, "k", k, need)?;
+        check_binding(gpu, "v", v, need)?;
+        if n == 0 {
+            return Ok(());
+        }
+        if plan.write_groups.len() > 4096 {
+            plan.write_groups.clear();
+        }
+        let key = WriteKey {
+            layer,
+            k: RangeKey::of(k),
+            v: RangeKey::of(v),
+        };
+        let params = plan.write_params.as_ref().expect("planned");
+        let slots = plan.slots.get();
+        let bg = plan.write_groups.entry(key).or_insert_with(|| {
+            bind_ranges(
+                gpu,
+                &self.write_kv,
+                &[
+                    params.as_entire_buffer_binding(),
+                    k.clone(),
+                    v.clone(),
+                    slots.as_entire_buffer_binding(),
+                    kp.as_entire_buffer_binding(),
+                    vp.as_entire_buffer_binding(),
+                ],
+            )
+        });
+        let (x, y) = grid_1d(n * self.cfg.num_kv_heads as u64 * self.cfg.head_dim as u64 / 4);
+        dispatch(enc, "write_kv", &self.write_kv, bg, (x, y, 1));
+        Ok(())
+    }
+}

@@ -1,0 +1,645 @@
+//! Embedding, as an engine does it: the engine's own device, plan then run
+//! with no allocation in steady state, the engine's buffers as ranges of
+//! an arena (and K/V/Q read straight from a fused QKV output), misuse
+//! refused before anything is recorded. Outputs are checked against the
+//! f64 reference (f32 KV: relative L2 < 1e-5); seeds are fixed per test
+//! (`PAGEDATTN_SEED` overrides).
+
+mod common;
+
+use std::num::NonZeroU64;
+use std::sync::{Arc, Mutex};
+
+use common::*;
+use pagedattn::blocks::{BatchView, BlockManager, BlockManagerConfig, SeqId};
+use pagedattn::gpu::{
+    AttnOptions, DecodeTables, Gpu, GpuError, KvCache, KvCacheConfig, KvDtype, PagedAttention,
+    PrefillTables,
+};
+use pagedattn::reference::{self, rel_l2, AttnParams};
+use pagedattn::rng::SplitMix64;
+
+const LAYERS: u32 = 32;
+const KVH: u32 = 2;
+const GROUP: u32 = 2;
+const HEADS: u32 = KVH * GROUP;
+const HD: u32 = 32;
+const BS: u32 = 16;
+const NB: u32 = 96;
+const MAX_TOKENS: u64 = 128;
+const TOL: f64 = 1e-5;
+
+/// The engine side: its device, its arenas of activations. Inputs and
+/// outputs live in two buffers: a dispatch may not read and write one
+/// buffer, even at different ranges (WebGPU's usage rule).
+struct Engine {
+    gpu: Gpu,
+    /// Per layer a Q slot and, unused, an out-sized slot, then K and V, of
+    /// `MAX_TOKENS` rows each.
+    arena: wgpu::Buffer,
+    /// Per layer, at the same offsets as `arena`: the outputs.
+    outs: wgpu::Buffer,
+    slot: u64,
+}
+
+fn engine_device() -> Option<(wgpu::Device, wgpu::Queue)> {
+    // The engine opens its device the way it likes; pagedattn borrows it.
+    let inst = wgpu::Instance::new({
+        let mut d = wgpu::InstanceDescriptor::new_without_display_handle();
+        d.backends = pagedattn::gpu::backends_from_env().ok()?.0;
+        d
+    });
+    let adapter = pollster::block_on(inst.request_adapter(&Default::default())).ok()?;
+    let limits = adapter.limits();
+    pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+        label: Some("engine"),
+        required_features: wgpu::Features::empty(),
+        required_limits: limits,
+        ..Default::default()
+    }))
+    .ok()
+}
+
+fn engine() -> Option<Engine> {
+    let Some((device, queue)) = engine_device() else {
+        gpu()?; // fails under PAGEDATTN_REQUIRE_GPU, skips otherwise
+        return None;
+    };
+    let gpu = Gpu::from_device(&device, &queue);
+    eprintln!("engine device on {}", gpu.describe());
+    let row = (HEADS * HD * 4) as u64;
+    let slot = (MAX_TOKENS * row).next_multiple_of(256);
+    let make = |label| {
+        device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(label),
+            size: slot * 4 * LAYERS as u64,
+            usage: wgpu::BufferUsages::STORAGE
+                | wgpu::BufferUsages::COPY_DST
+                | wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: false,
+        })
+    };
+    let (arena, outs) = (make("engine arena"), make("engine outputs"));
+    Some(Engine {
+        gpu,
+        arena,
+        outs,
+        slot,
+    })
+}
+
+impl Engine {
+    /// Range `which` (0 q, 1 out, 2 k, 3 v) of `layer`.
+    fn range(&self, layer: u32, which: u64, bytes: u64) -> wgpu::BufferBinding<'_> {
+        wgpu::BufferBinding {
+            buffer: if which == 1 { &self.outs } else { &self.arena },
+            offset: (layer as u64 * 4 + which) * self.slot,
+            size: NonZeroU64::new(bytes.max(4)),
+        }
+    }
+}
+
+/// One step of a 32-layer stack: writes random K/V and Q for every layer
+/// into the arena, plans, records everything in one encoder, one submit.
+/// Returns the inputs written per layer (k, v, q).
+struct Step {
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+    q: Vec<Vec<f32>>,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn record_step(
+    e: &Engine,
+    rng: &mut SplitMix64,
+    cache: &KvCache,
+    attn: &PagedAttention,
+    wplan: &mut pagedattn::gpu::WritePlan,
+    aplan: &mut pagedattn::gpu::AttentionPlan,
+    view: &BatchView,
+    prefill: bool,
+    variants: &[AttnOptions],
+) -> Result<Step, GpuError> {
+    let gpu = &e.gpu;
+    let ntok = view.slot_mapping.len();
+    cache.plan_write(gpu, wplan, &view.slot_mapping, &view.copies)?;
+    if prefill {
+        attn.plan_prefill(gpu, aplan, &PrefillTables::from_view(view), variants)?;
+    } else {
+        attn.plan_decode(gpu, aplan, &DecodeTables::from_view(view), variants)?;
+    }
+    let nq = aplan.num_queries() as usize;
+    let kv_row = (KVH * HD) as usize;
+    let q_row = (HEADS * HD) as usize;
+    let mut st = Step {
+        k: vec![],
+        v: vec![],
+        q: vec![],
+    };
+    for l in 0..LAYERS {
+        let (k, v, q) = (
+            rng.signed_vec(ntok * kv_row),
+            rng.signed_vec(ntok * kv_row),
+            rng.signed_vec(nq * q_row),
+        );
+        let at = |w: u64| (l as u64 * 4 + w) * e.slot;
+        gpu.queue
+            .write_buffer(&e.arena, at(2), bytemuck::cast_slice(&k));
+        gpu.queue
+            .write_buffer(&e.arena, at(3), bytemuck::cast_slice(&v));
+        gpu.queue
+            .write_buffer(&e.arena, at(0), bytemuck::cast_slice(&q));
+        st.k.push(k);
+        st.v.push(v);
+        st.q.push(q);
+    }
+    let mut enc = gpu.device.create_command_encoder(&Default::default());
+    cache.run_copy_blocks(gpu, &mut enc, wplan)?;
+    // Fixed ranges (a slot of MAX_TOKENS rows), as an engine binds its
+    // arena: the bind groups then do not depend on the batch size.
+    let (kv_bytes, q_bytes) = (e.slot, e.slot);
+    assert!(ntok as u64 <= MAX_TOKENS && nq as u64 <= MAX_TOKENS);
+    for l in 0..LAYERS {
+        cache.run_write_kv(
+            gpu,
+            &mut enc,
+            wplan,
+            l,
+            &e.range(l, 2, kv_bytes),
+            &e.range(l, 3, kv_bytes),
+        )?;
+        let variant = (l % variants.len() as u32) as usize;
+        attn.run(
+            gpu,
+            &mut enc,
+            aplan,
+            cache,
+            l,
+            variant,
+            &e.range(l, 0, q_bytes),
+            &e.range(l, 1, q_bytes),
+        )?;
+    }
+    gpu.queue.submit([enc.finish()]);
+    Ok(st)
+}
+
+/// Checks every layer's output against the reference over host mirrors.
+fn check_outputs(
+    e: &Engine,
+    hosts: &[HostPool],
+    st: &Step,
+    view: &BatchView,
+    prefill: bool,
+    variants: &[AttnOptions],
+    what: &str,
+    seed: u64,
+) {
+    let all: Vec<f32> = e.gpu.read(&e.outs, e.outs.size()).unwrap();
+    let q_row = (HEADS * HD) as usize;
+    for l in 0..LAYERS as usize {
+        let o = &variants[l % variants.len()];
+        let mut p = AttnParams::new(HEADS as usize, HD as usize);
+        p.sliding_window = o.sliding_window;
+        let qo: Vec<u32> = if prefill {
+            view.new_indptr.clone()
+        } else {
+            (0..=view.seq_lens.len() as u32).collect()
+        };
+        let nq = qo[qo.len() - 1] as usize;
+        let want = reference::prefill(
+            &hosts[l].view(),
+            &p,
+            &st.q[l],
+            &qo,
+            &view.kv_indptr,
+            &view.kv_indices,
+            &view.seq_lens,
+        );
+        let at = ((l as u64 * 4 + 1) * e.slot / 4) as usize;
+        let got = &all[at..at + nq * q_row];
+        let err = rel_l2(got, &want);
+        assert!(
+            err < TOL,
+            "{what}: layer {l}: rel L2 {err:.3e} (seed {seed})"
+        );
+    }
+}
+
+fn mirror_step(hosts: &mut [HostPool], st: &Step, view: &BatchView) {
+    for (l, h) in hosts.iter_mut().enumerate() {
+        for c in &view.copies {
+            h.copy(c[0], c[1]);
+        }
+        h.write(&view.slot_mapping, &st.k[l], &st.v[l], KvDtype::F32);
+    }
+}
+
+/// The engine's device, borrowed: 32 layers, each step one encoder and one
+/// submit; a prefill step, decode steps with parallel samples
+/// (copy-on-write), a mixed step (a new prompt while others decode), full
+/// and sliding-window layers. After the first step of each kind, no step
+/// creates a buffer or a bind group; every layer's output matches the
+/// reference.
+#[test]
+fn steady_state_steps_create_nothing() {
+    let Some(e) = engine() else { return };
+    let s = seed("embed steady state");
+    let mut rng = SplitMix64::new(s);
+    let gpu = &e.gpu;
+    let cfg = KvCacheConfig {
+        num_layers: LAYERS,
+        num_blocks: NB,
+        block_size: BS,
+        num_kv_heads: KVH,
+        head_dim: HD,
+        dtype: KvDtype::F32,
+    };
+    let cache = KvCache::new(gpu, cfg).unwrap();
+    let attn = PagedAttention::new(gpu, &cache, HEADS).unwrap();
+    attn.warm_up(gpu).unwrap();
+    let variants = [
+        AttnOptions::default(),
+        AttnOptions {
+            sliding_window: Some(24),
+            ..Default::default()
+        },
+    ];
+    let mut hosts: Vec<HostPool> = (0..LAYERS)
+        .map(|_| HostPool::new(NB as usize, KVH as usize, BS as usize, HD as usize))
+        .collect();
+    let mut m =
+        BlockManager::new(BlockManagerConfig::new(NB, BS).with_prefix_caching(true)).unwrap();
+    let mut wplan = cache.plan();
+    let mut aplan = attn.plan();
+    let prompt = |rng: &mut SplitMix64, n: usize| -> Vec<u32> {
+        (0..n).map(|_| rng.below(1000) as u32).collect()
+    };
+
+    // Step 1: prefill of two prompts.
+    let mut seqs: Vec<SeqId> = vec![
+        m.add_sequence(&prompt(&mut rng, 37)).unwrap(),
+        m.add_sequence(&prompt(&mut rng, 20)).unwrap(),
+    ];
+    let view = m.batch_view(&seqs).unwrap();
+    let st = record_step(
+        &e, &mut rng, &cache, &attn, &mut wplan, &mut aplan, &view, true, &variants,
+    )
+    .unwrap();
+    mirror_step(&mut hosts, &st, &view);
+    check_outputs(&e, &hosts, &st, &view, true, &variants, "prefill step", s);
+    // Parallel samples: 2 forks of the first sequence.
+    for _ in 0..2 {
+        seqs.push(m.fork(seqs[0]).unwrap());
+    }
+    let mut baseline = None;
+    let mut steady = 0;
+    let mut copies = 0;
+    for step in 2..=8 {
+        let mixed = step == 6;
+        if mixed {
+            seqs.push(m.add_sequence(&prompt(&mut rng, 19)).unwrap());
+        }
+        let live: Vec<SeqId> = seqs.clone();
+        for &id in &live {
+            if m.pending_tokens(id).unwrap() == 0 {
+                m.append(id, &[rng.below(1000) as u32]).unwrap();
+            }
+        }
+        let view = m.batch_view(&live).unwrap();
+        copies += view.copies.len();
+        let before = gpu.counters();
+        let st = record_step(
+            &e, &mut rng, &cache, &attn, &mut wplan, &mut aplan, &view, mixed, &variants,
+        )
+        .unwrap();
+        let after = gpu.counters();
+        if step >= 3 {
+            // The first decode step made the decode bind groups; the mixed
+            // step reuses the prefill ones of step 1.
+            assert_eq!(
+                after.buffers, before.buffers,
+                "step {step} (mixed: {mixed}) created buffers"
+            );
+            assert_eq!(
+                after.bind_groups, before.bind_groups,
+                "step {step} (mixed: {mixed}) created bind groups"
+            );
+            steady += 1;
+        }
+        if step == 2 {
+            baseline = Some(after);
+        }
+        mirror_step(&mut hosts, &st, &view);
+        check_outputs(
+            &e,
+            &hosts,
+            &st,
+            &view,
+            mixed,
+            &variants,
+            &format!("step {step}"),
+            s,
+        );
+    }
+    assert!(copies > 0, "copy-on-write happened");
+    eprintln!(
+        "{steady} steady steps of {LAYERS} layers; objects after step 2: {:?}, at the end: {:?}",
+        baseline.unwrap(),
+        gpu.counters()
+    );
+    assert!(m.stats().shared > 0, "parallel samples share blocks");
+}
+
+/// Misuse of the engine's buffers is refused before anything is recorded:
+/// no STORAGE usage, an unaligned offset, a range too small, a range past
+/// the buffer, a plan of another kernel, and running before planning.
+#[test]
+fn engine_buffer_misuse_is_refused_before_recording() {
+    let Some(e) = engine() else { return };
+    let gpu = &e.gpu;
+    let cfg = KvCacheConfig {
+        num_layers: 2,
+        num_blocks: 8,
+        block_size: BS,
+        num_kv_heads: KVH,
+        head_dim: HD,
+        dtype: KvDtype::F32,
+    };
+    let cache = KvCache::new(gpu, cfg).unwrap();
+    let attn = PagedAttention::new(gpu, &cache, HEADS).unwrap();
+    let other = PagedAttention::new(gpu, &cache, HEADS).unwrap();
+    let mut aplan = attn.plan();
+    let mut enc = gpu.device.create_command_encoder(&Default::default());
+    let q_bytes = (2 * HEADS * HD * 4) as u64;
+    let fine = e.range(0, 0, q_bytes);
+    let invalid = |r: Result<(), GpuError>, what: &str, says: &str| match r {
+        Err(GpuError::InvalidArgument(m)) => assert!(m.contains(says), "{what}: {m}"),
+        other => panic!("{what}: {other:?}"),
+    };
+    invalid(
+        attn.run(
+            gpu,
+            &mut enc,
+            &mut aplan,
+            &cache,
+            0,
+            0,
+            &fine,
+            &e.range(0, 1, q_bytes),
+        ),
+        "run before plan",
+        "plan_decode",
+    );
+    let tables = DecodeTables {
+        kv_indptr: &[0, 1, 2],
+        kv_indices: &[3, 5],
+        seq_lens: &[9, 16],
+    };
+    attn.plan_decode(gpu, &mut aplan, &tables, &[AttnOptions::default()])
+        .unwrap();
+    let mut foreign = other.plan();
+    invalid(
+        attn.plan_decode(gpu, &mut foreign, &tables, &[AttnOptions::default()]),
+        "another kernel's plan",
+        "another",
+    );
+    let no_storage = gpu.device.create_buffer(&wgpu::BufferDescriptor {
+        label: None,
+        size: 4096,
+        usage: wgpu::BufferUsages::COPY_DST,
+        mapped_at_creation: false,
+    });
+    let cases: Vec<(&str, wgpu::BufferBinding, &str)> = vec![
+        (
+            "no STORAGE usage",
+            no_storage.as_entire_buffer_binding(),
+            "STORAGE",
+        ),
+        (
+            "unaligned offset",
+            wgpu::BufferBinding {
+                buffer: &e.arena,
+                offset: 4,
+                size: NonZeroU64::new(q_bytes),
+            },
+            "alignment",
+        ),
+        ("too small", e.range(0, 0, q_bytes / 2), "needs"),
+        (
+            "past the buffer",
+            wgpu::BufferBinding {
+                buffer: &e.arena,
+                offset: e.arena.size() - 256,
+                size: NonZeroU64::new(q_bytes),
+            },
+            "past",
+        ),
+    ];
+    let fine_out = e.range(0, 1, q_bytes);
+    for (what, b, says) in &cases {
+        invalid(
+            attn.run(gpu, &mut enc, &mut aplan, &cache, 0, 0, b, &fine_out),
+            &format!("q {what}"),
+            says,
+        );
+        invalid(
+            attn.run(gpu, &mut enc, &mut aplan, &cache, 0, 0, &fine, b),
+            &format!("out {what}"),
+            says,
+        );
+    }
+    // q and out in one buffer (different ranges): refused, as a dispatch may
+    // not read and write one buffer.
+    invalid(
+        attn.run(
+            gpu,
+            &mut enc,
+            &mut aplan,
+            &cache,
+            0,
+            0,
+            &fine,
+            &e.range(1, 2, q_bytes),
+        ),
+        "q and out in one buffer",
+        "one buffer",
+    );
+    invalid(
+        attn.run(gpu, &mut enc, &mut aplan, &cache, 0, 1, &fine, &fine_out),
+        "variant out of range",
+        "variant",
+    );
+    let mut wplan = cache.plan();
+    invalid(
+        cache.run_write_kv(gpu, &mut enc, &mut wplan, 0, &fine, &fine),
+        "write before plan",
+        "plan_write",
+    );
+    invalid(
+        cache.plan_write(gpu, &mut wplan, &[8 * BS], &[]),
+        "slot past the pool",
+        "outside",
+    );
+    // Nothing was recorded: the encoder finishes and submits cleanly.
+    gpu.queue.submit([enc.finish()]);
+    let errs: Arc<Mutex<Vec<String>>> = Default::default();
+    let scope = gpu.device.push_error_scope(wgpu::ErrorFilter::Validation);
+    gpu.device
+        .poll(wgpu::PollType::wait_indefinitely())
+        .unwrap();
+    if let Some(err) = pollster::block_on(scope.pop()) {
+        errs.lock().unwrap().push(err.to_string());
+    }
+    assert!(
+        errs.lock().unwrap().is_empty(),
+        "{:?}",
+        errs.lock().unwrap()
+    );
+}
+
+/// Q, K and V read straight from one fused QKV output (rows of
+/// `(HEADS + 2 KVH) * HD` floats, K and V at their column offsets), through
+/// the row strides of the plans; the result equals the reference.
+#[test]
+fn fused_qkv_rows_are_read_in_place() {
+    let Some(e) = engine() else { return };
+    let s = seed("fused qkv");
+    let mut rng = SplitMix64::new(s);
+    let gpu = &e.gpu;
+    let cfg = KvCacheConfig {
+        num_layers: 1,
+        num_blocks: 16,
+        block_size: BS,
+        num_kv_heads: KVH,
+        head_dim: HD,
+        dtype: KvDtype::F32,
+    };
+    let cache = KvCache::new(gpu, cfg).unwrap();
+    let attn = PagedAttention::new(gpu, &cache, HEADS).unwrap();
+    let mut m = BlockManager::new(BlockManagerConfig::new(16, BS)).unwrap();
+    let ids = [
+        m.add_sequence(&[1; 40]).unwrap(),
+        m.add_sequence(&[2; 9]).unwrap(),
+    ];
+    let view = m.batch_view(&ids).unwrap();
+    let ntok = view.slot_mapping.len();
+    // Columns: [q: HEADS*HD | k: KVH*HD | v: KVH*HD]; K and V each start on
+    // a 256-byte boundary within the row (HEADS*HD*4 = 512, KVH*HD*4 = 256).
+    let width = ((HEADS + 2 * KVH) * HD) as usize;
+    let qkv = rng.signed_vec(ntok * width);
+    let buf = gpu.storage_init("fused qkv", &qkv).unwrap();
+    let bytes = buf.size();
+    let at = |off: u64| wgpu::BufferBinding {
+        buffer: &buf,
+        offset: off,
+        size: NonZeroU64::new(bytes - off),
+    };
+    let mut wplan = cache.plan();
+    wplan.set_kv_stride(Some(width as u32));
+    cache
+        .plan_write(gpu, &mut wplan, &view.slot_mapping, &[])
+        .unwrap();
+    let mut aplan = attn.plan();
+    aplan.set_q_stride(Some(width as u32));
+    attn.plan_prefill(
+        gpu,
+        &mut aplan,
+        &PrefillTables::from_view(&view),
+        &[AttnOptions::default()],
+    )
+    .unwrap();
+    let out = gpu
+        .storage("out", (ntok * (HEADS * HD) as usize * 4) as u64)
+        .unwrap();
+    let mut enc = gpu.device.create_command_encoder(&Default::default());
+    let (qo, ko, vo) = (
+        0u64,
+        (HEADS * HD * 4) as u64,
+        ((HEADS + KVH) * HD * 4) as u64,
+    );
+    cache
+        .run_write_kv(gpu, &mut enc, &mut wplan, 0, &at(ko), &at(vo))
+        .unwrap();
+    attn.run(
+        gpu,
+        &mut enc,
+        &mut aplan,
+        &cache,
+        0,
+        0,
+        &at(qo),
+        &out.as_entire_buffer_binding(),
+    )
+    .unwrap();
+    gpu.queue.submit([enc.finish()]);
+    let got: Vec<f32> = gpu.read(&out, out.size()).unwrap();
+    // Host side: split the rows.
+    let col =
+        |t: usize, from: usize, n: usize| qkv[t * width + from..t * width + from + n].to_vec();
+    let (qw, kw) = ((HEADS * HD) as usize, (KVH * HD) as usize);
+    let q: Vec<f32> = (0..ntok).flat_map(|t| col(t, 0, qw)).collect();
+    let k: Vec<f32> = (0..ntok).flat_map(|t| col(t, qw, kw)).collect();
+    let v: Vec<f32> = (0..ntok).flat_map(|t| col(t, qw + kw, kw)).collect();
+    let mut host = HostPool::new(16, KVH as usize, BS as usize, HD as usize);
+    host.write(&view.slot_mapping, &k, &v, KvDtype::F32);
+    let want = reference::prefill(
+        &host.view(),
+        &AttnParams::new(HEADS as usize, HD as usize),
+        &q,
+        &view.new_indptr,
+        &view.kv_indptr,
+        &view.kv_indices,
+        &view.seq_lens,
+    );
+    let err = rel_l2(&got[..q.len()], &want);
+    assert!(err < TOL, "fused QKV: rel L2 {err:.3e} (seed {s})");
+}
+
+/// `Gpu::from_device` installs nothing: an error raised outside any scope
+/// reaches the engine's own handler, not the library.
+#[test]
+fn a_borrowed_device_keeps_its_handlers() {
+    let Some((device, queue)) = engine_device() else {
+        gpu();
+        return;
+    };
+    let seen: Arc<Mutex<Vec<String>>> = Default::default();
+    let s2 = seen.clone();
+    device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
+        s2.lock().unwrap().push(e.to_string())
+    }));
+    let gpu = Gpu::from_device(&device, &queue);
+    assert_eq!(gpu.features, device.features(), "nothing enabled");
+    let cache = KvCache::new(
+        &gpu,
+        KvCacheConfig {
+            num_layers: 1,
+            num_blocks: 4,
+            block_size: BS,
+            num_kv_heads: 1,
+            head_dim: HD,
+            dtype: KvDtype::F32,
+        },
+    )
+    .unwrap();
+    cache
+        .write_kv(
+            &gpu,
+            0,
+            &vec![0.5; HD as usize],
+            &vec![0.5; HD as usize],
+            &[3],
+        )
+        .unwrap();
+    // Outside any scope: the engine's handler sees it; the library's record is empty.
+    let _too_big = device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("engine's mistake"),
+        size: gpu.limits.max_buffer_size + 4,
+        usage: wgpu::BufferUsages::STORAGE,
+        mapped_at_creation: false,
+    });
+    device.poll(wgpu::PollType::wait_indefinitely()).unwrap();
+    assert_eq!(seen.lock().unwrap().len(), 1, "{:?}", seen.lock().unwrap());
+    assert!(gpu.take_error().is_ok());
+}
