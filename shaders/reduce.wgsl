@@ -1,5 +1,5 @@
 // Split-K merge: combines the per-partition (max, sum, accumulator) that
-// decode.wgsl wrote into the normalised output, by log-sum-exp.
+// attention.wgsl wrote (split-K decode) into the normalised output, by log-sum-exp.
 // One workgroup per (sequence, query head); thread c owns vec4 column c.
 
 @group(0) @binding(0) var<uniform> params: AttnParams;

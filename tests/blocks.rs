@@ -916,7 +916,7 @@ fn every_error_message_names_its_numbers() {
 // ---------------------------------------------------------------- copy list ordering
 
 /// The copy list must be safe for a `copy_blocks` kernel that runs all pairs
-/// of one list at once (one dispatch per layer, DESIGN.md): no block may be
+/// of one list at once (one dispatch per layer, ARCHITECTURE.md): no block may be
 /// read by one pair and written by another pair of the same list, or the
 /// result depends on the order the GPU happens to run them in.
 #[test]

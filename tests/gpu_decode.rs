@@ -360,7 +360,7 @@ fn write_kv_scatters_to_slots() {
 }
 
 /// Both sides of llvmpipe's loop limit (65535 iterations per invocation,
-/// DESIGN.md): one workgroup per sequence is still right at 16k tokens
+/// ARCHITECTURE.md): one workgroup per sequence is still right at 16k tokens
 /// (measured: it returns garbage at 33k), and Split::Auto bounds the work per
 /// invocation so 33k is right too.
 #[test]

@@ -111,6 +111,10 @@ pub struct BenchReport {
     pub split: Vec<SplitRow>,
     /// Host bookkeeping per decode step at batch 256, microseconds per sequence.
     pub host_us_per_seq: f64,
+    /// The same with prefix caching on (a SHA-256 digest per filled block).
+    pub host_us_per_seq_prefix_cache: f64,
+    /// Plan and record one decode step of 32 layers at batch 64 (host side).
+    pub host_step: HostStep,
     /// write_kv: tokens per second (one layer, 32 x 8 x 128 f32).
     pub write_kv_tokens_per_s: f64,
     /// write_kv: GB/s of K and V written.
@@ -351,8 +355,20 @@ fn memcpy_gbs(gpu: &Gpu, timer: &Timer) -> Result<f64, GpuError> {
 /// Host bookkeeping of one decode step at batch 256 (append one token to
 /// each sequence, build the CSR view into a reused BatchView), µs per sequence.
 pub fn host_bookkeeping_us_per_seq(steps: usize) -> f64 {
+    bookkeeping(steps, false)
+}
+
+/// [`host_bookkeeping_us_per_seq`] with prefix caching on: each block a
+/// sequence fills is digested (SHA-256 chain) and registered.
+pub fn host_bookkeeping_us_per_seq_prefix_cache(steps: usize) -> f64 {
+    bookkeeping(steps, true)
+}
+
+fn bookkeeping(steps: usize, prefix: bool) -> f64 {
     let batch = 256;
-    let mut m = BlockManager::new(BlockManagerConfig::new(batch * 64, BLOCK)).expect("valid pool");
+    let mut m =
+        BlockManager::new(BlockManagerConfig::new(batch * 64, BLOCK).with_prefix_caching(prefix))
+            .expect("valid pool");
     let ids: Vec<SeqId> = (0..batch)
         .map(|i| {
             m.add_sequence(&vec![i; 500])
@@ -370,6 +386,110 @@ pub fn host_bookkeeping_us_per_seq(steps: usize) -> f64 {
         m.batch_view_into(&ids, &mut view).expect("live ids");
     }
     t0.elapsed().as_secs_f64() * 1e6 / (steps * batch as usize) as f64
+}
+
+/// The host side of one planned decode step (`pagedattn::gpu` plan/run):
+/// bookkeeping (`batch_view_into`), `plan_write` + `plan_decode`, and
+/// recording `run_copy_blocks` and, per layer, `run_write_kv` + `run` into
+/// one encoder (finished, not submitted).
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct HostStep {
+    /// Layers recorded.
+    pub layers: u32,
+    /// Sequences in the batch.
+    pub batch: u32,
+    /// Context per sequence, tokens.
+    pub context: u32,
+    /// Median microseconds per step.
+    pub us_per_step: f64,
+    /// Buffers the library created over the timed steps (target 0).
+    pub buffers_created: u64,
+    /// Bind groups the library created over the timed steps (target 0).
+    pub bind_groups_created: u64,
+}
+
+/// Measures [`HostStep`] at 32 layers, batch 64, context 2048 (tiny heads:
+/// the host work depends on the tables, not on the head shape).
+pub fn host_step(gpu: &Gpu, steps: usize) -> Result<HostStep, GpuError> {
+    use crate::gpu::{DecodeTables, KvCacheConfig, PagedAttention};
+    let (layers, batch, context) = (32u32, 64u32, 2048u32);
+    let (kvh, hd) = (1u32, 16u32);
+    let blocks_per_seq = context / BLOCK + 2;
+    let num_blocks = batch * blocks_per_seq;
+    let cache = KvCache::new(
+        gpu,
+        KvCacheConfig {
+            num_layers: layers,
+            num_blocks,
+            block_size: BLOCK,
+            num_kv_heads: kvh,
+            head_dim: hd,
+            dtype: KvDtype::F16,
+        },
+    )?;
+    let attn = PagedAttention::new(gpu, &cache, 2 * kvh)?;
+    let mut m = BlockManager::new(BlockManagerConfig::new(num_blocks, BLOCK))
+        .map_err(|e| GpuError::InvalidArgument(e.to_string()))?;
+    let ids: Vec<SeqId> = (0..batch)
+        .map(|i| m.add_sequence(&vec![i; context as usize - 1 - steps]))
+        .collect::<Result<_, _>>()
+        .map_err(|e| GpuError::InvalidArgument(e.to_string()))?;
+    let mut view = BatchView::default();
+    m.batch_view_into(&ids, &mut view)
+        .map_err(|e| GpuError::InvalidArgument(e.to_string()))?;
+    let q = gpu.storage("host step q", (batch * 2 * kvh * hd * 4) as u64)?;
+    let out = gpu.storage("host step out", (batch * 2 * kvh * hd * 4) as u64)?;
+    let kv = gpu.storage("host step k/v", (batch * kvh * hd * 4) as u64)?;
+    let (mut wplan, mut aplan) = (cache.plan(), attn.plan());
+    let opts = [crate::gpu::AttnOptions::default()];
+    let mut times = Vec::with_capacity(steps);
+    let mut before = None;
+    for step in 0..steps + 2 {
+        if step == 2 {
+            before = Some(gpu.counters());
+        }
+        let t0 = std::time::Instant::now();
+        for &id in &ids {
+            m.append(id, &[step as u32])
+                .map_err(|e| GpuError::InvalidArgument(e.to_string()))?;
+        }
+        m.batch_view_into(&ids, &mut view)
+            .map_err(|e| GpuError::InvalidArgument(e.to_string()))?;
+        cache.plan_write(gpu, &mut wplan, &view.slot_mapping, &view.copies)?;
+        attn.plan_decode(gpu, &mut aplan, &DecodeTables::from_view(&view), &opts)?;
+        let mut enc = gpu.device.create_command_encoder(&Default::default());
+        cache.run_copy_blocks(gpu, &mut enc, &mut wplan)?;
+        let kvb = kv.as_entire_buffer_binding();
+        for l in 0..layers {
+            cache.run_write_kv(gpu, &mut enc, &mut wplan, l, &kvb, &kvb)?;
+            attn.run(
+                gpu,
+                &mut enc,
+                &mut aplan,
+                &cache,
+                l,
+                0,
+                &q.as_entire_buffer_binding(),
+                &out.as_entire_buffer_binding(),
+            )?;
+        }
+        let cmd = enc.finish();
+        if step >= 2 {
+            times.push(t0.elapsed().as_secs_f64() * 1e6);
+        }
+        drop(cmd);
+    }
+    let after = gpu.counters();
+    let before = before.unwrap_or(after);
+    times.sort_by(|a, b| a.total_cmp(b));
+    Ok(HostStep {
+        layers,
+        batch,
+        context,
+        us_per_step: times.get(times.len() / 2).copied().unwrap_or(0.0),
+        buffers_created: after.buffers - before.buffers,
+        bind_groups_created: after.bind_groups - before.bind_groups,
+    })
 }
 
 /// Runs the benchmark.
@@ -500,6 +620,9 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, GpuError> {
     }
     progress(cfg, "host bookkeeping");
     let host = host_bookkeeping_us_per_seq(if cfg.quick { 50 } else { 400 });
+    let host_prefix = host_bookkeeping_us_per_seq_prefix_cache(if cfg.quick { 50 } else { 400 });
+    progress(cfg, "host side of a planned 32-layer step");
+    let host_step = host_step(gpu, if cfg.quick { 20 } else { 100 })?;
     progress(cfg, "write_kv / copy_blocks");
     let (wk_tps, wk_gbs, cb_ps, cb_gbs) = write_and_copy(gpu, &timer, &mut rng)?;
     if cfg.progress {
@@ -514,6 +637,8 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, GpuError> {
         skipped,
         split,
         host_us_per_seq: host,
+        host_us_per_seq_prefix_cache: host_prefix,
+        host_step,
         write_kv_tokens_per_s: wk_tps,
         write_kv_gbs: wk_gbs,
         copy_blocks_per_s: cb_ps,
@@ -612,8 +737,14 @@ pub fn render(r: &BenchReport) -> String {
     }
     let _ = writeln!(
         s,
-        "\nhost bookkeeping at batch 256: {:.3} us per sequence per step",
-        r.host_us_per_seq
+        "\nhost bookkeeping at batch 256: {:.3} us per sequence per step ({:.3} with prefix caching)",
+        r.host_us_per_seq, r.host_us_per_seq_prefix_cache
+    );
+    let h = &r.host_step;
+    let _ = writeln!(
+        s,
+        "plan + record a {}-layer decode step at batch {} (context {}): {:.0} us; {} buffers and {} bind groups created per steady step",
+        h.layers, h.batch, h.context, h.us_per_step, h.buffers_created, h.bind_groups_created
     );
     let _ = writeln!(
         s,

@@ -1,5 +1,5 @@
 // The CUDA twins of shaders/write_kv.wgsl, shaders/copy_blocks.wgsl and
-// shaders/decode.wgsl, over the same pool layout
+// shaders/attention.wgsl (decode), over the same pool layout
 // [num_blocks][num_kv_heads][BLOCK_SIZE][HEAD_DIM] and the same CSR block
 // tables. Compiled at run time by NVRTC (src/cuda/mod.rs), once per shape,
 // with the shape given as macros so loops have constant trip counts:
@@ -95,7 +95,7 @@ extern "C" __global__ void copy_blocks(
 // ROWS-th token of the tile. The ROWS partial accumulators are summed once
 // at the end and the output written once.
 //
-// Same masking as decode.wgsl: tokens whose table entry is past the CSR
+// Same masking as attention.wgsl: tokens whose table entry is past the CSR
 // range or names a block outside the pool are skipped, never read; a
 // sequence with no readable token writes zeros.
 

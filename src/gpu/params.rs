@@ -26,7 +26,7 @@ pub struct CopyParams {
 }
 const _: () = assert!(size_of::<CopyParams>() == 16);
 
-/// Parameters of decode.wgsl, reduce.wgsl and prefill.wgsl.
+/// Parameters of attention.wgsl (decode and prefill) and reduce.wgsl.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Zeroable, Pod)]
 pub struct AttnParams {
