@@ -524,7 +524,12 @@ impl PagedAttention {
     /// On an adapter that ends long loops early (llvmpipe: 65535 loop
     /// iterations per invocation), refuses a pass over more tokens than it
     /// can finish, instead of returning a silently wrong answer.
-    pub(super) fn check_pass_tokens(&self, gpu: &Gpu, tokens: u32, what: &str) -> Result<(), GpuError> {
+    pub(super) fn check_pass_tokens(
+        &self,
+        gpu: &Gpu,
+        tokens: u32,
+        what: &str,
+    ) -> Result<(), GpuError> {
         match gpu.max_tokens_per_pass(self.head_dim) {
             Some(cap) if tokens > cap => Err(GpuError::Unsupported(format!(
                 "{what} walks {tokens} tokens in one pass, but {} ends loops after 65535 \

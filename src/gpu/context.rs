@@ -37,7 +37,10 @@ pub struct Gpu {
     health: std::sync::Arc<Health>,
     pipelines: std::sync::Arc<
         std::sync::Mutex<
-            std::collections::HashMap<(&'static str, super::shader::ShaderShape), wgpu::ComputePipeline>,
+            std::collections::HashMap<
+                (&'static str, super::shader::ShaderShape),
+                wgpu::ComputePipeline,
+            >,
         >,
     >,
     counts: std::sync::Arc<Counts>,

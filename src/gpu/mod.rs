@@ -6,8 +6,8 @@ mod attention;
 mod context;
 mod error;
 mod kv_cache;
-mod plan;
 pub mod params;
+mod plan;
 pub mod shader;
 
 pub use attention::{
@@ -16,9 +16,9 @@ pub use attention::{
 };
 pub use context::{backends_from_env, Counters, Gpu};
 pub use error::GpuError;
-pub use plan::{AttentionPlan, DecodeTables, PrefillTables, WritePlan};
 #[cfg(not(target_arch = "wasm32"))]
 pub(crate) use kv_cache::{
     bind as bind_buffers, dispatch as dispatch_pass, pipeline as kv_cache_pipeline,
 };
 pub use kv_cache::{KvCache, KvCacheConfig, KvDtype, MAX_KV_HEADS, MAX_LAYERS};
+pub use plan::{AttentionPlan, DecodeTables, PrefillTables, WritePlan};
