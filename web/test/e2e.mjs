@@ -21,7 +21,7 @@ if (!url) {
 }
 const SEED = 7;
 const PLAY_TO_STEP = 20; // then Step until a step copies blocks (seed 7: step 22)
-const TOLERANCE = 2e-3; // packed f16 KV, relative L2 (DESIGN.md)
+const TOLERANCE = 2e-3; // packed f16 KV, relative L2 (ARCHITECTURE.md)
 const LIMIT_MS = 120_000;
 const screenshot = process.env.PAGEDATTN_SCREENSHOT
   || join(dirname(fileURLToPath(import.meta.url)), '..', 'screenshot.png');
