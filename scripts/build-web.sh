@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Builds the browser demo into web/pkg: the library compiled to
-# wasm32-unknown-unknown (wgpu's WebGPU backend) and its wasm-bindgen glue.
+# Builds the browser demo into web/pkg: the `pagedattn-web` crate (web/,
+# the CLI's demo over the library) compiled to wasm32-unknown-unknown
+# (wgpu's WebGPU backend) and its wasm-bindgen glue.
 # Then `scripts/serve-web.sh` serves web/ on http://127.0.0.1:8080/.
 #
 # Needs: rustup (adds the wasm32 target if missing) and the wasm-bindgen CLI
@@ -24,8 +25,8 @@ fi
 
 # `cargo rustc --crate-type cdylib` rather than a cdylib in [lib]: native
 # builds then do not link a shared library they never use.
-cargo rustc --lib --release --target wasm32-unknown-unknown --crate-type cdylib
+cargo rustc -p pagedattn-web --lib --release --target wasm32-unknown-unknown --crate-type cdylib
 target_dir=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])')
-wasm-bindgen --target web --no-typescript --out-dir web/pkg \
-  "$target_dir/wasm32-unknown-unknown/release/pagedattn.wasm"
+wasm-bindgen --target web --no-typescript --out-dir web/pkg --out-name pagedattn \
+  "$target_dir/wasm32-unknown-unknown/release/pagedattn_web.wasm"
 echo "built web/pkg ($(du -sh web/pkg | cut -f1)); serve it with scripts/serve-web.sh"

@@ -2,18 +2,18 @@
 //!
 //! The KV cache of an LLM lives in fixed-size blocks on a preallocated pool;
 //! [`blocks`] keeps the per-sequence block tables, reference counts,
-//! copy-on-write and prefix cache on the host, and the WGSL kernels walk the
-//! block tables with online softmax on any wgpu adapter.
+//! copy-on-write and prefix cache on the host, and the WGSL kernels in
+//! [`gpu`] walk the block tables with online softmax on any wgpu adapter.
+//! [`reference`] is the same math in f64, for tests (engines' too).
+//!
+//! `ARCHITECTURE.md` is the design and the layout contract;
+//! `GUARANTEES.md` what is promised under bad input. The command line
+//! (demo, simulator, benchmark) and the browser demo are separate crates
+//! (`cli/`, `web/`): this library depends on neither.
 
-#[cfg(not(target_arch = "wasm32"))]
-pub mod bench;
 pub mod blocks;
 #[cfg(feature = "cuda")]
 pub mod cuda;
-pub mod demo;
 pub mod gpu;
 pub mod reference;
 pub mod rng;
-pub mod sim;
-#[cfg(target_arch = "wasm32")]
-pub mod web;

@@ -12,7 +12,6 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use pagedattn::blocks::{BatchView, BlockError, BlockManager, BlockManagerConfig, SeqId, RELEASED};
-use pagedattn::demo::{Demo, DemoConfig, DemoError};
 use pagedattn::gpu::{
     AttnOptions, BatchTables, Gpu, GpuError, KvCache, KvCacheConfig, KvDtype, PagedAttention, Split,
 };
@@ -1240,73 +1239,6 @@ fn gpu_device_lost() {
     );
     dev(gpu.wait(), "wait");
     dev(gpu.take_error(), "take_error");
-    let r = Demo::new(&gpu, DemoConfig::default())
-        .map(|_| ())
-        .map_err(|e| match e {
-            DemoError::Gpu(g) => g,
-            other => panic!("{other}"),
-        });
-    dev(r, "Demo::new");
-}
-
-/// The demo refuses bad settings with the layer's error instead of panicking.
-#[test]
-fn gpu_demo_bad_settings() {
-    let Some(gpu) = gpu() else { return };
-    let bad = [
-        DemoConfig {
-            block_size: 12,
-            ..Default::default()
-        },
-        DemoConfig {
-            num_blocks: 0,
-            ..Default::default()
-        },
-        DemoConfig {
-            num_heads: 7,
-            ..Default::default()
-        },
-        DemoConfig {
-            head_dim: 66,
-            ..Default::default()
-        },
-        DemoConfig {
-            num_kv_heads: 0,
-            ..Default::default()
-        },
-        DemoConfig {
-            num_blocks: u32::MAX,
-            ..Default::default()
-        },
-    ];
-    for cfg in bad {
-        let r = Demo::new(&gpu, cfg.clone());
-        assert!(r.is_err(), "{cfg:?} accepted");
-    }
-    // Degenerate but valid: no requests, one sample, one-token limits.
-    for cfg in [
-        DemoConfig {
-            requests: 0,
-            ..Default::default()
-        },
-        DemoConfig {
-            requests: 2,
-            samples: 0,
-            max_prompt: 0,
-            max_output: 0,
-            arrival_every: 0,
-            ..Default::default()
-        },
-    ] {
-        let mut d = Demo::new(&gpu, cfg.clone()).unwrap();
-        let mut steps = 0;
-        while !d.done() {
-            pollster::block_on(d.step(&gpu)).unwrap();
-            steps += 1;
-            assert!(steps < 1000, "{cfg:?} never finished");
-        }
-        assert_eq!(d.manager().stats().free, d.manager().stats().total);
-    }
 }
 
 /// A request over a device limit: refused by the library's size check

@@ -1,5 +1,5 @@
 // The page's glue: reads the controls, drives the Rust demo (compiled to wasm,
-// see src/web.rs) one step at a time, and draws the snapshot each step returns.
+// see web/src/lib.rs) one step at a time, and draws the snapshot each step returns.
 // No paging or attention logic lives here; the numbers drawn are the library's.
 //
 // `window.pagedattnState` mirrors what the page shows, for the end-to-end

@@ -135,7 +135,7 @@ pub struct KvCache {
 }
 
 /// Creates the pipeline of `kernel` for `shape`, reporting shader errors as ours.
-pub(crate) fn pipeline(
+pub fn pipeline(
     gpu: &Gpu,
     kernel: &'static str,
     shape: &ShaderShape,
@@ -184,7 +184,7 @@ pub(crate) fn grid_1d(threads: u64) -> (u32, u32) {
     }
 }
 
-pub(crate) fn bind(
+pub fn bind(
     gpu: &Gpu,
     pipeline: &wgpu::ComputePipeline,
     buffers: &[&wgpu::Buffer],
@@ -219,7 +219,7 @@ pub(crate) fn bind_ranges(
     })
 }
 
-pub(crate) fn dispatch(
+pub fn dispatch(
     enc: &mut wgpu::CommandEncoder,
     label: &str,
     pipeline: &wgpu::ComputePipeline,

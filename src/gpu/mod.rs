@@ -16,8 +16,10 @@ pub use attention::{
 };
 pub use context::{backends_from_env, Counters, Gpu};
 pub use error::GpuError;
-#[cfg(not(target_arch = "wasm32"))]
-pub(crate) use kv_cache::{
+/// Kernel plumbing for the benchmark in the CLI crate (`stream_read`): not
+/// part of the API an engine should rely on.
+#[doc(hidden)]
+pub use kv_cache::{
     bind as bind_buffers, dispatch as dispatch_pass, pipeline as kv_cache_pipeline,
 };
 pub use kv_cache::{KvCache, KvCacheConfig, KvDtype, MAX_KV_HEADS, MAX_LAYERS};

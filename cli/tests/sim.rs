@@ -4,8 +4,8 @@
 //! leaks), and that forks and prefix caching really share memory.
 
 use clap::Parser;
-use pagedattn::sim::workload::{generate, WorkloadSpec};
-use pagedattn::sim::{
+use pagedattn_cli::sim::workload::{generate, WorkloadSpec};
+use pagedattn_cli::sim::{
     simulate, Dataset, LenDist, PolicyKind, PolicyReport, Report, Sampling, SimConfig, SimulateArgs,
 };
 

@@ -18,8 +18,8 @@ use std::collections::VecDeque;
 use super::memory::{Counters, EndState, Memory};
 use super::workload::{Request, Sampling};
 use super::SimError;
-use crate::blocks::SeqId;
-use crate::rng::SplitMix64;
+use pagedattn::blocks::SeqId;
+use pagedattn::rng::SplitMix64;
 
 const VOCAB: u64 = 32_000;
 

@@ -12,8 +12,8 @@ use std::error::Error;
 use std::io::{self, Write};
 
 use cli::{Checked, Parsed};
-use pagedattn::demo::{self, Demo, DemoConfig};
 use pagedattn::gpu::Gpu;
+use pagedattn_cli::demo::{self, Demo, DemoConfig};
 
 /// The demo stops with an error after this many steps (every step makes
 /// progress or the demo reports that it is stuck, so this is a backstop).
@@ -21,9 +21,9 @@ const DEMO_MAX_STEPS: u64 = 1_000_000;
 
 type Res = Result<(), Box<dyn Error>>;
 
-fn run_bench(out: &mut dyn Write, cfg: &pagedattn::bench::BenchConfig, json: bool) -> Res {
+fn run_bench(out: &mut dyn Write, cfg: &pagedattn_cli::bench::BenchConfig, json: bool) -> Res {
     let gpu = Gpu::new()?;
-    let report = pagedattn::bench::run(&gpu, cfg)?;
+    let report = pagedattn_cli::bench::run(&gpu, cfg)?;
     #[cfg(feature = "cuda")]
     let cuda = cuda_bench(cfg.quick)?;
     #[cfg(not(feature = "cuda"))]
@@ -33,7 +33,7 @@ fn run_bench(out: &mut dyn Write, cfg: &pagedattn::bench::BenchConfig, json: boo
         v["cuda"] = serde_json::to_value(&cuda)?;
         writeln!(out, "{}", serde_json::to_string_pretty(&v)?)?;
     } else {
-        write!(out, "{}", pagedattn::bench::render(&report))?;
+        write!(out, "{}", pagedattn_cli::bench::render(&report))?;
         #[cfg(feature = "cuda")]
         if let Some(c) = &cuda {
             writeln!(out, "{}", c.summary())?;
@@ -156,7 +156,7 @@ fn run(checked: Checked) -> Res {
     let mut out = stdout.lock();
     match checked {
         Checked::Demo { cfg, verbose } => run_demo(&mut out, cfg, verbose)?,
-        Checked::Simulate { cfg, args } => pagedattn::sim::run_cli_to(&cfg, &args, &mut out)?,
+        Checked::Simulate { cfg, args } => pagedattn_cli::sim::run_cli_to(&cfg, &args, &mut out)?,
         Checked::Bench { cfg, json } => run_bench(&mut out, &cfg, json)?,
     }
     out.flush()?;

@@ -10,7 +10,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use crate::rng::SplitMix64;
+use pagedattn::rng::SplitMix64;
 
 /// Token ids are drawn below this bound (a LLaMA-sized vocabulary); only the
 /// prefix cache looks at them.

@@ -1,7 +1,7 @@
 //! GPU timing: timestamp queries where the adapter has them, else wall time
 //! around submit + wait. Warm-up first, then the median of repeated runs.
 
-use crate::gpu::{Gpu, GpuError};
+use pagedattn::gpu::{Gpu, GpuError};
 
 /// A first warm-up slower than this (milliseconds) means fewer repeats.
 pub const SLOW_RUN_MS: f64 = 250.0;

@@ -5,7 +5,7 @@
 //!
 //! Policies:
 //! - `paged`: blocks of `block_size` tokens driven through the crate's own
-//!   [`BlockManager`](crate::blocks::BlockManager) (add, append, fork with
+//!   [`BlockManager`](pagedattn::blocks::BlockManager) (add, append, fork with
 //!   copy-on-write, free, a batch view per step). When a step cannot get a
 //!   block, the most recently admitted request is preempted and later
 //!   recomputed.

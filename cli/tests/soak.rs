@@ -27,6 +27,7 @@
 //! size (2000 requests, `PAGEDATTN_SOAK_REQUESTS` to change) is
 //! `cargo test --test soak -- --ignored`.
 
+#[path = "../../tests/common/mod.rs"]
 mod common;
 
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -34,11 +35,11 @@ use std::time::Instant;
 
 use common::gpu;
 use pagedattn::blocks::{BlockError, BlockManager, BlockManagerConfig, SeqId};
-use pagedattn::demo::tolerance;
 use pagedattn::gpu::{AttnOptions, Gpu, KvCache, KvCacheConfig, KvDtype, PagedAttention};
 use pagedattn::reference::{self, rel_l2, AttnParams, PagedPool};
 use pagedattn::rng::SplitMix64;
-use pagedattn::sim::workload::{self, Arrival, LenDist, Request, Sampling, WorkloadSpec};
+use pagedattn_cli::demo::tolerance;
+use pagedattn_cli::sim::workload::{self, Arrival, LenDist, Request, Sampling, WorkloadSpec};
 
 #[derive(Clone, Debug)]
 struct SoakConfig {

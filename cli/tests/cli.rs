@@ -4,6 +4,7 @@
 //! Each reproducer seen on 2026-11-30 is a case here. The demo cases that
 //! open an adapter skip without one (fail with PAGEDATTN_REQUIRE_GPU=1).
 
+#[path = "../../tests/common/mod.rs"]
 mod common;
 
 #[allow(dead_code)]

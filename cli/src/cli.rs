@@ -14,9 +14,9 @@
 use std::ffi::OsString;
 
 use clap::{Parser, Subcommand};
-use pagedattn::bench::BenchConfig;
-use pagedattn::demo::{DemoConfig, MAX_REQUESTS as DEMO_MAX_REQUESTS, MAX_SAMPLES};
-use pagedattn::sim::{SimConfig, SimulateArgs};
+use pagedattn_cli::bench::BenchConfig;
+use pagedattn_cli::demo::{DemoConfig, MAX_REQUESTS as DEMO_MAX_REQUESTS, MAX_SAMPLES};
+use pagedattn_cli::sim::{SimConfig, SimulateArgs};
 
 /// Exit code of a usage error: a bad flag or value, or options that fail a check.
 pub const EXIT_USAGE: i32 = 2;

@@ -8,11 +8,11 @@ pub mod timer;
 
 pub use timer::{Timer, TimingSource};
 
-use crate::blocks::{BatchView, BlockManager, BlockManagerConfig, SeqId};
-use crate::gpu::{
+use pagedattn::blocks::{BatchView, BlockManager, BlockManagerConfig, SeqId};
+use pagedattn::gpu::{
     AttnOptions, BatchTables, Gpu, GpuError, KvCache, KvCacheConfig, KvDtype, PagedAttention, Split,
 };
-use crate::rng::SplitMix64;
+use pagedattn::rng::SplitMix64;
 
 /// What to measure.
 #[derive(Clone, Debug)]
@@ -298,7 +298,7 @@ pub struct StreamRead {
 impl StreamRead {
     /// Binds the kernel to every layer of `cache`.
     pub fn new(gpu: &Gpu, cache: &KvCache) -> Result<Self, GpuError> {
-        use crate::gpu::shader::ShaderShape;
+        use pagedattn::gpu::shader::ShaderShape;
         let shape = ShaderShape {
             head_dim: 4,
             group: 1,
@@ -307,12 +307,12 @@ impl StreamRead {
             qtile: 1,
             paged: true,
         };
-        let pipe = crate::gpu::kv_cache_pipeline(gpu, "stream_read", &shape)?;
+        let pipe = pagedattn::gpu::kv_cache_pipeline(gpu, "stream_read", &shape)?;
         let sink = gpu.storage("sink", 16)?;
         let mut groups = Vec::new();
         for l in 0..cache.config().num_layers {
             let [k, v] = cache.layer(l)?;
-            groups.push(crate::gpu::bind_buffers(gpu, &pipe, &[k, v, &sink]));
+            groups.push(pagedattn::gpu::bind_buffers(gpu, &pipe, &[k, v, &sink]));
         }
         let bytes = 2 * cache.config().layer_bytes();
         // Enough threads that each does at most ~256 iterations.
@@ -328,7 +328,7 @@ impl StreamRead {
     /// Records one read of layer `layer % num_layers`.
     pub fn record(&self, enc: &mut wgpu::CommandEncoder, layer: usize) {
         let bg = &self.groups[layer % self.groups.len()];
-        crate::gpu::dispatch_pass(enc, "stream_read", &self.pipe, bg, (self.workgroups, 1, 1));
+        pagedattn::gpu::dispatch_pass(enc, "stream_read", &self.pipe, bg, (self.workgroups, 1, 1));
     }
 }
 
@@ -411,7 +411,7 @@ pub struct HostStep {
 /// Measures [`HostStep`] at 32 layers, batch 64, context 2048 (tiny heads:
 /// the host work depends on the tables, not on the head shape).
 pub fn host_step(gpu: &Gpu, steps: usize) -> Result<HostStep, GpuError> {
-    use crate::gpu::{DecodeTables, KvCacheConfig, PagedAttention};
+    use pagedattn::gpu::{DecodeTables, KvCacheConfig, PagedAttention};
     let (layers, batch, context) = (32u32, 64u32, 2048u32);
     let (kvh, hd) = (1u32, 16u32);
     let blocks_per_seq = context / BLOCK + 2;
@@ -441,7 +441,7 @@ pub fn host_step(gpu: &Gpu, steps: usize) -> Result<HostStep, GpuError> {
     let out = gpu.storage("host step out", (batch * 2 * kvh * hd * 4) as u64)?;
     let kv = gpu.storage("host step k/v", (batch * kvh * hd * 4) as u64)?;
     let (mut wplan, mut aplan) = (cache.plan(), attn.plan());
-    let opts = [crate::gpu::AttnOptions::default()];
+    let opts = [pagedattn::gpu::AttnOptions::default()];
     let mut times = Vec::with_capacity(steps);
     let mut before = None;
     for step in 0..steps + 2 {
@@ -605,7 +605,11 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, GpuError> {
             &timer,
             &[
                 (&attn, &t, Split::Never),
-                (&attn, &t, Split::Tokens(crate::gpu::AUTO_PARTITION_TOKENS)),
+                (
+                    &attn,
+                    &t,
+                    Split::Tokens(pagedattn::gpu::AUTO_PARTITION_TOKENS),
+                ),
             ],
         )?;
         let (whole_ms, split_ms) = (tt[0], tt[1]);

@@ -1,3 +1,4 @@
+#![cfg(target_arch = "wasm32")]
 //! The browser side of the demo: wasm-bindgen bindings that run the same
 //! [`Demo`] as the native CLI on the page's WebGPU device and hand the page a
 //! JSON snapshot of the pool after every step.
@@ -16,9 +17,9 @@ use std::rc::Rc;
 use serde::{Deserialize, Serialize};
 use wasm_bindgen::prelude::*;
 
-use crate::blocks::SeqId;
-use crate::demo::{tolerance, Demo, DemoConfig, StepReport};
-use crate::gpu::{Gpu, KvCacheConfig, KvDtype};
+use pagedattn::blocks::SeqId;
+use pagedattn::gpu::{Gpu, KvCacheConfig, KvDtype};
+use pagedattn_cli::demo::{tolerance, Demo, DemoConfig, StepReport};
 
 thread_local! {
     /// One device for the page's lifetime: opening an adapter takes a

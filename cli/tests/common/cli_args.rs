@@ -2,7 +2,7 @@
 //! and checks (`src/cli.rs`, included by the includer as `crate::cli`) ->
 //! a bounded run of whatever needs no adapter. Shared by the fuzz target
 //! (fuzz/fuzz_targets/cli_args.rs) and its stable replay
-//! (tests/fuzz_corpus.rs).
+//! (cli/tests/fuzz_corpus_cli.rs).
 //!
 //! Input format: argv words (after the program name) separated by NUL or
 //! newline bytes; a trailing separator is ignored, empty words are kept,
@@ -22,7 +22,7 @@
 use std::ffi::OsString;
 
 use crate::cli::{self, Checked, Parsed};
-use pagedattn::sim::{simulate, Sampling, SimError};
+use pagedattn_cli::sim::{simulate, Sampling, SimError};
 
 /// Which ways an input went, counted over a corpus.
 #[derive(Clone, Debug, Default)]
@@ -122,7 +122,7 @@ pub fn run(data: &[u8]) -> Outcome {
                 .unwrap_or_else(|e| panic!("{argv:?}: checked demo fails validate: {e}"));
             assert!(cfg.requests >= 1 && cfg.samples >= 1, "{argv:?}");
             assert!(
-                cfg.mirror_bytes() <= pagedattn::demo::MAX_MIRROR_BYTES as u128,
+                cfg.mirror_bytes() <= pagedattn_cli::demo::MAX_MIRROR_BYTES as u128,
                 "{argv:?}"
             );
             o.demo += 1;

@@ -8,9 +8,11 @@
 use std::time::Duration;
 
 use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
-use pagedattn::bench::{filled_cache, tables, StreamRead, Timer, BLOCK, HEADS, HEAD_DIM, KV_HEADS};
 use pagedattn::gpu::{AttnOptions, BatchTables, Gpu, KvDtype, PagedAttention, Split};
 use pagedattn::rng::SplitMix64;
+use pagedattn_cli::bench::{
+    filled_cache, tables, StreamRead, Timer, BLOCK, HEADS, HEAD_DIM, KV_HEADS,
+};
 
 fn gpu_time(
     timer: &Timer,

@@ -7,10 +7,10 @@
 //! mirror of the pool. The same code drives the native CLI and the browser
 //! page (everything GPU-facing is async; natively it is blocked on).
 
-use crate::blocks::{BlockError, BlockManager, BlockManagerConfig, SeqId};
-use crate::gpu::{AttnOptions, Gpu, GpuError, KvCache, KvCacheConfig, KvDtype, PagedAttention};
-use crate::reference::{self, rel_l2, AttnParams, PagedPool};
-use crate::rng::SplitMix64;
+use pagedattn::blocks::{BlockError, BlockManager, BlockManagerConfig, SeqId};
+use pagedattn::gpu::{AttnOptions, Gpu, GpuError, KvCache, KvCacheConfig, KvDtype, PagedAttention};
+use pagedattn::reference::{self, rel_l2, AttnParams, PagedPool};
+use pagedattn::rng::SplitMix64;
 
 /// Demo settings.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]

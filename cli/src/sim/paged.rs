@@ -8,7 +8,7 @@ use super::engine::{Live, Seq};
 use super::memory::{Counters, EndState, Mem, Memory};
 use super::workload::Request;
 use super::SimError;
-use crate::blocks::{BatchView, BlockError, BlockManager, BlockManagerConfig, SeqId};
+use pagedattn::blocks::{BatchView, BlockError, BlockManager, BlockManagerConfig, SeqId};
 
 fn internal(what: &str, e: BlockError) -> SimError {
     SimError::Internal(format!("{what}: {e}"))

@@ -1,0 +1,8 @@
+//! The applications of pagedattn: the end-to-end demo (native and, through
+//! `web/`, in the browser), the multi-tenant memory simulator and the
+//! benchmark, behind the `pagedattn` command line (`src/main.rs`).
+
+#[cfg(not(target_arch = "wasm32"))]
+pub mod bench;
+pub mod demo;
+pub mod sim;
