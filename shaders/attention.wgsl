@@ -31,7 +31,7 @@ const SEGS: u32 = max(WG / NROW, 1u);
 
 @group(0) @binding(0) var<uniform> params: AttnParams;
 // [num_queries][num_heads][HEAD_DIM4], rows q_stride vec4s apart when set
-@group(0) @binding(1) var<storage, read> q: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read> q: array<ACT4>;
 // [num_blocks][num_kv_heads][BLOCK_SIZE][HEAD_DIM4]
 @group(0) @binding(2) var<storage, read> k_pool: array<KV4>;
 @group(0) @binding(3) var<storage, read> v_pool: array<KV4>;
@@ -39,7 +39,7 @@ const SEGS: u32 = max(WG / NROW, 1u);
 // qo_indptr[num_seqs + 1] | tile list (sequence, first query) pairs.
 @group(0) @binding(4) var<storage, read> table: array<u32>;
 // Whole: [num_queries][num_heads][HEAD_DIM4]. Split: [num_seqs][num_heads][num_partitions][HEAD_DIM4].
-@group(0) @binding(5) var<storage, read_write> out: array<vec4<f32>>;
+@group(0) @binding(5) var<storage, read_write> out: array<OUT4>;
 // Split only: (max, sum) per [num_seqs][num_heads][num_partitions].
 @group(0) @binding(6) var<storage, read_write> out_ml: array<vec2<f32>>;
 
@@ -118,7 +118,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         var v = vec4<f32>(0.0);
         if qi < q_count {
             let q_stride = select(p.num_heads * HEAD_DIM4, p.q_stride, p.q_stride != 0u);
-            v = q[(q_row0 + qi) * q_stride + h0 * HEAD_DIM4 + i % (GROUP * HEAD_DIM4)];
+            v = act_load(q[(q_row0 + qi) * q_stride + h0 * HEAD_DIM4 + i % (GROUP * HEAD_DIM4)]);
         }
         q_sh[i] = v;
     }
@@ -257,10 +257,10 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
             }
             let hq = h0 + r % GROUP;
             if p.partition_tokens == 0u {
-                out[((q_row0 + qi) * p.num_heads + hq) * HEAD_DIM4 + lid] = select(a / l, vec4<f32>(0.0), l == 0.0);
+                out[((q_row0 + qi) * p.num_heads + hq) * HEAD_DIM4 + lid] = out_store(select(a / l, vec4<f32>(0.0), l == 0.0));
             } else {
                 let o = (seq * p.num_heads + hq) * p.num_partitions + part;
-                out[o * HEAD_DIM4 + lid] = a;
+                out[o * HEAD_DIM4 + lid] = out_store(a);
                 if lid == 0u {
                     out_ml[o] = vec2<f32>(m_sh[r], l);
                 }

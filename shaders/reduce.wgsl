@@ -8,7 +8,7 @@
 // [num_seqs][num_heads][num_partitions]
 @group(0) @binding(2) var<storage, read> part_ml: array<vec2<f32>>;
 // [num_seqs][num_heads][HEAD_DIM4]
-@group(0) @binding(3) var<storage, read_write> out: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read_write> out: array<OUT4>;
 
 @compute @workgroup_size(64)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) c: u32) {
@@ -31,5 +31,5 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) c
             a += part_acc[(o * np + i) * HEAD_DIM4 + c] * w;
         }
     }
-    out[o * HEAD_DIM4 + c] = select(a / l, vec4<f32>(0.0), l == 0.0);
+    out[o * HEAD_DIM4 + c] = out_store(select(a / l, vec4<f32>(0.0), l == 0.0));
 }

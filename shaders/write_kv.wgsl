@@ -4,8 +4,8 @@
 
 @group(0) @binding(0) var<uniform> params: WriteKvParams;
 // [num_tokens][num_kv_heads][HEAD_DIM4], rows kv_stride vec4s apart when set
-@group(0) @binding(1) var<storage, read> k_new: array<vec4<f32>>;
-@group(0) @binding(2) var<storage, read> v_new: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read> k_new: array<ACT4>;
+@group(0) @binding(2) var<storage, read> v_new: array<ACT4>;
 @group(0) @binding(3) var<storage, read> slots: array<u32>;
 @group(0) @binding(4) var<storage, read_write> k_pool: array<KV4>;
 @group(0) @binding(5) var<storage, read_write> v_pool: array<KV4>;
@@ -29,7 +29,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
     let dst = ((slot / BLOCK_SIZE * params.num_kv_heads + h) * BLOCK_SIZE + slot % BLOCK_SIZE) * HEAD_DIM4 + c;
     if dst < arrayLength(&k_pool) {
         let src = select(i, tok * params.kv_stride + rem, params.kv_stride != 0u);
-        k_pool[dst] = kv_store(k_new[src]);
-        v_pool[dst] = kv_store(v_new[src]);
+        k_pool[dst] = kv_store(act_load(k_new[src]));
+        v_pool[dst] = kv_store(act_load(v_new[src]));
     }
 }

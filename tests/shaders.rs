@@ -22,14 +22,20 @@ fn shapes() -> Vec<ShaderShape> {
         for dtype in [KvDtype::F32, KvDtype::F16] {
             for block_size in [1, 16, 256] {
                 for (qtile, paged) in [(1, true), (4, true), (1, false)] {
-                    v.push(ShaderShape {
-                        head_dim,
-                        group,
-                        block_size,
-                        dtype,
-                        qtile,
-                        paged,
-                    });
+                    // Activations: f32, f16 in and out, f16 in with f32
+                    // split-K partials out.
+                    for (q_f16, out_f16) in [(false, false), (true, true), (true, false)] {
+                        v.push(ShaderShape {
+                            head_dim,
+                            group,
+                            block_size,
+                            dtype,
+                            qtile,
+                            paged,
+                            q_f16,
+                            out_f16,
+                        });
+                    }
                 }
             }
         }
@@ -146,6 +152,8 @@ fn param_struct_sizes_match_wgsl() {
         dtype: KvDtype::F32,
         qtile: 1,
         paged: true,
+        q_f16: false,
+        out_f16: false,
     };
     let (module, _) = parse("attention", &shape);
     let mut layouter = naga::proc::Layouter::default();
@@ -174,6 +182,8 @@ fn a_broken_shader_is_rejected() {
         dtype: KvDtype::F32,
         qtile: 1,
         paged: true,
+        q_f16: false,
+        out_f16: false,
     };
     let src = source("copy_blocks", &shape)
         .unwrap()

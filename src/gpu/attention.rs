@@ -381,6 +381,8 @@ impl PagedAttention {
             dtype: c.dtype,
             qtile: 1,
             paged,
+            q_f16: false,
+            out_f16: false,
         };
         let need = shader::attention_workgroup_bytes(&shape);
         let have = gpu.limits.max_compute_workgroup_storage_size;

@@ -258,6 +258,8 @@ impl KvCache {
             dtype: cfg.dtype,
             qtile: 1,
             paged: true,
+            q_f16: false,
+            out_f16: false,
         };
         let write_kv = pipeline(gpu, "write_kv", &shape)?;
         let copy_blocks = pipeline(gpu, "copy_blocks", &shape)?;

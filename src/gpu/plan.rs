@@ -23,13 +23,37 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::attention::{pack_into, PackedMeta};
-use super::kv_cache::{bind_ranges, dispatch, grid_1d};
+use super::kv_cache::{bind_ranges, dispatch, grid_1d, pipeline};
+use super::shader::ShaderShape;
 use super::{check_csr_tables, params, AttnOptions, Gpu, GpuError, KvCache, PagedAttention};
 
 /// A fresh id for a kernel object or plan owner.
 pub(crate) fn next_id() -> u64 {
     static NEXT: AtomicU64 = AtomicU64::new(1);
     NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// Element type of the activations an engine hands over (Q, new K/V) and
+/// receives (attention output).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum ActDtype {
+    /// 32-bit floats.
+    #[default]
+    F32,
+    /// IEEE half floats: the bytes of an `f16` array. Read and written as
+    /// pairs packed in `u32` (`unpack2x16float`), so no `shader-f16`
+    /// feature is needed; accumulation stays f32.
+    F16,
+}
+
+impl ActDtype {
+    /// Bytes per element.
+    pub fn bytes(self) -> u64 {
+        match self {
+            ActDtype::F32 => 4,
+            ActDtype::F16 => 2,
+        }
+    }
 }
 
 /// A buffer the library owns and reuses, reallocated (to twice what is
@@ -190,6 +214,7 @@ enum Kind {
 struct GroupKey {
     layer: u32,
     variant: usize,
+    act: ActDtype,
     /// Bind groups belong to one pipeline's layout.
     prefill: bool,
     split: bool,
@@ -214,16 +239,29 @@ pub struct AttentionPlan {
     splits: Vec<(u32, u32)>,
     params: Vec<wgpu::Buffer>,
     q_stride: u32,
+    act: ActDtype,
+    /// Pipelines for this plan's activations: (unsplit or prefill,
+    /// split-K partials, reduce).
+    pipes: Option<[wgpu::ComputePipeline; 3]>,
     groups: HashMap<GroupKey, wgpu::BindGroup>,
     kv_bytes: u64,
 }
 
 impl AttentionPlan {
-    /// Floats from one query's row of Q to the next, for Q read straight
+    /// The element type of Q and of the output (default f32). Takes effect
+    /// at the next `plan_decode` / `plan_prefill`.
+    pub fn set_activations(&mut self, act: ActDtype) {
+        self.act = act;
+        self.kind = None;
+    }
+
+    /// Elements from one query's row of Q to the next, for Q read straight
     /// from a fused QKV output; `None` (the default): rows are packed,
-    /// `num_heads * head_dim` apart. A multiple of 4, at least that.
+    /// `num_heads * head_dim` apart. A multiple of 4, at least that. Takes
+    /// effect at the next plan (the plan must be made again).
     pub fn set_q_stride(&mut self, floats: Option<u32>) {
         self.q_stride = floats.unwrap_or(0);
+        self.kind = None;
     }
 
     /// Query rows the plan covers (sequences for decode).
@@ -260,9 +298,60 @@ impl PagedAttention {
             splits: Vec::new(),
             params: Vec::new(),
             q_stride: 0,
+            act: ActDtype::F32,
+            pipes: None,
             groups: HashMap::new(),
             kv_bytes: 0,
         }
+    }
+
+    /// The pipelines a plan of `act` activations and `kind` runs.
+    fn pipes_for(
+        &self,
+        gpu: &Gpu,
+        act: ActDtype,
+        prefill: bool,
+    ) -> Result<[wgpu::ComputePipeline; 3], GpuError> {
+        let f16 = act == ActDtype::F16;
+        let base = ShaderShape {
+            q_f16: f16,
+            out_f16: f16,
+            ..if prefill {
+                self.prefill_shape
+            } else {
+                ShaderShape {
+                    qtile: 1,
+                    ..self.prefill_shape
+                }
+            }
+        };
+        if !f16 {
+            let main = if prefill {
+                self.prefill_pipeline(gpu)?.clone()
+            } else {
+                self.decode.clone()
+            };
+            return Ok([main, self.decode.clone(), self.reduce.clone()]);
+        }
+        let main = pipeline(gpu, "attention", &base)?;
+        let split = pipeline(
+            gpu,
+            "attention",
+            &ShaderShape {
+                out_f16: false,
+                ..base
+            },
+        )?;
+        let reduce = pipeline(
+            gpu,
+            "reduce",
+            &ShaderShape {
+                qtile: 1,
+                q_f16: false,
+                ..base
+            },
+        )?;
+        Ok([main, split, reduce])
     }
 
     /// Compiles every pipeline this kernel can use now (prefill's included),
@@ -424,7 +513,9 @@ impl PagedAttention {
             }
             splits.push((pt, parts));
         }
+        let pipes = self.pipes_for(gpu, plan.act, qo_indptr.is_some())?;
         // GPU side: nothing above failed, so the plan can change now.
+        plan.pipes = Some(pipes);
         let mut regrown = plan
             .tables
             .ensure(gpu, "plan tables", plan.words.len() as u64 * 4)?;
@@ -521,11 +612,12 @@ impl PagedAttention {
         }
         let [k, v] = cache.layer(layer)?;
         let nq = plan.num_queries as u64;
-        let row = self.num_heads as u64 * self.head_dim as u64 * 4;
+        let elem = plan.act.bytes();
+        let row = self.num_heads as u64 * self.head_dim as u64 * elem;
         let stride = if plan.q_stride == 0 {
             row
         } else {
-            plan.q_stride as u64 * 4
+            plan.q_stride as u64 * elem
         };
         let q_need = if nq == 0 { 0 } else { (nq - 1) * stride + row };
         check_binding(gpu, "q", q, q_need)?;
@@ -541,9 +633,11 @@ impl PagedAttention {
             return Ok(());
         }
         let (pt, parts) = plan.splits[variant];
+        let [main, split_pipe, reduce] = plan.pipes.clone().expect("planned");
         let key = GroupKey {
             layer,
             variant,
+            act: plan.act,
             prefill: kind == Kind::Prefill,
             split: pt != 0,
             q: RangeKey::of(q),
@@ -557,7 +651,7 @@ impl PagedAttention {
         let n = plan.meta.num_seqs;
         match kind {
             Kind::Prefill => {
-                let pipe = self.prefill_pipeline(gpu)?;
+                let pipe = &main;
                 let bg = plan.groups.entry(key).or_insert_with(|| {
                     bind_ranges(
                         gpu,
@@ -587,7 +681,7 @@ impl PagedAttention {
                 let bg = plan.groups.entry(key).or_insert_with(|| {
                     bind_ranges(
                         gpu,
-                        &self.decode,
+                        &main,
                         &[
                             params,
                             q.clone(),
@@ -599,7 +693,7 @@ impl PagedAttention {
                         ],
                     )
                 });
-                dispatch(enc, "decode", &self.decode, bg, (n, self.num_kv_heads, 1));
+                dispatch(enc, "decode", &main, bg, (n, self.num_kv_heads, 1));
             }
             Kind::Decode => {
                 let acc = plan.acc.get().as_entire_buffer_binding();
@@ -607,7 +701,7 @@ impl PagedAttention {
                 let bg = plan.groups.entry(key.clone()).or_insert_with(|| {
                     bind_ranges(
                         gpu,
-                        &self.decode,
+                        &split_pipe,
                         &[
                             params.clone(),
                             q.clone(),
@@ -622,7 +716,7 @@ impl PagedAttention {
                 dispatch(
                     enc,
                     "decode split",
-                    &self.decode,
+                    &split_pipe,
                     bg,
                     (n, self.num_kv_heads, parts),
                 );
@@ -631,10 +725,11 @@ impl PagedAttention {
                     variant: usize::MAX - variant,
                     ..key
                 };
-                let bg = plan.groups.entry(rkey).or_insert_with(|| {
-                    bind_ranges(gpu, &self.reduce, &[params, acc, ml, out.clone()])
-                });
-                dispatch(enc, "reduce", &self.reduce, bg, (n, self.num_heads, 1));
+                let bg = plan
+                    .groups
+                    .entry(rkey)
+                    .or_insert_with(|| bind_ranges(gpu, &reduce, &[params, acc, ml, out.clone()]));
+                dispatch(enc, "reduce", &reduce, bg, (n, self.num_heads, 1));
             }
         }
         Ok(())
@@ -644,6 +739,7 @@ impl PagedAttention {
 #[derive(Clone, PartialEq, Eq, Hash)]
 struct WriteKey {
     layer: u32,
+    act: ActDtype,
     k: RangeKey,
     v: RangeKey,
 }
@@ -656,6 +752,8 @@ pub struct WritePlan {
     num_tokens: u32,
     num_copies: u32,
     kv_stride: u32,
+    act: ActDtype,
+    write_pipe: Option<wgpu::ComputePipeline>,
     slots: Grow,
     copies: Grow,
     write_params: Option<wgpu::Buffer>,
@@ -665,11 +763,20 @@ pub struct WritePlan {
 }
 
 impl WritePlan {
-    /// Floats from one token's K (and V) row to the next, for K and V read
-    /// straight from a fused QKV output; `None`: packed rows
+    /// Elements from one token's K (and V) row to the next, for K and V
+    /// read straight from a fused QKV output; `None`: packed rows
     /// (`num_kv_heads * head_dim` apart). A multiple of 4, at least that.
+    /// Takes effect at the next `plan_write`.
     pub fn set_kv_stride(&mut self, floats: Option<u32>) {
         self.kv_stride = floats.unwrap_or(0);
+        self.planned = false;
+    }
+
+    /// The element type of the new K and V rows (default f32; the pool keeps
+    /// its own `KvDtype`). Takes effect at the next `plan_write`.
+    pub fn set_activations(&mut self, act: ActDtype) {
+        self.act = act;
+        self.planned = false;
     }
 }
 
@@ -682,6 +789,8 @@ impl KvCache {
             num_tokens: 0,
             num_copies: 0,
             kv_stride: 0,
+            act: ActDtype::F32,
+            write_pipe: None,
             slots: Grow::default(),
             copies: Grow::default(),
             write_params: None,
@@ -737,6 +846,24 @@ impl KvCache {
                 copies.len()
             ));
         }
+        let write_pipe = match plan.act {
+            ActDtype::F32 => self.write_kv.clone(),
+            ActDtype::F16 => pipeline(
+                gpu,
+                "write_kv",
+                &ShaderShape {
+                    head_dim: self.cfg.head_dim,
+                    group: 1,
+                    block_size: self.cfg.block_size,
+                    dtype: self.cfg.dtype,
+                    qtile: 1,
+                    paged: true,
+                    q_f16: true,
+                    out_f16: false,
+                },
+            )?,
+        };
+        plan.write_pipe = Some(write_pipe);
         if plan
             .slots
             .ensure(gpu, "plan slots", slots.len() as u64 * 4)?
@@ -850,11 +977,12 @@ impl KvCache {
         self.check_plan(gpu, plan)?;
         let [kp, vp] = self.layer(layer)?;
         let n = plan.num_tokens as u64;
-        let row = self.cfg.num_kv_heads as u64 * self.cfg.head_dim as u64 * 4;
+        let elem = plan.act.bytes();
+        let row = self.cfg.num_kv_heads as u64 * self.cfg.head_dim as u64 * elem;
         let stride = if plan.kv_stride == 0 {
             row
         } else {
-            plan.kv_stride as u64 * 4
+            plan.kv_stride as u64 * elem
         };
         let need = if n == 0 { 0 } else { (n - 1) * stride + row };
         check_binding(gpu, "k", k, need)?;
@@ -867,15 +995,21 @@ impl KvCache {
         }
         let key = WriteKey {
             layer,
+            act: plan.act,
             k: RangeKey::of(k),
             v: RangeKey::of(v),
         };
         let params = plan.write_params.as_ref().expect("planned");
+        let Some(pipe) = plan.write_pipe.as_ref() else {
+            return Err(GpuError::InvalidArgument(
+                "the plan holds no step: plan_write first".into(),
+            ));
+        };
         let slots = plan.slots.get();
         let bg = plan.write_groups.entry(key).or_insert_with(|| {
             bind_ranges(
                 gpu,
-                &self.write_kv,
+                pipe,
                 &[
                     params.as_entire_buffer_binding(),
                     k.clone(),
@@ -887,7 +1021,7 @@ impl KvCache {
             )
         });
         let (x, y) = grid_1d(n * self.cfg.num_kv_heads as u64 * self.cfg.head_dim as u64 / 4);
-        dispatch(enc, "write_kv", &self.write_kv, bg, (x, y, 1));
+        dispatch(enc, "write_kv", pipe, bg, (x, y, 1));
         Ok(())
     }
 }

@@ -306,6 +306,8 @@ impl StreamRead {
             dtype: KvDtype::F32,
             qtile: 1,
             paged: true,
+            q_f16: false,
+            out_f16: false,
         };
         let pipe = pagedattn::gpu::kv_cache_pipeline(gpu, "stream_read", &shape)?;
         let sink = gpu.storage("sink", 16)?;
