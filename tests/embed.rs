@@ -774,3 +774,90 @@ fn f16_activations_in_and_out() {
         }
     }
 }
+
+/// A buffer of another device of the same instance is refused on the call
+/// (wgpu's validation, caught in the library's scope), not a panic or an
+/// error raised later; the plan still works with the right buffers
+/// afterwards. (A buffer of another *instance* cannot be told apart through
+/// wgpu 30's API: see ARCHITECTURE.md.)
+#[test]
+fn a_buffer_of_another_device_is_refused() {
+    let inst = wgpu::Instance::new({
+        let mut d = wgpu::InstanceDescriptor::new_without_display_handle();
+        d.backends = pagedattn::gpu::backends_from_env().unwrap().0;
+        d
+    });
+    let Ok(adapter) = pollster::block_on(inst.request_adapter(&Default::default())) else {
+        gpu();
+        return;
+    };
+    let open = || {
+        pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+            required_limits: adapter.limits(),
+            ..Default::default()
+        }))
+        .unwrap()
+    };
+    let ((device, queue), (other_device, _)) = (open(), open());
+    let gpu = Gpu::from_device(&device, &queue);
+    gpu.watch();
+    let cfg = KvCacheConfig {
+        num_layers: 1,
+        num_blocks: 8,
+        block_size: BS,
+        num_kv_heads: KVH,
+        head_dim: HD,
+        dtype: KvDtype::F32,
+    };
+    let cache = KvCache::new(&gpu, cfg).unwrap();
+    let attn = PagedAttention::new(&gpu, &cache, HEADS).unwrap();
+    let mut aplan = attn.plan();
+    let tables = DecodeTables {
+        kv_indptr: &[0, 1],
+        kv_indices: &[3],
+        seq_lens: &[9],
+    };
+    attn.plan_decode(&gpu, &mut aplan, &tables, &[AttnOptions::default()])
+        .unwrap();
+    let bytes = (HEADS * HD * 4) as u64;
+    let buf = |d: &wgpu::Device| {
+        d.create_buffer(&wgpu::BufferDescriptor {
+            label: None,
+            size: bytes,
+            usage: wgpu::BufferUsages::STORAGE,
+            mapped_at_creation: false,
+        })
+    };
+    let (q, out, foreign) = (buf(&device), buf(&device), buf(&other_device));
+    let mut enc = gpu.device.create_command_encoder(&Default::default());
+    let r = attn.run(
+        &gpu,
+        &mut enc,
+        &mut aplan,
+        &cache,
+        0,
+        0,
+        &foreign.as_entire_buffer_binding(),
+        &out.as_entire_buffer_binding(),
+    );
+    match r {
+        Err(GpuError::InvalidArgument(m)) => assert!(m.contains("another"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    attn.run(
+        &gpu,
+        &mut enc,
+        &mut aplan,
+        &cache,
+        0,
+        0,
+        &q.as_entire_buffer_binding(),
+        &out.as_entire_buffer_binding(),
+    )
+    .unwrap();
+    gpu.queue.submit([enc.finish()]);
+    assert!(
+        gpu.wait().is_ok(),
+        "nothing left for the uncaptured handler"
+    );
+}

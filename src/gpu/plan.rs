@@ -93,6 +93,36 @@ impl RangeKey {
     }
 }
 
+/// A bind group of an engine's buffer ranges, made in an error scope so
+/// that a buffer wgpu refuses (one from another device or instance, say)
+/// is an error on this call, not a panic or an error for someone else.
+fn bind_checked(
+    gpu: &Gpu,
+    pipeline: &wgpu::ComputePipeline,
+    bindings: &[wgpu::BufferBinding],
+) -> Result<wgpu::BindGroup, GpuError> {
+    #[cfg(not(target_arch = "wasm32"))]
+    {
+        let made = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            gpu.scoped_blocking(|| bind_ranges(gpu, pipeline, bindings))
+        }));
+        match made {
+            Ok(Ok(bg)) => Ok(bg),
+            Ok(Err(GpuError::Validation(m))) => Err(GpuError::InvalidArgument(format!(
+                "wgpu refused the bindings (a buffer from another device?): {m}"
+            ))),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(GpuError::InvalidArgument(
+                "wgpu could not resolve a buffer: one from another instance or device".into(),
+            )),
+        }
+    }
+    #[cfg(target_arch = "wasm32")]
+    {
+        Ok(bind_ranges(gpu, pipeline, bindings))
+    }
+}
+
 /// Bytes a binding covers.
 fn binding_bytes(b: &wgpu::BufferBinding) -> u64 {
     match b.size {
@@ -652,8 +682,9 @@ impl PagedAttention {
         match kind {
             Kind::Prefill => {
                 let pipe = &main;
-                let bg = plan.groups.entry(key).or_insert_with(|| {
-                    bind_ranges(
+                if !plan.groups.contains_key(&key) {
+                    let made = {
+                    bind_checked(
                         gpu,
                         pipe,
                         &[
@@ -666,7 +697,10 @@ impl PagedAttention {
                             self.unused_ml.as_entire_buffer_binding(),
                         ],
                     )
-                });
+                    }?;
+                    plan.groups.insert(key.clone(), made);
+                }
+                let bg = &plan.groups[&key];
                 if plan.meta.num_tiles > 0 {
                     dispatch(
                         enc,
@@ -678,8 +712,9 @@ impl PagedAttention {
                 }
             }
             Kind::Decode if pt == 0 => {
-                let bg = plan.groups.entry(key).or_insert_with(|| {
-                    bind_ranges(
+                if !plan.groups.contains_key(&key) {
+                    let made = {
+                    bind_checked(
                         gpu,
                         &main,
                         &[
@@ -692,14 +727,18 @@ impl PagedAttention {
                             self.unused_ml.as_entire_buffer_binding(),
                         ],
                     )
-                });
+                    }?;
+                    plan.groups.insert(key.clone(), made);
+                }
+                let bg = &plan.groups[&key];
                 dispatch(enc, "decode", &main, bg, (n, self.num_kv_heads, 1));
             }
             Kind::Decode => {
                 let acc = plan.acc.get().as_entire_buffer_binding();
                 let ml = plan.ml.get().as_entire_buffer_binding();
-                let bg = plan.groups.entry(key.clone()).or_insert_with(|| {
-                    bind_ranges(
+                if !plan.groups.contains_key(&key) {
+                    let made = {
+                    bind_checked(
                         gpu,
                         &split_pipe,
                         &[
@@ -712,7 +751,10 @@ impl PagedAttention {
                             ml.clone(),
                         ],
                     )
-                });
+                    }?;
+                    plan.groups.insert(key.clone(), made);
+                }
+                let bg = &plan.groups[&key];
                 dispatch(
                     enc,
                     "decode split",
@@ -725,10 +767,11 @@ impl PagedAttention {
                     variant: usize::MAX - variant,
                     ..key
                 };
-                let bg = plan
-                    .groups
-                    .entry(rkey)
-                    .or_insert_with(|| bind_ranges(gpu, &reduce, &[params, acc, ml, out.clone()]));
+                if !plan.groups.contains_key(&rkey) {
+                    let made = bind_checked(gpu, &reduce, &[params, acc, ml, out.clone()])?;
+                    plan.groups.insert(rkey.clone(), made);
+                }
+                let bg = &plan.groups[&rkey];
                 dispatch(enc, "reduce", &reduce, bg, (n, self.num_heads, 1));
             }
         }
@@ -1006,8 +1049,9 @@ impl KvCache {
             ));
         };
         let slots = plan.slots.get();
-        let bg = plan.write_groups.entry(key).or_insert_with(|| {
-            bind_ranges(
+        if !plan.write_groups.contains_key(&key) {
+            let made = {
+            bind_checked(
                 gpu,
                 pipe,
                 &[
@@ -1019,7 +1063,10 @@ impl KvCache {
                     vp.as_entire_buffer_binding(),
                 ],
             )
-        });
+            }?;
+            plan.write_groups.insert(key.clone(), made);
+        }
+        let bg = &plan.write_groups[&key];
         let (x, y) = grid_1d(n * self.cfg.num_kv_heads as u64 * self.cfg.head_dim as u64 / 4);
         dispatch(enc, "write_kv", pipe, bg, (x, y, 1));
         Ok(())
