@@ -684,19 +684,19 @@ impl PagedAttention {
                 let pipe = &main;
                 if !plan.groups.contains_key(&key) {
                     let made = {
-                    bind_checked(
-                        gpu,
-                        pipe,
-                        &[
-                            params,
-                            q.clone(),
-                            k.as_entire_buffer_binding(),
-                            v.as_entire_buffer_binding(),
-                            tables,
-                            out.clone(),
-                            self.unused_ml.as_entire_buffer_binding(),
-                        ],
-                    )
+                        bind_checked(
+                            gpu,
+                            pipe,
+                            &[
+                                params,
+                                q.clone(),
+                                k.as_entire_buffer_binding(),
+                                v.as_entire_buffer_binding(),
+                                tables,
+                                out.clone(),
+                                self.unused_ml.as_entire_buffer_binding(),
+                            ],
+                        )
                     }?;
                     plan.groups.insert(key.clone(), made);
                 }
@@ -714,19 +714,19 @@ impl PagedAttention {
             Kind::Decode if pt == 0 => {
                 if !plan.groups.contains_key(&key) {
                     let made = {
-                    bind_checked(
-                        gpu,
-                        &main,
-                        &[
-                            params,
-                            q.clone(),
-                            k.as_entire_buffer_binding(),
-                            v.as_entire_buffer_binding(),
-                            tables,
-                            out.clone(),
-                            self.unused_ml.as_entire_buffer_binding(),
-                        ],
-                    )
+                        bind_checked(
+                            gpu,
+                            &main,
+                            &[
+                                params,
+                                q.clone(),
+                                k.as_entire_buffer_binding(),
+                                v.as_entire_buffer_binding(),
+                                tables,
+                                out.clone(),
+                                self.unused_ml.as_entire_buffer_binding(),
+                            ],
+                        )
                     }?;
                     plan.groups.insert(key.clone(), made);
                 }
@@ -738,19 +738,19 @@ impl PagedAttention {
                 let ml = plan.ml.get().as_entire_buffer_binding();
                 if !plan.groups.contains_key(&key) {
                     let made = {
-                    bind_checked(
-                        gpu,
-                        &split_pipe,
-                        &[
-                            params.clone(),
-                            q.clone(),
-                            k.as_entire_buffer_binding(),
-                            v.as_entire_buffer_binding(),
-                            tables,
-                            acc.clone(),
-                            ml.clone(),
-                        ],
-                    )
+                        bind_checked(
+                            gpu,
+                            &split_pipe,
+                            &[
+                                params.clone(),
+                                q.clone(),
+                                k.as_entire_buffer_binding(),
+                                v.as_entire_buffer_binding(),
+                                tables,
+                                acc.clone(),
+                                ml.clone(),
+                            ],
+                        )
                     }?;
                     plan.groups.insert(key.clone(), made);
                 }
@@ -1051,18 +1051,18 @@ impl KvCache {
         let slots = plan.slots.get();
         if !plan.write_groups.contains_key(&key) {
             let made = {
-            bind_checked(
-                gpu,
-                pipe,
-                &[
-                    params.as_entire_buffer_binding(),
-                    k.clone(),
-                    v.clone(),
-                    slots.as_entire_buffer_binding(),
-                    kp.as_entire_buffer_binding(),
-                    vp.as_entire_buffer_binding(),
-                ],
-            )
+                bind_checked(
+                    gpu,
+                    pipe,
+                    &[
+                        params.as_entire_buffer_binding(),
+                        k.clone(),
+                        v.clone(),
+                        slots.as_entire_buffer_binding(),
+                        kp.as_entire_buffer_binding(),
+                        vp.as_entire_buffer_binding(),
+                    ],
+                )
             }?;
             plan.write_groups.insert(key.clone(), made);
         }
