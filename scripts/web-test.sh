@@ -37,7 +37,7 @@ done
 # PAGEDATTN_WEB_REPEAT=N runs it N times in a row (a flake hunt); any failure fails.
 repeat=${PAGEDATTN_WEB_REPEAT:-1}
 for i in $(seq "$repeat"); do
-  [ "$repeat" -gt 1 ] && echo "== browser test run $i of $repeat"
+  if [ "$repeat" -gt 1 ]; then echo "== browser test run $i of $repeat"; fi
   timeout 180 node web/test/e2e.mjs "http://127.0.0.1:$port/"
 done
-[ "$repeat" -gt 1 ] && echo "browser test: $repeat runs in a row passed"
+if [ "$repeat" -gt 1 ]; then echo "browser test: $repeat runs in a row passed"; fi
