@@ -679,61 +679,36 @@ impl PagedAttention {
         let params = plan.params[variant].as_entire_buffer_binding();
         let tables = plan.tables.get().as_entire_buffer_binding();
         let n = plan.meta.num_seqs;
-        match kind {
-            Kind::Prefill => {
-                let pipe = &main;
+        match (kind, pt) {
+            // One pass writes the output: prefill, and unsplit decode.
+            (Kind::Prefill, _) | (Kind::Decode, 0) => {
                 if !plan.groups.contains_key(&key) {
-                    let made = {
-                        bind_checked(
-                            gpu,
-                            pipe,
-                            &[
-                                params,
-                                q.clone(),
-                                k.as_entire_buffer_binding(),
-                                v.as_entire_buffer_binding(),
-                                tables,
-                                out.clone(),
-                                self.unused_ml.as_entire_buffer_binding(),
-                            ],
-                        )
-                    }?;
+                    let made = bind_checked(
+                        gpu,
+                        &main,
+                        &[
+                            params,
+                            q.clone(),
+                            k.as_entire_buffer_binding(),
+                            v.as_entire_buffer_binding(),
+                            tables,
+                            out.clone(),
+                            self.unused_ml.as_entire_buffer_binding(),
+                        ],
+                    )?;
                     plan.groups.insert(key.clone(), made);
                 }
                 let bg = &plan.groups[&key];
-                if plan.meta.num_tiles > 0 {
-                    dispatch(
-                        enc,
-                        "prefill",
-                        pipe,
-                        bg,
-                        (plan.meta.num_tiles, self.num_kv_heads, 1),
-                    );
+                if kind == Kind::Prefill {
+                    if plan.meta.num_tiles > 0 {
+                        let grid = (plan.meta.num_tiles, self.num_kv_heads, 1);
+                        dispatch(enc, "prefill", &main, bg, grid);
+                    }
+                } else {
+                    dispatch(enc, "decode", &main, bg, (n, self.num_kv_heads, 1));
                 }
             }
-            Kind::Decode if pt == 0 => {
-                if !plan.groups.contains_key(&key) {
-                    let made = {
-                        bind_checked(
-                            gpu,
-                            &main,
-                            &[
-                                params,
-                                q.clone(),
-                                k.as_entire_buffer_binding(),
-                                v.as_entire_buffer_binding(),
-                                tables,
-                                out.clone(),
-                                self.unused_ml.as_entire_buffer_binding(),
-                            ],
-                        )
-                    }?;
-                    plan.groups.insert(key.clone(), made);
-                }
-                let bg = &plan.groups[&key];
-                dispatch(enc, "decode", &main, bg, (n, self.num_kv_heads, 1));
-            }
-            Kind::Decode => {
+            (Kind::Decode, _) => {
                 let acc = plan.acc.get().as_entire_buffer_binding();
                 let ml = plan.ml.get().as_entire_buffer_binding();
                 if !plan.groups.contains_key(&key) {
