@@ -359,6 +359,7 @@ impl PagedAttention {
         num_heads: u32,
         paged: bool,
     ) -> Result<Self, GpuError> {
+        let _serial = gpu.serial();
         gpu.alive()?;
         let c = cache.config();
         if num_heads == 0 || !num_heads.is_multiple_of(c.num_kv_heads) {
@@ -415,6 +416,7 @@ impl PagedAttention {
     }
 
     pub(super) fn prefill_pipeline(&self, gpu: &Gpu) -> Result<&wgpu::ComputePipeline, GpuError> {
+        let _serial = gpu.serial();
         if let Some(p) = self.prefill.get() {
             return Ok(p);
         }
@@ -563,6 +565,7 @@ impl PagedAttention {
         out: &wgpu::Buffer,
         opts: &AttnOptions,
     ) -> Result<(), GpuError> {
+        let _serial = gpu.serial();
         self.check_call(gpu, cache, opts, Some(tables))?;
         let [k, v] = cache.layer(layer)?;
         if tables.qo_off == 0 {
@@ -611,6 +614,7 @@ impl PagedAttention {
         seq_lens: &[u32],
         opts: &AttnOptions,
     ) -> Result<Vec<f32>, GpuError> {
+        let _serial = gpu.serial();
         self.check_call(gpu, cache, opts, None)?;
         cache.layer(layer)?;
         self.check_tables(kv_indptr, kv_indices, seq_lens)?;
@@ -708,6 +712,7 @@ impl PagedAttention {
         out: &wgpu::Buffer,
         opts: &AttnOptions,
     ) -> Result<(), GpuError> {
+        let _serial = gpu.serial();
         self.check_call(gpu, cache, opts, Some(tables))?;
         let [k, v] = cache.layer(layer)?;
         let n = tables.num_seqs;
@@ -790,6 +795,7 @@ impl PagedAttention {
         seq_lens: &[u32],
         opts: &AttnOptions,
     ) -> Result<Vec<f32>, GpuError> {
+        let _serial = gpu.serial();
         let (out, bytes) = gpu.scoped_try(|| {
             self.submit_decode(gpu, cache, layer, q, kv_indptr, kv_indices, seq_lens, opts)
         })?;

@@ -44,6 +44,28 @@ pub struct Gpu {
         >,
     >,
     counts: std::sync::Arc<Counts>,
+    /// Held by the library's calls on the GL backend (see [`Gpu::serial`]).
+    gl_lock: std::sync::Arc<std::sync::Mutex<()>>,
+}
+
+thread_local! {
+    /// Whether this thread holds some `Gpu`'s GL lock (the lock is
+    /// re-entrant per thread: library calls nest).
+    static GL_HELD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Held for the length of a library call on the GL backend; see
+/// [`Gpu::serial`].
+pub struct Serial<'a> {
+    _guard: Option<std::sync::MutexGuard<'a, ()>>,
+}
+
+impl Drop for Serial<'_> {
+    fn drop(&mut self) {
+        if self._guard.is_some() {
+            GL_HELD.with(|h| h.set(false));
+        }
+    }
 }
 
 /// GPU objects the library created through one `Gpu` (and its clones), from
@@ -187,6 +209,7 @@ impl Gpu {
             health: Default::default(),
             pipelines: Default::default(),
             counts: Default::default(),
+            gl_lock: Default::default(),
         };
         gpu.watch();
         Ok(gpu)
@@ -207,6 +230,7 @@ impl Gpu {
             health: Default::default(),
             pipelines: Default::default(),
             counts: Default::default(),
+            gl_lock: Default::default(),
         }
     }
 
@@ -226,6 +250,19 @@ impl Gpu {
         self.device.set_device_lost_callback(move |reason, msg| {
             *lock(&h.lost) = Some(format!("device lost ({reason:?}): {msg}"));
         });
+    }
+
+    /// On the GL backend, serialises the library's calls across threads:
+    /// wgpu's GLES backend gives a call one second to take the GL context
+    /// and panics after that, and on software GL one shader compile holds
+    /// it for longer. Other backends: a no-op. Re-entrant on one thread.
+    pub fn serial(&self) -> Serial<'_> {
+        if self.info.backend != wgpu::Backend::Gl || GL_HELD.with(|h| h.get()) {
+            return Serial { _guard: None };
+        }
+        let g = lock(&self.gl_lock);
+        GL_HELD.with(|h| h.set(true));
+        Serial { _guard: Some(g) }
     }
 
     /// GPU objects the library created so far through this `Gpu` and its
@@ -286,6 +323,7 @@ impl Gpu {
     /// raised outside the library's scopes (that is
     /// [`take_error`](Self::take_error)'s job).
     pub fn alive(&self) -> Result<(), GpuError> {
+        let _serial = self.serial();
         if let Some(why) = lock(&self.health.lost).clone() {
             return Err(GpuError::Device(why));
         }
@@ -382,6 +420,7 @@ impl Gpu {
         label: &str,
         value: &T,
     ) -> Result<wgpu::Buffer, GpuError> {
+        let _serial = self.serial();
         self.alive()?;
         let bytes = bytemuck::bytes_of(value);
         self.count_buffer();
@@ -400,6 +439,7 @@ impl Gpu {
     /// refused here, naming the limit, before wgpu sees it; a lost device is
     /// `GpuError::Device`.
     pub fn storage(&self, label: &str, bytes: u64) -> Result<wgpu::Buffer, GpuError> {
+        let _serial = self.serial();
         self.alive()?;
         let size = bytes
             .max(16)
@@ -436,6 +476,7 @@ impl Gpu {
     /// work outside any scope (another thread's encoder, say) is never
     /// returned from a call that did not cause it.
     pub(crate) fn wait_own(&self) -> Result<(), GpuError> {
+        let _serial = self.serial();
         self.alive()?;
         #[cfg(not(target_arch = "wasm32"))]
         {
@@ -458,6 +499,7 @@ impl Gpu {
         buf: &wgpu::Buffer,
         bytes: u64,
     ) -> Result<Vec<T>, GpuError> {
+        let _serial = self.serial();
         pollster::block_on(self.read_async(buf, bytes))
     }
 
@@ -557,6 +599,7 @@ impl Gpu {
     /// [`scoped`](Self::scoped), blocking. Native only.
     #[cfg(not(target_arch = "wasm32"))]
     pub fn scoped_blocking<R>(&self, f: impl FnOnce() -> R) -> Result<R, GpuError> {
+        let _serial = self.serial();
         pollster::block_on(self.scoped(f))
     }
 }

@@ -140,6 +140,7 @@ pub fn pipeline(
     kernel: &'static str,
     shape: &ShaderShape,
 ) -> Result<wgpu::ComputePipeline, GpuError> {
+    let _serial = gpu.serial();
     gpu.alive()?;
     gpu.cached_pipeline(kernel, shape, || {
         let src = shader::source(kernel, shape)
@@ -239,6 +240,7 @@ impl KvCache {
     /// Allocates the pool. Errors name the largest `num_blocks` that would
     /// fit when the adapter's binding limit is too small.
     pub fn new(gpu: &Gpu, cfg: KvCacheConfig) -> Result<Self, GpuError> {
+        let _serial = gpu.serial();
         gpu.alive()?;
         cfg.validate()?;
         let limit = gpu.max_binding_bytes();
@@ -318,6 +320,7 @@ impl KvCache {
         slots: &wgpu::Buffer,
         num_tokens: u32,
     ) -> Result<(), GpuError> {
+        let _serial = gpu.serial();
         gpu.alive()?;
         let [k, v] = self.layer(layer)?;
         if num_tokens == 0 {
@@ -353,6 +356,7 @@ impl KvCache {
         v: &[f32],
         slots: &[u32],
     ) -> Result<(), GpuError> {
+        let _serial = gpu.serial();
         gpu.alive()?;
         self.layer(layer)?;
         let row = self.cfg.num_kv_heads as usize * self.cfg.head_dim as usize;
@@ -400,6 +404,7 @@ impl KvCache {
         copies: &wgpu::Buffer,
         num_copies: u32,
     ) -> Result<(), GpuError> {
+        let _serial = gpu.serial();
         gpu.alive()?;
         if num_copies == 0 {
             return Ok(());
@@ -427,6 +432,7 @@ impl KvCache {
 
     /// Applies a copy list `(src, dst)` to every layer in one submit.
     pub fn copy_blocks(&self, gpu: &Gpu, copies: &[[u32; 2]]) -> Result<(), GpuError> {
+        let _serial = gpu.serial();
         gpu.alive()?;
         if let Some(c) = copies
             .iter()
@@ -452,6 +458,7 @@ impl KvCache {
     /// Reads one layer's K and V pools back as f32 (f16 pools are widened).
     #[cfg(not(target_arch = "wasm32"))]
     pub fn read_layer(&self, gpu: &Gpu, layer: u32) -> Result<(Vec<f32>, Vec<f32>), GpuError> {
+        let _serial = gpu.serial();
         gpu.alive()?;
         let [k, v] = self.layer(layer)?;
         let bytes = self.cfg.layer_bytes();

@@ -387,6 +387,7 @@ impl PagedAttention {
     /// Compiles every pipeline this kernel can use now (prefill's included),
     /// so that no step pays for a compile.
     pub fn warm_up(&self, gpu: &Gpu) -> Result<(), GpuError> {
+        let _serial = gpu.serial();
         self.prefill_pipeline(gpu).map(|_| ())
     }
 
@@ -445,6 +446,7 @@ impl PagedAttention {
         qo_indptr: Option<&[u32]>,
         variants: &[AttnOptions],
     ) -> Result<(), GpuError> {
+        let _serial = gpu.serial();
         plan.kind = None;
         gpu.alive()?;
         let bad = |m: String| Err(GpuError::InvalidArgument(m));
@@ -626,6 +628,7 @@ impl PagedAttention {
         q: &wgpu::BufferBinding,
         out: &wgpu::BufferBinding,
     ) -> Result<(), GpuError> {
+        let _serial = gpu.serial();
         self.check_call(gpu, cache, &AttnOptions::default(), None)?;
         let bad = |m: String| Err(GpuError::InvalidArgument(m));
         if plan.owner != self.id {
@@ -828,6 +831,7 @@ impl KvCache {
         slots: &[u32],
         copies: &[[u32; 2]],
     ) -> Result<(), GpuError> {
+        let _serial = gpu.serial();
         plan.planned = false;
         gpu.alive()?;
         let bad = |m: String| Err(GpuError::InvalidArgument(m));
@@ -951,6 +955,7 @@ impl KvCache {
         enc: &mut wgpu::CommandEncoder,
         plan: &mut WritePlan,
     ) -> Result<(), GpuError> {
+        let _serial = gpu.serial();
         self.check_plan(gpu, plan)?;
         // Made on the first step, copies or not, so a later step's first
         // copy creates nothing.
@@ -992,6 +997,7 @@ impl KvCache {
         k: &wgpu::BufferBinding,
         v: &wgpu::BufferBinding,
     ) -> Result<(), GpuError> {
+        let _serial = gpu.serial();
         self.check_plan(gpu, plan)?;
         let [kp, vp] = self.layer(layer)?;
         let n = plan.num_tokens as u64;
