@@ -127,7 +127,9 @@ pub struct BenchReport {
 
 fn progress(cfg: &BenchConfig, msg: &str) {
     if cfg.progress {
-        eprint!("\r\x1b[2K[bench] {msg}");
+        // Not eprint!: that panics when stderr is a closed pipe.
+        use std::io::Write as _;
+        let _ = write!(std::io::stderr(), "\r\x1b[2K[bench] {msg}");
     }
 }
 
@@ -632,7 +634,8 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, GpuError> {
     progress(cfg, "write_kv / copy_blocks");
     let (wk_tps, wk_gbs, cb_ps, cb_gbs) = write_and_copy(gpu, &timer, &mut rng)?;
     if cfg.progress {
-        eprintln!("\r\x1b[2K[bench] done");
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), "\r\x1b[2K[bench] done");
     }
     Ok(BenchReport {
         adapter: gpu.describe(),
