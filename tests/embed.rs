@@ -481,21 +481,12 @@ fn engine_buffer_misuse_is_refused_before_recording() {
         "slot past the pool",
         "outside",
     );
-    // Nothing was recorded: the encoder finishes and submits cleanly.
-    gpu.queue.submit([enc.finish()]);
-    let errs: Arc<Mutex<Vec<String>>> = Default::default();
+    // Nothing was recorded: the encoder finishes and submits cleanly (the
+    // scope covers both, so a half-recorded dispatch would show here).
     let scope = gpu.device.push_error_scope(wgpu::ErrorFilter::Validation);
-    gpu.device
-        .poll(wgpu::PollType::wait_indefinitely())
-        .unwrap();
-    if let Some(err) = pollster::block_on(scope.pop()) {
-        errs.lock().unwrap().push(err.to_string());
-    }
-    assert!(
-        errs.lock().unwrap().is_empty(),
-        "{:?}",
-        errs.lock().unwrap()
-    );
+    gpu.queue.submit([enc.finish()]);
+    let err = pollster::block_on(scope.pop());
+    assert!(err.is_none(), "{err:?}");
 }
 
 /// Q, K and V read straight from one fused QKV output (rows of

@@ -450,18 +450,40 @@ impl PagedAttention {
                     ))
                 })
         };
-        let lens_off = off(&[n, 1])?;
+        off(&[n, 1])?;
         let indices_off = off(&[n, n, 1])?;
         let slopes_off = off(&[indices_off, t.indices_len])?;
         off(&[slopes_off, self.num_heads])?;
+        let meta = PackedMeta {
+            num_seqs: n,
+            indices_len: t.indices_len,
+            max_len: t.max_len,
+            qo_off: t.qo_off,
+            num_tiles: t.num_tiles,
+        };
+        Ok(self.params_for(o, &meta, partition_tokens, num_partitions, slopes_off, 0))
+    }
+
+    /// The uniform of one option set over packed tables described by
+    /// `meta` (offsets already checked), for the host, encoder and plan paths.
+    pub(super) fn params_for(
+        &self,
+        o: &AttnOptions,
+        meta: &PackedMeta,
+        partition_tokens: u32,
+        num_partitions: u32,
+        slopes_off: u32,
+        q_stride4: u32,
+    ) -> params::AttnParams {
+        let n = meta.num_seqs;
         // A sliding window at least as long as every sequence masks
         // nothing: passed as "no window", so the kernels never add it to a
         // position (any u32 window is exact).
         let window = o
             .sliding_window
-            .filter(|&w| w < t.max_len.max(1))
+            .filter(|&w| w < meta.max_len.max(1))
             .unwrap_or(0);
-        Ok(params::AttnParams {
+        params::AttnParams {
             num_seqs: n,
             num_heads: self.num_heads,
             num_kv_heads: self.num_kv_heads,
@@ -472,13 +494,13 @@ impl PagedAttention {
             alibi: o.alibi_slopes.is_some() as u32,
             partition_tokens,
             num_partitions,
-            lens_off,
-            indices_off,
-            indices_len: t.indices_len,
+            lens_off: n + 1,
+            indices_off: 2 * n + 1,
+            indices_len: meta.indices_len,
             slopes_off,
-            qo_off: t.qo_off,
-            q_stride: 0,
-        })
+            qo_off: meta.qo_off,
+            q_stride: q_stride4,
+        }
     }
 
     /// Checks what every call checks: the device is alive, `cache` is the

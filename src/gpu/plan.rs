@@ -565,31 +565,9 @@ impl PagedAttention {
         if regrown {
             plan.groups.clear();
         }
-        let n32 = meta.num_seqs;
         for (i, o) in variants.iter().enumerate() {
             let (pt, parts) = splits[i];
-            let window = o
-                .sliding_window
-                .filter(|&w| w < meta.max_len.max(1))
-                .unwrap_or(0);
-            let p = params::AttnParams {
-                num_seqs: n32,
-                num_heads: self.num_heads,
-                num_kv_heads: self.num_kv_heads,
-                num_blocks: self.num_blocks,
-                scale: o.scale.unwrap_or(1.0 / (self.head_dim as f32).sqrt()),
-                soft_cap: o.soft_cap.unwrap_or(0.0),
-                sliding_window: window,
-                alibi: o.alibi_slopes.is_some() as u32,
-                partition_tokens: pt,
-                num_partitions: parts,
-                lens_off: n32 + 1,
-                indices_off: 2 * n32 + 1,
-                indices_len: meta.indices_len,
-                slopes_off: slopes_offs[i],
-                qo_off: meta.qo_off,
-                q_stride: plan.q_stride / 4,
-            };
+            let p = self.params_for(o, &meta, pt, parts, slopes_offs[i], plan.q_stride / 4);
             gpu.queue
                 .write_buffer(&plan.params[i], 0, bytemuck::bytes_of(&p));
         }
