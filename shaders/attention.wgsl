@@ -1,9 +1,10 @@
 // Paged attention: decode (one query per sequence) and chunked prefill (a
 // causal chunk of queries per sequence), one code path.
 //
-// A workgroup serves QTILE consecutive queries of one sequence for all GROUP
-// query heads that share one kv head: NROW = QTILE * GROUP rows, so each K
-// and V row is read once per group and query tile (GQA/MQA). Tokens go in
+// A workgroup serves QTILE consecutive queries of one sequence for the HT
+// query heads of one head tile of a kv head's GQA group: NROW = QTILE * HT
+// rows, so each K and V row is read once per head tile and query tile
+// (GQA/MQA; a group of up to 16 rows is one tile, larger ones are tiled). Tokens go in
 // tiles of TILE: one thread scores one token for every row, then each row's
 // running max, sum and rescaled accumulator are updated (online softmax) and
 // the V product is fused in: the thread grid is VROWS x HEAD_DIM4, each
@@ -15,6 +16,8 @@
 // unnormalised accumulator; reduce.wgsl merges them by log-sum-exp.
 // Prefill (qo_off != 0): workgroup x is an entry of the tile list (sequence,
 // first query); the sequence's queries are the newest qo_len positions.
+// Prefill splits the same way (split-KV): partials per (query row, head).
+// Workgroup y is (kv head, head tile).
 //
 // Table entries outside the pool (or a CSR range past the indices) are
 // skipped: those tokens are masked, never read. A row with no readable token
@@ -25,7 +28,7 @@ const WG: u32 = 64u;
 const TPT: u32 = 1u;
 const TILE: u32 = WG * TPT;
 const VROWS: u32 = WG / HEAD_DIM4;
-const NROW: u32 = QTILE * GROUP;
+const NROW: u32 = QTILE * HT;
 // The row max of a tile is found by SEGS threads per row, each over TILE / SEGS scores.
 const SEGS: u32 = max(WG / NROW, 1u);
 
@@ -68,9 +71,10 @@ fn table_at(i: u32) -> u32 {
 @compute @workgroup_size(64)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let p = params;
-    let kvh = wg.y;
+    let kvh = wg.y / HTILES;
+    let hg0 = (wg.y % HTILES) * HT;
+    let h0 = kvh * GROUP + hg0;
     let part = wg.z;
-    let h0 = kvh * GROUP;
 
     // Which sequence and queries this workgroup serves.
     var seq = wg.x;
@@ -114,11 +118,12 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     }
 
     for (var i = lid; i < NROW * HEAD_DIM4; i += WG) {
-        let qi = i / (GROUP * HEAD_DIM4);
+        let qi = i / (HT * HEAD_DIM4);
+        let within = i % (HT * HEAD_DIM4);
         var v = vec4<f32>(0.0);
-        if qi < q_count {
+        if qi < q_count && hg0 + within / HEAD_DIM4 < GROUP {
             let q_stride = select(p.num_heads * HEAD_DIM4, p.q_stride, p.q_stride != 0u);
-            v = act_load(q[(q_row0 + qi) * q_stride + h0 * HEAD_DIM4 + i % (GROUP * HEAD_DIM4)]);
+            v = act_load(q[(q_row0 + qi) * q_stride + h0 * HEAD_DIM4 + within]);
         }
         q_sh[i] = v;
     }
@@ -169,13 +174,13 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
                 }
             }
             for (var r = 0u; r < NROW; r++) {
-                let qi = r / GROUP;
+                let qi = r / HT;
                 let q_pos = pos0 + qi;
                 var v = NEG_INF;
                 // q_pos - tok, never tok + window: exact for any u32 window.
                 let in_window = p.sliding_window == 0u || q_pos - tok < p.sliding_window;
                 if row != INVALID && qi < q_count && tok <= q_pos && in_window {
-                    let slope = bitcast<f32>(table_at(p.slopes_off + h0 + r % GROUP));
+                    let slope = bitcast<f32>(table_at(p.slopes_off + h0 + r % HT));
                     v = logit(p, s[r], slope, q_pos, tok);
                 }
                 sc[buf][r * TILE + t] = v;
@@ -247,19 +252,19 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
             red_l[lid] = l_run[r];
         }
         workgroupBarrier();
-        let qi = r / GROUP;
-        if lid < HEAD_DIM4 && qi < q_count {
+        let qi = r / HT;
+        if lid < HEAD_DIM4 && qi < q_count && hg0 + r % HT < GROUP {
             var a = red[lid];
             var l = red_l[0];
             for (var k = 1u; k < VROWS; k++) {
                 a += red[k * HEAD_DIM4 + lid];
                 l += red_l[k * HEAD_DIM4];
             }
-            let hq = h0 + r % GROUP;
+            let hq = h0 + r % HT;
             if p.partition_tokens == 0u {
                 out[((q_row0 + qi) * p.num_heads + hq) * HEAD_DIM4 + lid] = out_store(select(a / l, vec4<f32>(0.0), l == 0.0));
             } else {
-                let o = (seq * p.num_heads + hq) * p.num_partitions + part;
+                let o = ((q_row0 + qi) * p.num_heads + hq) * p.num_partitions + part;
                 out[o * HEAD_DIM4 + lid] = out_store(a);
                 if lid == 0u {
                     out_ml[o] = vec2<f32>(m_sh[r], l);

@@ -24,8 +24,19 @@ fn shapes() -> Vec<ShaderShape> {
                 for (qtile, paged) in [(1, true), (4, true), (1, false)] {
                     // Activations: f32, f16 in and out, f16 in with f32
                     // split-K partials out.
-                    for (q_f16, out_f16) in [(false, false), (true, true), (true, false)] {
+                    for (i, (q_f16, out_f16)) in [(false, false), (true, true), (true, false)]
+                        .into_iter()
+                        .enumerate()
+                    {
+                        // Head tiles, lanes per token and subgroups vary with
+                        // the shape (read only by the kernels that use them).
+                        let htile = [0, 1, 3][(i + block_size as usize) % 3];
+                        let lpt = pagedattn::gpu::shader::lanes_per_token(head_dim, [8, 4, 1][i]);
+                        let subgroups = i != 1 && lpt > 1;
                         v.push(ShaderShape {
+                            htile,
+                            lpt,
+                            subgroups,
                             head_dim,
                             group,
                             block_size,
@@ -49,12 +60,15 @@ fn parse(kernel: &str, shape: &ShaderShape) -> (naga::Module, ModuleInfo) {
         .unwrap_or_else(|e| panic!("{kernel} {shape:?}: {}", e.emit_to_string(&src)));
     // unpack2x16float / pack2x16float: core WGSL, which naga files under this
     // capability; wgpu grants it on every backend with downlevel SHADER_F16_IN_F32.
-    let info = Validator::new(
-        ValidationFlags::all(),
-        Capabilities::SHADER_FLOAT16_IN_FLOAT32,
-    )
-    .validate(&module)
-    .unwrap_or_else(|e| panic!("{kernel} {shape:?}: {}", e.emit_to_string(&src)));
+    let mut caps = Capabilities::SHADER_FLOAT16_IN_FLOAT32;
+    if shape.subgroups {
+        caps |= Capabilities::SUBGROUP;
+    }
+    let info = Validator::new(ValidationFlags::all(), caps)
+        .subgroup_stages(naga::valid::ShaderStages::COMPUTE)
+        .subgroup_operations(naga::valid::SubgroupOperationSet::all())
+        .validate(&module)
+        .unwrap_or_else(|e| panic!("{kernel} {shape:?}: {}", e.emit_to_string(&src)));
     (module, info)
 }
 
@@ -100,6 +114,10 @@ fn translate(kernel: &str, shape: &ShaderShape, module: &naga::Module, info: &Mo
         "HLSL {what}: no compute entry"
     );
     // GL: GLSL ES 3.10, the compute-capable version wgpu's GL backend uses.
+    // wgpu's GL backend has no subgroups, so those shapes never reach it.
+    if shape.subgroups && kernel == "attention_lanes" {
+        return;
+    }
     let glsl_opts = glsl::Options {
         version: glsl::Version::Embedded {
             version: 310,
@@ -154,6 +172,7 @@ fn param_struct_sizes_match_wgsl() {
         paged: true,
         q_f16: false,
         out_f16: false,
+        ..ShaderShape::default()
     };
     let (module, _) = parse("attention", &shape);
     let mut layouter = naga::proc::Layouter::default();
@@ -184,6 +203,7 @@ fn a_broken_shader_is_rejected() {
         paged: true,
         q_f16: false,
         out_f16: false,
+        ..ShaderShape::default()
     };
     let src = source("copy_blocks", &shape)
         .unwrap()

@@ -1,6 +1,7 @@
 //! Paged attention kernels on the GPU: decode (one query per sequence), with
 //! an optional split-K path (partitions merged by `reduce`).
 
+use super::kernel::{self, Kernel};
 use super::kv_cache::{bind, dispatch, pipeline};
 use super::shader::{self, ShaderShape};
 use super::{params, Gpu, GpuError, KvCache};
@@ -8,7 +9,10 @@ use super::{params, Gpu, GpuError, KvCache};
 /// How decode splits long sequences into partitions.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Split {
-    /// Decide per batch with [`Split::choose`].
+    /// Decide per batch, kernel and adapter
+    /// ([`PagedAttention::partition_tokens`]): split when the batch alone
+    /// would leave the device idle, and where the adapter ends long loops
+    /// early (llvmpipe), keep each pass under its cap.
     #[default]
     Auto,
     /// One workgroup per (sequence, kv head).
@@ -17,30 +21,8 @@ pub enum Split {
     Tokens(u32),
 }
 
-/// Tokens per partition chosen by `Split::Auto`.
+/// Partition tokens of the bench's fixed split configuration.
 pub const AUTO_PARTITION_TOKENS: u32 = 512;
-
-impl Split {
-    /// The rule behind `Auto`: split when the batch alone would leave the GPU
-    /// idle (fewer than 256 workgroups of (sequence, kv head)) and the longest
-    /// sequence spans at least two partitions; and always beyond 4096 tokens,
-    /// which bounds the work of one invocation (software rasterisers such as
-    /// llvmpipe stop loops after 65535 iterations per invocation).
-    pub fn choose(self, num_seqs: u32, num_kv_heads: u32, max_len: u32) -> u32 {
-        match self {
-            Split::Never => 0,
-            Split::Tokens(t) => t,
-            Split::Auto => {
-                let workgroups = num_seqs * num_kv_heads;
-                if max_len > 4096 || (workgroups < 256 && max_len >= 2 * AUTO_PARTITION_TOKENS) {
-                    AUTO_PARTITION_TOKENS
-                } else {
-                    0
-                }
-            }
-        }
-    }
-}
 
 /// The attention variant and its options.
 #[derive(Clone, Debug, PartialEq, Default)]
@@ -120,6 +102,8 @@ pub struct PackedTables {
     pub qo_off: u32,
     /// Prefill only: query tiles (workgroups).
     pub num_tiles: u32,
+    /// Query rows: `qo_indptr[n]` for prefill, the sequences for decode.
+    pub num_queries: u32,
 }
 
 impl PackedTables {
@@ -145,6 +129,7 @@ impl PackedTables {
             slopes: slopes.map(|s| s.to_vec()),
             qo_off: m.qo_off,
             num_tiles: m.num_tiles,
+            num_queries: m.num_queries,
         })
     }
 }
@@ -157,6 +142,7 @@ pub(crate) struct PackedMeta {
     pub max_len: u32,
     pub qo_off: u32,
     pub num_tiles: u32,
+    pub num_queries: u32,
 }
 
 /// [`PackedTables::pack`] into a reused vector (cleared first).
@@ -204,7 +190,7 @@ pub(crate) fn pack_into(
     if let Some(s) = slopes {
         packed.extend(s.iter().map(|x| x.to_bits()));
     }
-    let (mut qo_off, mut num_tiles) = (0u32, 0u32);
+    let (mut qo_off, mut num_tiles, mut num_queries) = (0u32, 0u32, n as u32);
     if let Some((qo, qtile)) = prefill {
         let qtile = qtile.max(1);
         qo_off = packed.len() as u32;
@@ -234,6 +220,7 @@ pub(crate) fn pack_into(
             }
         }
         num_tiles = tiles as u32;
+        num_queries = qo.get(n).copied().unwrap_or(0);
     }
     Ok(PackedMeta {
         num_seqs: n as u32,
@@ -241,6 +228,7 @@ pub(crate) fn pack_into(
         max_len: seq_lens.iter().copied().max().unwrap_or(0),
         qo_off,
         num_tiles,
+        num_queries,
     })
 }
 
@@ -261,6 +249,8 @@ pub struct BatchTables {
     pub qo_off: u32,
     /// Prefill only: workgroups of the tile list.
     pub num_tiles: u32,
+    /// Query rows: `qo_indptr[n]` for prefill, the sequences for decode.
+    pub num_queries: u32,
 }
 
 impl BatchTables {
@@ -314,6 +304,7 @@ impl BatchTables {
             slopes: p.slopes,
             qo_off: p.qo_off,
             num_tiles: p.num_tiles,
+            num_queries: p.num_queries,
         })
     }
 }
@@ -327,6 +318,9 @@ pub struct PagedAttention {
     pub(super) head_dim: u32,
     pub(super) block_size: u32,
     pub(super) num_blocks: u32,
+    /// The decode kernel variant, and its shape (f32 activations).
+    pub(super) kernel: Kernel,
+    pub(super) decode_shape: ShaderShape,
     pub(super) decode: wgpu::ComputePipeline,
     pub(super) reduce: wgpu::ComputePipeline,
     /// Built on first use: decode-only callers never pay for its compile
@@ -341,16 +335,71 @@ pub struct PagedAttention {
 }
 
 impl PagedAttention {
-    /// Builds the kernels for `num_heads` query heads over `cache`.
+    /// Builds the kernels for `num_heads` query heads over `cache`. The
+    /// decode kernel is `PAGEDATTN_KERNEL` if set, else the one
+    /// [`tune`](Self::tune) measured fastest for this adapter and shape (in
+    /// this process, or in the `PAGEDATTN_TUNE_CACHE` file), else the
+    /// default for the adapter (see [`Kernel`]).
     pub fn new(gpu: &Gpu, cache: &KvCache, num_heads: u32) -> Result<Self, GpuError> {
-        Self::with_layout(gpu, cache, num_heads, true)
+        Self::with_layout(gpu, cache, num_heads, true, None)
+    }
+
+    /// The same with the decode kernel chosen by the caller (an engine that
+    /// tuned itself); `Unsupported` when it cannot run this shape here.
+    pub fn with_kernel(
+        gpu: &Gpu,
+        cache: &KvCache,
+        num_heads: u32,
+        kernel: Kernel,
+    ) -> Result<Self, GpuError> {
+        Self::with_layout(gpu, cache, num_heads, true, Some(kernel))
     }
 
     /// The same kernels with `paged == false`: no per-token table lookup,
     /// each sequence's blocks assumed consecutive from its first table entry.
     /// A contiguous-KV baseline of the same design, for benchmarks.
     pub fn contiguous(gpu: &Gpu, cache: &KvCache, num_heads: u32) -> Result<Self, GpuError> {
-        Self::with_layout(gpu, cache, num_heads, false)
+        Self::with_layout(gpu, cache, num_heads, false, None)
+    }
+
+    /// [`contiguous`](Self::contiguous) with a given decode kernel.
+    pub fn contiguous_with_kernel(
+        gpu: &Gpu,
+        cache: &KvCache,
+        num_heads: u32,
+        kernel: Kernel,
+    ) -> Result<Self, GpuError> {
+        Self::with_layout(gpu, cache, num_heads, false, Some(kernel))
+    }
+
+    /// The decode kernel variant in use.
+    pub fn kernel(&self) -> Kernel {
+        self.kernel
+    }
+
+    /// The variants that can run this shape on `gpu`.
+    pub fn eligible_kernels(gpu: &Gpu, cache: &KvCache, num_heads: u32) -> Vec<Kernel> {
+        let c = cache.config();
+        if num_heads == 0 || c.num_kv_heads == 0 || !num_heads.is_multiple_of(c.num_kv_heads) {
+            return Vec::new();
+        }
+        let base = Self::base_shape(c, num_heads, true);
+        Kernel::ALL
+            .into_iter()
+            .filter(|&k| kernel::decode_shape(gpu, k, base).is_some())
+            .collect()
+    }
+
+    pub(super) fn base_shape(c: &super::KvCacheConfig, num_heads: u32, paged: bool) -> ShaderShape {
+        ShaderShape {
+            head_dim: c.head_dim,
+            group: num_heads / c.num_kv_heads,
+            block_size: c.block_size,
+            dtype: c.dtype,
+            qtile: 1,
+            paged,
+            ..ShaderShape::default()
+        }
     }
 
     fn with_layout(
@@ -358,6 +407,7 @@ impl PagedAttention {
         cache: &KvCache,
         num_heads: u32,
         paged: bool,
+        kernel: Option<Kernel>,
     ) -> Result<Self, GpuError> {
         let _serial = gpu.serial();
         gpu.alive()?;
@@ -368,32 +418,54 @@ impl PagedAttention {
                 c.num_kv_heads
             )));
         }
-        // Decode and prefill run a workgroup per KV head, reduce one per query head.
+        // Reduce runs a workgroup per query head.
         let max_dim = gpu.limits.max_compute_workgroups_per_dimension;
         if num_heads > max_dim {
             return Err(GpuError::Unsupported(format!(
                 "{num_heads} query heads: one dispatch dimension holds at most {max_dim} workgroups"
             )));
         }
-        let shape = ShaderShape {
-            head_dim: c.head_dim,
-            group: num_heads / c.num_kv_heads,
-            block_size: c.block_size,
-            dtype: c.dtype,
-            qtile: 1,
-            paged,
-            q_f16: false,
-            out_f16: false,
-        };
-        let need = shader::attention_workgroup_bytes(&shape);
-        let have = gpu.limits.max_compute_workgroup_storage_size;
-        if need > have {
+        let base = Self::base_shape(c, num_heads, paged);
+        let tiled = kernel::decode_shape(gpu, Kernel::Tiled, base).ok_or_else(|| {
+            GpuError::Unsupported(format!(
+                "head_dim {} needs more workgroup memory than the adapter's {} bytes",
+                c.head_dim, gpu.limits.max_compute_workgroup_storage_size
+            ))
+        })?;
+        if c.num_kv_heads as u64 * tiled.head_tiles() as u64 > max_dim as u64 {
             return Err(GpuError::Unsupported(format!(
-                "GQA group of {} heads with head_dim {} needs {need} bytes of workgroup memory; the adapter has {have}",
-                shape.group, c.head_dim
+                "{} kv heads x {} head tiles: one dispatch dimension holds at most {max_dim} workgroups",
+                c.num_kv_heads,
+                tiled.head_tiles()
             )));
         }
-        let qtile = shader::prefill_qtile(&shape, have);
+        let forced = kernel::kernel_from_env().map_err(GpuError::InvalidArgument)?;
+        let key = kernel::tune_key(gpu, &base, num_heads, c.num_kv_heads);
+        let (kernel, strict) = match (kernel, forced) {
+            (Some(k), _) => (k, true),
+            (None, Some(k)) => (k, true),
+            (None, None) => (
+                kernel::tuned(&key).unwrap_or_else(|| kernel::default_kernel(gpu)),
+                false,
+            ),
+        };
+        let (kernel, decode_shape) = match kernel::decode_shape(gpu, kernel, base) {
+            Some(s) => (kernel, s),
+            None if !strict => (Kernel::Tiled, tiled),
+            None => {
+                return Err(GpuError::Unsupported(format!(
+                    "the {kernel} kernel cannot run {} query heads over {} kv heads at head_dim {} \
+                     on {} (workgroup memory); eligible: {:?}",
+                    num_heads,
+                    c.num_kv_heads,
+                    c.head_dim,
+                    gpu.info.name,
+                    Self::eligible_kernels(gpu, cache, num_heads)
+                )))
+            }
+        };
+        let have = gpu.limits.max_compute_workgroup_storage_size;
+        let qtile = shader::prefill_qtile(&tiled, have);
         Ok(Self {
             cache_cfg: *c,
             num_heads,
@@ -401,13 +473,84 @@ impl PagedAttention {
             head_dim: c.head_dim,
             block_size: c.block_size,
             num_blocks: c.num_blocks,
-            decode: pipeline(gpu, "attention", &shape)?,
-            reduce: pipeline(gpu, "reduce", &shape)?,
+            kernel,
+            decode_shape,
+            decode: pipeline(gpu, kernel.shader(), &decode_shape)?,
+            reduce: pipeline(gpu, "reduce", &tiled)?,
             prefill: std::sync::OnceLock::new(),
-            prefill_shape: ShaderShape { qtile, ..shape },
+            prefill_shape: ShaderShape { qtile, ..tiled },
             unused_ml: gpu.storage("unused split (max, sum)", 16)?,
             id: super::plan::next_id(),
         })
+    }
+
+    /// Partition tokens for a decode of `n` sequences whose longest holds
+    /// `max_len` tokens under `split`, for this kernel and adapter: `0` for
+    /// one pass per sequence.
+    pub(super) fn decode_partition(&self, gpu: &Gpu, split: Split, n: u32, max_len: u32) -> u32 {
+        match split {
+            Split::Never => 0,
+            Split::Tokens(t) => t,
+            Split::Auto => {
+                let passes =
+                    n as u64 * self.num_kv_heads as u64 * self.decode_shape.head_tiles() as u64;
+                kernel::auto_partition(
+                    self.kernel,
+                    passes,
+                    max_len,
+                    kernel::pass_cap(gpu, self.kernel, &self.decode_shape),
+                )
+            }
+        }
+    }
+
+    /// Partition tokens for a prefill of `tiles` query tiles (0: unsplit).
+    /// Split only under `Split::Auto`, and only when the output rows fit one
+    /// dispatch dimension of the merge.
+    pub(super) fn prefill_partition(
+        &self,
+        gpu: &Gpu,
+        split: Split,
+        tiles: u32,
+        num_queries: u32,
+        max_len: u32,
+    ) -> u32 {
+        if split != Split::Auto || num_queries > MAX_BATCH {
+            return 0;
+        }
+        let passes =
+            tiles as u64 * self.num_kv_heads as u64 * self.prefill_shape.head_tiles() as u64;
+        kernel::auto_partition(
+            Kernel::Tiled,
+            passes,
+            max_len,
+            kernel::pass_cap(gpu, Kernel::Tiled, &self.prefill_shape),
+        )
+    }
+
+    /// The most tokens one decode pass may walk here (`None`: no limit).
+    pub(super) fn decode_pass_cap(&self, gpu: &Gpu) -> Option<u32> {
+        kernel::pass_cap(gpu, self.kernel, &self.decode_shape)
+    }
+
+    /// The decode grid of `n` sequences in `parts` partitions.
+    pub(super) fn decode_grid(&self, n: u32, parts: u32) -> Result<(u32, u32, u32), GpuError> {
+        let units = self.num_kv_heads * self.decode_shape.head_tiles();
+        match self.kernel {
+            Kernel::Tiled | Kernel::Lanes => Ok((n, units, parts)),
+            Kernel::Serial => {
+                let total = n as u64 * units as u64 * parts as u64;
+                if total > u32::MAX as u64 / 2 {
+                    return Err(GpuError::InvalidArgument(format!(
+                        "{total} decode passes in one dispatch (at most {})",
+                        u32::MAX / 2
+                    )));
+                }
+                let wgs = total.div_ceil(64) as u32;
+                let x = wgs.clamp(1, 65535);
+                Ok((x, wgs.div_ceil(x).max(1), 1))
+            }
+        }
     }
 
     /// Queries per prefill workgroup (chosen from the adapter's workgroup memory).
@@ -460,6 +603,7 @@ impl PagedAttention {
             max_len: t.max_len,
             qo_off: t.qo_off,
             num_tiles: t.num_tiles,
+            num_queries: t.num_queries,
         };
         Ok(self.params_for(o, &meta, partition_tokens, num_partitions, slopes_off, 0))
     }
@@ -549,23 +693,94 @@ impl PagedAttention {
 
     /// On an adapter that ends long loops early (llvmpipe: 65535 loop
     /// iterations per invocation), refuses a pass over more tokens than it
-    /// can finish, instead of returning a silently wrong answer.
+    /// can finish (`cap`), instead of returning a silently wrong answer.
     pub(super) fn check_pass_tokens(
         &self,
         gpu: &Gpu,
         tokens: u32,
         what: &str,
+        cap: Option<u32>,
     ) -> Result<(), GpuError> {
-        match gpu.max_tokens_per_pass(self.head_dim) {
+        match cap {
             Some(cap) if tokens > cap => Err(GpuError::Unsupported(format!(
                 "{what} walks {tokens} tokens in one pass, but {} ends loops after 65535 \
-                 iterations per invocation (at most {cap} tokens per pass at head_dim {}): \
-                 use Split::Auto or Split::Tokens({cap}) or less for decode; split the \
-                 context of a prefill",
-                gpu.info.name, self.head_dim
+                 iterations per invocation (at most {cap} tokens per pass for the {} kernel at \
+                 head_dim {}): use Split::Auto or Split::Tokens({cap}) or less",
+                gpu.info.name,
+                if what == "decode" {
+                    self.kernel
+                } else {
+                    Kernel::Tiled
+                },
+                self.head_dim
             ))),
             _ => Ok(()),
         }
+    }
+
+    /// Tokens per split-K partition that a decode of `n` sequences, the
+    /// longest `max_len` tokens, uses under `split` with this kernel on
+    /// `gpu` (0: one pass per sequence).
+    pub fn partition_tokens(&self, gpu: &Gpu, split: Split, n: u32, max_len: u32) -> u32 {
+        self.decode_partition(gpu, split, n, max_len)
+    }
+
+    /// Checks a prefill's pass and chooses its split: (partition tokens,
+    /// partitions).
+    pub(super) fn prefill_split(
+        &self,
+        gpu: &Gpu,
+        split: Split,
+        tiles: u32,
+        num_queries: u32,
+        max_len: u32,
+    ) -> Result<(u32, u32), GpuError> {
+        let pt = self.prefill_partition(gpu, split, tiles, num_queries, max_len);
+        let cap = kernel::pass_cap(gpu, Kernel::Tiled, &self.prefill_shape);
+        self.check_pass_tokens(
+            gpu,
+            if pt == 0 { max_len } else { pt.min(max_len) },
+            "prefill",
+            cap,
+        )?;
+        if pt == 0 {
+            return Ok((0, 1));
+        }
+        let parts = max_len.div_ceil(pt).max(1);
+        if parts > 65535 {
+            return Err(GpuError::InvalidArgument(format!(
+                "{parts} partitions (at most 65535)"
+            )));
+        }
+        Ok((pt, parts))
+    }
+
+    /// Checks a decode's pass and chooses its split: (partition tokens,
+    /// partitions).
+    pub(super) fn decode_split(
+        &self,
+        gpu: &Gpu,
+        split: Split,
+        n: u32,
+        max_len: u32,
+    ) -> Result<(u32, u32), GpuError> {
+        let pt = self.decode_partition(gpu, split, n, max_len);
+        self.check_pass_tokens(
+            gpu,
+            if pt == 0 { max_len } else { pt.min(max_len) },
+            "decode",
+            self.decode_pass_cap(gpu),
+        )?;
+        if pt == 0 {
+            return Ok((0, 1));
+        }
+        let parts = max_len.div_ceil(pt).max(1);
+        if parts > 65535 {
+            return Err(GpuError::InvalidArgument(format!(
+                "{parts} partitions (at most 65535)"
+            )));
+        }
+        Ok((pt, parts))
     }
 
     /// Records chunked prefill into `enc`: `tables` from
@@ -604,19 +819,33 @@ impl PagedAttention {
                 tables.num_tiles
             )));
         }
-        self.check_pass_tokens(gpu, tables.max_len, "prefill")?;
+        let nq = tables.num_queries;
+        let (pt, parts) =
+            self.prefill_split(gpu, opts.split, tables.num_tiles, nq, tables.max_len)?;
         let prefill = self.prefill_pipeline(gpu)?;
-        let p = self.attn_params(tables, opts, 0, 1)?;
+        let p = self.attn_params(tables, opts, pt, parts)?;
         let ub = gpu.uniform("prefill params", &p)?;
-        let dummy = &self.unused_ml;
-        let bg = bind(gpu, prefill, &[&ub, q, k, v, &tables.buffer, out, dummy]);
+        let units = self.num_kv_heads * self.prefill_shape.head_tiles();
+        if pt == 0 {
+            let dummy = &self.unused_ml;
+            let bg = bind(gpu, prefill, &[&ub, q, k, v, &tables.buffer, out, dummy]);
+            dispatch(enc, "prefill", prefill, &bg, (tables.num_tiles, units, 1));
+            return Ok(());
+        }
+        // Split-KV: f32 partials per (query row, head, partition), merged by reduce.
+        let rows = nq as u64 * self.num_heads as u64 * parts as u64;
+        let acc = gpu.storage("prefill split acc", rows * self.head_dim as u64 * 4)?;
+        let ml = gpu.storage("prefill split ml", rows * 8)?;
+        let bg = bind(gpu, prefill, &[&ub, q, k, v, &tables.buffer, &acc, &ml]);
         dispatch(
             enc,
-            "prefill",
+            "prefill split",
             prefill,
             &bg,
-            (tables.num_tiles, self.num_kv_heads, 1),
+            (tables.num_tiles, units, parts),
         );
+        let bg = bind(gpu, &self.reduce, &[&ub, &acc, &ml, out]);
+        dispatch(enc, "reduce", &self.reduce, &bg, (nq, self.num_heads, 1));
         Ok(())
     }
 
@@ -680,7 +909,7 @@ impl PagedAttention {
             opts.alibi_slopes.as_deref(),
             Some((qo_indptr, self.prefill_shape.qtile)),
         )?;
-        self.check_pass_tokens(gpu, tables.max_len, "prefill")?;
+        self.prefill_split(gpu, opts.split, tables.num_tiles, nq as u32, tables.max_len)?;
         let out = gpu.scoped_try(|| {
             let out = gpu.storage("prefill out", bytes)?;
             // Poisoned, so a kernel that skips a write cannot pass.
@@ -751,18 +980,10 @@ impl PagedAttention {
                 "{n} sequences in one decode (at most {MAX_BATCH})"
             )));
         }
-        let pt = opts.split.choose(n, self.num_kv_heads, tables.max_len);
-        self.check_pass_tokens(
-            gpu,
-            if pt == 0 {
-                tables.max_len
-            } else {
-                pt.min(tables.max_len)
-            },
-            "decode",
-        )?;
+        let (pt, parts) = self.decode_split(gpu, opts.split, n, tables.max_len)?;
         let d4 = self.head_dim as u64 / 4;
         if pt == 0 {
+            let grid = self.decode_grid(n, 1)?;
             let p = self.attn_params(tables, opts, 0, 1)?;
             let ub = gpu.uniform("decode params", &p)?;
             let dummy = &self.unused_ml;
@@ -771,15 +992,10 @@ impl PagedAttention {
                 &self.decode,
                 &[&ub, q, k, v, &tables.buffer, out, dummy],
             );
-            dispatch(enc, "decode", &self.decode, &bg, (n, self.num_kv_heads, 1));
+            dispatch(enc, "decode", &self.decode, &bg, grid);
             return Ok(());
         }
-        let parts = tables.max_len.div_ceil(pt).max(1);
-        if parts > 65535 {
-            return Err(GpuError::InvalidArgument(format!(
-                "{parts} partitions (at most 65535)"
-            )));
-        }
+        let grid = self.decode_grid(n, parts)?;
         let p = self.attn_params(tables, opts, pt, parts)?;
         let ub = gpu.uniform("decode params", &p)?;
         let rows = n as u64 * self.num_heads as u64 * parts as u64;
@@ -790,13 +1006,7 @@ impl PagedAttention {
             &self.decode,
             &[&ub, q, k, v, &tables.buffer, &acc, &ml],
         );
-        dispatch(
-            enc,
-            "decode split",
-            &self.decode,
-            &bg,
-            (n, self.num_kv_heads, parts),
-        );
+        dispatch(enc, "decode split", &self.decode, &bg, grid);
         let bg = bind(gpu, &self.reduce, &[&ub, &acc, &ml, out]);
         dispatch(enc, "reduce", &self.reduce, &bg, (n, self.num_heads, 1));
         Ok(())

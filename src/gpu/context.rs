@@ -372,6 +372,23 @@ impl Gpu {
         self.info.name.to_ascii_lowercase().contains("llvmpipe")
     }
 
+    /// Whether the adapter runs shaders on the CPU (llvmpipe/lavapipe,
+    /// SwiftShader, WARP): barriers and gathers cost more than arithmetic
+    /// there, so the barrier-free decode kernel is its default.
+    pub fn is_software(&self) -> bool {
+        let name = self.info.name.to_ascii_lowercase();
+        self.info.device_type == wgpu::DeviceType::Cpu
+            || [
+                "llvmpipe",
+                "swiftshader",
+                "warp",
+                "basic render",
+                "lavapipe",
+            ]
+            .iter()
+            .any(|s| name.contains(s))
+    }
+
     /// On an adapter that [caps loops](Self::caps_loops), the most tokens
     /// one attention pass (a workgroup over one sequence's context or
     /// partition) may walk at `head_dim` and still finish: measured on

@@ -262,6 +262,7 @@ impl KvCache {
             paged: true,
             q_f16: false,
             out_f16: false,
+            ..ShaderShape::default()
         };
         let write_kv = pipeline(gpu, "write_kv", &shape)?;
         let copy_blocks = pipeline(gpu, "copy_blocks", &shape)?;

@@ -5,10 +5,12 @@
 mod attention;
 mod context;
 mod error;
+mod kernel;
 mod kv_cache;
 pub mod params;
 mod plan;
 pub mod shader;
+mod tune;
 
 pub use attention::{
     check_csr_tables, AttnOptions, BatchTables, PackedTables, PagedAttention, Split,
@@ -16,6 +18,7 @@ pub use attention::{
 };
 pub use context::{backends_from_env, Counters, Gpu};
 pub use error::GpuError;
+pub use kernel::{kernel_from_env, Kernel, PORTABLE_WORKGROUP_BYTES};
 /// Kernel plumbing for the benchmark in the CLI crate (`stream_read`): not
 /// part of the API an engine should rely on.
 #[doc(hidden)]
@@ -24,3 +27,4 @@ pub use kv_cache::{
 };
 pub use kv_cache::{KvCache, KvCacheConfig, KvDtype, MAX_KV_HEADS, MAX_LAYERS};
 pub use plan::{ActDtype, AttentionPlan, DecodeTables, PrefillTables, WritePlan};
+pub use tune::TuneReport;

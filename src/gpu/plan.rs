@@ -335,7 +335,8 @@ impl PagedAttention {
         }
     }
 
-    /// The pipelines a plan of `act` activations and `kind` runs.
+    /// The pipelines a plan of `act` activations and `kind` runs:
+    /// (unsplit or prefill, split-K partials, reduce).
     fn pipes_for(
         &self,
         gpu: &Gpu,
@@ -343,17 +344,10 @@ impl PagedAttention {
         prefill: bool,
     ) -> Result<[wgpu::ComputePipeline; 3], GpuError> {
         let f16 = act == ActDtype::F16;
-        let base = ShaderShape {
-            q_f16: f16,
-            out_f16: f16,
-            ..if prefill {
-                self.prefill_shape
-            } else {
-                ShaderShape {
-                    qtile: 1,
-                    ..self.prefill_shape
-                }
-            }
+        let (name, shape) = if prefill {
+            ("attention", self.prefill_shape)
+        } else {
+            (self.kernel.shader(), self.decode_shape)
         };
         if !f16 {
             let main = if prefill {
@@ -361,12 +355,17 @@ impl PagedAttention {
             } else {
                 self.decode.clone()
             };
-            return Ok([main, self.decode.clone(), self.reduce.clone()]);
+            return Ok([main.clone(), main, self.reduce.clone()]);
         }
-        let main = pipeline(gpu, "attention", &base)?;
+        let base = ShaderShape {
+            q_f16: true,
+            out_f16: true,
+            ..shape
+        };
+        let main = pipeline(gpu, name, &base)?;
         let split = pipeline(
             gpu,
-            "attention",
+            name,
             &ShaderShape {
                 out_f16: false,
                 ..base
@@ -378,7 +377,8 @@ impl PagedAttention {
             &ShaderShape {
                 qtile: 1,
                 q_f16: false,
-                ..base
+                out_f16: true,
+                ..self.prefill_shape
             },
         )?;
         Ok([main, split, reduce])
@@ -515,33 +515,17 @@ impl PagedAttention {
                 plan.words.extend(s.iter().map(|x| x.to_bits()));
             }
             let (pt, parts) = match qo_indptr {
-                Some(_) => {
-                    self.check_pass_tokens(gpu, meta.max_len, "prefill")?;
-                    (0, 1)
-                }
-                None => {
-                    let pt = o
-                        .split
-                        .choose(meta.num_seqs, self.num_kv_heads, meta.max_len);
-                    let tokens = if pt == 0 {
-                        meta.max_len
-                    } else {
-                        pt.min(meta.max_len)
-                    };
-                    self.check_pass_tokens(gpu, tokens, "decode")?;
-                    if pt == 0 {
-                        (0, 1)
-                    } else {
-                        let parts = meta.max_len.div_ceil(pt).max(1);
-                        if parts > 65535 {
-                            return bad(format!("{parts} partitions (at most 65535)"));
-                        }
-                        (pt, parts)
-                    }
-                }
+                Some(_) => self.prefill_split(
+                    gpu,
+                    o.split,
+                    meta.num_tiles,
+                    meta.num_queries,
+                    meta.max_len,
+                )?,
+                None => self.decode_split(gpu, o.split, meta.num_seqs, meta.max_len)?,
             };
             if pt != 0 {
-                max_rows = max_rows.max(n as u64 * self.num_heads as u64 * parts as u64);
+                max_rows = max_rows.max(num_queries as u64 * self.num_heads as u64 * parts as u64);
             }
             splits.push((pt, parts));
         }
@@ -660,77 +644,81 @@ impl PagedAttention {
         let params = plan.params[variant].as_entire_buffer_binding();
         let tables = plan.tables.get().as_entire_buffer_binding();
         let n = plan.meta.num_seqs;
-        match (kind, pt) {
-            // One pass writes the output: prefill, and unsplit decode.
-            (Kind::Prefill, _) | (Kind::Decode, 0) => {
-                if !plan.groups.contains_key(&key) {
-                    let made = bind_checked(
-                        gpu,
-                        &main,
-                        &[
-                            params,
-                            q.clone(),
-                            k.as_entire_buffer_binding(),
-                            v.as_entire_buffer_binding(),
-                            tables,
-                            out.clone(),
-                            self.unused_ml.as_entire_buffer_binding(),
-                        ],
-                    )?;
-                    plan.groups.insert(key.clone(), made);
-                }
-                let bg = &plan.groups[&key];
-                if kind == Kind::Prefill {
-                    if plan.meta.num_tiles > 0 {
-                        let grid = (plan.meta.num_tiles, self.num_kv_heads, 1);
-                        dispatch(enc, "prefill", &main, bg, grid);
-                    }
-                } else {
-                    dispatch(enc, "decode", &main, bg, (n, self.num_kv_heads, 1));
-                }
+        let units = |shape: &ShaderShape| self.num_kv_heads * shape.head_tiles();
+        let grid = |parts: u32| -> Result<(u32, u32, u32), GpuError> {
+            match kind {
+                Kind::Prefill => Ok((plan.meta.num_tiles, units(&self.prefill_shape), parts)),
+                Kind::Decode => self.decode_grid(n, parts),
             }
-            (Kind::Decode, _) => {
-                let acc = plan.acc.get().as_entire_buffer_binding();
-                let ml = plan.ml.get().as_entire_buffer_binding();
-                if !plan.groups.contains_key(&key) {
-                    let made = {
-                        bind_checked(
-                            gpu,
-                            &split_pipe,
-                            &[
-                                params.clone(),
-                                q.clone(),
-                                k.as_entire_buffer_binding(),
-                                v.as_entire_buffer_binding(),
-                                tables,
-                                acc.clone(),
-                                ml.clone(),
-                            ],
-                        )
-                    }?;
-                    plan.groups.insert(key.clone(), made);
-                }
-                let bg = &plan.groups[&key];
-                dispatch(
-                    enc,
-                    "decode split",
-                    &split_pipe,
-                    bg,
-                    (n, self.num_kv_heads, parts),
-                );
-                // The reduce's group: same key, another variant slot.
-                let rkey = GroupKey {
-                    variant: usize::MAX - variant,
-                    ..key
-                };
-                if !plan.groups.contains_key(&rkey) {
-                    let made = bind_checked(gpu, &reduce, &[params, acc, ml, out.clone()])?;
-                    plan.groups.insert(rkey.clone(), made);
-                }
-                let bg = &plan.groups[&rkey];
-                dispatch(enc, "reduce", &reduce, bg, (n, self.num_heads, 1));
-            }
+        };
+        if kind == Kind::Prefill && plan.meta.num_tiles == 0 {
+            return Ok(());
         }
+        if pt == 0 {
+            // One pass writes the output.
+            if !plan.groups.contains_key(&key) {
+                let made = bind_checked(
+                    gpu,
+                    &main,
+                    &[
+                        params,
+                        q.clone(),
+                        k.as_entire_buffer_binding(),
+                        v.as_entire_buffer_binding(),
+                        tables,
+                        out.clone(),
+                        self.unused_ml.as_entire_buffer_binding(),
+                    ],
+                )?;
+                plan.groups.insert(key.clone(), made);
+            }
+            let bg = &plan.groups[&key];
+            let label = if kind == Kind::Prefill {
+                "prefill"
+            } else {
+                "decode"
+            };
+            dispatch(enc, label, &main, bg, grid(1)?);
+            return Ok(());
+        }
+        // Split: partials per (query row, head, partition), then the merge.
+        let acc = plan.acc.get().as_entire_buffer_binding();
+        let ml = plan.ml.get().as_entire_buffer_binding();
+        if !plan.groups.contains_key(&key) {
+            let made = bind_checked(
+                gpu,
+                &split_pipe,
+                &[
+                    params.clone(),
+                    q.clone(),
+                    k.as_entire_buffer_binding(),
+                    v.as_entire_buffer_binding(),
+                    tables,
+                    acc.clone(),
+                    ml.clone(),
+                ],
+            )?;
+            plan.groups.insert(key.clone(), made);
+        }
+        let bg = &plan.groups[&key];
+        dispatch(enc, "attention split", &split_pipe, bg, grid(parts)?);
+        // The reduce's group: same key, another variant slot.
+        let rkey = GroupKey {
+            variant: usize::MAX - variant,
+            ..key
+        };
+        if !plan.groups.contains_key(&rkey) {
+            let made = bind_checked(gpu, &reduce, &[params, acc, ml, out.clone()])?;
+            plan.groups.insert(rkey.clone(), made);
+        }
+        let bg = &plan.groups[&rkey];
+        dispatch(
+            enc,
+            "reduce",
+            &reduce,
+            bg,
+            (plan.num_queries, self.num_heads, 1),
+        );
         Ok(())
     }
 }
@@ -860,6 +848,7 @@ impl KvCache {
                     paged: true,
                     q_f16: true,
                     out_f16: false,
+                    ..ShaderShape::default()
                 },
             )?,
         };

@@ -73,21 +73,55 @@ pub struct DecodeRow {
     pub stream_gbs: f64,
     /// effective / stream.
     pub bandwidth_ratio: f64,
+    /// The decode kernel the tuner picked (paged and contiguous run it).
+    pub kernel: &'static str,
+    /// Every eligible kernel on the same cell, timed interleaved with the
+    /// rest of the row.
+    pub variants: Vec<VariantCell>,
 }
 
-/// Split vs non-split decode.
+/// One decode kernel variant on one cell.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct VariantCell {
+    /// Kernel name (`PAGEDATTN_KERNEL` value).
+    pub kernel: &'static str,
+    /// Paged, shuffled blocks, Split::Auto (ms per call).
+    pub ms: f64,
+    /// K and V bytes read / time (GB/s).
+    pub effective_gbs: f64,
+    /// effective / stream.
+    pub bandwidth_ratio: f64,
+}
+
+/// What the tuner measured for the grid's shape, per KV dtype.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct TunerRow {
+    /// "f32" or "f16".
+    pub dtype: &'static str,
+    /// The kernel it picked.
+    pub chosen: &'static str,
+    /// Median microseconds per kernel on its synthetic batch.
+    pub micros: Vec<(&'static str, f64)>,
+    /// (sequences, tokens each) of that batch.
+    pub batch: (u32, u32),
+}
+
+/// Split vs non-split decode, on the kernel the tuner picked.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct SplitRow {
     /// Sequences.
     pub batch: u32,
     /// Tokens per sequence.
     pub context: u32,
-    /// One workgroup per (sequence, kv head), ms.
-    pub whole_ms: f64,
-    /// Partitions of 512 tokens + reduce, ms.
+    /// The decode kernel.
+    pub kernel: &'static str,
+    /// One pass per (sequence, kv head), ms; `None` where the adapter's
+    /// loop cap refuses a pass this long for this kernel.
+    pub whole_ms: Option<f64>,
+    /// Split::Auto (partitions + reduce), ms.
     pub split_ms: f64,
     /// whole / split.
-    pub speedup: f64,
+    pub speedup: Option<f64>,
     /// What Split::Auto picks for this shape (0: no split).
     pub auto_partition: u32,
 }
@@ -109,6 +143,8 @@ pub struct BenchReport {
     pub skipped: Vec<String>,
     /// Split vs non-split.
     pub split: Vec<SplitRow>,
+    /// The autotuner's measurements and picks.
+    pub tuner: Vec<TunerRow>,
     /// Host bookkeeping per decode step at batch 256, microseconds per sequence.
     pub host_us_per_seq: f64,
     /// The same with prefix caching on (a SHA-256 digest per filled block).
@@ -310,6 +346,7 @@ impl StreamRead {
             paged: true,
             q_f16: false,
             out_f16: false,
+            ..ShaderShape::default()
         };
         let pipe = pagedattn::gpu::kv_cache_pipeline(gpu, "stream_read", &shape)?;
         let sink = gpu.storage("sink", 16)?;
@@ -502,7 +539,7 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, GpuError> {
     let timer = Timer::new(gpu, cfg.wall_clock);
     let mut rng = SplitMix64::new(0x5eed);
     let (batches, contexts, dtypes): (&[u32], &[u32], &[KvDtype]) = if cfg.quick {
-        (&[1, 8], &[512, 2048], &[KvDtype::F16])
+        (&[1, 8], &[2048], &[KvDtype::F32, KvDtype::F16])
     } else {
         (
             &[1, 8, 32, 64],
@@ -517,8 +554,35 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, GpuError> {
     let memcpy = memcpy_gbs(gpu, &timer)?;
     let mut decode = Vec::new();
     let mut skipped = Vec::new();
+    let mut tuner = Vec::new();
     for &dtype in dtypes {
         let dname = if dtype == KvDtype::F32 { "f32" } else { "f16" };
+        progress(cfg, &format!("tuning the decode kernel ({dname})"));
+        let probe = KvCache::new(
+            gpu,
+            KvCacheConfig {
+                num_layers: 1,
+                num_blocks: 1,
+                block_size: BLOCK,
+                num_kv_heads: KV_HEADS,
+                head_dim: HEAD_DIM,
+                dtype,
+            },
+        )?;
+        let report = PagedAttention::tune(
+            gpu,
+            &probe,
+            HEADS,
+            std::time::Duration::from_millis(1500),
+            true,
+        )?;
+        let chosen = report.chosen;
+        tuner.push(TunerRow {
+            dtype: dname,
+            chosen: chosen.name(),
+            micros: report.micros.iter().map(|(k, t)| (k.name(), *t)).collect(),
+            batch: report.batch,
+        });
         for &batch in batches {
             for &context in contexts {
                 progress(
@@ -536,21 +600,26 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, GpuError> {
                     skipped.push(format!("decode {dname} batch {batch} context {context}: a layer exceeds the adapter's {} MiB binding limit", gpu.max_binding_bytes() >> 20));
                     continue;
                 };
-                let paged = PagedAttention::new(gpu, &r.cache, HEADS)?;
-                let contiguous = PagedAttention::contiguous(gpu, &r.cache, HEADS)?;
+                let paged = PagedAttention::with_kernel(gpu, &r.cache, HEADS, chosen)?;
+                let contiguous =
+                    PagedAttention::contiguous_with_kernel(gpu, &r.cache, HEADS, chosen)?;
+                let others: Vec<PagedAttention> =
+                    PagedAttention::eligible_kernels(gpu, &r.cache, HEADS)
+                        .into_iter()
+                        .map(|k| PagedAttention::with_kernel(gpu, &r.cache, HEADS, k))
+                        .collect::<Result<_, _>>()?;
                 let (ip, ix, ln) = tables(batch, context, true, &mut rng);
                 let shuffled = BatchTables::upload(gpu, &ip, &ix, &ln, None)?;
                 let (ip, ix, ln) = tables(batch, context, false, &mut rng);
                 let identity = BatchTables::upload(gpu, &ip, &ix, &ln, None)?;
                 let split = Split::Auto;
-                let t = r.time_interleaved(
-                    &timer,
-                    &[
-                        (&paged, &shuffled, split),
-                        (&paged, &identity, split),
-                        (&contiguous, &identity, split),
-                    ],
-                )?;
+                let mut cells = vec![
+                    (&paged, &shuffled, split),
+                    (&paged, &identity, split),
+                    (&contiguous, &identity, split),
+                ];
+                cells.extend(others.iter().map(|a| (a, &shuffled, split)));
+                let t = r.time_interleaved(&timer, &cells)?;
                 let (paged_ms, identity_ms, contiguous_ms) = (t[0], t[1], t[2]);
                 let bytes = 2.0
                     * batch as f64
@@ -559,6 +628,16 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, GpuError> {
                     * dtype.bytes() as f64;
                 let stream = stream_gbs(gpu, &timer, &r.cache)?;
                 let eff = bytes / paged_ms / 1e6;
+                let variants = others
+                    .iter()
+                    .zip(&t[3..])
+                    .map(|(a, &ms)| VariantCell {
+                        kernel: a.kernel().name(),
+                        ms,
+                        effective_gbs: bytes / ms / 1e6,
+                        bandwidth_ratio: bytes / ms / 1e6 / stream,
+                    })
+                    .collect();
                 decode.push(DecodeRow {
                     batch,
                     context,
@@ -570,6 +649,8 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, GpuError> {
                     effective_gbs: eff,
                     stream_gbs: stream,
                     bandwidth_ratio: eff / stream,
+                    kernel: chosen.name(),
+                    variants,
                 });
             }
         }
@@ -605,25 +686,29 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, GpuError> {
         let attn = PagedAttention::new(gpu, &r.cache, HEADS)?;
         let (ip, ix, ln) = tables(batch, context, true, &mut rng);
         let t = BatchTables::upload(gpu, &ip, &ix, &ln, None)?;
-        let tt = r.time_interleaved(
-            &timer,
-            &[
-                (&attn, &t, Split::Never),
-                (
-                    &attn,
-                    &t,
-                    Split::Tokens(pagedattn::gpu::AUTO_PARTITION_TOKENS),
-                ),
-            ],
-        )?;
-        let (whole_ms, split_ms) = (tt[0], tt[1]);
+        let auto_partition = attn.partition_tokens(gpu, Split::Auto, batch, context);
+        // One pass per sequence only where the adapter can finish it.
+        let whole_ok = attn.partition_tokens(
+            gpu,
+            Split::Tokens(context.div_ceil(64) * 64),
+            batch,
+            context,
+        ) == context.div_ceil(64) * 64
+            && (auto_partition == 0 || !gpu.caps_loops() || auto_partition >= context);
+        let mut cells = vec![(&attn, &t, Split::Auto)];
+        if whole_ok {
+            cells.push((&attn, &t, Split::Never));
+        }
+        let tt = r.time_interleaved(&timer, &cells)?;
+        let whole_ms = tt.get(1).copied();
         split.push(SplitRow {
             batch,
             context,
+            kernel: attn.kernel().name(),
             whole_ms,
-            split_ms,
-            speedup: whole_ms / split_ms,
-            auto_partition: Split::Auto.choose(batch, KV_HEADS, context),
+            split_ms: tt[0],
+            speedup: whole_ms.map(|w| w / tt[0]),
+            auto_partition,
         });
     }
     progress(cfg, "host bookkeeping");
@@ -645,6 +730,7 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, GpuError> {
         decode,
         skipped,
         split,
+        tuner,
         host_us_per_seq: host,
         host_us_per_seq_prefix_cache: host_prefix,
         host_step,
@@ -721,22 +807,68 @@ pub fn render(r: &BenchReport) -> String {
             d.dtype, d.batch, d.context, d.paged_ms, d.identity_ms, d.contiguous_ms, d.paged_over_contiguous, d.effective_gbs, d.stream_gbs, d.bandwidth_ratio
         );
     }
+    let _ = writeln!(
+        s,
+        "\n decode kernels, same cells, interleaved (Split::Auto, shuffled blocks); * = tuner's pick"
+    );
+    for d in &r.decode {
+        let cells: Vec<String> = d
+            .variants
+            .iter()
+            .map(|v| {
+                format!(
+                    "{}{} {:.3} ms ({:.2} GB/s, {:.0}% of stream)",
+                    if v.kernel == d.kernel { "*" } else { " " },
+                    v.kernel,
+                    v.ms,
+                    v.effective_gbs,
+                    100.0 * v.bandwidth_ratio
+                )
+            })
+            .collect();
+        let _ = writeln!(
+            s,
+            " {:<5}  {:>5}  {:>7}  {}",
+            d.dtype,
+            d.batch,
+            d.context,
+            cells.join("  ")
+        );
+    }
+    for t in &r.tuner {
+        let m: Vec<String> = t
+            .micros
+            .iter()
+            .map(|(k, us)| format!("{k} {:.0} us", us))
+            .collect();
+        let _ = writeln!(
+            s,
+            " tuner ({}, {} x {} tokens): picked {}; {}",
+            t.dtype,
+            t.batch.0,
+            t.batch.1,
+            t.chosen,
+            m.join(", ")
+        );
+    }
     for k in &r.skipped {
         let _ = writeln!(s, " skipped: {k}");
     }
     let _ = writeln!(
         s,
-        "\n split (f16)  batch  context   whole ms   split ms  whole/split  auto picks"
+        "\n split (f16)  kernel  batch  context   whole ms   auto ms  whole/auto  auto picks"
     );
     for d in &r.split {
         let _ = writeln!(
             s,
-            "              {:>5}  {:>7}  {:>9.3}  {:>9.3}  {:>11.2}  {}",
+            "              {:<6}  {:>5}  {:>7}  {:>9}  {:>8.3}  {:>10}  {}",
+            d.kernel,
             d.batch,
             d.context,
-            d.whole_ms,
+            d.whole_ms
+                .map_or("(capped)".to_string(), |w| format!("{w:.3}")),
             d.split_ms,
-            d.speedup,
+            d.speedup.map_or("-".to_string(), |x| format!("{x:.2}")),
             if d.auto_partition == 0 {
                 "whole".to_string()
             } else {

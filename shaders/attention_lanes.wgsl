@@ -1,0 +1,202 @@
+// Paged decode laid out for GPUs: LPT consecutive lanes share one token, each
+// reading every LPT-th vec4 of its K and V rows, so one load instruction of
+// a warp or wave reads whole 16-byte-aligned runs of LPT * 16 bytes of a
+// few rows (coalesced), and NT = 64 / LPT tokens are in flight per
+// workgroup.
+//
+// A workgroup serves one (sequence, KV head, head tile, partition). Each
+// lane keeps, for the HT query rows of its head tile, its JN vec4 columns of
+// the query, of the accumulator, and the running (max, sum) of the tokens
+// its slot has seen: the online softmax runs per slot with no barrier in the
+// token loop when the partial dot products are summed by subgroup shuffles
+// (SUBGROUPS); without subgroups they go through workgroup memory, one
+// barrier per NT tokens. The NT slots' states are merged once at the end by
+// log-sum-exp. Scores are in log2 units (exp2 throughout).
+//
+// Unsplit it writes the normalised output; split it writes the partition's
+// accumulator and (max, sum), max in natural-log units, for reduce.wgsl.
+
+const WG: u32 = 64u;
+const NT: u32 = WG / LPT;
+const LOG2E: f32 = 1.4426950408889634;
+const LN2: f32 = 0.6931471805599453;
+// Workgroup memory of the reduction without subgroups (1 when unused).
+const RED_LEN: u32 = select(2u * WG * HT, 1u, SUBGROUPS);
+
+@group(0) @binding(0) var<uniform> params: AttnParams;
+@group(0) @binding(1) var<storage, read> q: array<ACT4>;
+@group(0) @binding(2) var<storage, read> k_pool: array<KV4>;
+@group(0) @binding(3) var<storage, read> v_pool: array<KV4>;
+@group(0) @binding(4) var<storage, read> table: array<u32>;
+@group(0) @binding(5) var<storage, read_write> out: array<OUT4>;
+@group(0) @binding(6) var<storage, read_write> out_ml: array<vec2<f32>>;
+
+// This lane's columns of the head tile's query rows and accumulators, one
+// token's scores and weights, and the rescale factor (read by rows_*).
+var<private> qv: array<vec4<f32>, HT * JN>;
+var<private> acc: array<vec4<f32>, HT * JN>;
+var<private> s: array<f32, HT>;
+var<private> pw: array<f32, HT>;
+var<private> alpha: array<f32, HT>;
+
+var<workgroup> red: array<f32, RED_LEN>;
+// End of pass: one row's accumulators and (max, sum) of every slot.
+var<workgroup> mrg: array<vec4<f32>, NT * HEAD_DIM4>;
+var<workgroup> mrg_ml: array<vec2<f32>, NT>;
+
+fn table_at(i: u32) -> u32 {
+    if i < arrayLength(&table) {
+        return table[i];
+    }
+    return INVALID;
+}
+
+@compute @workgroup_size(64)
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let p = params;
+    let seq = wg.x;
+    let kvh = wg.y / HTILES;
+    let hg0 = (wg.y % HTILES) * HT;
+    let h0 = kvh * GROUP + hg0;
+    let part = wg.z;
+    // Lane c of token slot `slot`.
+    let c = lid % LPT;
+    let slot = lid / LPT;
+
+    let ind_end = min(table_at(seq + 1u), p.indices_len);
+    let ind_start = min(table_at(seq), ind_end);
+    let held = ind_end - ind_start;
+    var len = min(table_at(p.lens_off + seq), 0x80000000u);
+    if held <= 0xFFFFFFFFu / BLOCK_SIZE {
+        len = min(len, held * BLOCK_SIZE);
+    }
+    let q_pos = max(len, 1u) - 1u;
+    let first_blk = table_at(p.indices_off + ind_start);
+    var t_begin = 0u;
+    var t_end = len;
+    if p.partition_tokens != 0u {
+        t_begin = min(part * p.partition_tokens, t_end);
+        t_end = min(t_begin + p.partition_tokens, t_end);
+    }
+    if p.sliding_window != 0u && q_pos + 1u > p.sliding_window {
+        t_begin = max(t_begin, q_pos + 1u - p.sliding_window);
+        t_end = max(t_end, t_begin);
+    }
+
+    let q_stride = select(p.num_heads * HEAD_DIM4, p.q_stride, p.q_stride != 0u);
+    var slope = array<f32, HT>();
+    var m = array<f32, HT>();
+    var l = array<f32, HT>();
+    for (var r = 0u; r < HT; r++) {
+        let live = hg0 + r < GROUP;
+        for (var j = 0u; j < JN; j++) {
+            var x = vec4<f32>(0.0);
+            if live {
+                x = act_load(q[seq * q_stride + (h0 + r) * HEAD_DIM4 + c + j * LPT]);
+            }
+            qv[r * JN + j] = x;
+            acc[r * JN + j] = vec4<f32>(0.0);
+        }
+        if live && p.alibi != 0u {
+            slope[r] = bitcast<f32>(table_at(p.slopes_off + h0 + r));
+        }
+        m[r] = NEG_INF;
+        l[r] = 0.0;
+    }
+
+    var buf = 0u;
+    for (var base = t_begin; base < t_end; base += NT) {
+        let tok = base + slot;
+        var row = INVALID;
+        if tok < t_end {
+            let j = ind_start + tok / BLOCK_SIZE;
+            if j < ind_end {
+                var blk = first_blk + tok / BLOCK_SIZE;
+                if PAGED {
+                    blk = table_at(p.indices_off + j);
+                }
+                if blk < p.num_blocks {
+                    row = ((blk * p.num_kv_heads + kvh) * BLOCK_SIZE + tok % BLOCK_SIZE) * HEAD_DIM4;
+                }
+            }
+        }
+        for (var r = 0u; r < HT; r++) {
+            s[r] = 0.0;
+        }
+        if row != INVALID {
+            for (var j = 0u; j < JN; j++) {
+                rows_k(j, kv_load(k_pool[row + c + j * LPT]));
+            }
+        }
+        // Sum the partial dots of the slot's LPT lanes: every lane gets the total.
+        if SUBGROUPS {
+            for (var mask = 1u; mask < LPT; mask <<= 1u) {
+                rows_shuffle(mask);
+            }
+        } else {
+            for (var r = 0u; r < HT; r++) {
+                red[(buf * WG + lid) * HT + r] = s[r];
+            }
+            workgroupBarrier();
+            for (var r = 0u; r < HT; r++) {
+                var t = 0.0;
+                for (var i = 0u; i < LPT; i++) {
+                    t += red[(buf * WG + slot * LPT + i) * HT + r];
+                }
+                s[r] = t;
+            }
+            buf ^= 1u;
+        }
+        if row != INVALID {
+            for (var r = 0u; r < HT; r++) {
+                let x = logit(p, s[r], slope[r], q_pos, tok) * LOG2E;
+                let m_new = max(m[r], x);
+                alpha[r] = exp2(m[r] - m_new);
+                pw[r] = exp2(x - m_new);
+                l[r] = l[r] * alpha[r] + pw[r];
+                m[r] = m_new;
+            }
+            for (var j = 0u; j < JN; j++) {
+                rows_v(j, kv_load(v_pool[row + c + j * LPT]));
+            }
+        }
+    }
+
+    // Merge the NT slots of each row by log-sum-exp; write once.
+    for (var r = 0u; r < HT; r++) {
+        workgroupBarrier();
+        for (var j = 0u; j < JN; j++) {
+            mrg[slot * HEAD_DIM4 + c + j * LPT] = acc[r * JN + j];
+        }
+        if c == 0u {
+            mrg_ml[slot] = vec2<f32>(m[r], l[r]);
+        }
+        workgroupBarrier();
+        if lid < HEAD_DIM4 && hg0 + r < GROUP {
+            var mx = NEG_INF;
+            for (var i = 0u; i < NT; i++) {
+                mx = max(mx, mrg_ml[i].x);
+            }
+            var a = vec4<f32>(0.0);
+            var lt = 0.0;
+            for (var i = 0u; i < NT; i++) {
+                let ml = mrg_ml[i];
+                if ml.y > 0.0 {
+                    let w = exp2(ml.x - mx);
+                    lt += ml.y * w;
+                    a += mrg[i * HEAD_DIM4 + lid] * w;
+                }
+            }
+            let hq = h0 + r;
+            if p.partition_tokens == 0u {
+                out[(seq * p.num_heads + hq) * HEAD_DIM4 + lid] = out_store(select(a / lt, vec4<f32>(0.0), lt == 0.0));
+            } else {
+                let o = (seq * p.num_heads + hq) * p.num_partitions + part;
+                out[o * HEAD_DIM4 + lid] = out_store(a);
+                if lid == 0u {
+                    out_ml[o] = vec2<f32>(mx * LN2, lt);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,271 @@
+//! Decode kernel variants, what each needs, how each splits the KV range,
+//! and the choice per adapter: forced by `PAGEDATTN_KERNEL`, passed by the
+//! engine, measured by [`tune`](super::PagedAttention::tune), or a default.
+//!
+//! Every variant computes the same math (`logit` in `shaders/common.wgsl`,
+//! online softmax, log-sum-exp merge in `reduce.wgsl`); they differ in
+//! layout and parallelism only.
+
+use super::shader::{self, ShaderShape};
+use super::Gpu;
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+/// A decode kernel variant. Prefill always runs [`Kernel::Tiled`]'s kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Kernel {
+    /// `attention.wgsl`: a workgroup of 64 per (sequence, KV head, head
+    /// tile); one thread scores one token over tiles of 64 tokens, V is
+    /// accumulated per vec4 column. Fits WebGPU's defaults on every shape.
+    Tiled,
+    /// `attention_lanes.wgsl`, the GPU-shaped kernel: up to 8 lanes share a
+    /// token's row with vec4 loads (coalesced), 8+ tokens in flight per
+    /// workgroup, partial dots summed by subgroup shuffles where the device
+    /// has subgroups, online softmax per slot merged once at the end, exp2.
+    Lanes,
+    /// `attention_serial.wgsl`, for software adapters: one invocation per
+    /// (sequence, KV head, head tile, partition), no barriers, no workgroup
+    /// memory.
+    Serial,
+}
+
+impl Kernel {
+    /// Every variant.
+    pub const ALL: [Kernel; 3] = [Kernel::Tiled, Kernel::Lanes, Kernel::Serial];
+
+    /// The name used by `PAGEDATTN_KERNEL`, the tuning cache and the bench.
+    pub fn name(self) -> &'static str {
+        match self {
+            Kernel::Tiled => "tiled",
+            Kernel::Lanes => "lanes",
+            Kernel::Serial => "serial",
+        }
+    }
+
+    /// The variant called `name`, if any.
+    pub fn from_name(name: &str) -> Option<Kernel> {
+        Kernel::ALL.into_iter().find(|k| k.name() == name.trim())
+    }
+
+    pub(super) fn shader(self) -> &'static str {
+        match self {
+            Kernel::Tiled => "attention",
+            Kernel::Lanes => "attention_lanes",
+            Kernel::Serial => "attention_serial",
+        }
+    }
+}
+
+impl std::fmt::Display for Kernel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Workgroup memory every kernel stays within, whatever the adapter offers:
+/// WebGPU's default limit, so one shape runs the same everywhere.
+pub const PORTABLE_WORKGROUP_BYTES: u32 = 16384;
+
+/// Most query rows the tiled kernel keeps per pass (per-thread registers).
+const TILED_MAX_ROWS: u32 = 16;
+
+/// The decode shape of `kernel` for a cache shape on `gpu`: head tile,
+/// lanes per token and subgroups chosen; `None` when the kernel cannot run
+/// this shape on this device (workgroup memory).
+pub(super) fn decode_shape(gpu: &Gpu, kernel: Kernel, base: ShaderShape) -> Option<ShaderShape> {
+    let limit = gpu
+        .limits
+        .max_compute_workgroup_storage_size
+        .min(PORTABLE_WORKGROUP_BYTES);
+    let base = ShaderShape {
+        qtile: 1,
+        htile: 0,
+        lpt: 1,
+        subgroups: false,
+        ..base
+    };
+    match kernel {
+        Kernel::Tiled => {
+            let mut most = TILED_MAX_ROWS;
+            loop {
+                let s = ShaderShape {
+                    htile: shader::balanced_head_tile(base.group, most),
+                    ..base
+                };
+                if shader::attention_workgroup_bytes(&s) <= limit {
+                    return Some(s);
+                }
+                if most == 1 {
+                    return None;
+                }
+                most /= 2;
+            }
+        }
+        Kernel::Lanes => {
+            let sub =
+                gpu.features.contains(wgpu::Features::SUBGROUP) && gpu.info.subgroup_min_size >= 2;
+            let most = if sub {
+                gpu.info.subgroup_min_size.min(8)
+            } else {
+                8
+            };
+            let lpt = shader::lanes_per_token(base.head_dim, most);
+            let jn = (base.head_dim / 4 / lpt).max(1);
+            // Registers: at most 32 vec4 of query (and as many of
+            // accumulator) per lane.
+            let rows = (32 / jn).clamp(1, 8);
+            let s = ShaderShape {
+                htile: shader::balanced_head_tile(base.group, rows),
+                lpt,
+                subgroups: sub && lpt > 1,
+                ..base
+            };
+            (shader::lanes_workgroup_bytes(&s) <= limit).then_some(s)
+        }
+        Kernel::Serial => Some(ShaderShape {
+            htile: shader::balanced_head_tile(base.group, 8),
+            ..base
+        }),
+    }
+}
+
+/// Loop iterations one invocation of `kernel` runs per token of context
+/// (an upper bound), for adapters that end loops after 65535 iterations.
+fn iterations_per_token(kernel: Kernel, s: &ShaderShape) -> u32 {
+    let d4 = s.head_dim / 4;
+    let ht = s.head_tile();
+    match kernel {
+        // One token per thread per tile of 64; the thread's loops per tile.
+        Kernel::Tiled => 0,
+        Kernel::Lanes => {
+            let lpt = s.lpt.max(1);
+            let nt = 64 / lpt;
+            let jn = d4 / lpt;
+            let red = if s.subgroups { 4 } else { ht * (lpt + 1) };
+            (2 * jn + 2 * ht + red + 2).div_ceil(nt) + 1
+        }
+        Kernel::Serial => 2 * d4 + 3 * ht + 4 + (d4 + 4 * ht).div_ceil(16),
+    }
+}
+
+/// On an adapter that ends loops early, the most tokens one pass of
+/// `kernel` may walk; `None` elsewhere.
+pub(super) fn pass_cap(gpu: &Gpu, kernel: Kernel, s: &ShaderShape) -> Option<u32> {
+    let tiled = gpu.max_tokens_per_pass(s.head_dim)?;
+    let ipt = iterations_per_token(kernel, s);
+    if ipt == 0 {
+        return Some(tiled);
+    }
+    // Three quarters of the cap, in whole tiles of 64.
+    let t = (65535 * 3 / 4) / ipt;
+    Some((t / 64 * 64).clamp(64, tiled))
+}
+
+/// Split-K rule of `Split::Auto` for `kernel`: partitions so that a batch of
+/// `passes` (sequence x KV-head-tile) units fills the device (a target
+/// number of workgroups per kernel: the adapter's compute units are not
+/// known through wgpu, so the batch decides), never shorter than a minimum,
+/// and never longer than the adapter's loop cap where it has one.
+pub(super) fn auto_partition(kernel: Kernel, passes: u64, max_len: u32, cap: Option<u32>) -> u32 {
+    let (target, min_part) = match kernel {
+        Kernel::Tiled => (256u64, 512u32),
+        Kernel::Lanes => (1024, 256),
+        // Invocations, not workgroups: 16 workgroups of 64.
+        Kernel::Serial => (1024, 64),
+    };
+    let mut pt = 0;
+    if passes < target && max_len >= 2 * min_part {
+        let parts = target
+            .div_ceil(passes.max(1))
+            .min(max_len.div_ceil(min_part) as u64) as u32;
+        pt = max_len.div_ceil(parts.max(1)).div_ceil(64) * 64;
+    }
+    if let Some(cap) = cap {
+        if (pt == 0 && max_len > cap) || pt > cap {
+            pt = cap;
+        }
+    }
+    pt
+}
+
+/// The key of one tuning result: adapter, driver and shape.
+pub(super) fn tune_key(gpu: &Gpu, s: &ShaderShape, num_heads: u32, num_kv_heads: u32) -> String {
+    format!(
+        "{}|{}|{:?}|{}x{}|d{}|b{}|{:?}",
+        gpu.info.name,
+        gpu.info.driver_info,
+        gpu.info.backend,
+        num_heads,
+        num_kv_heads,
+        s.head_dim,
+        s.block_size,
+        s.dtype
+    )
+    .replace(['\n', '='], " ")
+}
+
+static TUNED: Mutex<Option<HashMap<String, Kernel>>> = Mutex::new(None);
+
+/// The file named by `PAGEDATTN_TUNE_CACHE`: lines `key=kernel`.
+fn cache_file() -> Option<std::path::PathBuf> {
+    std::env::var_os("PAGEDATTN_TUNE_CACHE")
+        .filter(|p| !p.is_empty())
+        .map(Into::into)
+}
+
+/// A tuned choice for `key`: this process's, else the cache file's.
+pub(super) fn tuned(key: &str) -> Option<Kernel> {
+    let mut g = TUNED.lock().unwrap_or_else(|e| e.into_inner());
+    let map = g.get_or_insert_with(HashMap::new);
+    if let Some(k) = map.get(key) {
+        return Some(*k);
+    }
+    let text = std::fs::read_to_string(cache_file()?).ok()?;
+    let k = text.lines().find_map(|line| {
+        let (k, v) = line.rsplit_once('=')?;
+        (k == key).then(|| Kernel::from_name(v)).flatten()
+    })?;
+    map.insert(key.to_string(), k);
+    Some(k)
+}
+
+/// Records a tuned choice for this process and, when `PAGEDATTN_TUNE_CACHE`
+/// names a file, in it (a failure to write is ignored: the file is a cache).
+pub(super) fn remember(key: &str, k: Kernel) {
+    let mut g = TUNED.lock().unwrap_or_else(|e| e.into_inner());
+    g.get_or_insert_with(HashMap::new)
+        .insert(key.to_string(), k);
+    if let Some(path) = cache_file() {
+        let old = std::fs::read_to_string(&path).unwrap_or_default();
+        let mut lines: Vec<String> = old
+            .lines()
+            .filter(|l| l.rsplit_once('=').is_some_and(|(lk, _)| lk != key))
+            .map(String::from)
+            .collect();
+        lines.push(format!("{key}={}", k.name()));
+        let _ = std::fs::write(&path, lines.join("\n") + "\n");
+    }
+}
+
+/// `PAGEDATTN_KERNEL`, if set: `Ok(None)` when unset or empty.
+pub fn kernel_from_env() -> Result<Option<Kernel>, String> {
+    match std::env::var("PAGEDATTN_KERNEL") {
+        Ok(v) if !v.trim().is_empty() => Kernel::from_name(&v).map(Some).ok_or_else(|| {
+            format!(
+                "PAGEDATTN_KERNEL={v}: not a kernel (one of {})",
+                Kernel::ALL.map(Kernel::name).join(", ")
+            )
+        }),
+        _ => Ok(None),
+    }
+}
+
+/// The untuned default: the barrier-free kernel on software adapters, the
+/// GPU-shaped one elsewhere.
+pub(super) fn default_kernel(gpu: &Gpu) -> Kernel {
+    if gpu.is_software() {
+        Kernel::Serial
+    } else {
+        Kernel::Lanes
+    }
+}
