@@ -4,20 +4,19 @@
 // the layout: there, the fewest instructions per byte of K/V win.
 //
 // One invocation serves one (sequence, KV head, head tile, partition): it
-// holds the HT query rows of its head tile in private memory, walks the
-// partition's tokens in chunks of CH, scores each token for every row
-// (rows_k), updates the running max once per chunk (rows_scale), then adds
-// each token's V row weighted per row (rows_v). Invocations never talk to
-// each other. Scores are kept in log2 units (scale * log2(e) folded in), so
-// every exponential is an exp2.
+// holds the HT query rows of its head tile in private memory and walks the
+// partition's tokens one by one. Per token, the generated ser_token
+// (src/gpu/shader.rs, unrolled over rows and vec4s) scores the K row for
+// every row, updates each row's running max (rescaling that row's
+// accumulator only when the max grows) and adds the weighted V row.
+// Invocations never talk to each other. Scores are in log2 units (exp2).
 //
 // Unsplit (partition_tokens == 0) it writes the normalised output; split it
 // writes the partition's unnormalised accumulator and (max, sum), max in
 // natural-log units, for reduce.wgsl. Table entries outside the pool are
-// skipped, and a row with no readable token writes zeros (or sum 0).
+// skipped; a row with no readable token writes zeros (or sum 0).
 
 const WGS: u32 = 64u;
-const CH: u32 = 16u;
 const LOG2E: f32 = 1.4426950408889634;
 const LN2: f32 = 0.6931471805599453;
 
@@ -29,13 +28,13 @@ const LN2: f32 = 0.6931471805599453;
 @group(0) @binding(5) var<storage, read_write> out: array<OUT4>;
 @group(0) @binding(6) var<storage, read_write> out_ml: array<vec2<f32>>;
 
-// The head tile's query rows, accumulators, one token's scores and weights,
-// and the rescale factor of the current chunk (read by the generated rows_*).
+// The head tile's query rows and accumulators, and per row the ALiBi
+// slope, running max (log2 units) and sum. Indexed by constants only.
 var<private> qv: array<vec4<f32>, HT * HEAD_DIM4>;
 var<private> acc: array<vec4<f32>, HT * HEAD_DIM4>;
-var<private> s: array<f32, HT>;
-var<private> pw: array<f32, HT>;
-var<private> alpha: array<f32, HT>;
+var<private> slope: array<f32, HT>;
+var<private> m: array<f32, HT>;
+var<private> l: array<f32, HT>;
 
 fn table_at(i: u32) -> u32 {
     if i < arrayLength(&table) {
@@ -58,9 +57,10 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
         return;
     }
     let kvh = unit / HTILES;
-    let ht = unit % HTILES;
-    let hg0 = ht * HT;
+    let hg0 = (unit % HTILES) * HT;
     let h0 = kvh * GROUP + hg0;
+    // Rows of this tile that are real heads (the last tile of an odd group is partial).
+    let live = min(GROUP - hg0, HT);
 
     let ind_end = min(table_at(seq + 1u), p.indices_len);
     let ind_start = min(table_at(seq), ind_end);
@@ -84,112 +84,33 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
     }
 
     let q_stride = select(p.num_heads * HEAD_DIM4, p.q_stride, p.q_stride != 0u);
-    var slope = array<f32, HT>();
-    var m = array<f32, HT>();
-    var l = array<f32, HT>();
+    ser_load_q(seq * q_stride + h0 * HEAD_DIM4, live);
     for (var r = 0u; r < HT; r++) {
-        let live = hg0 + r < GROUP;
-        for (var d = 0u; d < HEAD_DIM4; d++) {
-            var x = vec4<f32>(0.0);
-            if live {
-                x = act_load(q[seq * q_stride + (h0 + r) * HEAD_DIM4 + d]);
-            }
-            qv[r * HEAD_DIM4 + d] = x;
-            acc[r * HEAD_DIM4 + d] = vec4<f32>(0.0);
-        }
-        if live && p.alibi != 0u {
+        if r < live && p.alibi != 0u {
             slope[r] = bitcast<f32>(table_at(p.slopes_off + h0 + r));
         }
         m[r] = NEG_INF;
-        l[r] = 0.0;
     }
 
-    var rows = array<u32, CH>();
-    var sc = array<f32, CH * HT>();
-    for (var c0 = t_begin; c0 < t_end; c0 += CH) {
-        // Scores of the chunk, and its max per row.
-        var cmax = array<f32, HT>();
-        for (var r = 0u; r < HT; r++) {
-            cmax[r] = NEG_INF;
+    for (var tok = t_begin; tok < t_end; tok++) {
+        let j = ind_start + tok / BLOCK_SIZE;
+        if j >= ind_end {
+            break;
         }
-        for (var i = 0u; i < CH; i++) {
-            let tok = c0 + i;
-            var row = INVALID;
-            if tok < t_end {
-                let j = ind_start + tok / BLOCK_SIZE;
-                if j < ind_end {
-                    var blk = first_blk + tok / BLOCK_SIZE;
-                    if PAGED {
-                        blk = table_at(p.indices_off + j);
-                    }
-                    if blk < p.num_blocks {
-                        row = ((blk * p.num_kv_heads + kvh) * BLOCK_SIZE + tok % BLOCK_SIZE) * HEAD_DIM4;
-                    }
-                }
-            }
-            rows[i] = row;
-            if row != INVALID {
-                for (var r = 0u; r < HT; r++) {
-                    s[r] = 0.0;
-                }
-                for (var d = 0u; d < HEAD_DIM4; d++) {
-                    rows_k(d, kv_load(k_pool[row + d]));
-                }
-                for (var r = 0u; r < HT; r++) {
-                    let x = logit(p, s[r], slope[r], q_pos, tok) * LOG2E;
-                    sc[i * HT + r] = x;
-                    cmax[r] = max(cmax[r], x);
-                }
-            }
+        var blk = first_blk + tok / BLOCK_SIZE;
+        if PAGED {
+            blk = table_at(p.indices_off + j);
         }
-        // One rescale per chunk.
-        var grew = false;
-        for (var r = 0u; r < HT; r++) {
-            let m_new = max(m[r], cmax[r]);
-            alpha[r] = exp2(m[r] - m_new);
-            l[r] *= alpha[r];
-            grew = grew || m_new > m[r];
-            m[r] = m_new;
-        }
-        if grew {
-            for (var d = 0u; d < HEAD_DIM4; d++) {
-                rows_scale(d);
-            }
-        }
-        for (var r = 0u; r < HT; r++) {
-            alpha[r] = 1.0;
-        }
-        // Weighted V rows.
-        for (var i = 0u; i < CH; i++) {
-            let row = rows[i];
-            if row != INVALID {
-                for (var r = 0u; r < HT; r++) {
-                    pw[r] = exp2(sc[i * HT + r] - m[r]);
-                    l[r] += pw[r];
-                }
-                for (var d = 0u; d < HEAD_DIM4; d++) {
-                    rows_v(d, kv_load(v_pool[row + d]));
-                }
-            }
+        if blk < p.num_blocks {
+            ser_token(((blk * p.num_kv_heads + kvh) * BLOCK_SIZE + tok % BLOCK_SIZE) * HEAD_DIM4, tok, q_pos);
         }
     }
 
-    for (var r = 0u; r < HT; r++) {
-        if hg0 + r >= GROUP {
-            continue;
-        }
-        let hq = h0 + r;
-        if p.partition_tokens == 0u {
-            for (var d = 0u; d < HEAD_DIM4; d++) {
-                let a = acc[r * HEAD_DIM4 + d];
-                out[(seq * p.num_heads + hq) * HEAD_DIM4 + d] = out_store(select(a / l[r], vec4<f32>(0.0), l[r] == 0.0));
-            }
-        } else {
-            let o = (seq * p.num_heads + hq) * p.num_partitions + part;
-            for (var d = 0u; d < HEAD_DIM4; d++) {
-                out[o * HEAD_DIM4 + d] = out_store(acc[r * HEAD_DIM4 + d]);
-            }
-            out_ml[o] = vec2<f32>(m[r] * LN2, l[r]);
-        }
+    let o = seq * p.num_heads + h0;
+    if p.partition_tokens == 0u {
+        ser_out(o * HEAD_DIM4, HEAD_DIM4, live, false, 0u, 0u);
+    } else {
+        let np = p.num_partitions;
+        ser_out((o * np + part) * HEAD_DIM4, np * HEAD_DIM4, live, true, o * np + part, np);
     }
 }

@@ -185,3 +185,72 @@ fn prefill_rejects_bad_query_offsets() {
         .unwrap_err();
     assert!(e.to_string().contains("qo_indptr"), "{e}");
 }
+
+/// Split-KV prefill: long contexts with short chunks split the KV range into
+/// partitions merged by log-sum-exp (Split::Auto on a small batch), and
+/// must match the reference as the unsplit pass does, with the variants.
+#[test]
+fn split_kv_prefill() {
+    use pagedattn::gpu::Split;
+    let seqs = [(2000, 8), (1500, 40), (30, 30), (1100, 1)];
+    let slopes: Vec<f32> = (0..8).map(|h| 2f32.powf(-0.5 * (h as f32 + 1.0))).collect();
+    for dtype in [KvDtype::F32, KvDtype::F16] {
+        for split in [Split::Auto, Split::Never] {
+            let mut c = case(16, 2, 4, 64, dtype, &seqs);
+            c.opts.split = split;
+            check(&format!("prefill {split:?} {dtype:?}"), c);
+        }
+        let mut c = case(16, 2, 4, 64, dtype, &seqs);
+        c.opts.sliding_window = Some(700);
+        c.opts.alibi_slopes = Some(slopes.clone());
+        c.opts.soft_cap = Some(20.0);
+        check(&format!("prefill split + variants {dtype:?}"), c);
+    }
+}
+
+/// A 65600-token context: past the loop cap of llvmpipe for one pass (it
+/// returned NaN before split-KV prefill); on other adapters the split comes
+/// from occupancy.
+#[test]
+fn prefill_at_65k_tokens_of_context() {
+    check(
+        "prefill 65600",
+        case(16, 1, 2, 64, KvDtype::F16, &[(65600, 16), (40, 5)]),
+    );
+}
+
+/// The split-KV tests above reach the split path: a plan of those tables
+/// splits under Split::Auto and not under Split::Never.
+#[test]
+fn split_kv_prefill_is_chosen_for_long_contexts() {
+    use pagedattn::gpu::{PrefillTables, Split};
+    let Some(gpu) = gpu() else { return };
+    let cfg = KvCacheConfig {
+        num_layers: 1,
+        num_blocks: 300,
+        block_size: 16,
+        num_kv_heads: 2,
+        head_dim: 64,
+        dtype: KvDtype::F32,
+    };
+    let cache = KvCache::new(&gpu, cfg).unwrap();
+    let attn = PagedAttention::new(&gpu, &cache, 8).unwrap();
+    let (lens, qo) = ([2000u32, 1500], [0u32, 8, 48]);
+    let indptr = [0u32, 125, 219];
+    let ids: Vec<u32> = (0..219).collect();
+    let t = PrefillTables {
+        kv_indptr: &indptr,
+        kv_indices: &ids,
+        seq_lens: &lens,
+        qo_indptr: &qo,
+    };
+    let mut plan = attn.plan();
+    for (split, want) in [(Split::Auto, true), (Split::Never, false)] {
+        let o = AttnOptions {
+            split,
+            ..Default::default()
+        };
+        attn.plan_prefill(&gpu, &mut plan, &t, &[o]).unwrap();
+        assert_eq!(plan.splits(), want, "{split:?}");
+    }
+}

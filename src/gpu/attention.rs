@@ -377,6 +377,27 @@ impl PagedAttention {
         self.kernel
     }
 
+    /// Workgroup memory (bytes) of the decode and the prefill kernels as
+    /// built: both within [`PORTABLE_WORKGROUP_BYTES`](super::PORTABLE_WORKGROUP_BYTES)
+    /// (WebGPU's default) on every shape.
+    pub fn workgroup_bytes(&self) -> (u32, u32) {
+        let decode = match self.kernel {
+            Kernel::Tiled => shader::attention_workgroup_bytes(&self.decode_shape),
+            Kernel::Lanes => shader::lanes_workgroup_bytes(&self.decode_shape),
+            Kernel::Serial => 0,
+        };
+        (
+            decode,
+            shader::attention_workgroup_bytes(&self.prefill_shape),
+        )
+    }
+
+    /// Query heads per pass of the decode kernel (a GQA group larger than
+    /// this runs as several head tiles).
+    pub fn decode_head_tile(&self) -> u32 {
+        self.decode_shape.head_tile()
+    }
+
     /// The variants that can run this shape on `gpu`.
     pub fn eligible_kernels(gpu: &Gpu, cache: &KvCache, num_heads: u32) -> Vec<Kernel> {
         let c = cache.config();
@@ -464,7 +485,11 @@ impl PagedAttention {
                 )))
             }
         };
-        let have = gpu.limits.max_compute_workgroup_storage_size;
+        // Prefill tiles stay within WebGPU's default workgroup memory too.
+        let have = gpu
+            .limits
+            .max_compute_workgroup_storage_size
+            .min(kernel::PORTABLE_WORKGROUP_BYTES);
         let qtile = shader::prefill_qtile(&tiled, have);
         Ok(Self {
             cache_cfg: *c,

@@ -122,8 +122,15 @@ pub(super) fn decode_shape(gpu: &Gpu, kernel: Kernel, base: ShaderShape) -> Opti
             };
             (shader::lanes_workgroup_bytes(&s) <= limit).then_some(s)
         }
+        // At most 64 vec4 of query rows (and as many of accumulator) per
+        // invocation: the unrolled per-token code grows with rows x vec4,
+        // and so does its compile time on llvmpipe (about 23 s cold at
+        // 256 vec4; HT = 2 at head_dim 128).
         Kernel::Serial => Some(ShaderShape {
-            htile: shader::balanced_head_tile(base.group, 8),
+            htile: shader::balanced_head_tile(
+                base.group,
+                (64 / (base.head_dim / 4).max(1)).clamp(1, 8),
+            ),
             ..base
         }),
     }
@@ -134,6 +141,7 @@ pub(super) fn decode_shape(gpu: &Gpu, kernel: Kernel, base: ShaderShape) -> Opti
 fn iterations_per_token(kernel: Kernel, s: &ShaderShape) -> u32 {
     let d4 = s.head_dim / 4;
     let ht = s.head_tile();
+    let _ = d4;
     match kernel {
         // One token per thread per tile of 64; the thread's loops per tile.
         Kernel::Tiled => 0,
@@ -144,7 +152,8 @@ fn iterations_per_token(kernel: Kernel, s: &ShaderShape) -> u32 {
             let red = if s.subgroups { 4 } else { ht * (lpt + 1) };
             (2 * jn + 2 * ht + red + 2).div_ceil(nt) + 1
         }
-        Kernel::Serial => 2 * d4 + 3 * ht + 4 + (d4 + 4 * ht).div_ceil(16),
+        // The token loop only: the per-token code is unrolled.
+        Kernel::Serial => 2,
     }
 }
 
