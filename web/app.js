@@ -431,6 +431,9 @@ async function main() {
     fatal(`Could not load the wasm module (run scripts/build-web.sh first): ${e}`);
     return;
   }
+  // Every decode kernel variant against the f64 reference on this adapter
+  // (the end-to-end test calls it; results as JSON rows).
+  window.pagedattnKernelCheck = async (seed) => JSON.parse(await wasm.kernel_check(BigInt(seed)));
   let info;
   try {
     info = JSON.parse(await wasm.adapter());

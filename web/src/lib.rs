@@ -430,3 +430,104 @@ fn snapshot(s: &mut Inner) -> Result<String, JsValue> {
     };
     json(&snap)
 }
+
+/// One decode kernel variant checked on this page's adapter.
+#[derive(Serialize)]
+struct KernelCheck {
+    kernel: &'static str,
+    dtype: &'static str,
+    /// Relative L2 error against the f64 reference (`null` if not finite).
+    rel_l2: Option<f64>,
+    error: Option<String>,
+}
+
+/// Runs every decode kernel variant (tiled, lanes, serial) on this adapter
+/// over a random paged batch (shuffled blocks, odd GQA group of 3, split
+/// and unsplit, f32 and packed-f16 KV) against the f64 reference: the
+/// end-to-end test checks each result against the demo's tolerance.
+#[wasm_bindgen]
+pub async fn kernel_check(seed: u64) -> Result<String, JsValue> {
+    use pagedattn::gpu::{AttnOptions, Kernel, KvCache, PagedAttention, Split};
+    use pagedattn::reference::{self, PagedPool};
+    let g = gpu().await?;
+    let mut rng = pagedattn::rng::SplitMix64::new(seed);
+    let (kvh, group, hd, bs) = (2u32, 3u32, 64u32, 16u32);
+    let lens = [1u32, 30, 333, 700];
+    let blocks: Vec<u32> = lens.iter().map(|l| l.div_ceil(bs)).collect();
+    let nb: u32 = blocks.iter().sum::<u32>() + 3;
+    let mut ids: Vec<u32> = (0..nb).collect();
+    for i in (1..ids.len()).rev() {
+        ids.swap(i, rng.below(i as u64 + 1) as usize);
+    }
+    let mut indptr = vec![0u32];
+    for b in &blocks {
+        indptr.push(indptr.last().unwrap() + b);
+    }
+    let indices = &ids[..*indptr.last().unwrap() as usize];
+    let elems = (nb * kvh * bs * hd) as usize;
+    let heads = kvh * group;
+    let q = rng.signed_vec(lens.len() * (heads * hd) as usize);
+    let mut results = Vec::new();
+    for dtype in [KvDtype::F32, KvDtype::F16] {
+        let cfg = KvCacheConfig {
+            num_layers: 1,
+            num_blocks: nb,
+            block_size: bs,
+            num_kv_heads: kvh,
+            head_dim: hd,
+            dtype,
+        };
+        let cache = KvCache::new(&g, cfg).map_err(err)?;
+        let (mut k, mut v) = (rng.signed_vec(elems), rng.signed_vec(elems));
+        let [kb, vb] = cache.layer(0).map_err(err)?;
+        for (host, buf) in [(&mut k, kb), (&mut v, vb)] {
+            match dtype {
+                KvDtype::F32 => g.queue.write_buffer(buf, 0, bytemuck::cast_slice(host)),
+                KvDtype::F16 => {
+                    let h: Vec<half::f16> = host.iter().map(|&x| half::f16::from_f32(x)).collect();
+                    host.iter_mut()
+                        .zip(&h)
+                        .for_each(|(x, y)| *x = y.to_f32());
+                    g.queue.write_buffer(buf, 0, bytemuck::cast_slice(&h));
+                }
+            }
+        }
+        let pool = PagedPool {
+            k: &k,
+            v: &v,
+            num_kv_heads: kvh as usize,
+            block_size: bs as usize,
+            head_dim: hd as usize,
+        };
+        let p = reference::AttnParams::new(heads as usize, hd as usize);
+        let want = reference::decode(&pool, &p, &q, &indptr, indices, &lens);
+        for kernel in Kernel::ALL {
+            for split in [Split::Never, Split::Tokens(128)] {
+                let r = async {
+                    let attn = PagedAttention::with_kernel(&g, &cache, heads, kernel)?;
+                    let opts = AttnOptions {
+                        split,
+                        ..Default::default()
+                    };
+                    attn.decode_async(&g, &cache, 0, &q, &indptr, indices, &lens, &opts)
+                        .await
+                }
+                .await;
+                let (rel, error) = match r {
+                    Ok(out) => {
+                        let e = reference::rel_l2(&out, &want);
+                        (e.is_finite().then_some(e), None)
+                    }
+                    Err(e) => (None, Some(e.to_string())),
+                };
+                results.push(KernelCheck {
+                    kernel: kernel.name(),
+                    dtype: if dtype == KvDtype::F32 { "f32" } else { "f16" },
+                    rel_l2: rel,
+                    error,
+                });
+            }
+        }
+    }
+    json(&results)
+}

@@ -90,6 +90,19 @@ try {
   if (s.error) throw new Error(`page reported: ${s.error}`);
   check(s.webgpu && s.backend === 'BrowserWebGpu', `kernels run on WebGPU (backend ${s.backend}, adapter ${s.adapter && s.adapter.name})`);
 
+  // Every decode kernel variant (tiled, GPU-shaped lanes, barrier-free
+  // serial), split and unsplit, f32 and f16 KV, against the f64 reference.
+  const kernels = await page.evaluate((seed) => window.pagedattnKernelCheck(seed), SEED);
+  for (const kname of ['tiled', 'lanes', 'serial']) {
+    const rows = kernels.filter((r) => r.kernel === kname);
+    check(rows.length === 4, `${kname}: 4 runs (f32/f16 x split/unsplit), got ${rows.length}`);
+    for (const r of rows) {
+      const tol = r.dtype === 'f32' ? 1e-5 : 2e-3;
+      check(r.error === null && r.rel_l2 !== null && r.rel_l2 < tol,
+        `${kname} ${r.dtype}: rel L2 ${r.rel_l2 === null ? 'not finite' : r.rel_l2.toExponential(2)}${r.error ? ` (${r.error})` : ''} < ${tol}`);
+    }
+  }
+
   // Drive the real controls: seed, Reset, one Step, then Play.
   await page.fill('#seed', String(SEED));
   await page.click('#reset');
