@@ -310,7 +310,9 @@ impl Model {
             dtype: KvDtype::F32,
         };
         let cache = KvCache::new(&gpu, cfg)?;
-        let attn = PagedAttention::new(&gpu, &cache, HQ as u32)?;
+        // Times every decode kernel variant once for this adapter and shape
+        // (cached in PAGEDATTN_TUNE_CACHE when set) and builds the fastest.
+        let (attn, _tuned) = PagedAttention::tuned(&gpu, &cache, HQ as u32)?;
         attn.warm_up(&gpu)?; // compile every attention pipeline now, not mid-step
         let (mut wplan, mut aplan) = (cache.plan(), attn.plan());
         // Q, K and V are read straight from the fused rows, QKV floats apart.

@@ -296,6 +296,11 @@ impl Demo {
         })
     }
 
+    /// The decode kernel variant the demo runs.
+    pub fn kernel(&self) -> pagedattn::gpu::Kernel {
+        self.attn.kernel()
+    }
+
     /// Settings.
     pub fn config(&self) -> &DemoConfig {
         &self.cfg

@@ -88,7 +88,45 @@ fn run_demo(out: &mut dyn Write, cfg: DemoConfig, verbose: bool) -> Res {
         cfg.block_size,
         cfg.seed
     )?;
+    // The autotuner times every decode kernel variant for this shape once
+    // (about 2 s on lavapipe) and the demo's PagedAttention uses its pick.
+    let probe = pagedattn::gpu::KvCache::new(
+        &gpu,
+        pagedattn::gpu::KvCacheConfig {
+            num_layers: 1,
+            num_blocks: 1,
+            block_size: cfg.block_size,
+            num_kv_heads: cfg.num_kv_heads,
+            head_dim: cfg.head_dim,
+            dtype: if cfg.f16 {
+                pagedattn::gpu::KvDtype::F16
+            } else {
+                pagedattn::gpu::KvDtype::F32
+            },
+        },
+    )?;
+    let tune = pagedattn::gpu::PagedAttention::tune(
+        &gpu,
+        &probe,
+        cfg.num_heads,
+        std::time::Duration::from_millis(1500),
+        false,
+    )?;
+    drop(probe);
     let mut d = Demo::new(&gpu, cfg.clone())?;
+    let timed: Vec<String> = tune
+        .micros
+        .iter()
+        .map(|(k, us)| format!("{k} {:.0} us", us))
+        .collect();
+    writeln!(
+        out,
+        "decode kernel: {} (tuner picked {}{}{})",
+        d.kernel(),
+        tune.chosen,
+        if tune.cached { ", cached" } else { ": " },
+        timed.join(", ")
+    )?;
     writeln!(out, "step  seqs  +req  fork  done  written  copied  used  shared  free  stored/logical  max_rel_err  gpu_ms")?;
     let mut times = Vec::new();
     let mut peak_saved = 0u32;

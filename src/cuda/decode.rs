@@ -1,22 +1,21 @@
 //! Paged decode on CUDA: the twin of [`PagedAttention`](crate::gpu::PagedAttention)
-//! over a [`CudaKvCache`], one pass per (sequence, kv head).
+//! over a [`CudaKvCache`], one pass per (sequence, kv head, head tile),
+//! with the algorithm of the WGSL lanes kernel ([`Kernel::Lanes`](crate::gpu::Kernel)).
 
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::{guarded, Cuda, CudaError, CudaKvCache, DriverResultExt, Shape};
 use crate::gpu::AttnOptions;
 
-/// Threads per block and tokens per tile of `decode` in kernels.cu.
-const NT: u32 = 128;
-const TILE: u32 = 64;
+/// Threads per block of `decode` in kernels.cu.
+const NT: u32 = 64;
 /// Static shared memory a block may use without opting in.
 const MAX_SHARED: u32 = 48 * 1024;
 
 /// Shared memory `decode` declares for a shape (keep in sync with kernels.cu).
-fn shared_bytes(head_dim: u32, group: u32) -> u32 {
-    let hd_t = head_dim.min(NT);
-    let rows = NT / hd_t;
-    4 * group * head_dim + 4 * group * TILE + 8 * TILE + 12 * group + 4 * rows * head_dim
+fn shared_bytes(shape: &Shape) -> u32 {
+    let slots = NT / shape.lanes_per_token();
+    16 * slots * (shape.head_dim / 4) + 8 * slots
 }
 
 /// A batch's tables, query and output on the device.
@@ -38,6 +37,7 @@ pub struct CudaAttention {
     head_dim: u32,
     block_size: u32,
     num_blocks: u32,
+    head_tiles: u32,
     decode: CudaFunction,
 }
 
@@ -52,19 +52,27 @@ impl CudaAttention {
             )));
         }
         let group = num_heads / c.num_kv_heads;
-        let need = shared_bytes(c.head_dim, group);
-        if need > MAX_SHARED {
-            return Err(CudaError::Unsupported(format!(
-                "GQA group of {group} heads with head_dim {} needs {need} bytes of shared memory (at most {MAX_SHARED})",
-                c.head_dim
-            )));
-        }
-        let module = cuda.module(Shape {
+        let shape = Shape {
             head_dim: c.head_dim,
             group,
             block_size: c.block_size,
             dtype: c.dtype,
-        })?;
+        };
+        let need = shared_bytes(&shape);
+        if need > MAX_SHARED {
+            return Err(CudaError::Unsupported(format!(
+                "head_dim {} needs {need} bytes of shared memory (at most {MAX_SHARED})",
+                c.head_dim
+            )));
+        }
+        if c.num_kv_heads as u64 * shape.head_tiles() as u64 > 65535 {
+            return Err(CudaError::Unsupported(format!(
+                "{} kv heads x {} head tiles in one grid dimension (at most 65535)",
+                c.num_kv_heads,
+                shape.head_tiles()
+            )));
+        }
+        let module = cuda.module(shape)?;
         let decode = guarded("loading decode", || {
             module.load_function("decode").during("decode")
         })?;
@@ -74,6 +82,7 @@ impl CudaAttention {
             head_dim: c.head_dim,
             block_size: c.block_size,
             num_blocks: c.num_blocks,
+            head_tiles: shape.head_tiles(),
             decode,
         })
     }
@@ -195,7 +204,7 @@ impl CudaAttention {
             )));
         }
         let cfg = LaunchConfig {
-            grid_dim: (b.num_seqs, self.num_kv_heads, 1),
+            grid_dim: (b.num_seqs, self.num_kv_heads * self.head_tiles, 1),
             block_dim: (NT, 1, 1),
             shared_mem_bytes: 0,
         };

@@ -83,32 +83,53 @@ extern "C" __global__ void copy_blocks(
     v_pool[(u64)dst * block_elems + e] = v_pool[(u64)src * block_elems + e];
 }
 
-// Paged decode: one query token per sequence against its paged K/V.
+// Paged decode: one query token per sequence against its paged K/V. The
+// algorithm of shaders/attention_lanes.wgsl (the GPU-shaped variant), so an
+// NVIDIA profile of one tells us about the other:
 //
-// One thread block per (sequence, kv head) serves all GROUP query heads of
-// that kv head, so each K and V row is read once per group (GQA/MQA).
-// Tokens go in tiles of TILE. Scores: one warp per token, lanes across
-// head_dim (coalesced K reads), the GROUP dot products reduced by shuffles.
-// Then the running max, the rescale factor and the running sum of each head
-// (online softmax), and the V product: thread (r, c) owns column c (and
-// c + HD_T, ... when HEAD_DIM > NT) of every head's accumulator over every
-// ROWS-th token of the tile. The ROWS partial accumulators are summed once
-// at the end and the output written once.
+// A block of NT = 64 threads serves one (sequence, kv head, head tile of HT
+// query heads). LPT consecutive lanes share one token: lane c reads float4
+// c, c + LPT, ... of its K and V rows (coalesced 16-byte loads), so NSLOT =
+// 64 / LPT tokens are in flight per block. Each lane keeps its JN float4
+// columns of the HT query rows and accumulators and, per slot, the running
+// max (log2 units: exp2 throughout) and sum: the partial dot products are
+// summed by __shfl_xor_sync across the slot's LPT lanes, and the token
+// loop has no barrier. The NSLOT slots are merged once at the end by
+// log-sum-exp through shared memory. Head tiles: blockIdx.y = kv head x
+// HTILES + tile; rows past GROUP in the last tile are computed on zeros
+// and never written.
+//
+// Extra macros (src/cuda/mod.rs computes them as the WGSL host does):
+//   LPT  lanes per token (power of two <= 8 dividing HEAD_DIM / 4)
+//   HT   query heads per block (head tile)
 //
 // Same masking as attention.wgsl: tokens whose table entry is past the CSR
 // range or names a block outside the pool are skipped, never read; a
 // sequence with no readable token writes zeros.
 
-#define NT 128
-#define NWARPS (NT / 32)
-#define TILE 64
-#define HD_T (HEAD_DIM < NT ? HEAD_DIM : NT)
-#define ROWS (NT / HD_T)
-#define COLS ((HEAD_DIM + HD_T - 1) / HD_T)
-// Finite, as NEG_INF in common.wgsl: exp(m_old - m_new) never sees inf - inf.
+#define NT 64
+#define HD4 (HEAD_DIM / 4)
+#define JN (HD4 / LPT)
+#define NSLOT (NT / LPT)
+#define HTILES ((GROUP + HT - 1) / HT)
+// Finite, as NEG_INF in common.wgsl: exp2(m_old - m_new) never sees inf - inf.
 #define NEG_BIG (-3.40282347e+38f)
-#define NO_ROW 0xffffffffffffffffull
 #define FULL_MASK 0xffffffffu
+#define LOG2E_F 1.4426950408889634f
+
+__device__ __forceinline__ float4 load4(const kv_t* __restrict__ p, u64 i4) {
+#if KV_F16
+    const uint2 w = reinterpret_cast<const uint2*>(p)[i4];
+    return make_float4(kv_load((unsigned short)(w.x & 0xffffu)), kv_load((unsigned short)(w.x >> 16)),
+                       kv_load((unsigned short)(w.y & 0xffffu)), kv_load((unsigned short)(w.y >> 16)));
+#else
+    return reinterpret_cast<const float4*>(p)[i4];
+#endif
+}
+
+__device__ __forceinline__ float dot4(float4 a, float4 b) {
+    return a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+}
 
 extern "C" __global__ void __launch_bounds__(NT) decode(
     const float* __restrict__ q,          // [num_seqs][num_heads][HEAD_DIM]
@@ -122,176 +143,131 @@ extern "C" __global__ void __launch_bounds__(NT) decode(
     u32 num_heads, u32 num_kv_heads, u32 num_blocks, u32 indices_len,
     float scale, float soft_cap, u32 sliding_window, u32 alibi)
 {
-    __shared__ float q_sh[GROUP][HEAD_DIM];
-    // Scores of the tile, then their probabilities.
-    __shared__ float sc[GROUP][TILE];
-    // Pool offset of each tile token's row, NO_ROW when masked.
-    __shared__ u64 row_of[TILE];
-    __shared__ float m_run[GROUP];
-    __shared__ float l_run[GROUP];
-    __shared__ float alpha[GROUP];
-    __shared__ float red[ROWS][HEAD_DIM];
+    // End of pass: one head's accumulators and (max, sum) of every slot.
+    __shared__ float4 mrg[NSLOT][HD4];
+    __shared__ float2 mrg_ml[NSLOT];
 
     const u32 seq = blockIdx.x;
-    const u32 kvh = blockIdx.y;
+    const u32 kvh = blockIdx.y / HTILES;
+    const u32 hg0 = (blockIdx.y % HTILES) * HT;
+    const u32 h0 = kvh * GROUP + hg0;
     const u32 tid = threadIdx.x;
-    const u32 lane = tid % 32;
-    const u32 warp = tid / 32;
-    const u32 h0 = kvh * GROUP;
+    const u32 c = tid % LPT;
+    const u32 slot = tid / LPT;
 
     const u32 ind_end = min_u32(kv_indptr[seq + 1], indices_len);
     const u32 ind_start = min_u32(kv_indptr[seq], ind_end);
-    // As attention.wgsl: a length past what the table holds is cut to it.
     const u32 held = ind_end - ind_start;
     u32 len = seq_lens[seq];
     if (held <= 0xFFFFFFFFu / BLOCK_SIZE) len = min_u32(len, held * BLOCK_SIZE);
-    // Only used when len > 0.
-    const u32 q_pos = len - 1;
+    const u32 q_pos = len > 0 ? len - 1 : 0;
     u32 t_begin = 0;
     if (sliding_window != 0 && len > sliding_window) t_begin = len - sliding_window;
 
-    for (u32 i = tid; i < GROUP * HEAD_DIM; i += NT)
-        q_sh[i / HEAD_DIM][i % HEAD_DIM] = q[((u64)seq * num_heads + h0) * HEAD_DIM + i];
-    for (u32 h = tid; h < GROUP; h += NT) {
-        m_run[h] = NEG_BIG;
-        l_run[h] = 0.0f;
-    }
-    const u32 r = tid / HD_T;
-    const u32 c = tid % HD_T;
-    float acc[GROUP][COLS];
+    float4 qv[HT][JN];
+    float4 acc[HT][JN];
+    float m[HT], l[HT], slope[HT];
 #pragma unroll
-    for (u32 h = 0; h < GROUP; ++h)
+    for (u32 r = 0; r < HT; ++r) {
+        const bool live = hg0 + r < GROUP;
 #pragma unroll
-        for (u32 k = 0; k < COLS; ++k) acc[h][k] = 0.0f;
-    __syncthreads();
-
-    for (u32 tile = t_begin; tile < len; tile += TILE) {
-        if (tid < TILE) {
-            const u32 tok = tile + tid;
-            u64 row = NO_ROW;
-            if (tok < len) {
-                const u32 j = ind_start + tok / BLOCK_SIZE;
-                if (j < ind_end) {
-                    const u32 blk = kv_indices[j];
-                    if (blk < num_blocks)
-                        row = (((u64)blk * num_kv_heads + kvh) * BLOCK_SIZE + tok % BLOCK_SIZE)
-                              * HEAD_DIM;
-                }
-            }
-            row_of[tid] = row;
+        for (u32 j = 0; j < JN; ++j) {
+            qv[r][j] = live ? reinterpret_cast<const float4*>(q)[((u64)seq * num_heads + h0 + r) * HD4 + c + j * LPT]
+                            : make_float4(0.f, 0.f, 0.f, 0.f);
+            acc[r][j] = make_float4(0.f, 0.f, 0.f, 0.f);
         }
-        __syncthreads();
-
-        // Scores. `row` is the same for the whole warp, so every lane takes
-        // part in the shuffles.
-        for (u32 t = warp; t < TILE; t += NWARPS) {
-            const u64 row = row_of[t];
-            float s[GROUP];
-#pragma unroll
-            for (u32 h = 0; h < GROUP; ++h) s[h] = 0.0f;
-            if (row != NO_ROW) {
-                for (u32 d = lane; d < HEAD_DIM; d += 32) {
-                    const float kd = kv_load(k_pool[row + d]);
-#pragma unroll
-                    for (u32 h = 0; h < GROUP; ++h) s[h] += q_sh[h][d] * kd;
-                }
-            }
-#pragma unroll
-            for (u32 h = 0; h < GROUP; ++h)
-#pragma unroll
-                for (u32 off = 16; off > 0; off >>= 1)
-                    s[h] += __shfl_xor_sync(FULL_MASK, s[h], off);
-            if (lane == 0) {
-#pragma unroll
-                for (u32 h = 0; h < GROUP; ++h) {
-                    float v = NEG_BIG;
-                    if (row != NO_ROW) {
-                        // The rules of logit() in common.wgsl.
-                        v = s[h] * scale;
-                        if (soft_cap > 0.0f) v = soft_cap * tanhf(v / soft_cap);
-                        if (alibi != 0)
-                            v += slopes[h0 + h] * ((float)(tile + t) - (float)q_pos);
-                    }
-                    sc[h][t] = v;
-                }
-            }
-        }
-        __syncthreads();
-
-        // Running max per head and the factor that rescales what came before.
-        for (u32 h = warp; h < GROUP; h += NWARPS) {
-            float mt = NEG_BIG;
-            for (u32 t = lane; t < TILE; t += 32) mt = fmaxf(mt, sc[h][t]);
-#pragma unroll
-            for (u32 off = 16; off > 0; off >>= 1)
-                mt = fmaxf(mt, __shfl_xor_sync(FULL_MASK, mt, off));
-            if (lane == 0) {
-                const float m_new = fmaxf(m_run[h], mt);
-                alpha[h] = expf(m_run[h] - m_new);
-                m_run[h] = m_new;
-            }
-        }
-        __syncthreads();
-
-        for (u32 i = tid; i < GROUP * TILE; i += NT) {
-            const u32 h = i / TILE;
-            const u32 t = i % TILE;
-            const float v = sc[h][t];
-            sc[h][t] = v == NEG_BIG ? 0.0f : expf(v - m_run[h]);
-        }
-        __syncthreads();
-
-        for (u32 h = warp; h < GROUP; h += NWARPS) {
-            float sum = 0.0f;
-            for (u32 t = lane; t < TILE; t += 32) sum += sc[h][t];
-#pragma unroll
-            for (u32 off = 16; off > 0; off >>= 1)
-                sum += __shfl_xor_sync(FULL_MASK, sum, off);
-            if (lane == 0) l_run[h] = l_run[h] * alpha[h] + sum;
-        }
-        // V: reads sc, alpha and row_of, which nothing writes until the
-        // barrier below.
-        if (r < ROWS) {
-#pragma unroll
-            for (u32 h = 0; h < GROUP; ++h)
-#pragma unroll
-                for (u32 k = 0; k < COLS; ++k) acc[h][k] *= alpha[h];
-            for (u32 t = r; t < TILE; t += ROWS) {
-                const u64 row = row_of[t];
-                if (row == NO_ROW) continue;
-#pragma unroll
-                for (u32 k = 0; k < COLS; ++k) {
-                    const u32 col = c + k * HD_T;
-                    if (col < HEAD_DIM) {
-                        const float vd = kv_load(v_pool[row + col]);
-#pragma unroll
-                        for (u32 h = 0; h < GROUP; ++h) acc[h][k] += sc[h][t] * vd;
-                    }
-                }
-            }
-        }
-        __syncthreads();
+        m[r] = NEG_BIG;
+        l[r] = 0.0f;
+        slope[r] = (live && alibi != 0) ? slopes[h0 + r] : 0.0f;
     }
 
-    // Sum the ROWS partial accumulators of each head and write it once.
-    // Unrolled so acc stays in registers (constant indices).
-#pragma unroll
-    for (u32 h = 0; h < GROUP; ++h) {
-        if (r < ROWS) {
-#pragma unroll
-            for (u32 k = 0; k < COLS; ++k) {
-                const u32 col = c + k * HD_T;
-                if (col < HEAD_DIM) red[r][col] = acc[h][k];
+    // Every lane runs the same trip count, so the shuffles see full warps.
+    for (u32 base = t_begin; base < len; base += NSLOT) {
+        const u32 tok = base + slot;
+        bool valid = false;
+        u64 row = 0;
+        if (tok < len) {
+            const u32 jb = ind_start + tok / BLOCK_SIZE;
+            if (jb < ind_end) {
+                const u32 blk = kv_indices[jb];
+                if (blk < num_blocks) {
+                    valid = true;
+                    row = (((u64)blk * num_kv_heads + kvh) * BLOCK_SIZE + tok % BLOCK_SIZE) * HD4;
+                }
             }
         }
-        __syncthreads();
-        const float l = l_run[h];
-        for (u32 col = tid; col < HEAD_DIM; col += NT) {
-            float a = 0.0f;
+        float s[HT];
 #pragma unroll
-            for (u32 rr = 0; rr < ROWS; ++rr) a += red[rr][col];
-            out[((u64)seq * num_heads + h0 + h) * HEAD_DIM + col] = l == 0.0f ? 0.0f : a / l;
+        for (u32 r = 0; r < HT; ++r) s[r] = 0.0f;
+        if (valid) {
+#pragma unroll
+            for (u32 j = 0; j < JN; ++j) {
+                const float4 kx = load4(k_pool, row + c + j * LPT);
+#pragma unroll
+                for (u32 r = 0; r < HT; ++r) s[r] += dot4(qv[r][j], kx);
+            }
         }
+#pragma unroll
+        for (u32 r = 0; r < HT; ++r)
+#pragma unroll
+            for (u32 off = 1; off < LPT; off <<= 1)
+                s[r] += __shfl_xor_sync(FULL_MASK, s[r], off);
+        if (valid) {
+            float w[HT], f[HT];
+#pragma unroll
+            for (u32 r = 0; r < HT; ++r) {
+                // The rules of logit() in common.wgsl, in log2 units.
+                float x = s[r] * scale;
+                if (soft_cap > 0.0f) x = soft_cap * tanhf(x / soft_cap);
+                if (alibi != 0) x += slope[r] * ((float)tok - (float)q_pos);
+                x *= LOG2E_F;
+                const float mn = fmaxf(m[r], x);
+                f[r] = exp2f(m[r] - mn);
+                w[r] = exp2f(x - mn);
+                l[r] = l[r] * f[r] + w[r];
+                m[r] = mn;
+            }
+#pragma unroll
+            for (u32 j = 0; j < JN; ++j) {
+                const float4 vx = load4(v_pool, row + c + j * LPT);
+#pragma unroll
+                for (u32 r = 0; r < HT; ++r) {
+                    acc[r][j].x = acc[r][j].x * f[r] + w[r] * vx.x;
+                    acc[r][j].y = acc[r][j].y * f[r] + w[r] * vx.y;
+                    acc[r][j].z = acc[r][j].z * f[r] + w[r] * vx.z;
+                    acc[r][j].w = acc[r][j].w * f[r] + w[r] * vx.w;
+                }
+            }
+        }
+    }
+
+    // Merge the slots of each head by log-sum-exp; write once.
+#pragma unroll
+    for (u32 r = 0; r < HT; ++r) {
         __syncthreads();
+#pragma unroll
+        for (u32 j = 0; j < JN; ++j) mrg[slot][c + j * LPT] = acc[r][j];
+        if (c == 0) mrg_ml[slot] = make_float2(m[r], l[r]);
+        __syncthreads();
+        if (hg0 + r < GROUP) {
+            for (u32 col = tid; col < HD4; col += NT) {
+                float mx = NEG_BIG;
+                for (u32 i = 0; i < NSLOT; ++i) mx = fmaxf(mx, mrg_ml[i].x);
+                float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+                float lt = 0.0f;
+                for (u32 i = 0; i < NSLOT; ++i) {
+                    const float2 ml = mrg_ml[i];
+                    if (ml.y > 0.0f) {
+                        const float wt = exp2f(ml.x - mx);
+                        lt += ml.y * wt;
+                        const float4 x = mrg[i][col];
+                        a.x += x.x * wt; a.y += x.y * wt; a.z += x.z * wt; a.w += x.w * wt;
+                    }
+                }
+                const float inv = lt == 0.0f ? 0.0f : 1.0f / lt;
+                reinterpret_cast<float4*>(out)[((u64)seq * num_heads + h0 + r) * HD4 + col] =
+                    make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
+            }
+        }
     }
 }

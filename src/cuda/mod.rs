@@ -206,6 +206,25 @@ pub(crate) struct Shape {
     pub dtype: KvDtype,
 }
 
+impl Shape {
+    /// Lanes per token of decode, as the WGSL lanes kernel chooses them on
+    /// a device with subgroups of 32 or more.
+    pub fn lanes_per_token(&self) -> u32 {
+        crate::gpu::shader::lanes_per_token(self.head_dim, 8)
+    }
+
+    /// Query heads per block (head tile), as the WGSL lanes kernel.
+    pub fn head_tile(&self) -> u32 {
+        let jn = (self.head_dim / 4 / self.lanes_per_token()).max(1);
+        crate::gpu::shader::balanced_head_tile(self.group, (32 / jn).clamp(1, 8))
+    }
+
+    /// Head tiles per KV head.
+    pub fn head_tiles(&self) -> u32 {
+        self.group.max(1).div_ceil(self.head_tile())
+    }
+}
+
 /// A CUDA device with a context, its default stream and the kernel modules
 /// compiled so far (one per shape).
 pub struct Cuda {
@@ -314,6 +333,8 @@ impl Cuda {
             format!("-DGROUP={}", shape.group),
             format!("-DBLOCK_SIZE={}", shape.block_size),
             format!("-DKV_F16={}", (shape.dtype == KvDtype::F16) as u32),
+            format!("-DLPT={}", shape.lanes_per_token()),
+            format!("-DHT={}", shape.head_tile()),
         ];
         // Machine code for this very GPU: the driver loads a cubin from a
         // newer NVRTC of the same major version, whereas PTX from a newer

@@ -485,9 +485,7 @@ pub async fn kernel_check(seed: u64) -> Result<String, JsValue> {
                 KvDtype::F32 => g.queue.write_buffer(buf, 0, bytemuck::cast_slice(host)),
                 KvDtype::F16 => {
                     let h: Vec<half::f16> = host.iter().map(|&x| half::f16::from_f32(x)).collect();
-                    host.iter_mut()
-                        .zip(&h)
-                        .for_each(|(x, y)| *x = y.to_f32());
+                    host.iter_mut().zip(&h).for_each(|(x, y)| *x = y.to_f32());
                     g.queue.write_buffer(buf, 0, bytemuck::cast_slice(&h));
                 }
             }
