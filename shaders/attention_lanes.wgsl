@@ -33,7 +33,7 @@ const RED_LEN: u32 = select(2u * WG * HT, 1u, SUBGROUPS);
 
 // This lane's columns of the head tile's query rows and accumulators, one
 // token's scores and weights, and the rescale factor (read by rows_*).
-var<private> qv: array<vec4<f32>, HT * JN>;
+var<private> qv: array<QV4, HT * JN>;
 var<private> acc: array<vec4<f32>, HT * JN>;
 var<private> s: array<f32, HT>;
 var<private> pw: array<f32, HT>;
@@ -94,7 +94,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
             if live {
                 x = act_load(q[seq * q_stride + (h0 + r) * HEAD_DIM4 + c + j * LPT]);
             }
-            qv[r * JN + j] = x;
+            qv[r * JN + j] = q_conv(x);
             acc[r * JN + j] = vec4<f32>(0.0);
         }
         if live && p.alibi != 0u {
@@ -125,7 +125,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         }
         if row != INVALID {
             for (var j = 0u; j < JN; j++) {
-                rows_k(j, kv_load(k_pool[row + c + j * LPT]));
+                rows_k(j, k_pool[row + c + j * LPT]);
             }
         }
         // Sum the partial dots of the slot's LPT lanes: every lane gets the total.

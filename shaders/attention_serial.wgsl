@@ -30,7 +30,7 @@ const LN2: f32 = 0.6931471805599453;
 
 // The head tile's query rows and accumulators, and per row the ALiBi
 // slope, running max (log2 units) and sum. Indexed by constants only.
-var<private> qv: array<vec4<f32>, HT * HEAD_DIM4>;
+var<private> qv: array<QV4, HT * HEAD_DIM4>;
 var<private> acc: array<vec4<f32>, HT * HEAD_DIM4>;
 var<private> slope: array<f32, HT>;
 var<private> m: array<f32, HT>;

@@ -381,10 +381,10 @@ impl PagedAttention {
     /// built: both within [`PORTABLE_WORKGROUP_BYTES`](super::PORTABLE_WORKGROUP_BYTES)
     /// (WebGPU's default) on every shape.
     pub fn workgroup_bytes(&self) -> (u32, u32) {
-        let decode = match self.kernel {
+        let decode = match self.kernel.base() {
             Kernel::Tiled => shader::attention_workgroup_bytes(&self.decode_shape),
             Kernel::Lanes => shader::lanes_workgroup_bytes(&self.decode_shape),
-            Kernel::Serial => 0,
+            _ => 0,
         };
         (
             decode,
@@ -561,9 +561,9 @@ impl PagedAttention {
     /// The decode grid of `n` sequences in `parts` partitions.
     pub(super) fn decode_grid(&self, n: u32, parts: u32) -> Result<(u32, u32, u32), GpuError> {
         let units = self.num_kv_heads * self.decode_shape.head_tiles();
-        match self.kernel {
+        match self.kernel.base() {
             Kernel::Tiled | Kernel::Lanes => Ok((n, units, parts)),
-            Kernel::Serial => {
+            _ => {
                 let total = n as u64 * units as u64 * parts as u64;
                 if total > u32::MAX as u64 / 2 {
                     return Err(GpuError::InvalidArgument(format!(

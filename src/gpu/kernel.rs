@@ -27,11 +27,22 @@ pub enum Kernel {
     /// (sequence, KV head, head tile, partition), no barriers, no workgroup
     /// memory.
     Serial,
+    /// `lanes` with `shader-f16` arithmetic: over an f16 pool on a device
+    /// with `SHADER_F16`, q.k per vec4 in f16, accumulated in f32.
+    LanesF16,
+    /// `serial` with `shader-f16` arithmetic (same condition).
+    SerialF16,
 }
 
 impl Kernel {
     /// Every variant.
-    pub const ALL: [Kernel; 3] = [Kernel::Tiled, Kernel::Lanes, Kernel::Serial];
+    pub const ALL: [Kernel; 5] = [
+        Kernel::Tiled,
+        Kernel::Lanes,
+        Kernel::Serial,
+        Kernel::LanesF16,
+        Kernel::SerialF16,
+    ];
 
     /// The name used by `PAGEDATTN_KERNEL`, the tuning cache and the bench.
     pub fn name(self) -> &'static str {
@@ -39,7 +50,23 @@ impl Kernel {
             Kernel::Tiled => "tiled",
             Kernel::Lanes => "lanes",
             Kernel::Serial => "serial",
+            Kernel::LanesF16 => "lanes-f16",
+            Kernel::SerialF16 => "serial-f16",
         }
+    }
+
+    /// The variant without f16 arithmetic.
+    pub fn base(self) -> Kernel {
+        match self {
+            Kernel::LanesF16 => Kernel::Lanes,
+            Kernel::SerialF16 => Kernel::Serial,
+            k => k,
+        }
+    }
+
+    /// Whether the variant computes q.k in f16 (`shader-f16`).
+    pub fn f16_math(self) -> bool {
+        self != self.base()
     }
 
     /// The variant called `name`, if any.
@@ -50,8 +77,8 @@ impl Kernel {
     pub(super) fn shader(self) -> &'static str {
         match self {
             Kernel::Tiled => "attention",
-            Kernel::Lanes => "attention_lanes",
-            Kernel::Serial => "attention_serial",
+            Kernel::Lanes | Kernel::LanesF16 => "attention_lanes",
+            Kernel::Serial | Kernel::SerialF16 => "attention_serial",
         }
     }
 }
@@ -82,8 +109,18 @@ pub(super) fn decode_shape(gpu: &Gpu, kernel: Kernel, base: ShaderShape) -> Opti
         htile: 0,
         lpt: 1,
         subgroups: false,
+        f16_math: false,
         ..base
     };
+    if kernel.f16_math() {
+        if base.dtype != super::KvDtype::F16 || !gpu.features.contains(wgpu::Features::SHADER_F16) {
+            return None;
+        }
+        return decode_shape(gpu, kernel.base(), base).map(|s| ShaderShape {
+            f16_math: true,
+            ..s
+        });
+    }
     match kernel {
         Kernel::Tiled => {
             let mut most = TILED_MAX_ROWS;
@@ -126,7 +163,7 @@ pub(super) fn decode_shape(gpu: &Gpu, kernel: Kernel, base: ShaderShape) -> Opti
         // invocation: the unrolled per-token code grows with rows x vec4,
         // and so does its compile time on llvmpipe (about 23 s cold at
         // 256 vec4; HT = 2 at head_dim 128).
-        Kernel::Serial => Some(ShaderShape {
+        Kernel::Serial | Kernel::LanesF16 | Kernel::SerialF16 => Some(ShaderShape {
             htile: shader::balanced_head_tile(
                 base.group,
                 (64 / (base.head_dim / 4).max(1)).clamp(1, 8),
@@ -139,9 +176,9 @@ pub(super) fn decode_shape(gpu: &Gpu, kernel: Kernel, base: ShaderShape) -> Opti
 /// Loop iterations one invocation of `kernel` runs per token of context
 /// (an upper bound), for adapters that end loops after 65535 iterations.
 fn iterations_per_token(kernel: Kernel, s: &ShaderShape) -> u32 {
+    let kernel = kernel.base();
     let d4 = s.head_dim / 4;
     let ht = s.head_tile();
-    let _ = d4;
     match kernel {
         // One token per thread per tile of 64; the thread's loops per tile.
         Kernel::Tiled => 0,
@@ -153,7 +190,7 @@ fn iterations_per_token(kernel: Kernel, s: &ShaderShape) -> u32 {
             (2 * jn + 2 * ht + red + 2).div_ceil(nt) + 1
         }
         // The token loop only: the per-token code is unrolled.
-        Kernel::Serial => 2,
+        _ => 2,
     }
 }
 
@@ -176,11 +213,11 @@ pub(super) fn pass_cap(gpu: &Gpu, kernel: Kernel, s: &ShaderShape) -> Option<u32
 /// known through wgpu, so the batch decides), never shorter than a minimum,
 /// and never longer than the adapter's loop cap where it has one.
 pub(super) fn auto_partition(kernel: Kernel, passes: u64, max_len: u32, cap: Option<u32>) -> u32 {
-    let (target, min_part) = match kernel {
+    let (target, min_part) = match kernel.base() {
         Kernel::Tiled => (256u64, 512u32),
         Kernel::Lanes => (1024, 256),
         // Invocations, not workgroups: 16 workgroups of 64.
-        Kernel::Serial => (1024, 64),
+        _ => (1024, 64),
     };
     let mut pt = 0;
     if passes < target && max_len >= 2 * min_part {

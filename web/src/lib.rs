@@ -447,7 +447,7 @@ struct KernelCheck {
 /// end-to-end test checks each result against the demo's tolerance.
 #[wasm_bindgen]
 pub async fn kernel_check(seed: u64) -> Result<String, JsValue> {
-    use pagedattn::gpu::{AttnOptions, Kernel, KvCache, PagedAttention, Split};
+    use pagedattn::gpu::{AttnOptions, KvCache, PagedAttention, Split};
     use pagedattn::reference::{self, PagedPool};
     let g = gpu().await?;
     let mut rng = pagedattn::rng::SplitMix64::new(seed);
@@ -499,7 +499,7 @@ pub async fn kernel_check(seed: u64) -> Result<String, JsValue> {
         };
         let p = reference::AttnParams::new(heads as usize, hd as usize);
         let want = reference::decode(&pool, &p, &q, &indptr, indices, &lens);
-        for kernel in Kernel::ALL {
+        for kernel in PagedAttention::eligible_kernels(&g, &cache, heads) {
             for split in [Split::Never, Split::Tokens(128)] {
                 let r = async {
                     let attn = PagedAttention::with_kernel(&g, &cache, heads, kernel)?;
