@@ -165,7 +165,10 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
             // `var` without initializer each time a loop body runs it, so the
             // scores of one tile leaked into the next (naga/Vulkan did re-zero).
             var s = array<f32, NROW>();
+            // The token's K scale (1 unless the pool is quantized).
+            var ks = 1.0;
             if row != INVALID {
+                ks = k_scale(row, kvh);
                 for (var d = 0u; d < HEAD_DIM4; d++) {
                     let kv = kv_load(k_pool[row + d]);
                     for (var r = 0u; r < NROW; r++) {
@@ -181,7 +184,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
                 let in_window = p.sliding_window == 0u || q_pos - tok < p.sliding_window;
                 if row != INVALID && qi < q_count && tok <= q_pos && in_window {
                     let slope = bitcast<f32>(table_at(p.slopes_off + h0 + r % HT));
-                    v = logit(p, s[r], slope, q_pos, tok);
+                    v = logit(p, s[r] * ks, slope, q_pos, tok);
                 }
                 sc[buf][r * TILE + t] = v;
             }
@@ -232,7 +235,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
             for (var t = vr; t < TILE; t += VROWS) {
                 let vrow = row_of[buf][t];
                 if vrow != INVALID {
-                    let v = kv_load(v_pool[vrow + c]);
+                    let v = kv_load(v_pool[vrow + c]) * v_scale(vrow, kvh);
                     for (var r = 0u; r < NROW; r++) {
                         let w = sc[buf][r * TILE + t];
                         acc[r] += w * v;

@@ -148,8 +148,11 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
             buf ^= 1u;
         }
         if row != INVALID {
+            // The token's K and V scales (1 unless the pool is quantized).
+            let ks = k_scale(row, kvh);
+            let vs = v_scale(row, kvh);
             for (var r = 0u; r < HT; r++) {
-                let x = logit(p, s[r], slope[r], q_pos, tok) * LOG2E;
+                let x = logit(p, s[r] * ks, slope[r], q_pos, tok) * LOG2E;
                 let m_new = max(m[r], x);
                 alpha[r] = exp2(m[r] - m_new);
                 pw[r] = exp2(x - m_new);
@@ -157,7 +160,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
                 m[r] = m_new;
             }
             for (var j = 0u; j < JN; j++) {
-                rows_v(j, kv_load(v_pool[row + c + j * LPT]));
+                rows_v(j, kv_load(v_pool[row + c + j * LPT]) * vs);
             }
         }
     }

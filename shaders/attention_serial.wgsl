@@ -102,7 +102,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
             blk = table_at(p.indices_off + j);
         }
         if blk < p.num_blocks {
-            ser_token(((blk * p.num_kv_heads + kvh) * BLOCK_SIZE + tok % BLOCK_SIZE) * HEAD_DIM4, tok, q_pos);
+            ser_token(((blk * p.num_kv_heads + kvh) * BLOCK_SIZE + tok % BLOCK_SIZE) * HEAD_DIM4, kvh, tok, q_pos);
         }
     }
 

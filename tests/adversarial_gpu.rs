@@ -611,8 +611,8 @@ fn buffer_sizes_are_checked() {
 
 /// On an adapter that ends long loops early (llvmpipe), the library never
 /// hands the kernels a pass they cannot finish: a pass at the bound is
-/// exact, one past it is refused with the reason, and `Split::Auto` stays
-/// under it. Elsewhere, the same long passes run and are exact.
+/// exact, an unsplit one past it is refused with the reason, and
+/// `Split::Auto` stays under it (split-K decode, split-KV prefill). Elsewhere, the same long passes run and are exact.
 #[test]
 fn passes_an_adapter_cannot_finish_are_refused() {
     let Some(gpu) = gpu() else { return };
@@ -646,10 +646,20 @@ fn passes_an_adapter_cannot_finish_are_refused() {
             "auto split over {} tokens, hd {hd} g{group}: {e:.3e}",
             cap + 1
         );
-        match r.prefill(&gpu, &mut rng, 2, &AttnOptions::default()) {
+        // Prefill past the bound: refused unsplit, split-KV (and exact)
+        // under Split::Auto.
+        match r.prefill(&gpu, &mut rng, 2, &never) {
             Err(GpuError::Unsupported(m)) => assert!(m.contains("prefill"), "{m}"),
-            other => panic!("prefill past the bound: {other:?}"),
+            other => panic!("unsplit prefill past the bound: {other:?}"),
         }
+        let e = r
+            .prefill(&gpu, &mut rng, 2, &AttnOptions::default())
+            .unwrap();
+        assert!(
+            e < TOL,
+            "split-KV prefill over {} tokens, hd {hd} g{group}: {e:.3e}",
+            cap + 1
+        );
         // At the bound: exact, unsplit decode and prefill alike.
         let r = rig(&gpu, &mut rng, &[cap as usize], kvh, group, hd);
         let q = r.q(&mut rng);

@@ -46,6 +46,12 @@ impl CudaKvCache {
     pub fn new(cuda: &Cuda, cfg: KvCacheConfig) -> Result<Self, CudaError> {
         cfg.validate()
             .map_err(|e| CudaError::InvalidArgument(e.to_string()))?;
+        if cfg.dtype.quantized() {
+            return Err(CudaError::Unsupported(format!(
+                "the CUDA twin has no {} pools (f32 and f16 only)",
+                cfg.dtype.name()
+            )));
+        }
         let module = cuda.module(Shape {
             head_dim: cfg.head_dim,
             group: 1,
@@ -202,6 +208,8 @@ impl CudaKvCache {
                         .chunks_exact(2)
                         .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
                         .collect(),
+                    // Refused by `new`.
+                    KvDtype::Int8 | KvDtype::Fp8E4M3 => Vec::new(),
                 }
             };
             let s = cuda.stream();

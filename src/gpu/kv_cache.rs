@@ -13,14 +13,102 @@ pub enum KvDtype {
     /// IEEE half floats packed two per `u32` (read with `unpack2x16float`,
     /// so no `shader-f16` feature is needed).
     F16,
+    /// Symmetric int8, four per `u32`, with one f32 scale per (token, KV
+    /// head) stored after the layer's blocks: `write_kv` quantizes on the
+    /// GPU (scale = the row's largest |x| / 127, round to nearest), the
+    /// kernels dequantize as they read. Needs no `shader-f16` or int8
+    /// feature (`pack4x8snorm` / `unpack4x8snorm`).
+    Int8,
+    /// FP8 E4M3 (bias 7, no infinities, max 448), four per `u32`, with one
+    /// f32 scale per (layer, KV head) set by the engine
+    /// ([`KvCache::set_fp8_scales`]; 1.0 until then). Encoded and decoded
+    /// with bit operations; values past +-448 x scale saturate, non-finite
+    /// inputs are stored as 0: never NaN.
+    Fp8E4M3,
 }
 
 impl KvDtype {
-    /// Bytes per element.
+    /// Bytes per element (scales not included).
     pub fn bytes(self) -> u64 {
         match self {
             KvDtype::F32 => 4,
             KvDtype::F16 => 2,
+            KvDtype::Int8 | KvDtype::Fp8E4M3 => 1,
+        }
+    }
+
+    /// Whether values are stored quantized with scales.
+    pub fn quantized(self) -> bool {
+        matches!(self, KvDtype::Int8 | KvDtype::Fp8E4M3)
+    }
+
+    /// The name used by the command line and the bench.
+    pub fn name(self) -> &'static str {
+        match self {
+            KvDtype::F32 => "f32",
+            KvDtype::F16 => "f16",
+            KvDtype::Int8 => "int8",
+            KvDtype::Fp8E4M3 => "fp8",
+        }
+    }
+}
+
+/// The write_kv kernel for a pool of `dtype`.
+pub(super) fn write_kv_kernel(dtype: KvDtype) -> &'static str {
+    if dtype.quantized() {
+        "write_kv_q"
+    } else {
+        "write_kv"
+    }
+}
+
+/// One E4M3 byte as f32 (no infinities; 0x7f / 0xff, the format's NaN, is
+/// never written and reads as 480).
+pub fn fp8_e4m3_to_f32(b: u8) -> f32 {
+    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
+    let e = (b >> 3) & 0xf;
+    let m = (b & 7) as f32;
+    if e == 0 {
+        sign * m * 2f32.powi(-9)
+    } else {
+        sign * (1.0 + m / 8.0) * 2f32.powi(e as i32 - 7)
+    }
+}
+
+/// A layer buffer's bytes as f32 values in the pool layout (quantized
+/// pools dequantized with their scales).
+pub(super) fn dequantize(cfg: &KvCacheConfig, raw: &[u8]) -> Vec<f32> {
+    match cfg.dtype {
+        KvDtype::F32 => bytemuck::cast_slice(raw).to_vec(),
+        KvDtype::F16 => bytemuck::cast_slice::<u8, half::f16>(raw)
+            .iter()
+            .map(|h| h.to_f32())
+            .collect(),
+        KvDtype::Int8 | KvDtype::Fp8E4M3 => {
+            let n = (cfg.data_words() * 4) as usize;
+            let d = cfg.head_dim as usize;
+            let bs = cfg.block_size as usize;
+            let scale_at = |w: usize| {
+                f32::from_le_bytes([
+                    raw[n + 4 * w],
+                    raw[n + 4 * w + 1],
+                    raw[n + 4 * w + 2],
+                    raw[n + 4 * w + 3],
+                ])
+            };
+            (0..n)
+                .map(|i| {
+                    let row = i / d;
+                    let b = raw[i];
+                    if cfg.dtype == KvDtype::Int8 {
+                        let q = (b as i8).max(-127) as f32 / 127.0;
+                        q * scale_at(row)
+                    } else {
+                        let h = (row / bs) % cfg.num_kv_heads as usize;
+                        fp8_e4m3_to_f32(b) * scale_at(h)
+                    }
+                })
+                .collect()
         }
     }
 }
@@ -52,15 +140,36 @@ pub struct KvCacheConfig {
 impl KvCacheConfig {
     /// Bytes one block takes in one layer's K buffer (saturating at
     /// `u64::MAX` for shapes [`validate`](Self::validate) refuses).
+    /// Int8 pools include each row's f32 scale.
     pub fn block_bytes(&self) -> u64 {
-        (self.num_kv_heads as u64 * self.block_size as u64)
+        let rows = self.num_kv_heads as u64 * self.block_size as u64;
+        let data = rows
             .saturating_mul(self.head_dim as u64)
-            .saturating_mul(self.dtype.bytes())
+            .saturating_mul(self.dtype.bytes());
+        match self.dtype {
+            KvDtype::Int8 => data.saturating_add(rows * 4),
+            _ => data,
+        }
     }
 
-    /// Bytes of one layer's K buffer (saturating).
+    /// Bytes of one layer's K buffer (saturating): the blocks, then for
+    /// quantized pools their scales (int8: one per row; fp8: one per KV head).
     pub fn layer_bytes(&self) -> u64 {
-        self.block_bytes().saturating_mul(self.num_blocks as u64)
+        let tail = match self.dtype {
+            KvDtype::Fp8E4M3 => self.num_kv_heads as u64 * 4,
+            _ => 0,
+        };
+        self.block_bytes()
+            .saturating_mul(self.num_blocks as u64)
+            .saturating_add(tail)
+    }
+
+    /// `u32` words of one layer's packed data before the scales (quantized
+    /// pools; 4 values per word).
+    pub fn data_words(&self) -> u64 {
+        (self.num_blocks as u64 * self.num_kv_heads as u64 * self.block_size as u64)
+            .saturating_mul(self.head_dim as u64)
+            / 4
     }
 
     /// KV4 elements (4 cache elements) per block (saturating: a shape whose
@@ -70,6 +179,24 @@ impl KvCacheConfig {
             .saturating_mul(self.head_dim as u64)
             / 4;
         e.min(u32::MAX as u64) as u32
+    }
+
+    /// Threads of write_kv per token: one per vec4, or for int8 one per
+    /// (token, head) row (it finds the row's scale first).
+    pub(super) fn write_threads_per_token(&self) -> u64 {
+        let heads = self.num_kv_heads as u64;
+        if self.dtype == KvDtype::Int8 {
+            heads
+        } else {
+            heads * self.head_dim as u64 / 4
+        }
+    }
+
+    /// Threads of copy_blocks per copied block: its KV4 elements, plus its
+    /// rows' scales for int8.
+    pub(super) fn copy_threads_per_block(&self) -> u64 {
+        let rows = self.num_kv_heads as u64 * self.block_size as u64;
+        self.block_elems4() as u64 + if self.dtype == KvDtype::Int8 { rows } else { 0 }
     }
 
     /// Checks the shape on its own (no adapter limits).
@@ -116,8 +243,19 @@ impl KvCacheConfig {
         let elems4 = (self.num_kv_heads as u64 * self.block_size as u64)
             .saturating_mul(self.head_dim as u64)
             / 4;
-        let by_bytes = limit / block;
-        let by_index = (u32::MAX as u64) / elems4.max(1);
+        let tail = match self.dtype {
+            KvDtype::Fp8E4M3 => self.num_kv_heads as u64 * 4,
+            _ => 0,
+        };
+        let by_bytes = limit.saturating_sub(tail) / block;
+        // Quantized pools address data and scales as u32 words.
+        let words = elems4
+            + if self.dtype == KvDtype::Int8 {
+                self.num_kv_heads as u64 * self.block_size as u64
+            } else {
+                0
+            };
+        let by_index = (u32::MAX as u64 - tail / 4) / words.max(1);
         by_bytes.min(by_index).min(u32::MAX as u64) as u32
     }
 }
@@ -264,8 +402,17 @@ impl KvCache {
             out_f16: false,
             ..ShaderShape::default()
         };
-        let write_kv = pipeline(gpu, "write_kv", &shape)?;
-        let copy_blocks = pipeline(gpu, "copy_blocks", &shape)?;
+        let q = if cfg.dtype.quantized() { "_q" } else { "" };
+        let write_kv = pipeline(gpu, write_kv_kernel(cfg.dtype), &shape)?;
+        let copy_blocks = pipeline(
+            gpu,
+            if q.is_empty() {
+                "copy_blocks"
+            } else {
+                "copy_blocks_q"
+            },
+            &shape,
+        )?;
         let mut layers = Vec::with_capacity(cfg.num_layers as usize);
         let alloc = || -> Result<(), GpuError> {
             for l in 0..cfg.num_layers {
@@ -277,6 +424,15 @@ impl KvCache {
         };
         #[cfg(not(target_arch = "wasm32"))]
         gpu.scoped_blocking(alloc)??;
+        if cfg.dtype == KvDtype::Fp8E4M3 {
+            // Scales of 1.0 until the engine sets its own.
+            let ones = vec![1.0f32; cfg.num_kv_heads as usize];
+            let at = cfg.data_words() * 4;
+            for [k, v] in &layers {
+                gpu.queue.write_buffer(k, at, bytemuck::cast_slice(&ones));
+                gpu.queue.write_buffer(v, at, bytemuck::cast_slice(&ones));
+            }
+        }
         // The web cannot block on the error scope; errors surface on first use.
         #[cfg(target_arch = "wasm32")]
         {
@@ -327,8 +483,7 @@ impl KvCache {
         if num_tokens == 0 {
             return Ok(());
         }
-        let per_token = self.cfg.num_kv_heads as u64 * self.cfg.head_dim as u64 / 4;
-        let threads = num_tokens as u64 * per_token;
+        let threads = num_tokens as u64 * self.cfg.write_threads_per_token();
         if threads > u32::MAX as u64 {
             return Err(GpuError::InvalidArgument(format!(
                 "{num_tokens} tokens in one write_kv is too many"
@@ -396,6 +551,69 @@ impl KvCache {
         })
     }
 
+    /// Sets the fp8 scales of `layer`, one per KV head for K and for V: a
+    /// stored value `x` means `x * scale` (E4M3 spans +-448, so a scale of
+    /// `max |value| / 448` uses the whole range; see
+    /// [`calibrate_fp8_scales`](Self::calibrate_fp8_scales)). Scales must be
+    /// finite and positive. Tokens already written keep their bytes, so set
+    /// the scales before writing. Only for [`KvDtype::Fp8E4M3`] pools.
+    pub fn set_fp8_scales(
+        &self,
+        gpu: &Gpu,
+        layer: u32,
+        k_scales: &[f32],
+        v_scales: &[f32],
+    ) -> Result<(), GpuError> {
+        let _serial = gpu.serial();
+        gpu.alive()?;
+        let bad = |m: String| Err(GpuError::InvalidArgument(m));
+        if self.cfg.dtype != KvDtype::Fp8E4M3 {
+            return bad(format!(
+                "set_fp8_scales on a {} pool (fp8 pools only)",
+                self.cfg.dtype.name()
+            ));
+        }
+        let [k, v] = self.layer(layer)?;
+        let h = self.cfg.num_kv_heads as usize;
+        for (what, s) in [("K", k_scales), ("V", v_scales)] {
+            if s.len() != h {
+                return bad(format!("{} {what} scales for {h} KV heads", s.len()));
+            }
+            if let Some((i, x)) = s
+                .iter()
+                .enumerate()
+                .find(|(_, x)| !(x.is_finite() && **x > 0.0))
+            {
+                return bad(format!(
+                    "{what} scale of KV head {i} is {x}: fp8 scales must be finite and positive"
+                ));
+            }
+        }
+        let at = self.cfg.data_words() * 4;
+        gpu.queue
+            .write_buffer(k, at, bytemuck::cast_slice(k_scales));
+        gpu.queue
+            .write_buffer(v, at, bytemuck::cast_slice(v_scales));
+        Ok(())
+    }
+
+    /// Per-KV-head fp8 scales that map the largest |value| of `rows`
+    /// (`[n][num_kv_heads][head_dim]`) to E4M3's 448; 1.0 for a head with
+    /// no finite nonzero value.
+    pub fn calibrate_fp8_scales(cfg: &KvCacheConfig, rows: &[f32]) -> Vec<f32> {
+        let (h, d) = (cfg.num_kv_heads as usize, cfg.head_dim as usize);
+        let mut amax = vec![0.0f32; h];
+        for (i, x) in rows.iter().enumerate() {
+            if x.is_finite() {
+                let head = (i / d) % h;
+                amax[head] = amax[head].max(x.abs());
+            }
+        }
+        amax.iter()
+            .map(|&a| if a > 0.0 { a / 448.0 } else { 1.0 })
+            .collect()
+    }
+
     /// Records `copy_blocks` for every layer (one dispatch per layer, so no
     /// kernel binds more than two pool buffers) into `enc`.
     pub fn encode_copy_blocks(
@@ -416,7 +634,7 @@ impl KvCache {
             block_elems: self.cfg.block_elems4(),
             _pad: 0,
         };
-        let threads = num_copies as u64 * p.block_elems as u64;
+        let threads = num_copies as u64 * self.cfg.copy_threads_per_block();
         if threads > u32::MAX as u64 {
             return Err(GpuError::InvalidArgument(format!(
                 "{num_copies} copies in one call is too many"
@@ -463,15 +681,7 @@ impl KvCache {
         gpu.alive()?;
         let [k, v] = self.layer(layer)?;
         let bytes = self.cfg.layer_bytes();
-        let widen = |raw: Vec<u8>| -> Vec<f32> {
-            match self.cfg.dtype {
-                KvDtype::F32 => bytemuck::cast_slice(&raw).to_vec(),
-                KvDtype::F16 => bytemuck::cast_slice::<u8, half::f16>(&raw)
-                    .iter()
-                    .map(|h| h.to_f32())
-                    .collect(),
-            }
-        };
+        let widen = |raw: Vec<u8>| -> Vec<f32> { dequantize(&self.cfg, &raw) };
         Ok((widen(gpu.read(k, bytes)?), widen(gpu.read(v, bytes)?)))
     }
 }

@@ -825,8 +825,8 @@ impl KvCache {
                 row4 * 4
             ));
         }
-        let threads = slots.len() as u64 * row4 as u64;
-        let copy_threads = copies.len() as u64 * self.cfg.block_elems4() as u64;
+        let threads = slots.len() as u64 * self.cfg.write_threads_per_token();
+        let copy_threads = copies.len() as u64 * self.cfg.copy_threads_per_block();
         if threads > u32::MAX as u64 || copy_threads > u32::MAX as u64 {
             return bad(format!(
                 "{} tokens and {} copies in one step are too many",
@@ -838,7 +838,7 @@ impl KvCache {
             ActDtype::F32 => self.write_kv.clone(),
             ActDtype::F16 => pipeline(
                 gpu,
-                "write_kv",
+                super::kv_cache::write_kv_kernel(self.cfg.dtype),
                 &ShaderShape {
                     head_dim: self.cfg.head_dim,
                     group: 1,
@@ -945,7 +945,7 @@ impl KvCache {
         if plan.num_copies == 0 {
             return Ok(());
         }
-        let (x, y) = grid_1d(plan.num_copies as u64 * self.cfg.block_elems4() as u64);
+        let (x, y) = grid_1d(plan.num_copies as u64 * self.cfg.copy_threads_per_block());
         for bg in &plan.copy_groups {
             dispatch(enc, "copy_blocks", &self.copy_blocks, bg, (x, y, 1));
         }
@@ -1015,7 +1015,7 @@ impl KvCache {
             plan.write_groups.insert(key.clone(), made);
         }
         let bg = &plan.write_groups[&key];
-        let (x, y) = grid_1d(n * self.cfg.num_kv_heads as u64 * self.cfg.head_dim as u64 / 4);
+        let (x, y) = grid_1d(n * self.cfg.write_threads_per_token());
         dispatch(enc, "write_kv", pipe, bg, (x, y, 1));
         Ok(())
     }

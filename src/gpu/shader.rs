@@ -14,6 +14,11 @@ pub const COMMON: &str = include_str!("../../shaders/common.wgsl");
 /// Every kernel: (name, source without prelude and common part).
 pub const KERNELS: &[(&str, &str)] = &[
     ("write_kv", include_str!("../../shaders/write_kv.wgsl")),
+    ("write_kv_q", include_str!("../../shaders/write_kv_q.wgsl")),
+    (
+        "copy_blocks_q",
+        include_str!("../../shaders/copy_blocks_q.wgsl"),
+    ),
     (
         "copy_blocks",
         include_str!("../../shaders/copy_blocks.wgsl"),
@@ -110,15 +115,80 @@ impl ShaderShape {
     }
 }
 
+/// FP8 E4M3 in WGSL, by bit operations (no hardware fp8 assumed): bias 7,
+/// subnormals at 2^-9, no infinities; encoding rounds to nearest even and
+/// saturates at +-448, NaN is stored as 0.
+const FP8: &str = "alias KV4 = u32;\nconst KV_QUANT: u32 = 2u;\n\
+fn fp8_dec(b: u32) -> f32 {\n\
+    let mag = b & 0x7fu;\n\
+    let e = mag >> 3u;\n\
+    let m = f32(mag & 7u);\n\
+    let v = select((8.0 + m) * exp2(f32(e) - 10.0), m * 0.001953125, e == 0u);\n\
+    return select(v, -v, (b & 0x80u) != 0u);\n\
+}\n\
+fn kv_load(x: KV4) -> vec4<f32> {\n\
+    return vec4<f32>(fp8_dec(x & 0xffu), fp8_dec((x >> 8u) & 0xffu), fp8_dec((x >> 16u) & 0xffu), fp8_dec(x >> 24u));\n\
+}\n\
+fn fp8_enc(v: f32) -> u32 {\n\
+    let bits = bitcast<u32>(v);\n\
+    let sign = (bits >> 24u) & 0x80u;\n\
+    if (bits & 0x7fffffffu) > 0x7f800000u {\n\
+        return 0u;\n\
+    }\n\
+    let a = min(abs(v), 448.0);\n\
+    if a < 0.015625 {\n\
+        return sign | u32(round(a * 512.0));\n\
+    }\n\
+    var e = i32((bitcast<u32>(a) >> 23u) & 0xffu) - 127;\n\
+    var q = u32(round((a * exp2(f32(-e)) - 1.0) * 8.0));\n\
+    if q == 8u {\n\
+        q = 0u;\n\
+        e += 1;\n\
+    }\n\
+    return sign | (u32(e + 7) << 3u) | q;\n\
+}\n\
+fn fp8x4_enc(x: vec4<f32>) -> u32 {\n\
+    return fp8_enc(x.x) | (fp8_enc(x.y) << 8u) | (fp8_enc(x.z) << 16u) | (fp8_enc(x.w) << 24u);\n\
+}\n\
+fn kv_store(x: vec4<f32>) -> KV4 { return fp8x4_enc(x); }\n";
+
+/// The attention kernels' per-token K and V scales: 1 for f32 and f16
+/// pools; int8 reads the row's scale and fp8 the KV head's, from the words
+/// after the layer's blocks.
+fn scale_helpers(dtype: KvDtype) -> &'static str {
+    match dtype {
+        KvDtype::F32 | KvDtype::F16 => {
+            "fn k_scale(row: u32, kvh: u32) -> f32 { return 1.0; }\n\
+             fn v_scale(row: u32, kvh: u32) -> f32 { return 1.0; }\n"
+        }
+        KvDtype::Int8 => {
+            "fn data_words() -> u32 { return params.num_blocks * params.num_kv_heads * BLOCK_SIZE * HEAD_DIM4; }\n\
+             fn k_scale(row: u32, kvh: u32) -> f32 { return bitcast<f32>(k_pool[data_words() + row / HEAD_DIM4]); }\n\
+             fn v_scale(row: u32, kvh: u32) -> f32 { return bitcast<f32>(v_pool[data_words() + row / HEAD_DIM4]); }\n"
+        }
+        KvDtype::Fp8E4M3 => {
+            "fn data_words() -> u32 { return params.num_blocks * params.num_kv_heads * BLOCK_SIZE * HEAD_DIM4; }\n\
+             fn k_scale(row: u32, kvh: u32) -> f32 { return bitcast<f32>(k_pool[data_words() + kvh]); }\n\
+             fn v_scale(row: u32, kvh: u32) -> f32 { return bitcast<f32>(v_pool[data_words() + kvh]); }\n"
+        }
+    }
+}
+
 /// The generated prelude that defines the shape constants and KV4 helpers.
 pub fn prelude(s: &ShaderShape) -> String {
     let kv = match s.dtype {
-        KvDtype::F32 => "alias KV4 = vec4<f32>;\n\
+        KvDtype::F32 => "alias KV4 = vec4<f32>;\nconst KV_QUANT: u32 = 0u;\n\
              fn kv_load(x: KV4) -> vec4<f32> { return x; }\n\
              fn kv_store(x: vec4<f32>) -> KV4 { return x; }\n",
-        KvDtype::F16 => "alias KV4 = vec2<u32>;\n\
+        KvDtype::F16 => "alias KV4 = vec2<u32>;\nconst KV_QUANT: u32 = 0u;\n\
              fn kv_load(x: KV4) -> vec4<f32> { return vec4<f32>(unpack2x16float(x.x), unpack2x16float(x.y)); }\n\
              fn kv_store(x: vec4<f32>) -> KV4 { return vec2<u32>(pack2x16float(x.xy), pack2x16float(x.zw)); }\n",
+        // Scales applied by the kernels (k_scale / v_scale).
+        KvDtype::Int8 => "alias KV4 = u32;\nconst KV_QUANT: u32 = 1u;\n\
+             fn kv_load(x: KV4) -> vec4<f32> { return unpack4x8snorm(x); }\n\
+             fn kv_store(x: vec4<f32>) -> KV4 { return pack4x8snorm(x); }\n\
+             fn fp8x4_enc(x: vec4<f32>) -> u32 { return 0u; } // write_kv_q's fp8 branch, never taken\n",
+        KvDtype::Fp8E4M3 => FP8,
     };
     let packed = |name: &str, load: &str, store: &str| {
         format!(
@@ -243,7 +313,15 @@ fn serial_helpers(ht: u32, d4: u32) -> String {
     }
     let _ = writeln!(o, "}}");
     // One token: scores, online softmax with a lazy rescale, V.
-    let _ = writeln!(o, "fn ser_token(row: u32, tok: u32, q_pos: u32) {{");
+    let _ = writeln!(
+        o,
+        "fn ser_token(row: u32, kvh: u32, tok: u32, q_pos: u32) {{"
+    );
+    // The token's K and V scales (1 unless the pool is quantized).
+    let _ = writeln!(
+        o,
+        "    let ks = k_scale(row, kvh);\n    let vs = v_scale(row, kvh);"
+    );
     for r in 0..ht {
         let _ = writeln!(o, "    var s{r} = 0.0;");
     }
@@ -259,13 +337,13 @@ fn serial_helpers(ht: u32, d4: u32) -> String {
     for r in 0..ht {
         let _ = writeln!(
             o,
-            "    let x{r} = logit(params, s{r}, slope[{r}u], q_pos, tok) * LOG2E;\n    \
+            "    let x{r} = logit(params, s{r} * ks, slope[{r}u], q_pos, tok) * LOG2E;\n    \
              let mn{r} = max(m[{r}u], x{r});\n    let f{r} = exp2(m[{r}u] - mn{r});\n    \
              let w{r} = exp2(x{r} - mn{r});\n    l[{r}u] = l[{r}u] * f{r} + w{r};\n    m[{r}u] = mn{r};"
         );
     }
     for d in 0..d4 {
-        let _ = writeln!(o, "    let v{d} = kv_load(v_pool[row + {d}u]);");
+        let _ = writeln!(o, "    let v{d} = kv_load(v_pool[row + {d}u]) * vs;");
         for r in 0..ht {
             let i = r * d4 + d;
             let _ = writeln!(o, "    acc[{i}u] = acc[{i}u] * f{r} + w{r} * v{d};");
@@ -301,6 +379,16 @@ fn serial_helpers(ht: u32, d4: u32) -> String {
     o
 }
 
+/// Whether `kernel` is built for pools of `dtype`: the `_q` kernels for
+/// quantized pools only, their plain twins for f32 and f16 only.
+pub fn kernel_takes(kernel: &str, dtype: KvDtype) -> bool {
+    match kernel {
+        "write_kv_q" | "copy_blocks_q" => dtype.quantized(),
+        "write_kv" | "copy_blocks" => !dtype.quantized(),
+        _ => true,
+    }
+}
+
 /// The full source of `kernel` for `shape`; `None` for an unknown kernel name.
 pub fn source(kernel: &str, shape: &ShaderShape) -> Option<String> {
     let body = KERNELS.iter().find(|(n, _)| *n == kernel)?.1;
@@ -313,12 +401,17 @@ pub fn source(kernel: &str, shape: &ShaderShape) -> Option<String> {
         // Only the row kernels compute in f16; the others read packed words.
         shape.f16_math = false;
     }
+    let scales = if kernel.starts_with("attention") {
+        scale_helpers(shape.dtype)
+    } else {
+        ""
+    };
     let rows = match kernel {
         "attention_lanes" => row_helpers(shape.head_tile(), "JN", shape.subgroups),
         "attention_serial" => serial_helpers(shape.head_tile(), shape.head_dim / 4),
         _ => String::new(),
     };
-    Some(format!("{}{COMMON}\n{rows}{body}", prelude(&shape)))
+    Some(format!("{}{COMMON}\n{scales}{rows}{body}", prelude(&shape)))
 }
 
 /// Bytes of workgroup memory attention.wgsl uses for `shape`.

@@ -88,8 +88,18 @@ impl PagedAttention {
                     let b = half::f16::from_f32(rng.next_signed()).to_bits() as u32;
                     a | b << 16
                 }
+                // Four random bytes; E4M3's NaN pattern avoided.
+                _ => (rng.next_u64() as u32) & 0x7777_7777,
             })
             .collect();
+        let mut words = words;
+        if c.dtype.quantized() {
+            // Scales of 1 after the data (int8: per row; fp8: per head).
+            let at = scratch.config().data_words() as usize;
+            for w in &mut words[at..] {
+                *w = 1.0f32.to_bits();
+            }
+        }
         gpu.queue.write_buffer(k, 0, bytemuck::cast_slice(&words));
         gpu.queue.write_buffer(v, 0, bytemuck::cast_slice(&words));
         let q: Vec<f32> = (0..(TUNE_SEQS * num_heads * c.head_dim))

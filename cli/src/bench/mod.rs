@@ -200,6 +200,10 @@ pub fn filled_cache(
                 .collect();
             bytemuck::cast_slice(&h).to_vec()
         }
+        // Random bytes (E4M3's NaN pattern avoided); scales written below.
+        KvDtype::Int8 | KvDtype::Fp8E4M3 => (0..1 << 18)
+            .map(|_| (rng.next_u64() as u8) & 0x77)
+            .collect(),
     };
     for l in 0..layers {
         for buf in cache.layer(l)? {
@@ -208,6 +212,11 @@ pub fn filled_cache(
                 let n = (pattern.len() as u64).min(cfg.layer_bytes() - off);
                 gpu.queue.write_buffer(buf, off, &pattern[..n as usize]);
                 off += n;
+            }
+            if dtype.quantized() {
+                let at = cfg.data_words() * 4;
+                let ones = vec![1.0f32; ((cfg.layer_bytes() - at) / 4) as usize];
+                gpu.queue.write_buffer(buf, at, bytemuck::cast_slice(&ones));
             }
         }
     }

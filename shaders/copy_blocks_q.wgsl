@@ -1,0 +1,36 @@
+// copy_blocks for quantized pools: copies a block's packed words and, for
+// int8 (KV_QUANT 1), its per-row scales (num_kv_heads * BLOCK_SIZE words at
+// DATA_WORDS + block * num_kv_heads * BLOCK_SIZE), for K and V. fp8's
+// per-head scales belong to the layer and stay. One thread per word.
+
+@group(0) @binding(0) var<uniform> params: CopyParams;
+@group(0) @binding(1) var<storage, read> copies: array<vec2<u32>>;
+@group(0) @binding(2) var<storage, read_write> k_pool: array<u32>;
+@group(0) @binding(3) var<storage, read_write> v_pool: array<u32>;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
+    let i = gid.x + gid.y * nwg.x * 64u;
+    let per = params.block_elems;
+    // Rows of a block: block_elems / HEAD_DIM4.
+    let rows = per / HEAD_DIM4;
+    let scales = select(0u, rows, KV_QUANT == 1u);
+    let each = per + scales;
+    if i >= params.num_copies * each {
+        return;
+    }
+    let pair = copies[i / each];
+    if pair.x >= params.num_blocks || pair.y >= params.num_blocks {
+        return;
+    }
+    let e = i % each;
+    if e < per {
+        k_pool[pair.y * per + e] = k_pool[pair.x * per + e];
+        v_pool[pair.y * per + e] = v_pool[pair.x * per + e];
+    } else {
+        let data_words = params.num_blocks * per;
+        let s = e - per;
+        k_pool[data_words + pair.y * rows + s] = k_pool[data_words + pair.x * rows + s];
+        v_pool[data_words + pair.y * rows + s] = v_pool[data_words + pair.x * rows + s];
+    }
+}
