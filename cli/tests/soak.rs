@@ -109,6 +109,7 @@ fn round(x: f32, d: KvDtype) -> f32 {
     match d {
         KvDtype::F32 => x,
         KvDtype::F16 => half::f16::from_f32(x).to_f32(),
+        KvDtype::Int8 | KvDtype::Fp8E4M3 => x,
     }
 }
 

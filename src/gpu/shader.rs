@@ -126,8 +126,17 @@ fn fp8_dec(b: u32) -> f32 {\n\
     let v = select((8.0 + m) * exp2(f32(e) - 10.0), m * 0.001953125, e == 0u);\n\
     return select(v, -v, (b & 0x80u) != 0u);\n\
 }\n\
+// Decoding through f16: an E4M3 byte's exponent and mantissa, moved to\n\
+// bits 7..14 of an f16 (sign to bit 15), are the same number x 2^-8, normals\n\
+// and subnormals alike; two bytes per unpack2x16float.\n\
+fn fp8_pair(y: u32) -> vec2<f32> {\n\
+    let h = ((y & 0x007f007fu) << 7u) | ((y & 0x00800080u) << 8u);\n\
+    return unpack2x16float(h) * 256.0;\n\
+}\n\
 fn kv_load(x: KV4) -> vec4<f32> {\n\
-    return vec4<f32>(fp8_dec(x & 0xffu), fp8_dec((x >> 8u) & 0xffu), fp8_dec((x >> 16u) & 0xffu), fp8_dec(x >> 24u));\n\
+    let lo = (x & 0xffu) | ((x & 0xff00u) << 8u);\n\
+    let hi = ((x >> 16u) & 0xffu) | ((x >> 8u) & 0xff0000u);\n\
+    return vec4<f32>(fp8_pair(lo), fp8_pair(hi));\n\
 }\n\
 fn fp8_enc(v: f32) -> u32 {\n\
     let bits = bitcast<u32>(v);\n\

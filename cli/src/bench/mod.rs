@@ -93,6 +93,28 @@ pub struct VariantCell {
     pub bandwidth_ratio: f64,
 }
 
+/// Decode over one KV dtype (`dtypes[]`): every dtype on the same cell,
+/// timed interleaved.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct DtypeRow {
+    /// "f32", "f16", "int8" or "fp8".
+    pub dtype: &'static str,
+    /// Sequences.
+    pub batch: u32,
+    /// Tokens per sequence.
+    pub context: u32,
+    /// The decode kernel (the tuner's pick where tuned, else the default).
+    pub kernel: &'static str,
+    /// ms per decode (Split::Auto, shuffled blocks).
+    pub ms: f64,
+    /// Bytes of K and V (scales included) one decode reads.
+    pub kv_bytes: u64,
+    /// Bytes of one block of this dtype / of an f16 block.
+    pub block_bytes_over_f16: f64,
+    /// Time over f16's time on the same cell.
+    pub time_over_f16: f64,
+}
+
 /// What the tuner measured for the grid's shape, per KV dtype.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct TunerRow {
@@ -145,6 +167,8 @@ pub struct BenchReport {
     pub split: Vec<SplitRow>,
     /// The autotuner's measurements and picks.
     pub tuner: Vec<TunerRow>,
+    /// Decode per KV dtype on one cell, interleaved in one run.
+    pub dtypes: Vec<DtypeRow>,
     /// Host bookkeeping per decode step at batch 256, microseconds per sequence.
     pub host_us_per_seq: f64,
     /// The same with prefix caching on (a SHA-256 digest per filled block).
@@ -664,6 +688,22 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, GpuError> {
             }
         }
     }
+    progress(cfg, "decode per KV dtype");
+    let dtypes = if over_budget(0.8) {
+        skipped.push(format!(
+            "decode per dtype: over the {} s time budget",
+            cfg.max_seconds
+        ));
+        Vec::new()
+    } else {
+        dtype_rows(
+            gpu,
+            &timer,
+            &mut rng,
+            8,
+            if cfg.quick { 1024 } else { 2048 },
+        )?
+    };
     let mut split = Vec::new();
     let split_grid: &[(u32, u32)] = if cfg.quick {
         &[(1, 4096)]
@@ -740,6 +780,7 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, GpuError> {
         skipped,
         split,
         tuner,
+        dtypes,
         host_us_per_seq: host,
         host_us_per_seq_prefix_cache: host_prefix,
         host_step,
@@ -748,6 +789,83 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, GpuError> {
         copy_blocks_per_s: cb_ps,
         copy_blocks_gbs: cb_gbs,
     })
+}
+
+/// Decode of `batch` x `context` over f32, f16, int8 and fp8 pools, one
+/// run of each in turn (interleaved), median of the runs.
+fn dtype_rows(
+    gpu: &Gpu,
+    timer: &Timer,
+    rng: &mut SplitMix64,
+    batch: u32,
+    context: u32,
+) -> Result<Vec<DtypeRow>, GpuError> {
+    let all = [KvDtype::F32, KvDtype::F16, KvDtype::Int8, KvDtype::Fp8E4M3];
+    let mut rigs = Vec::new();
+    for dtype in all {
+        let Some(r) = rig(gpu, batch, context, dtype, rng)? else {
+            continue;
+        };
+        let attn = PagedAttention::new(gpu, &r.cache, HEADS)?;
+        let (ip, ix, ln) = tables(batch, context, true, rng);
+        let t = BatchTables::upload(gpu, &ip, &ix, &ln, None)?;
+        rigs.push((dtype, r, attn, t, Vec::new()));
+    }
+    let opts = AttnOptions::default();
+    let mut err = None;
+    let runs = timer.runs.clamp(3, 7);
+    for run in 0..=runs {
+        for (_, r, attn, t, times) in rigs.iter_mut() {
+            let ms = timer.once(run, &mut |run, enc| {
+                let layer = run as u32 % r.layers;
+                if let Err(e) =
+                    attn.encode_decode(gpu, enc, &r.cache, layer, &r.q, t, &r.out, &opts)
+                {
+                    err = Some(e);
+                }
+            })?;
+            if run > 0 {
+                times.push(ms);
+            }
+        }
+    }
+    if let Some(e) = err {
+        return Err(e);
+    }
+    let f16_block = KvCacheConfig {
+        num_layers: 1,
+        num_blocks: 1,
+        block_size: BLOCK,
+        num_kv_heads: KV_HEADS,
+        head_dim: HEAD_DIM,
+        dtype: KvDtype::F16,
+    }
+    .block_bytes() as f64;
+    let mut rows: Vec<DtypeRow> = rigs
+        .iter_mut()
+        .map(|(dtype, r, attn, _, times)| {
+            times.sort_by(f64::total_cmp);
+            let c = r.cache.config();
+            DtypeRow {
+                dtype: dtype.name(),
+                batch,
+                context,
+                kernel: attn.kernel().name(),
+                ms: times[times.len() / 2],
+                kv_bytes: 2 * (batch * context / BLOCK) as u64 * c.block_bytes(),
+                block_bytes_over_f16: c.block_bytes() as f64 / f16_block,
+                time_over_f16: 0.0,
+            }
+        })
+        .collect();
+    let f16_ms = rows
+        .iter()
+        .find(|r| r.dtype == "f16")
+        .map_or(f64::NAN, |r| r.ms);
+    for r in &mut rows {
+        r.time_over_f16 = r.ms / f16_ms;
+    }
+    Ok(rows)
 }
 
 fn write_and_copy(
@@ -859,6 +977,26 @@ pub fn render(r: &BenchReport) -> String {
             t.chosen,
             m.join(", ")
         );
+    }
+    if !r.dtypes.is_empty() {
+        let _ = writeln!(
+            s,
+            "\n KV dtype  batch  context  kernel      ms    K+V MB  block/f16  time/f16"
+        );
+        for d in &r.dtypes {
+            let _ = writeln!(
+                s,
+                " {:<8}  {:>5}  {:>7}  {:<8}  {:>8.3}  {:>7.1}  {:>9.3}  {:>8.2}",
+                d.dtype,
+                d.batch,
+                d.context,
+                d.kernel,
+                d.ms,
+                d.kv_bytes as f64 / 1e6,
+                d.block_bytes_over_f16,
+                d.time_over_f16
+            );
+        }
     }
     for k in &r.skipped {
         let _ = writeln!(s, " skipped: {k}");
