@@ -8,7 +8,7 @@
 import init, * as wasm from './pkg/pagedattn.js';
 
 const $ = (id) => document.getElementById(id);
-const FIELDS = ['block_size', 'num_blocks', 'requests', 'samples', 'seed'];
+const FIELDS = ['block_size', 'num_blocks', 'requests', 'samples', 'seed', 'kv_dtype'];
 const STALL_STEPS = 64;
 
 const state = {
@@ -66,6 +66,7 @@ function readConfig() {
     requests: Math.min(64, Math.max(1, num('requests'))),
     samples: Math.min(8, Math.max(1, num('samples'))),
     seed: Math.min(4294967295, num('seed')),
+    kv_dtype: $('kv_dtype').value,
   };
 }
 
@@ -218,7 +219,7 @@ function drawNumbers() {
   ]);
   if (!c.consistent) $('kernels').lastChild.title = c.problems.join('\n');
   $('pool-caption').textContent =
-    `${n.total} blocks of ${snap.block_size} tokens · K/V packed f16 · 2 layers × 2 KV heads × 64`;
+    `${n.total} blocks of ${snap.block_size} tokens · K/V ${c.kv_dtype === 'f16' ? 'packed f16' : c.kv_dtype} · 2 layers × 2 KV heads × 64`;
 }
 
 function drawTables() {
@@ -295,6 +296,7 @@ function absorb(next) {
     sequences: n.sequences,
     copiesTotal: c.total_copies,
     tolerance: c.tolerance,
+    kvDtype: c.kv_dtype,
     maxErr: c.worst_err,
     lastErr: s ? s.max_rel_err : null,
     lastCopies: s ? s.copied : 0,

@@ -77,9 +77,12 @@ pub struct DemoArgs {
     /// plus 2 per sample; at most 524288 token slots in all).
     #[arg(long, default_value_t = 256)]
     pub num_blocks: u32,
-    /// Store K/V as f32 instead of packed f16.
+    /// Store K/V as f32 instead of packed f16 (the same as --kv-dtype f32).
     #[arg(long)]
     pub f32: bool,
+    /// Element type of the KV pool: f32, f16 (packed), int8 or fp8 (E4M3).
+    #[arg(long, default_value = "f16")]
+    pub kv_dtype: String,
     /// Print every step (default: every 10th).
     #[arg(long)]
     pub verbose: bool,
@@ -253,7 +256,11 @@ fn demo(a: &DemoArgs) -> Result<Checked, String> {
         samples: a.samples,
         block_size: a.block_size,
         num_blocks: a.num_blocks,
-        f16: !a.f32,
+        dtype: if a.f32 {
+            pagedattn::gpu::KvDtype::F32
+        } else {
+            pagedattn_cli::demo::parse_kv_dtype(&a.kv_dtype)?
+        },
         ..DemoConfig::default()
     };
     cfg.validate().map_err(|e| e.to_string())?;

@@ -33,8 +33,10 @@ pub struct DemoConfig {
     pub num_kv_heads: u32,
     /// Elements per head.
     pub head_dim: u32,
-    /// Store K/V as packed f16.
-    pub f16: bool,
+    /// Element type of the pool (packed f16 by default; int8 and fp8 are
+    /// quantized, and checked against the exact values). Serialized by name.
+    #[serde(with = "dtype_name")]
+    pub dtype: KvDtype,
     /// Prompt lengths are drawn from `[1, max_prompt]`.
     pub max_prompt: u32,
     /// Output lengths are drawn from `[1, max_output]`.
@@ -55,7 +57,7 @@ impl Default for DemoConfig {
             num_heads: 8,
             num_kv_heads: 2,
             head_dim: 64,
-            f16: true,
+            dtype: KvDtype::F16,
             max_prompt: 120,
             max_output: 48,
             arrival_every: 4,
@@ -235,12 +237,14 @@ pub struct Demo {
 }
 
 /// Tolerance of the demo's check: f32 KV 1e-5, packed f16 2e-3 (the mirror
-/// holds the same rounded values, so both are loose bounds).
-pub fn tolerance(f16: bool) -> f64 {
-    if f16 {
-        2e-3
-    } else {
-        1e-5
+/// holds the same rounded values, so both are loose bounds); int8 1e-2 and
+/// fp8 5e-2 against the exact values (the library's quantization bounds).
+pub fn tolerance(dtype: KvDtype) -> f64 {
+    match dtype {
+        KvDtype::F32 => 1e-5,
+        KvDtype::F16 => 2e-3,
+        KvDtype::Int8 => 1e-2,
+        KvDtype::Fp8E4M3 => 5e-2,
     }
 }
 
@@ -260,9 +264,16 @@ impl Demo {
                 block_size: cfg.block_size,
                 num_kv_heads: cfg.num_kv_heads,
                 head_dim: cfg.head_dim,
-                dtype: if cfg.f16 { KvDtype::F16 } else { KvDtype::F32 },
+                dtype: cfg.dtype,
             },
         )?;
+        if cfg.dtype == KvDtype::Fp8E4M3 {
+            // K and V are drawn from [-1, 1]: map 1 to E4M3's 448.
+            let s = vec![1.0 / 448.0; cfg.num_kv_heads as usize];
+            for layer in 0..cfg.layers {
+                cache.set_fp8_scales(gpu, layer, &s, &s)?;
+            }
+        }
         let attn = PagedAttention::new(gpu, &cache, cfg.num_heads)?;
         // Bounded by `validate` (MAX_MIRROR_BYTES), so this fits.
         let pool_len = cfg.num_blocks as usize
@@ -544,4 +555,26 @@ pub fn now_ms() -> f64 {
     {
         js_sys::Date::now()
     }
+}
+
+/// `KvDtype` as its name ("f32", "f16", "int8", "fp8") in serialized configs.
+mod dtype_name {
+    use pagedattn::gpu::KvDtype;
+
+    pub fn serialize<S: serde::Serializer>(d: &KvDtype, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(d.name())
+    }
+
+    pub fn deserialize<'de, D: serde::Deserializer<'de>>(d: D) -> Result<KvDtype, D::Error> {
+        let name = <String as serde::Deserialize>::deserialize(d)?;
+        super::parse_kv_dtype(&name).map_err(serde::de::Error::custom)
+    }
+}
+
+/// A KV dtype by name (`--kv-dtype`): f32, f16, int8 or fp8.
+pub fn parse_kv_dtype(s: &str) -> Result<KvDtype, String> {
+    [KvDtype::F32, KvDtype::F16, KvDtype::Int8, KvDtype::Fp8E4M3]
+        .into_iter()
+        .find(|d| d.name() == s)
+        .ok_or_else(|| format!("--kv-dtype {s}: not one of f32, f16, int8, fp8"))
 }

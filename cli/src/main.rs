@@ -83,7 +83,10 @@ fn run_demo(out: &mut dyn Write, cfg: DemoConfig, verbose: bool) -> Res {
         cfg.num_heads,
         cfg.num_kv_heads,
         cfg.head_dim,
-        if cfg.f16 { "packed f16" } else { "f32" },
+        match cfg.dtype {
+            pagedattn::gpu::KvDtype::F16 => "packed f16",
+            d => d.name(),
+        },
         cfg.num_blocks,
         cfg.block_size,
         cfg.seed
@@ -98,11 +101,7 @@ fn run_demo(out: &mut dyn Write, cfg: DemoConfig, verbose: bool) -> Res {
             block_size: cfg.block_size,
             num_kv_heads: cfg.num_kv_heads,
             head_dim: cfg.head_dim,
-            dtype: if cfg.f16 {
-                pagedattn::gpu::KvDtype::F16
-            } else {
-                pagedattn::gpu::KvDtype::F32
-            },
+            dtype: cfg.dtype,
         },
     )?;
     let tune = pagedattn::gpu::PagedAttention::tune(
@@ -150,7 +149,7 @@ fn run_demo(out: &mut dyn Write, cfg: DemoConfig, verbose: bool) -> Res {
     }
     times.sort_by(|a, b| a.total_cmp(b));
     let median = times.get(times.len() / 2).copied().unwrap_or(0.0);
-    let tol = demo::tolerance(cfg.f16);
+    let tol = demo::tolerance(cfg.dtype);
     writeln!(
         out,
         "done: {steps} steps, {} copy-on-write block copies, peak tokens saved by sharing {peak_saved}, median {median:.2} ms/step",

@@ -422,7 +422,7 @@ impl<'a> Soak<'a> {
             );
             let e = rel_l2(&out, &want);
             assert!(
-                e < tolerance(dtype == KvDtype::F16),
+                e < tolerance(dtype),
                 "step {} layer {layer}: rel L2 {e:.2e}",
                 self.rep.steps
             );

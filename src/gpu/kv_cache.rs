@@ -424,6 +424,12 @@ impl KvCache {
         };
         #[cfg(not(target_arch = "wasm32"))]
         gpu.scoped_blocking(alloc)??;
+        // The web cannot block on the error scope; errors surface on first use.
+        #[cfg(target_arch = "wasm32")]
+        {
+            let mut alloc = alloc;
+            alloc()?;
+        }
         if cfg.dtype == KvDtype::Fp8E4M3 {
             // Scales of 1.0 until the engine sets its own.
             let ones = vec![1.0f32; cfg.num_kv_heads as usize];
@@ -432,12 +438,6 @@ impl KvCache {
                 gpu.queue.write_buffer(k, at, bytemuck::cast_slice(&ones));
                 gpu.queue.write_buffer(v, at, bytemuck::cast_slice(&ones));
             }
-        }
-        // The web cannot block on the error scope; errors surface on first use.
-        #[cfg(target_arch = "wasm32")]
-        {
-            let mut alloc = alloc;
-            alloc()?;
         }
         Ok(Self {
             cfg,

@@ -83,6 +83,9 @@ struct WebConfig {
     samples: u32,
     block_size: u32,
     num_blocks: u32,
+    /// "f16" (default), "f32", "int8" or "fp8".
+    #[serde(default)]
+    kv_dtype: Option<String>,
 }
 
 impl WebConfig {
@@ -93,8 +96,14 @@ impl WebConfig {
             samples: self.samples,
             block_size: self.block_size,
             num_blocks: self.num_blocks,
-            // Packed f16 needs no `shader-f16` (SwiftShader has none).
-            f16: true,
+            // Packed f16 (the default) needs no `shader-f16` (SwiftShader
+            // has none); int8 and fp8 need no feature either.
+            dtype: match self.kv_dtype.as_deref() {
+                Some("int8") => KvDtype::Int8,
+                Some("fp8") => KvDtype::Fp8E4M3,
+                Some("f32") => KvDtype::F32,
+                _ => KvDtype::F16,
+            },
             ..DemoConfig::default()
         }
     }
@@ -262,6 +271,8 @@ struct Check {
     consistent: bool,
     problems: Vec<String>,
     tolerance: f64,
+    /// The pool's element type ("f16", "int8", ...).
+    kv_dtype: &'static str,
     /// Worst error over every step so far.
     worst_err: f64,
     total_copies: u64,
@@ -422,7 +433,8 @@ fn snapshot(s: &mut Inner) -> Result<String, JsValue> {
         check: Check {
             consistent: problems.is_empty(),
             problems,
-            tolerance: tolerance(cfg.f16),
+            tolerance: tolerance(cfg.dtype),
+            kv_dtype: cfg.dtype.name(),
             worst_err: demo.worst_err,
             total_copies: demo.total_copies,
             gpu_errors: GPU_ERRORS.with(|l| l.borrow().clone()),

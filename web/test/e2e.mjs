@@ -164,6 +164,26 @@ try {
   check(s.used === 0 && s.sequences === 0, `every block back in the pool at the end (${s.used} used, ${s.sequences} sequences)`);
   check(s.gpuErrors.length === 0, `no uncaptured WebGPU errors${s.gpuErrors.length ? `: ${s.gpuErrors[0]}` : ''}`);
   check(pageErrors.length === 0, `no page or console errors${pageErrors.length ? `: ${pageErrors.slice(0, 3).join(' | ')}` : ''}`);
+
+  // The same seed over an int8 pool (quantized on the GPU by write_kv,
+  // dequantized by the kernels), checked against the exact values.
+  const INT8_TOLERANCE = 1e-2;
+  await page.selectOption('#kv_dtype', 'int8');
+  await page.click('#reset');
+  await page.waitForFunction(() => {
+    const st = window.pagedattnState;
+    return st.config && st.config.kv_dtype === 'int8' && st.steps === 0 && st.total > 0 && idle(st);
+  });
+  await page.click('#play');
+  await page.waitForFunction(() => (window.pagedattnState.done || window.pagedattnState.error) && idle(window.pagedattnState),
+    null, { timeout: LIMIT_MS });
+  s = await state();
+  if (s.error) throw new Error(`page reported (int8): ${s.error}`);
+  console.log(`int8: ${s.steps} steps, worst error ${s.maxErr.toExponential(2)}`);
+  check(s.kvDtype === 'int8' && s.tolerance === INT8_TOLERANCE, `int8 pool, tolerance ${s.tolerance}`);
+  check(s.errorsFinite && s.maxErr < INT8_TOLERANCE && s.steps > 10, `int8: worst relative error ${s.maxErr.toExponential(2)} < ${INT8_TOLERANCE} over ${s.steps} steps`);
+  check(s.consistent && s.used === 0, 'int8: block accounting consistent, every block back');
+  check(s.gpuErrors.length === 0 && pageErrors.length === 0, 'int8: no WebGPU, page or console errors');
 } catch (e) {
   failures.push(String(e && e.stack ? e.stack : e));
   console.error(`FAIL: ${e && e.message ? e.message : e}`);
