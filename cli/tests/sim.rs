@@ -359,3 +359,56 @@ fn a_request_too_large_for_the_budget_is_an_error_not_a_hang() {
         assert!(err.contains("does not fit"), "{kind:?}: {err}");
     }
 }
+
+/// `--kv-dtype`: the same bytes hold about twice the tokens in int8 and
+/// fp8, so the paged policy runs more sequences at once and finishes in
+/// fewer steps; f16 is the default and its numbers are unchanged.
+#[test]
+fn quantized_kv_buys_concurrency_under_the_same_memory() {
+    // Every request at once: memory, not arrivals, sets the pace.
+    let r = small(&[
+        "--kv-dtype",
+        "f16,int8,fp8",
+        "--policies",
+        "paged",
+        "--sampling",
+        "single",
+        "--arrival",
+        "all",
+        "--requests",
+        "500",
+    ]);
+    let p = &r.scenarios[0].policies;
+    assert_eq!(p.len(), 3);
+    let (f16, int8, fp8) = (&p[0], &p[1], &p[2]);
+    assert_eq!(
+        (
+            f16.kv_dtype.as_str(),
+            int8.kv_dtype.as_str(),
+            fp8.kv_dtype.as_str()
+        ),
+        ("f16", "int8", "fp8")
+    );
+    // 256 / 132 and 256 / 128 of the f16 capacity (head_dim 128).
+    let cap = |x: &PolicyReport| x.capacity_tokens as f64;
+    assert!(
+        (cap(int8) / cap(f16) - 256.0 / 132.0).abs() < 0.01,
+        "{} {}",
+        cap(int8),
+        cap(f16)
+    );
+    assert!((cap(fp8) / cap(f16) - 2.0).abs() < 0.01);
+    assert!(int8.mean_seqs > f16.mean_seqs && fp8.mean_seqs >= int8.mean_seqs);
+    assert!(int8.steps < f16.steps);
+    let plain = small(&[
+        "--policies",
+        "paged",
+        "--sampling",
+        "single",
+        "--arrival",
+        "all",
+        "--requests",
+        "500",
+    ]);
+    assert_eq!(plain.scenarios[0].policies[0].steps, f16.steps);
+}

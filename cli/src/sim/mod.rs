@@ -137,6 +137,15 @@ pub struct SimulateArgs {
     /// Seed of every random draw.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// KV element types to compare (comma-separated: f32, f16, int8, fp8).
+    /// `--budget` is the memory of that many f16 tokens; each dtype gets as
+    /// many tokens as the same bytes hold (int8 stores a 4-byte scale per
+    /// token and KV head, fp8 one per layer and KV head).
+    #[arg(long, value_delimiter = ',', default_value = "f16")]
+    pub kv_dtype: Vec<String>,
+    /// Elements per KV head, for the bytes per token of `--kv-dtype`.
+    #[arg(long, default_value_t = 128)]
+    pub head_dim: usize,
     /// Print the report as JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -175,6 +184,20 @@ pub struct SimConfig {
     pub sampling: Vec<Sampling>,
     /// Sequence limit of the scheduler.
     pub max_seqs: usize,
+    /// KV element types, one run of every policy each.
+    pub kv_dtypes: Vec<pagedattn::gpu::KvDtype>,
+    /// Elements per KV head (bytes per token of each dtype).
+    pub head_dim: usize,
+}
+
+/// Bytes one token takes per KV head and per K or V, for `head_dim`:
+/// what `KvCacheConfig::block_bytes` charges per token.
+pub fn kv_bytes_per_token(dtype: pagedattn::gpu::KvDtype, head_dim: usize) -> usize {
+    use pagedattn::gpu::KvDtype;
+    match dtype {
+        KvDtype::Int8 => head_dim + 4,
+        d => head_dim * d.bytes() as usize,
+    }
 }
 
 /// Most requests a simulation may have (`--requests`).
@@ -213,6 +236,13 @@ impl SimConfig {
             policies: a.policies.clone(),
             sampling: a.sampling.clone(),
             max_seqs: a.max_seqs,
+            kv_dtypes: a
+                .kv_dtype
+                .iter()
+                .map(|d| crate::demo::parse_kv_dtype(d))
+                .collect::<Result<_, _>>()
+                .map_err(SimError::Config)?,
+            head_dim: a.head_dim,
         };
         cfg.check()?;
         Ok(cfg)
@@ -230,8 +260,20 @@ impl SimConfig {
         if let Err(m) = self.workload.check() {
             return bad(m);
         }
-        if self.policies.is_empty() || self.sampling.is_empty() {
-            return bad("give at least one policy and one sampling mode".into());
+        if self.policies.is_empty() || self.sampling.is_empty() || self.kv_dtypes.is_empty() {
+            return bad("give at least one policy, one sampling mode and one KV dtype".into());
+        }
+        if self.kv_dtypes.len() > 4 {
+            return bad(format!(
+                "--kv-dtype lists {} entries (at most 4)",
+                self.kv_dtypes.len()
+            ));
+        }
+        if self.head_dim == 0 || self.head_dim % 4 != 0 || self.head_dim > 256 {
+            return bad(format!(
+                "--head-dim {} is not a multiple of 4 in 4..=256",
+                self.head_dim
+            ));
         }
         for (name, n) in [
             ("--block-size", self.block_sizes.len()),
@@ -378,42 +420,58 @@ pub fn simulate(cfg: &SimConfig) -> Result<Report, SimError> {
     cfg.check()?;
     let w = &cfg.workload;
     let mut scenarios = Vec::new();
+    let f16_bytes = kv_bytes_per_token(pagedattn::gpu::KvDtype::F16, cfg.head_dim);
     for &sampling in &cfg.sampling {
         let reqs = workload::generate(w, sampling);
         let mut policies = Vec::new();
-        for &kind in &cfg.policies {
-            match kind {
-                PolicyKind::Paged => {
-                    for &bs in &cfg.block_sizes {
-                        let mut mem =
-                            paged::Paged::new(cfg.budget, bs, w.shared_prefix > 0, w.max_len)?;
-                        let cap = mem.capacity();
+        for &dtype in &cfg.kv_dtypes {
+            // The same bytes as `budget` f16 tokens.
+            let budget = cfg.budget * f16_bytes / kv_bytes_per_token(dtype, cfg.head_dim);
+            let cfg = &SimConfig {
+                budget,
+                ..cfg.clone()
+            };
+            let first = policies.len();
+            for &kind in &cfg.policies {
+                match kind {
+                    PolicyKind::Paged => {
+                        for &bs in &cfg.block_sizes {
+                            let mut mem =
+                                paged::Paged::new(cfg.budget, bs, w.shared_prefix > 0, w.max_len)?;
+                            let cap = mem.capacity();
+                            let log = engine::run(&reqs, sampling, w.seed, cfg.max_seqs, &mut mem)?;
+                            policies.push(PolicyReport::from_log(
+                                "paged",
+                                format!("paged/{bs}"),
+                                Some(bs),
+                                cap,
+                                log,
+                            ));
+                        }
+                    }
+                    PolicyKind::Max | PolicyKind::Oracle => {
+                        let exact = kind == PolicyKind::Oracle;
+                        let mut mem = memory::Contiguous::new(cfg.budget, exact, sampling);
                         let log = engine::run(&reqs, sampling, w.seed, cfg.max_seqs, &mut mem)?;
+                        let (name, label) = if exact {
+                            ("oracle", "contig-oracle")
+                        } else {
+                            ("max", "contig-max")
+                        };
                         policies.push(PolicyReport::from_log(
-                            "paged",
-                            format!("paged/{bs}"),
-                            Some(bs),
-                            cap,
+                            name,
+                            label.into(),
+                            None,
+                            cfg.budget,
                             log,
                         ));
                     }
                 }
-                PolicyKind::Max | PolicyKind::Oracle => {
-                    let exact = kind == PolicyKind::Oracle;
-                    let mut mem = memory::Contiguous::new(cfg.budget, exact, sampling);
-                    let log = engine::run(&reqs, sampling, w.seed, cfg.max_seqs, &mut mem)?;
-                    let (name, label) = if exact {
-                        ("oracle", "contig-oracle")
-                    } else {
-                        ("max", "contig-max")
-                    };
-                    policies.push(PolicyReport::from_log(
-                        name,
-                        label.into(),
-                        None,
-                        cfg.budget,
-                        log,
-                    ));
+            }
+            for p in &mut policies[first..] {
+                p.kv_dtype = dtype.name().into();
+                if cfg.kv_dtypes.len() > 1 || dtype != pagedattn::gpu::KvDtype::F16 {
+                    p.label = format!("{} {}", p.label, dtype.name());
                 }
             }
         }

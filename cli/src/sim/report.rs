@@ -14,6 +14,8 @@ use super::workload::Request;
 pub struct PolicyReport {
     /// `paged`, `max` or `oracle`.
     pub policy: String,
+    /// KV element type of the run ("f16" unless `--kv-dtype` says).
+    pub kv_dtype: String,
     /// Display name, e.g. `paged/16`.
     pub label: String,
     /// Block size of the paged policy (`null` for contiguous ones).
@@ -183,6 +185,7 @@ impl PolicyReport {
         let frag = held - stored - reserved;
         Self {
             policy: policy.to_string(),
+            kv_dtype: "f16".into(),
             label,
             block_size,
             capacity_tokens,
