@@ -123,7 +123,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         var v = vec4<f32>(0.0);
         if qi < q_count && hg0 + within / HEAD_DIM4 < GROUP {
             let q_stride = select(p.num_heads * HEAD_DIM4, p.q_stride, p.q_stride != 0u);
-            v = act_load(q[(q_row0 + qi) * q_stride + h0 * HEAD_DIM4 + within]);
+            v = act_load(q[(q_row0 + qi) * q_stride + h0 * HEAD_DIM4 + within]) * q_smooth(kvh, within % HEAD_DIM4);
         }
         q_sh[i] = v;
     }

@@ -92,7 +92,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         for (var j = 0u; j < JN; j++) {
             var x = vec4<f32>(0.0);
             if live {
-                x = act_load(q[seq * q_stride + (h0 + r) * HEAD_DIM4 + c + j * LPT]);
+                x = act_load(q[seq * q_stride + (h0 + r) * HEAD_DIM4 + c + j * LPT]) * q_smooth(kvh, c + j * LPT);
             }
             qv[r * JN + j] = q_conv(x);
             acc[r * JN + j] = vec4<f32>(0.0);

@@ -84,7 +84,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
     }
 
     let q_stride = select(p.num_heads * HEAD_DIM4, p.q_stride, p.q_stride != 0u);
-    ser_load_q(seq * q_stride + h0 * HEAD_DIM4, live);
+    ser_load_q(seq * q_stride + h0 * HEAD_DIM4, live, kvh);
     for (var r = 0u; r < HT; r++) {
         if r < live && p.alibi != 0u {
             slope[r] = bitcast<f32>(table_at(p.slopes_off + h0 + r));

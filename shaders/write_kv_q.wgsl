@@ -2,7 +2,9 @@
 // buffer holds the packed rows, [num_blocks][num_kv_heads][BLOCK_SIZE]
 // [HEAD_DIM4] words, then the scales from word DATA_WORDS on
 // (DATA_WORDS = num_slots * num_kv_heads * HEAD_DIM4):
-//   int8 (KV_QUANT 1): one f32 per row, the row's largest |x| (scale / 127);
+//   int8 (KV_QUANT 1): one f32 per row, the row's largest |x| (scale / 127),
+//     then one K smoothing factor per (KV head, channel) that K is divided
+//     by first (the kernels multiply the query by it);
 //     one thread per (token, head) finds it, then writes every word with
 //     pack4x8snorm(x / amax): symmetric, round to nearest.
 //   fp8 e4m3 (KV_QUANT 2): one f32 per KV head, set by the host; one thread
@@ -20,6 +22,10 @@
 fn finite4(x: vec4<f32>) -> vec4<f32> {
     let bits = bitcast<vec4<u32>>(x) & vec4<u32>(0x7fffffffu);
     return select(x, vec4<f32>(0.0), bits >= vec4<u32>(0x7f800000u));
+}
+
+fn smooth4(w: u32) -> vec4<f32> {
+    return bitcast<vec4<f32>>(vec4<u32>(k_pool[w], k_pool[w + 1u], k_pool[w + 2u], k_pool[w + 3u]));
 }
 
 fn amax4(x: vec4<f32>) -> f32 {
@@ -46,10 +52,13 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
         let h = rem;
         let row = (slot / BLOCK_SIZE * kvh + h) * BLOCK_SIZE + slot % BLOCK_SIZE;
         let src0 = select(tok * kvh * HEAD_DIM4, tok * params.kv_stride, params.kv_stride != 0u) + h * HEAD_DIM4;
+        // K is divided by its channels' smoothing factors (after the row
+        // scales: one f32 per (KV head, channel); 1 unless the engine set them).
+        let smooth0 = data_words + params.num_slots * kvh + h * HEAD_DIM4 * 4u;
         var ka = 0.0;
         var va = 0.0;
         for (var c = 0u; c < HEAD_DIM4; c++) {
-            ka = max(ka, amax4(finite4(act_load(k_new[src0 + c]))));
+            ka = max(ka, amax4(finite4(act_load(k_new[src0 + c]) / smooth4(smooth0 + 4u * c))));
             va = max(va, amax4(finite4(act_load(v_new[src0 + c]))));
         }
         let ki = select(1.0 / ka, 0.0, ka == 0.0);
@@ -57,7 +66,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
         let dst0 = row * HEAD_DIM4;
         if data_words + row < arrayLength(&k_pool) {
             for (var c = 0u; c < HEAD_DIM4; c++) {
-                k_pool[dst0 + c] = pack4x8snorm(finite4(act_load(k_new[src0 + c])) * ki);
+                k_pool[dst0 + c] = pack4x8snorm(finite4(act_load(k_new[src0 + c]) / smooth4(smooth0 + 4u * c)) * ki);
                 v_pool[dst0 + c] = pack4x8snorm(finite4(act_load(v_new[src0 + c])) * vi);
             }
             k_pool[data_words + row] = bitcast<u32>(ka);

@@ -77,7 +77,7 @@ pub fn fp8_e4m3_to_f32(b: u8) -> f32 {
 
 /// A layer buffer's bytes as f32 values in the pool layout (quantized
 /// pools dequantized with their scales).
-pub(super) fn dequantize(cfg: &KvCacheConfig, raw: &[u8]) -> Vec<f32> {
+pub(super) fn dequantize(cfg: &KvCacheConfig, raw: &[u8], is_k: bool) -> Vec<f32> {
     match cfg.dtype {
         KvDtype::F32 => bytemuck::cast_slice(raw).to_vec(),
         KvDtype::F16 => bytemuck::cast_slice::<u8, half::f16>(raw)
@@ -102,7 +102,15 @@ pub(super) fn dequantize(cfg: &KvCacheConfig, raw: &[u8]) -> Vec<f32> {
                     let b = raw[i];
                     if cfg.dtype == KvDtype::Int8 {
                         let q = (b as i8).max(-127) as f32 / 127.0;
-                        q * scale_at(row)
+                        // K was divided by its channel's smoothing factor.
+                        let rows = (cfg.num_blocks * cfg.num_kv_heads * cfg.block_size) as usize;
+                        let smooth = if is_k {
+                            let h = (row / bs) % cfg.num_kv_heads as usize;
+                            scale_at(rows + h * d + i % d)
+                        } else {
+                            1.0
+                        };
+                        q * scale_at(row) * smooth
                     } else {
                         let h = (row / bs) % cfg.num_kv_heads as usize;
                         fp8_e4m3_to_f32(b) * scale_at(h)
@@ -155,13 +163,21 @@ impl KvCacheConfig {
     /// Bytes of one layer's K buffer (saturating): the blocks, then for
     /// quantized pools their scales (int8: one per row; fp8: one per KV head).
     pub fn layer_bytes(&self) -> u64 {
-        let tail = match self.dtype {
-            KvDtype::Fp8E4M3 => self.num_kv_heads as u64 * 4,
-            _ => 0,
-        };
+        let tail = self.tail_bytes();
         self.block_bytes()
             .saturating_mul(self.num_blocks as u64)
             .saturating_add(tail)
+    }
+
+    /// Bytes of a layer buffer after its blocks: fp8's scale per KV head;
+    /// int8's K smoothing factor per (KV head, channel) (the per-row scales
+    /// are counted in the blocks).
+    pub fn tail_bytes(&self) -> u64 {
+        match self.dtype {
+            KvDtype::Fp8E4M3 => self.num_kv_heads as u64 * 4,
+            KvDtype::Int8 => self.num_kv_heads as u64 * self.head_dim as u64 * 4,
+            _ => 0,
+        }
     }
 
     /// `u32` words of one layer's packed data before the scales (quantized
@@ -243,10 +259,7 @@ impl KvCacheConfig {
         let elems4 = (self.num_kv_heads as u64 * self.block_size as u64)
             .saturating_mul(self.head_dim as u64)
             / 4;
-        let tail = match self.dtype {
-            KvDtype::Fp8E4M3 => self.num_kv_heads as u64 * 4,
-            _ => 0,
-        };
+        let tail = self.tail_bytes();
         let by_bytes = limit.saturating_sub(tail) / block;
         // Quantized pools address data and scales as u32 words.
         let words = elems4
@@ -430,10 +443,11 @@ impl KvCache {
             let mut alloc = alloc;
             alloc()?;
         }
-        if cfg.dtype == KvDtype::Fp8E4M3 {
-            // Scales of 1.0 until the engine sets its own.
-            let ones = vec![1.0f32; cfg.num_kv_heads as usize];
-            let at = cfg.data_words() * 4;
+        if cfg.dtype.quantized() {
+            // fp8 scales and int8 K smoothing factors of 1.0 until the
+            // engine sets its own.
+            let ones = vec![1.0f32; (cfg.tail_bytes() / 4) as usize];
+            let at = cfg.layer_bytes() - cfg.tail_bytes();
             for [k, v] in &layers {
                 gpu.queue.write_buffer(k, at, bytemuck::cast_slice(&ones));
                 gpu.queue.write_buffer(v, at, bytemuck::cast_slice(&ones));
@@ -597,6 +611,81 @@ impl KvCache {
         Ok(())
     }
 
+    /// Sets the K smoothing factors of an int8 `layer`, one per (KV head,
+    /// channel): K is stored divided by its channel's factor (then quantized
+    /// per token), and every query is multiplied by it as the kernels read
+    /// it, so q.k is unchanged while a few large channels (the outliers of
+    /// real keys) no longer set every token's scale. Factors must be finite
+    /// and positive; 1.0 (no smoothing) until set. Set them before writing:
+    /// tokens already written keep their bytes. Int8 pools only.
+    pub fn set_k_smoothing(&self, gpu: &Gpu, layer: u32, factors: &[f32]) -> Result<(), GpuError> {
+        let _serial = gpu.serial();
+        gpu.alive()?;
+        let bad = |m: String| Err(GpuError::InvalidArgument(m));
+        if self.cfg.dtype != KvDtype::Int8 {
+            return bad(format!(
+                "set_k_smoothing on a {} pool (int8 pools only)",
+                self.cfg.dtype.name()
+            ));
+        }
+        let [k, _] = self.layer(layer)?;
+        let n = (self.cfg.num_kv_heads * self.cfg.head_dim) as usize;
+        if factors.len() != n {
+            return bad(format!(
+                "{} K smoothing factors for {} KV heads x head_dim {} = {n}",
+                factors.len(),
+                self.cfg.num_kv_heads,
+                self.cfg.head_dim
+            ));
+        }
+        if let Some((i, x)) = factors
+            .iter()
+            .enumerate()
+            .find(|(_, x)| !(x.is_finite() && **x > 0.0))
+        {
+            return bad(format!(
+                "K smoothing factor {i} is {x}: factors must be finite and positive"
+            ));
+        }
+        let at = self.cfg.layer_bytes() - self.cfg.tail_bytes();
+        gpu.queue.write_buffer(k, at, bytemuck::cast_slice(factors));
+        Ok(())
+    }
+
+    /// K smoothing factors from sample keys `rows` (`[n][num_kv_heads]
+    /// [head_dim]`): per (KV head, channel), the channel's largest |value|
+    /// over the head's median channel maximum, at least 1 (channels are
+    /// only ever scaled down).
+    pub fn calibrate_k_smoothing(cfg: &KvCacheConfig, rows: &[f32]) -> Vec<f32> {
+        let (h, d) = (cfg.num_kv_heads as usize, cfg.head_dim as usize);
+        let mut amax = vec![0.0f32; h * d];
+        for (i, x) in rows.iter().enumerate() {
+            if x.is_finite() {
+                let c = i % (h * d);
+                amax[c] = amax[c].max(x.abs());
+            }
+        }
+        let mut out = Vec::with_capacity(h * d);
+        for head in amax.chunks(d) {
+            let mut sorted = head.to_vec();
+            sorted.sort_by(f32::total_cmp);
+            // The 90th-percentile channel: the top of the ordinary channels
+            // when a few are outliers. Bringing the outliers down to it (not
+            // lower) keeps the row scale where the ordinary channels put it,
+            // and the factor, which multiplies their rounding error back,
+            // as small as that allows.
+            let reference = sorted[(d * 9 / 10).min(d - 1)];
+            out.extend(head.iter().map(|&a| {
+                if reference > 0.0 && a > reference {
+                    a / reference
+                } else {
+                    1.0
+                }
+            }));
+        }
+        out
+    }
+
     /// Per-KV-head fp8 scales that map the largest |value| of `rows`
     /// (`[n][num_kv_heads][head_dim]`) to E4M3's 448; 1.0 for a head with
     /// no finite nonzero value.
@@ -681,7 +770,9 @@ impl KvCache {
         gpu.alive()?;
         let [k, v] = self.layer(layer)?;
         let bytes = self.cfg.layer_bytes();
-        let widen = |raw: Vec<u8>| -> Vec<f32> { dequantize(&self.cfg, &raw) };
-        Ok((widen(gpu.read(k, bytes)?), widen(gpu.read(v, bytes)?)))
+        Ok((
+            dequantize(&self.cfg, &gpu.read(k, bytes)?, true),
+            dequantize(&self.cfg, &gpu.read(v, bytes)?, false),
+        ))
     }
 }
