@@ -106,13 +106,31 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     let pos0 = len - min(qo_len, len) + q_first;
     let first_blk = table_at(p.indices_off + ind_start);
 
+    // Cascade pass (qmap_off != 0): the "sequence" is a segment of blocks
+    // shared by several sequences, and its queries are rows of other
+    // sequences: (query row, position relative to the segment's first
+    // token) pairs at qmap_off, each after the whole segment. It writes
+    // partials at the segment's slot (slot_off).
+    let qmap = p.qmap_off != 0u;
+    var qrow = array<u32, QTILE>();
+    var qpos = array<u32, QTILE>();
+    for (var qi = 0u; qi < QTILE; qi++) {
+        if qmap {
+            qrow[qi] = table_at(p.qmap_off + 2u * (q_row0 + qi));
+            qpos[qi] = table_at(p.qmap_off + 2u * (q_row0 + qi) + 1u);
+        } else {
+            qrow[qi] = q_row0 + qi;
+            qpos[qi] = pos0 + qi;
+        }
+    }
+
     var t_begin = 0u;
-    var t_end = min(pos0 + q_count, len);
+    var t_end = select(min(pos0 + q_count, len), len, qmap);
     if p.partition_tokens != 0u {
         t_begin = min(part * p.partition_tokens, t_end);
         t_end = min(t_begin + p.partition_tokens, t_end);
     }
-    if p.sliding_window != 0u && pos0 + 1u > p.sliding_window {
+    if !qmap && p.sliding_window != 0u && pos0 + 1u > p.sliding_window {
         t_begin = max(t_begin, pos0 + 1u - p.sliding_window);
         t_end = max(t_end, t_begin);
     }
@@ -123,7 +141,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         var v = vec4<f32>(0.0);
         if qi < q_count && hg0 + within / HEAD_DIM4 < GROUP {
             let q_stride = select(p.num_heads * HEAD_DIM4, p.q_stride, p.q_stride != 0u);
-            v = act_load(q[(q_row0 + qi) * q_stride + h0 * HEAD_DIM4 + within]) * q_smooth(kvh, within % HEAD_DIM4);
+            v = act_load(q[qrow[qi] * q_stride + h0 * HEAD_DIM4 + within]) * q_smooth(kvh, within % HEAD_DIM4);
         }
         q_sh[i] = v;
     }
@@ -178,7 +196,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
             }
             for (var r = 0u; r < NROW; r++) {
                 let qi = r / HT;
-                let q_pos = pos0 + qi;
+                let q_pos = qpos[qi];
                 var v = NEG_INF;
                 // q_pos - tok, never tok + window: exact for any u32 window.
                 let in_window = p.sliding_window == 0u || q_pos - tok < p.sliding_window;
@@ -264,10 +282,11 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
                 l += red_l[k * HEAD_DIM4];
             }
             let hq = h0 + r % HT;
-            if p.partition_tokens == 0u {
-                out[((q_row0 + qi) * p.num_heads + hq) * HEAD_DIM4 + lid] = out_store(select(a / l, vec4<f32>(0.0), l == 0.0));
+            if p.partition_tokens == 0u && !qmap {
+                out[(qrow[qi] * p.num_heads + hq) * HEAD_DIM4 + lid] = out_store(select(a / l, vec4<f32>(0.0), l == 0.0));
             } else {
-                let o = ((q_row0 + qi) * p.num_heads + hq) * p.num_partitions + part;
+                let slot = select(part, table_at(p.slot_off + seq), qmap);
+                let o = (qrow[qi] * p.num_heads + hq) * p.num_partitions + slot;
                 out[o * HEAD_DIM4 + lid] = out_store(a);
                 if lid == 0u {
                     out_ml[o] = vec2<f32>(m_sh[r], l);

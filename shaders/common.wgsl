@@ -49,6 +49,12 @@ struct AttnParams {
     qo_off: u32,
     // vec4s from one query's row of Q to the next; 0: packed rows.
     q_stride: u32,
+    // Cascade passes (attention.wgsl): offset of the (query row, position)
+    // pairs and of each segment's partial slot in the table; 0: off.
+    qmap_off: u32,
+    slot_off: u32,
+    _pad0: u32,
+    _pad1: u32,
 }
 
 // -f32::MAX written exactly: Tint (Chrome's WebGPU) rejects the decimal

@@ -37,6 +37,11 @@ pub struct AttnOptions {
     pub alibi_slopes: Option<Vec<f32>>,
     /// Split-K policy.
     pub split: Split,
+    /// Shared prefixes read once (cascade decode; plan/run API, decode
+    /// only). A plan uses the cascade for all its variants, or for none:
+    /// none if any variant says `Off`; else when some variant says `On` and
+    /// the batch shares a segment, or under `Auto` when the cost model pays.
+    pub cascade: super::Cascade,
 }
 
 impl AttnOptions {
@@ -669,6 +674,7 @@ impl PagedAttention {
             slopes_off,
             qo_off: meta.qo_off,
             q_stride: q_stride4,
+            ..Default::default()
         }
     }
 

@@ -3,6 +3,7 @@
 //! [`blocks`](crate::blocks) as plain integers and never decides allocation.
 
 mod attention;
+mod cascade;
 mod context;
 mod error;
 mod kernel;
@@ -16,6 +17,7 @@ pub use attention::{
     check_csr_tables, AttnOptions, BatchTables, PackedTables, PagedAttention, Split,
     AUTO_PARTITION_TOKENS, MAX_BATCH, MAX_SEQ_LEN,
 };
+pub use cascade::{find_segments, Cascade, CascadeTables};
 pub use context::{backends_from_env, Counters, Gpu};
 pub use error::GpuError;
 pub use kernel::{kernel_from_env, Kernel, PORTABLE_WORKGROUP_BYTES};

@@ -47,8 +47,15 @@ pub struct AttnParams {
     pub qo_off: u32,
     /// vec4s from one query's row of Q to the next; 0: packed rows.
     pub q_stride: u32,
+    /// Cascade passes: offset of the (query row, position) pairs in the
+    /// table (0: not a cascade pass).
+    pub qmap_off: u32,
+    /// Cascade passes: offset of each segment's partial slot.
+    pub slot_off: u32,
+    pub _pad0: u32,
+    pub _pad1: u32,
 }
-const _: () = assert!(size_of::<AttnParams>() == 64);
+const _: () = assert!(size_of::<AttnParams>() == 80);
 
 /// Every param struct with its WGSL name and host size, for the layout test.
 pub const PARAM_STRUCTS: &[(&str, usize)] = &[

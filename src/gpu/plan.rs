@@ -23,6 +23,8 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::attention::{pack_into, PackedMeta};
+use super::cascade::{find_segments, Cascade};
+use super::kernel::{self, Kernel};
 use super::kv_cache::{bind_ranges, dispatch, grid_1d, pipeline};
 use super::shader::ShaderShape;
 use super::{check_csr_tables, params, AttnOptions, Gpu, GpuError, KvCache, PagedAttention};
@@ -275,6 +277,29 @@ pub struct AttentionPlan {
     pipes: Option<[wgpu::ComputePipeline; 3]>,
     groups: HashMap<GroupKey, wgpu::BindGroup>,
     kv_bytes: u64,
+    /// The cascade of this step, when it uses one.
+    cascade: Option<CascadeStep>,
+    /// Reused cascade tables buffer and params (kept across steps).
+    c_tables: Grow,
+    c_params: Vec<wgpu::Buffer>,
+    c_words: Vec<u32>,
+}
+
+/// Longest shared segment one cascade pass walks (longer shared prefixes
+/// are cut into several segments, which also spreads them over more
+/// workgroups).
+pub const CASCADE_CHUNK_TOKENS: u32 = 2048;
+
+/// A planned cascade: shared segments attended once (attention.wgsl's
+/// cascade mode), suffixes split, all merged by reduce.
+struct CascadeStep {
+    /// Query tiles of the segment pass.
+    num_tiles: u32,
+    /// The segment pass's pipeline (prefill-shaped, f32 partials).
+    pipe: wgpu::ComputePipeline,
+    /// K/V bytes one layer reads with the cascade, and plain decode would.
+    bytes: (u64, u64),
+    segments: usize,
 }
 
 impl AttentionPlan {
@@ -304,9 +329,19 @@ impl AttentionPlan {
         self.splits.iter().any(|s| s.0 != 0)
     }
 
-    /// Bytes of K and V one layer reads for this plan (window ignored).
+    /// Bytes of K and V one layer reads for this plan (window ignored):
+    /// with a cascade, the shared segments once and the suffixes.
     pub fn kv_bytes_per_layer(&self) -> u64 {
-        self.kv_bytes
+        self.cascade.as_ref().map_or(self.kv_bytes, |c| c.bytes.0)
+    }
+
+    /// With a cascade (shared prefixes read once): (K/V bytes one layer
+    /// reads, bytes plain decode would read, shared segments). `None`: this
+    /// step runs plain paged decode.
+    pub fn cascade(&self) -> Option<(u64, u64, usize)> {
+        self.cascade
+            .as_ref()
+            .map(|c| (c.bytes.0, c.bytes.1, c.segments))
     }
 }
 
@@ -332,6 +367,10 @@ impl PagedAttention {
             pipes: None,
             groups: HashMap::new(),
             kv_bytes: 0,
+            cascade: None,
+            c_tables: Grow::default(),
+            c_params: Vec::new(),
+            c_words: Vec::new(),
         }
     }
 
@@ -496,11 +535,47 @@ impl PagedAttention {
             ));
         }
         let qtile = self.prefill_shape.qtile;
+        // Cascade (decode): shared segments from the tables, used when a
+        // variant forces it or the cost model pays; the main tables then
+        // hold each sequence's private suffix.
+        let c = &self.cache_cfg;
+        let bytes_per_token = 2 * c.block_bytes() / c.block_size as u64;
+        let cascade = if qo_indptr.is_none()
+            && n >= 2
+            && !variants.iter().any(|o| o.cascade == Cascade::Off)
+        {
+            let chunk_tokens = kernel::pass_cap(gpu, Kernel::Tiled, &self.prefill_shape)
+                .unwrap_or(u32::MAX)
+                .min(CASCADE_CHUNK_TOKENS);
+            let t = find_segments(
+                self.num_blocks,
+                self.block_size,
+                kv_indptr,
+                kv_indices,
+                seq_lens,
+                (chunk_tokens / self.block_size).max(1),
+            );
+            let partial = 2 * (self.head_dim as u64 * 4 + 8);
+            let forced = variants.iter().any(|o| o.cascade == Cascade::On);
+            let heads = self.num_heads as u64;
+            (t.num_segments() > 0 && (forced || t.pays(bytes_per_token, n as u64 * heads, partial)))
+                .then_some(t)
+        } else {
+            None
+        };
+        let (ip, ix, ln) = match &cascade {
+            Some(t) => (
+                &t.suffix_indptr[..],
+                &t.suffix_indices[..],
+                &t.suffix_lens[..],
+            ),
+            None => (kv_indptr, kv_indices, seq_lens),
+        };
         let meta = pack_into(
             &mut plan.words,
-            kv_indptr,
-            kv_indices,
-            seq_lens,
+            ip,
+            ix,
+            ln,
             None,
             qo_indptr.map(|q| (q, qtile)),
         )?;
@@ -509,6 +584,7 @@ impl PagedAttention {
         let mut splits = std::mem::take(&mut plan.splits);
         splits.clear();
         let mut max_rows = 0u64;
+        let mut suffix_parts: Vec<u32> = Vec::new();
         for o in variants {
             slopes_offs.push(plan.words.len() as u32);
             if let Some(s) = &o.alibi_slopes {
@@ -522,7 +598,29 @@ impl PagedAttention {
                     meta.num_queries,
                     meta.max_len,
                 )?,
-                None => self.decode_split(gpu, o.split, meta.num_seqs, meta.max_len)?,
+                None => {
+                    let (pt, parts) =
+                        self.decode_split(gpu, o.split, meta.num_seqs, meta.max_len)?;
+                    match &cascade {
+                        None => (pt, parts),
+                        // Always partials (one partition when unsplit), and
+                        // after the suffix's partitions one slot per
+                        // segment depth, written by the segment pass.
+                        Some(t) => {
+                            let (pt, parts) = if pt == 0 {
+                                (meta.max_len.max(1).div_ceil(64) * 64, 1)
+                            } else {
+                                (pt, parts)
+                            };
+                            suffix_parts.push(parts);
+                            let slots = parts + t.max_depth;
+                            if slots > 65535 {
+                                return bad(format!("{slots} partial slots (at most 65535)"));
+                            }
+                            (pt, slots)
+                        }
+                    }
+                }
             };
             if pt != 0 {
                 max_rows = max_rows.max(num_queries as u64 * self.num_heads as u64 * parts as u64);
@@ -554,6 +652,77 @@ impl PagedAttention {
             let p = self.params_for(o, &meta, pt, parts, slopes_offs[i], plan.q_stride / 4);
             gpu.queue
                 .write_buffer(&plan.params[i], 0, bytemuck::bytes_of(&p));
+        }
+        // The segment pass: its tables (segments as pseudo-sequences with
+        // their query tiles), the (row, position) map, per-variant slopes
+        // and slots, and per-variant params.
+        plan.cascade = None;
+        if let Some(t) = &cascade {
+            let cmeta = pack_into(
+                &mut plan.c_words,
+                &t.seg_indptr,
+                &t.seg_indices,
+                &t.seg_lens,
+                None,
+                Some((&t.seg_qo, qtile)),
+            )?;
+            let qmap_off = plan.c_words.len() as u32;
+            plan.c_words.extend_from_slice(&t.qmap);
+            let mut offs = Vec::with_capacity(variants.len());
+            for (i, o) in variants.iter().enumerate() {
+                let slopes_off = plan.c_words.len() as u32;
+                if let Some(sl) = &o.alibi_slopes {
+                    plan.c_words.extend(sl.iter().map(|x| x.to_bits()));
+                }
+                let slot_off = plan.c_words.len() as u32;
+                plan.c_words
+                    .extend(t.seg_depth.iter().map(|d| suffix_parts[i] + d));
+                offs.push((slopes_off, slot_off));
+            }
+            let regrown_c =
+                plan.c_tables
+                    .ensure(gpu, "plan cascade tables", plan.c_words.len() as u64 * 4)?;
+            if regrown_c {
+                plan.groups.clear();
+            }
+            gpu.queue
+                .write_buffer(plan.c_tables.get(), 0, bytemuck::cast_slice(&plan.c_words));
+            while plan.c_params.len() < variants.len() {
+                let p = params::AttnParams::default();
+                plan.c_params.push(gpu.uniform("plan cascade params", &p)?);
+            }
+            for (i, o) in variants.iter().enumerate() {
+                let mut p =
+                    self.params_for(o, &cmeta, 0, splits[i].1, offs[i].0, plan.q_stride / 4);
+                p.qmap_off = qmap_off;
+                p.slot_off = offs[i].1;
+                // Positions are past the segment: the window is not cut to
+                // the segment's length.
+                p.sliding_window = o.sliding_window.unwrap_or(0);
+                gpu.queue
+                    .write_buffer(&plan.c_params[i], 0, bytemuck::bytes_of(&p));
+            }
+            let pipe = match plan.act {
+                ActDtype::F32 => self.prefill_pipeline(gpu)?.clone(),
+                ActDtype::F16 => pipeline(
+                    gpu,
+                    "attention",
+                    &ShaderShape {
+                        q_f16: true,
+                        out_f16: false,
+                        ..self.prefill_shape
+                    },
+                )?,
+            };
+            plan.cascade = Some(CascadeStep {
+                num_tiles: cmeta.num_tiles,
+                pipe,
+                bytes: (
+                    t.cascade_tokens * bytes_per_token,
+                    t.plain_tokens * bytes_per_token,
+                ),
+                segments: t.num_segments(),
+            });
         }
         let elem = self.cache_cfg.dtype.bytes();
         plan.kv_bytes = seq_lens
@@ -702,6 +871,36 @@ impl PagedAttention {
         }
         let bg = &plan.groups[&key];
         dispatch(enc, "attention split", &split_pipe, bg, grid(parts)?);
+        // Cascade: the shared segments, once for all their queries, into
+        // their slots (after the suffix pass, which wrote empty partials there).
+        if let (Kind::Decode, Some(c)) = (kind, &plan.cascade) {
+            let ckey = GroupKey {
+                variant: usize::MAX / 2 - variant,
+                prefill: true,
+                ..key.clone()
+            };
+            if !plan.groups.contains_key(&ckey) {
+                let made = bind_checked(
+                    gpu,
+                    &c.pipe,
+                    &[
+                        plan.c_params[variant].as_entire_buffer_binding(),
+                        q.clone(),
+                        k.as_entire_buffer_binding(),
+                        v.as_entire_buffer_binding(),
+                        plan.c_tables.get().as_entire_buffer_binding(),
+                        acc.clone(),
+                        ml.clone(),
+                    ],
+                )?;
+                plan.groups.insert(ckey.clone(), made);
+            }
+            if c.num_tiles > 0 {
+                let bg = &plan.groups[&ckey];
+                let units = self.num_kv_heads * self.prefill_shape.head_tiles();
+                dispatch(enc, "cascade", &c.pipe, bg, (c.num_tiles, units, 1));
+            }
+        }
         // The reduce's group: same key, another variant slot.
         let rkey = GroupKey {
             variant: usize::MAX - variant,

@@ -1,0 +1,228 @@
+//! Cascade decode: shared prefixes read once for every query that shares
+//! them. Found from the block tables alone (no hints): a prefix tree over
+//! physical block ids at equal logical positions. Each run of tree nodes
+//! shared by the same sequences, cut into chunks of at most `chunk_blocks`
+//! blocks, becomes one segment: one pass (attention.wgsl in its cascade
+//! mode) scores every query row of every sharing sequence against it and
+//! writes (max, sum, acc) partials at the segment's depth. Each sequence's
+//! private suffix is a normal split decode; reduce.wgsl merges the slots.
+//!
+//! Positions: a segment's tokens are numbered from its first token and each
+//! query's position is taken relative to it; the suffix's likewise. ALiBi
+//! and sliding windows depend on differences of positions only, so both are
+//! exact.
+
+use std::collections::HashMap;
+
+/// When decode reads shared prefixes once (`AttnOptions::cascade`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Cascade {
+    /// When the plan's cost model says it reads fewer bytes by a margin
+    /// (see [`CascadeTables::pays`]).
+    #[default]
+    Auto,
+    /// Whenever the batch shares at least one segment.
+    On,
+    /// Never: plain paged decode.
+    Off,
+}
+
+/// A batch cut into shared segments and private suffixes.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CascadeTables {
+    /// Per sequence: its blocks after the shared prefix, CSR like the input.
+    pub suffix_indptr: Vec<u32>,
+    pub suffix_indices: Vec<u32>,
+    /// Tokens after the shared prefix.
+    pub suffix_lens: Vec<u32>,
+    /// Per segment: its blocks (CSR) and tokens.
+    pub seg_indptr: Vec<u32>,
+    pub seg_indices: Vec<u32>,
+    pub seg_lens: Vec<u32>,
+    /// Per segment: offsets into `qmap` (CSR over segments).
+    pub seg_qo: Vec<u32>,
+    /// (sequence, query position relative to the segment's first token)
+    /// pairs, segment after segment.
+    pub qmap: Vec<u32>,
+    /// Per segment: its depth on the sharing sequences' paths (the same for
+    /// all of them); the partial slot is `suffix partitions + depth`.
+    pub seg_depth: Vec<u32>,
+    /// Most segments on one sequence's path.
+    pub max_depth: u32,
+    /// Tokens of K/V the cascade reads (segments once, suffixes) and plain
+    /// decode reads (every sequence's whole context).
+    pub cascade_tokens: u64,
+    pub plain_tokens: u64,
+}
+
+impl CascadeTables {
+    /// Segments found.
+    pub fn num_segments(&self) -> usize {
+        self.seg_lens.len()
+    }
+
+    /// The cost model of `Cascade::Auto`: K/V bytes read, plus the partials
+    /// each extra slot writes and the merge reads (`partial_bytes` per
+    /// (sequence, query head, slot)). Pays when that is at most 3/4 of plain
+    /// decode's bytes.
+    pub fn pays(&self, bytes_per_token: u64, num_seqs: u64, partial_bytes: u64) -> bool {
+        if self.num_segments() == 0 {
+            return false;
+        }
+        let cascade = self.cascade_tokens * bytes_per_token
+            + num_seqs * self.max_depth as u64 * partial_bytes;
+        let plain = self.plain_tokens * bytes_per_token;
+        4 * cascade <= 3 * plain
+    }
+}
+
+/// Finds the shared segments of a decode batch. Only whole blocks are
+/// shared (a segment ends at a block edge); a block id shared at different
+/// logical positions, `RELEASED`, or outside the pool is never shared.
+/// Tables are assumed checked (`check_csr_tables`).
+pub fn find_segments(
+    num_blocks: u32,
+    block_size: u32,
+    kv_indptr: &[u32],
+    kv_indices: &[u32],
+    seq_lens: &[u32],
+    chunk_blocks: u32,
+) -> CascadeTables {
+    let n = seq_lens.len();
+    let bs = block_size.max(1);
+    let chunk_blocks = chunk_blocks.max(1);
+    // The prefix tree: node = (parent, block) -> id; sharers per node.
+    let mut ids: HashMap<(u32, u32), u32> = HashMap::new();
+    let mut count: Vec<u32> = Vec::new();
+    let mut paths: Vec<Vec<u32>> = Vec::with_capacity(n);
+    for s in 0..n {
+        let start = kv_indptr[s] as usize;
+        let full = (seq_lens[s] / bs) as usize;
+        let mut parent = u32::MAX;
+        let mut path = Vec::with_capacity(full);
+        for j in 0..full {
+            let b = kv_indices[start + j];
+            if b >= num_blocks {
+                break;
+            }
+            let next = count.len() as u32;
+            let id = *ids.entry((parent, b)).or_insert(next);
+            if id == next {
+                count.push(0);
+            }
+            count[id as usize] += 1;
+            path.push(id);
+            parent = id;
+        }
+        paths.push(path);
+    }
+    let mut t = CascadeTables {
+        suffix_indptr: vec![0],
+        seg_indptr: vec![0],
+        seg_qo: vec![0],
+        ..Default::default()
+    };
+    // Segments keyed by their first node; members in sequence order.
+    let mut seg_of: HashMap<u32, usize> = HashMap::new();
+    let mut members: Vec<Vec<(u32, u32)>> = Vec::new();
+    for s in 0..n {
+        let path = &paths[s];
+        let shared = path
+            .iter()
+            .take_while(|&&id| count[id as usize] >= 2)
+            .count();
+        let start = kv_indptr[s] as usize;
+        let mut j = 0;
+        let mut depth = 0u32;
+        while j < shared {
+            // A run of nodes with the same sharers, at most chunk_blocks long.
+            let c = count[path[j] as usize];
+            let mut e = j + 1;
+            while e < shared && count[path[e] as usize] == c && (e - j) < chunk_blocks as usize {
+                e += 1;
+            }
+            let seg = *seg_of.entry(path[j]).or_insert_with(|| {
+                t.seg_indices
+                    .extend_from_slice(&kv_indices[start + j..start + e]);
+                t.seg_indptr.push(t.seg_indices.len() as u32);
+                t.seg_lens.push((e - j) as u32 * bs);
+                t.seg_depth.push(depth);
+                members.push(Vec::new());
+                members.len() - 1
+            });
+            // The query sits at the sequence's last position.
+            let pos = seq_lens[s] - 1 - j as u32 * bs;
+            members[seg].push((s as u32, pos));
+            depth += 1;
+            j = e;
+        }
+        t.max_depth = t.max_depth.max(depth);
+        let end = kv_indptr[s + 1] as usize;
+        t.suffix_indices
+            .extend_from_slice(&kv_indices[start + shared..end]);
+        t.suffix_indptr.push(t.suffix_indices.len() as u32);
+        t.suffix_lens.push(seq_lens[s] - shared as u32 * bs);
+    }
+    for m in &members {
+        for &(s, pos) in m {
+            t.qmap.extend_from_slice(&[s, pos]);
+        }
+        t.seg_qo.push((t.qmap.len() / 2) as u32);
+    }
+    t.plain_tokens = seq_lens.iter().map(|&l| l as u64).sum();
+    t.cascade_tokens = t.seg_lens.iter().map(|&l| l as u64).sum::<u64>()
+        + t.suffix_lens.iter().map(|&l| l as u64).sum::<u64>();
+    t
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn two_samples_of_one_prompt_share_its_full_blocks() {
+        // Prompt of 3 full blocks (ids 0,1,2) shared; then private 3 / 4.
+        let t = find_segments(10, 4, &[0, 4, 8], &[0, 1, 2, 3, 0, 1, 2, 4], &[14, 13], 2);
+        assert_eq!(t.num_segments(), 2); // 3 blocks in chunks of 2 and 1
+        assert_eq!(t.seg_lens, vec![8, 4]);
+        assert_eq!(t.seg_depth, vec![0, 1]);
+        assert_eq!(t.seg_qo, vec![0, 2, 4]);
+        // Query positions relative to each segment: 13 and 12, then (from
+        // token 8 on) 5 and 4.
+        assert_eq!(t.qmap, vec![0, 13, 1, 12, 0, 5, 1, 4]);
+        assert_eq!(t.suffix_indices, vec![3, 4]);
+        assert_eq!(t.suffix_lens, vec![2, 1]);
+        assert_eq!(t.max_depth, 2);
+        assert_eq!(t.plain_tokens, 27);
+        assert_eq!(t.cascade_tokens, 12 + 3);
+    }
+
+    #[test]
+    fn a_tree_of_forks_gives_nested_segments() {
+        // A, B, C share block 0; B and C also share block 1; D holds
+        // block 0 only partly (3 of 4 tokens... of 2: one full block).
+        let t = find_segments(
+            10,
+            2,
+            &[0, 2, 4, 6, 8],
+            &[0, 5, 0, 1, 0, 1, 0, 1],
+            &[4, 4, 4, 3],
+            8,
+        );
+        assert_eq!(t.seg_lens, vec![2, 2]);
+        assert_eq!(t.seg_depth, vec![0, 1]);
+        // Block 1 of D is partial: not in the tree, so D shares block 0 only.
+        assert_eq!(t.seg_qo, vec![0, 4, 6]);
+        assert_eq!(t.qmap, vec![0, 3, 1, 3, 2, 3, 3, 2, 1, 1, 2, 1]);
+        assert_eq!(t.suffix_lens, vec![2, 0, 0, 1]);
+        assert_eq!(t.suffix_indices, vec![5, 1]);
+    }
+
+    #[test]
+    fn nothing_shared_means_no_segment() {
+        let t = find_segments(10, 2, &[0, 1, 2], &[3, 4], &[2, 2], 8);
+        assert_eq!(t.num_segments(), 0);
+        assert!(!t.pays(100, 2, 10));
+        assert_eq!(t.suffix_lens, vec![2, 2]);
+    }
+}

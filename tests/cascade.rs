@@ -1,0 +1,328 @@
+//! Cascade decode (shared prefixes read once) on a real adapter against the
+//! f64 reference: random copy-on-write trees of block tables (parallel
+//! samples of one prompt, beams forking at random depths, a system prompt
+//! shared across requests, sequences of very different lengths), with
+//! scale, soft-cap, ALiBi, a sliding window cutting through shared segments
+//! and RELEASED entries; every decode kernel for the suffixes; f32 (< 1e-5)
+//! and f16 (< 2e-3); output poisoned first. The cascade output must also
+//! match plain decode, and the plan must report fewer K/V bytes.
+
+mod common;
+
+use common::*;
+use pagedattn::blocks::RELEASED;
+use pagedattn::gpu::{
+    find_segments, ActDtype, AttnOptions, Cascade, DecodeTables, Gpu, Kernel, KvCache,
+    KvCacheConfig, KvDtype, PagedAttention, Split,
+};
+use pagedattn::reference::{self, rel_l2, AttnParams};
+use pagedattn::rng::SplitMix64;
+
+const KVH: u32 = 2;
+const GROUP: u32 = 4;
+const HD: u32 = 64;
+const BS: u32 = 16;
+
+/// A random tree: `roots` prompts; each sequence picks an existing node to
+/// fork from (sharing its ancestors' blocks) and adds private blocks.
+/// Returns (kv_indptr, kv_indices, seq_lens, blocks used).
+fn random_tree(
+    rng: &mut SplitMix64,
+    num_seqs: usize,
+    roots: usize,
+) -> (Vec<u32>, Vec<u32>, Vec<u32>, u32) {
+    let mut next = 0u32;
+    let mut alloc = |n: usize| -> Vec<u32> {
+        let v: Vec<u32> = (next..next + n as u32).collect();
+        next += n as u32;
+        v
+    };
+    // Nodes: (parent, own blocks).
+    let mut nodes: Vec<(Option<usize>, Vec<u32>)> = Vec::new();
+    for _ in 0..roots {
+        let n = rng.range(2, 9) as usize;
+        nodes.push((None, alloc(n)));
+    }
+    let mut tables = Vec::new();
+    for _ in 0..num_seqs {
+        let parent = rng.below(nodes.len() as u64) as usize;
+        let own = alloc(rng.range(0, 4) as usize + 1);
+        nodes.push((Some(parent), own.clone()));
+        // Path from the root.
+        let mut path = Vec::new();
+        let mut cur = Some(parent);
+        while let Some(c) = cur {
+            path.push(c);
+            cur = nodes[c].0;
+        }
+        let mut table: Vec<u32> = Vec::new();
+        for &c in path.iter().rev() {
+            table.extend_from_slice(&nodes[c].1);
+        }
+        table.extend_from_slice(&own);
+        tables.push(table);
+    }
+    let mut indptr = vec![0u32];
+    let mut indices = Vec::new();
+    let mut lens = Vec::new();
+    for t in &tables {
+        indices.extend_from_slice(t);
+        indptr.push(indices.len() as u32);
+        // The last block is partly filled, at least one token.
+        lens.push((t.len() as u32 - 1) * BS + 1 + rng.below(BS as u64) as u32);
+    }
+    (indptr, indices, lens, next)
+}
+
+struct Batch {
+    cache: KvCache,
+    host: HostPool,
+    indptr: Vec<u32>,
+    indices: Vec<u32>,
+    lens: Vec<u32>,
+}
+
+fn batch(gpu: &Gpu, rng: &mut SplitMix64, dtype: KvDtype, seqs: usize, roots: usize) -> Batch {
+    let (indptr, indices, lens, nb) = random_tree(rng, seqs, roots);
+    let cfg = KvCacheConfig {
+        num_layers: 1,
+        num_blocks: nb,
+        block_size: BS,
+        num_kv_heads: KVH,
+        head_dim: HD,
+        dtype,
+    };
+    let cache = KvCache::new(gpu, cfg).unwrap();
+    let slots: Vec<u32> = (0..nb * BS).collect();
+    let row = (KVH * HD) as usize;
+    let k = rng.signed_vec(slots.len() * row);
+    let v = rng.signed_vec(slots.len() * row);
+    cache.write_kv(gpu, 0, &k, &v, &slots).unwrap();
+    let mut host = HostPool::new(nb as usize, KVH as usize, BS as usize, HD as usize);
+    host.write(&slots, &k, &v, dtype);
+    Batch {
+        cache,
+        host,
+        indptr,
+        indices,
+        lens,
+    }
+}
+
+/// One decode through the plan API: (output, the plan's cascade report).
+fn run(
+    gpu: &Gpu,
+    b: &Batch,
+    kernel: Kernel,
+    q: &[f32],
+    o: &AttnOptions,
+) -> (Vec<f32>, Option<(u64, u64, usize)>) {
+    let heads = KVH * GROUP;
+    let attn = PagedAttention::with_kernel(gpu, &b.cache, heads, kernel).unwrap();
+    let mut plan = attn.plan();
+    plan.set_activations(ActDtype::F32);
+    let t = DecodeTables {
+        kv_indptr: &b.indptr,
+        kv_indices: &b.indices,
+        seq_lens: &b.lens,
+    };
+    attn.plan_decode(gpu, &mut plan, &t, std::slice::from_ref(o))
+        .unwrap();
+    let report = plan.cascade();
+    let qb = gpu.storage_init("q", q).unwrap();
+    let out = gpu.storage_init("out", &vec![f32::NAN; q.len()]).unwrap();
+    let mut enc = gpu.device.create_command_encoder(&Default::default());
+    attn.run(
+        gpu,
+        &mut enc,
+        &mut plan,
+        &b.cache,
+        0,
+        0,
+        &qb.as_entire_buffer_binding(),
+        &out.as_entire_buffer_binding(),
+    )
+    .unwrap();
+    gpu.queue.submit([enc.finish()]);
+    (gpu.read(&out, q.len() as u64 * 4).unwrap(), report)
+}
+
+fn params(o: &AttnOptions) -> AttnParams {
+    let mut p = AttnParams::new((KVH * GROUP) as usize, HD as usize);
+    if let Some(s) = o.scale {
+        p.scale = s;
+    }
+    p.soft_cap = o.soft_cap;
+    p.sliding_window = o.sliding_window;
+    p.alibi_slopes = o.alibi_slopes.clone();
+    p
+}
+
+#[test]
+fn cascade_matches_the_reference_on_random_trees() {
+    let Some(gpu) = gpu() else { return };
+    let heads = KVH * GROUP;
+    let slopes: Vec<f32> = (0..heads).map(|h| 2f32.powf(-(h as f32 + 1.0))).collect();
+    let variants: Vec<(&str, AttnOptions)> = vec![
+        ("plain", AttnOptions::default()),
+        (
+            "scale + soft-cap",
+            AttnOptions {
+                scale: Some(0.2),
+                soft_cap: Some(5.0),
+                ..Default::default()
+            },
+        ),
+        (
+            "alibi",
+            AttnOptions {
+                alibi_slopes: Some(slopes.clone()),
+                ..Default::default()
+            },
+        ),
+        (
+            "window 70 (cuts shared segments)",
+            AttnOptions {
+                sliding_window: Some(70),
+                ..Default::default()
+            },
+        ),
+        (
+            "split-K suffixes",
+            AttnOptions {
+                split: Split::Tokens(64),
+                alibi_slopes: Some(slopes.clone()),
+                ..Default::default()
+            },
+        ),
+    ];
+    for dtype in [KvDtype::F32, KvDtype::F16] {
+        let tol = if dtype == KvDtype::F32 { 1e-5 } else { 2e-3 };
+        for trial in 0..3 {
+            let name = format!("cascade {dtype:?} trial {trial}");
+            let s = seed(&name);
+            let mut rng = SplitMix64::new(s);
+            let mut b = batch(&gpu, &mut rng, dtype, 6 + 4 * trial, 1 + trial);
+            if trial == 2 {
+                // RELEASED entries: a windowed sequence dropped its oldest
+                // block (shared by others), so its tree path ends there.
+                b.indices[b.indptr[0] as usize] = RELEASED;
+            }
+            let q = rng.signed_vec(b.lens.len() * (heads * HD) as usize);
+            for (vname, base) in &variants {
+                if trial == 2 && base.sliding_window.is_none() {
+                    continue;
+                }
+                let o = AttnOptions {
+                    cascade: Cascade::On,
+                    ..base.clone()
+                };
+                let want = reference::decode(
+                    &b.host.view(),
+                    &params(&o),
+                    &q,
+                    &b.indptr,
+                    &b.indices,
+                    &b.lens,
+                );
+                for kernel in [Kernel::Tiled, Kernel::Lanes, Kernel::Serial] {
+                    let (out, rep) = run(&gpu, &b, kernel, &q, &o);
+                    let (cb, pb, segs) = rep.expect("a tree with shared blocks runs the cascade");
+                    assert!(segs > 0 && cb < pb, "{name} {vname}: {cb} >= {pb} bytes");
+                    let e = rel_l2(&out, &want);
+                    eprintln!("{name} {vname} [{kernel}]: rel L2 {e:.3e}, {segs} segments, K/V bytes {:.2} of plain", cb as f64 / pb as f64);
+                    assert!(
+                        e < tol,
+                        "{name} {vname} [{kernel}]: rel L2 {e:.3e} (seed {s})"
+                    );
+                }
+                // And plain decode gives the same.
+                let plain = AttnOptions {
+                    cascade: Cascade::Off,
+                    ..base.clone()
+                };
+                let (out, rep) = run(&gpu, &b, Kernel::Tiled, &q, &plain);
+                assert!(rep.is_none());
+                assert!(rel_l2(&out, &want) < tol);
+            }
+        }
+    }
+}
+
+/// The planner: one sequence, or sequences that share nothing, run plain
+/// decode under Auto; many samples of a long prompt run the cascade and
+/// read a fraction of the bytes.
+#[test]
+fn the_planner_uses_the_cascade_when_it_pays() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = SplitMix64::new(seed("cascade planner"));
+    // 8 samples of a 64-block prompt, 1 private block each.
+    let prompt: Vec<u32> = (0..64).collect();
+    let mut indptr = vec![0u32];
+    let mut indices = Vec::new();
+    for s in 0..8u32 {
+        indices.extend_from_slice(&prompt);
+        indices.push(64 + s);
+        indptr.push(indices.len() as u32);
+    }
+    let lens = vec![64 * BS + 5; 8];
+    let t = find_segments(72, BS, &indptr, &indices, &lens, 2048 / BS);
+    assert!(t.pays(2 * (KVH * HD) as u64 * 4, 8 * 8, 2 * (HD as u64 * 4 + 8)));
+    let cfg = KvCacheConfig {
+        num_layers: 1,
+        num_blocks: 72,
+        block_size: BS,
+        num_kv_heads: KVH,
+        head_dim: HD,
+        dtype: KvDtype::F32,
+    };
+    let cache = KvCache::new(&gpu, cfg).unwrap();
+    let slots: Vec<u32> = (0..72 * BS).collect();
+    let row = (KVH * HD) as usize;
+    let (k, v) = (
+        rng.signed_vec(slots.len() * row),
+        rng.signed_vec(slots.len() * row),
+    );
+    cache.write_kv(&gpu, 0, &k, &v, &slots).unwrap();
+    let mut host = HostPool::new(72, KVH as usize, BS as usize, HD as usize);
+    host.write(&slots, &k, &v, KvDtype::F32);
+    let b = Batch {
+        cache,
+        host,
+        indptr,
+        indices,
+        lens,
+    };
+    let q = rng.signed_vec(8 * (KVH * GROUP * HD) as usize);
+    let (out, rep) = run(&gpu, &b, Kernel::Serial, &q, &AttnOptions::default());
+    let (cb, pb, _) = rep.expect("Auto uses the cascade here");
+    eprintln!(
+        "8 samples of 1024 tokens: cascade reads {:.3} of plain decode's K/V bytes",
+        cb as f64 / pb as f64
+    );
+    assert!(cb * 6 <= pb, "{cb} vs {pb}: at most 1/6");
+    let want = reference::decode(
+        &b.host.view(),
+        &params(&AttnOptions::default()),
+        &q,
+        &b.indptr,
+        &b.indices,
+        &b.lens,
+    );
+    assert!(rel_l2(&out, &want) < 1e-5);
+    // One sequence: nothing to share, plain decode.
+    let one = Batch {
+        indptr: b.indptr[..2].to_vec(),
+        indices: b.indices[..65].to_vec(),
+        lens: b.lens[..1].to_vec(),
+        ..b
+    };
+    let (_, rep) = run(
+        &gpu,
+        &one,
+        Kernel::Serial,
+        &q[..(KVH * GROUP * HD) as usize],
+        &AttnOptions::default(),
+    );
+    assert!(rep.is_none());
+}
