@@ -1244,7 +1244,9 @@ fn gpu_device_lost() {
 fn over_limit<T>(r: &Result<T, GpuError>) -> bool {
     match r {
         Err(GpuError::Validation(_)) => true,
-        Err(GpuError::InvalidArgument(m)) => m.contains("max_buffer_size"),
+        Err(GpuError::InvalidArgument(m)) => {
+            m.contains("max_buffer_size") || m.contains("storage binding limit")
+        }
         _ => false,
     }
 }

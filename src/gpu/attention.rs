@@ -1123,16 +1123,31 @@ impl PagedAttention {
         if n == 0 {
             return Ok((out, 0));
         }
-        let tables = BatchTables::upload(
+        // Through a one-step plan, so host calls get what plans get (the
+        // cascade over shared prefixes included).
+        let mut plan = self.plan();
+        self.plan_decode(
             gpu,
-            kv_indptr,
-            kv_indices,
-            seq_lens,
-            opts.alibi_slopes.as_deref(),
+            &mut plan,
+            &super::DecodeTables {
+                kv_indptr,
+                kv_indices,
+                seq_lens,
+            },
+            std::slice::from_ref(opts),
         )?;
         let qb = gpu.storage_init("q", q)?;
         let mut enc = gpu.device.create_command_encoder(&Default::default());
-        self.encode_decode(gpu, &mut enc, cache, layer, &qb, &tables, &out, opts)?;
+        self.run(
+            gpu,
+            &mut enc,
+            &mut plan,
+            cache,
+            layer,
+            0,
+            &qb.as_entire_buffer_binding(),
+            &out.as_entire_buffer_binding(),
+        )?;
         gpu.queue.submit([enc.finish()]);
         Ok((out, bytes))
     }

@@ -637,6 +637,14 @@ impl PagedAttention {
             .write_buffer(plan.tables.get(), 0, bytemuck::cast_slice(&plan.words));
         if max_rows > 0 {
             let d4 = self.head_dim as u64 / 4;
+            let scratch = max_rows * d4 * 16;
+            if scratch > gpu.max_binding_bytes() {
+                return bad(format!(
+                    "split partials of {scratch} bytes, over the device's storage binding limit of {}: \
+                     use longer partitions or a smaller batch",
+                    gpu.max_binding_bytes()
+                ));
+            }
             regrown |= plan.acc.ensure(gpu, "plan split acc", max_rows * d4 * 16)?;
             regrown |= plan.ml.ensure(gpu, "plan split ml", max_rows * 8)?;
         }

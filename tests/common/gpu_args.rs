@@ -205,6 +205,8 @@ fn options(c: &mut Cursor, r: &mut Reached) {
             1 => Split::Never,
             _ => Split::Tokens(c.u32()),
         },
+        // Not read by `validate`; the corpus bytes stay as they were.
+        cascade: pagedattn::gpu::Cascade::Auto,
     };
     let want = o.scale.is_none_or(f32::is_finite)
         && o.soft_cap.is_none_or(|x| x.is_finite() && x > 0.0)
