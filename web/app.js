@@ -25,6 +25,11 @@ const state = {
   maxErr: 0,
   lastErr: null,
   lastCopies: 0,
+  // Cascade: steps that read shared prompts once, and K/V bytes read vs
+  // what plain decode reads (all steps so far).
+  cascadeSteps: 0,
+  kvRead: 0,
+  kvPlain: 0,
   tolerance: null,
   errorsFinite: true,
   used: 0,
@@ -105,6 +110,7 @@ function drawPool() {
   g.clearRect(0, 0, cssW, cssH);
   grid = { cols, cell, gap };
   const bs = snap.block_size;
+  const cascadeBlocks = new Set(snap.step ? snap.step.cascade_blocks : []);
   g.textAlign = 'center';
   g.textBaseline = 'middle';
   g.font = `700 ${Math.max(8, Math.floor(cell * 0.5))}px system-ui, sans-serif`;
@@ -124,6 +130,12 @@ function drawPool() {
       g.fillRect(x, y, w, w);
       g.fillStyle = blockColor(b);
       g.fillRect(x, y, fw, w);
+    }
+    // Blocks of shared segments the cascade attended once this step: a gold
+    // bar along the top.
+    if (cascadeBlocks.has(i)) {
+      g.fillStyle = '#f2b400';
+      g.fillRect(x, y, w, Math.max(2, Math.round(cell / 6)));
     }
     // Copies are ringed black-and-white, which stands out on every hue.
     if (b.copied_to) {
@@ -216,6 +228,12 @@ function drawNumbers() {
     ['time per step (avg)', state.stepMs === null ? '–'
       : `${state.stepMs.toFixed(1)} ms (${(state.stepMsTotal / Math.max(1, state.steps)).toFixed(1)})`],
     ['block accounting', c.consistent ? 'consistent' : 'INCONSISTENT', c.consistent ? 'ok' : 'bad'],
+    ['K/V read per layer, this step: cascade / plain', s && s.decoded
+      ? `${(s.kv_bytes / 1e3).toFixed(1)} / ${(s.kv_bytes_plain / 1e3).toFixed(1)} KB`
+        + (s.cascade_segments ? ` (${s.cascade_segments} shared segments read once, marked gold)` : ' (plain decode)')
+      : '–'],
+    ['K/V read so far: cascade / plain', state.kvPlain
+      ? `${(state.kvRead / 1e6).toFixed(2)} / ${(state.kvPlain / 1e6).toFixed(2)} MB (${state.cascadeSteps} cascade steps)` : '–'],
   ]);
   if (!c.consistent) $('kernels').lastChild.title = c.problems.join('\n');
   $('pool-caption').textContent =
@@ -300,6 +318,9 @@ function absorb(next) {
     maxErr: c.worst_err,
     lastErr: s ? s.max_rel_err : null,
     lastCopies: s ? s.copied : 0,
+    cascadeSteps: state.cascadeSteps + (s && s.cascade_segments > 0 ? 1 : 0),
+    kvRead: state.kvRead + (s ? s.kv_bytes : 0),
+    kvPlain: state.kvPlain + (s ? s.kv_bytes_plain : 0),
     gpuMs: s ? s.gpu_ms : null,
     gpuErrors: c.gpu_errors,
     peakShared: Math.max(state.peakShared, n.shared),
@@ -403,6 +424,7 @@ async function reset() {
   Object.assign(state, {
     config: cfg, steps: 0, done: false, maxErr: 0, lastErr: null, errorsFinite: true,
     copiesTotal: 0, peakShared: 0, peakUsed: 0, peakSequences: 0, consistent: true,
+    cascadeSteps: 0, kvRead: 0, kvPlain: 0,
     problems: [], stepMs: null, stepMsTotal: 0, gpuMs: null,
   });
   snap = null;

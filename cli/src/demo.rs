@@ -8,7 +8,10 @@
 //! page (everything GPU-facing is async; natively it is blocked on).
 
 use pagedattn::blocks::{BlockError, BlockManager, BlockManagerConfig, SeqId};
-use pagedattn::gpu::{AttnOptions, Gpu, GpuError, KvCache, KvCacheConfig, KvDtype, PagedAttention};
+use pagedattn::gpu::{
+    AttentionPlan, AttnOptions, DecodeTables, Gpu, GpuError, KvCache, KvCacheConfig, KvDtype,
+    PagedAttention,
+};
 use pagedattn::reference::{self, rel_l2, AttnParams, PagedPool};
 use pagedattn::rng::SplitMix64;
 
@@ -211,6 +214,14 @@ pub struct StepReport {
     pub gpu_ms: f64,
     /// Requests still waiting for blocks.
     pub waiting: u32,
+    /// K/V bytes one layer's decode read this step (shared prefixes once
+    /// when the cascade ran), and what plain paged decode reads.
+    pub kv_bytes: u64,
+    pub kv_bytes_plain: u64,
+    /// Shared segments attended once this step (0: plain decode).
+    pub cascade_segments: u32,
+    /// Blocks of those segments (the page marks them).
+    pub cascade_blocks: Vec<u32>,
 }
 
 /// The running demo.
@@ -220,6 +231,8 @@ pub struct Demo {
     manager: BlockManager,
     cache: KvCache,
     attn: PagedAttention,
+    /// The step's decode plan (tables and workspace reused across steps).
+    plan: AttentionPlan,
     /// Host mirror of each layer's pool: (K, V).
     mirror: Vec<(Vec<f32>, Vec<f32>)>,
     seqs: Vec<DemoSeq>,
@@ -295,6 +308,7 @@ impl Demo {
             rng,
             manager,
             cache,
+            plan: attn.plan(),
             attn,
             mirror,
             seqs: Vec::new(),
@@ -442,6 +456,31 @@ impl Demo {
         rep.decoded = ids.len() as u32;
         self.total_copies += view.copies.len() as u64;
 
+        // One plan for the step's decode (the same tables in every layer):
+        // it finds the shared prefixes and uses the cascade when it pays.
+        let decode_opts = [AttnOptions::default()];
+        if !ids.is_empty() {
+            self.attn.plan_decode(
+                gpu,
+                &mut self.plan,
+                &DecodeTables::from_view(&view),
+                &decode_opts,
+            )?;
+            rep.kv_bytes = self.plan.kv_bytes_per_layer();
+            rep.kv_bytes_plain = self.plan.cascade().map_or(rep.kv_bytes, |c| c.1);
+            rep.cascade_segments = self.plan.cascade().map_or(0, |c| c.2 as u32);
+            if rep.cascade_segments > 0 {
+                let t = pagedattn::gpu::find_segments(
+                    self.cfg.num_blocks,
+                    self.cfg.block_size,
+                    &view.kv_indptr,
+                    &view.kv_indices,
+                    &view.seq_lens,
+                    pagedattn::gpu::CASCADE_CHUNK_TOKENS / self.cfg.block_size,
+                );
+                rep.cascade_blocks = t.seg_indices;
+            }
+        }
         let t0 = now_ms();
         // Copy-on-write first (all layers, one submit), then the new tokens.
         self.cache.copy_blocks(gpu, &view.copies)?;
@@ -482,20 +521,22 @@ impl Demo {
             let q = self
                 .rng
                 .signed_vec(ids.len() * self.cfg.num_heads as usize * d);
-            let opts = AttnOptions::default();
-            let out = self
-                .attn
-                .decode_async(
-                    gpu,
-                    &self.cache,
-                    layer,
-                    &q,
-                    &view.kv_indptr,
-                    &view.kv_indices,
-                    &view.seq_lens,
-                    &opts,
-                )
-                .await?;
+            let bytes = (q.len() * 4) as u64;
+            let qb = gpu.storage_init("q", &q)?;
+            let ob = gpu.storage_init("out", &vec![f32::NAN; q.len()])?;
+            let mut enc = gpu.device.create_command_encoder(&Default::default());
+            self.attn.run(
+                gpu,
+                &mut enc,
+                &mut self.plan,
+                &self.cache,
+                layer,
+                0,
+                &qb.as_entire_buffer_binding(),
+                &ob.as_entire_buffer_binding(),
+            )?;
+            gpu.queue.submit([enc.finish()]);
+            let out: Vec<f32> = gpu.read_async(&ob, bytes).await?;
             let pool = PagedPool {
                 k: mk,
                 v: mv,

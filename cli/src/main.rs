@@ -126,8 +126,11 @@ fn run_demo(out: &mut dyn Write, cfg: DemoConfig, verbose: bool) -> Res {
         if tune.cached { ", cached" } else { ": " },
         timed.join(", ")
     )?;
-    writeln!(out, "step  seqs  +req  fork  done  written  copied  used  shared  free  stored/logical  max_rel_err  gpu_ms")?;
+    writeln!(out, "step  seqs  +req  fork  done  written  copied  used  shared  free  stored/logical  max_rel_err  gpu_ms  kv_read/plain")?;
     let mut times = Vec::new();
+    // K/V bytes decode read per layer, with the cascade where it ran, and
+    // what plain decode would have read; steps that ran the cascade.
+    let (mut read, mut plain, mut cascade_steps) = (0u64, 0u64, 0u64);
     let mut peak_saved = 0u32;
     let mut steps = 0u64;
     while !d.done() {
@@ -136,13 +139,18 @@ fn run_demo(out: &mut dyn Write, cfg: DemoConfig, verbose: bool) -> Res {
         }
         let r = pollster::block_on(d.step(&gpu))?;
         times.push(r.gpu_ms);
+        read += r.kv_bytes;
+        plain += r.kv_bytes_plain;
+        cascade_steps += (r.cascade_segments > 0) as u64;
         peak_saved = peak_saved.max(r.logical_tokens.saturating_sub(r.tokens_stored));
         if verbose || r.step % 10 == 0 || r.copied > 0 && r.step < 40 {
             writeln!(
                 out,
-                "{:>4}  {:>4}  {:>4}  {:>4}  {:>4}  {:>7}  {:>6}  {:>4}  {:>6}  {:>4}  {:>6}/{:<7}  {:>11.2e}  {:>6.2}",
+                "{:>4}  {:>4}  {:>4}  {:>4}  {:>4}  {:>7}  {:>6}  {:>4}  {:>6}  {:>4}  {:>6}/{:<7}  {:>11.2e}  {:>6.2}  {:>6.0}/{:<6.0} KB{}",
                 r.step, r.decoded, r.admitted, r.forked, r.finished, r.written, r.copied, r.used, r.shared, r.free,
-                r.tokens_stored, r.logical_tokens, r.max_rel_err, r.gpu_ms
+                r.tokens_stored, r.logical_tokens, r.max_rel_err, r.gpu_ms,
+                r.kv_bytes as f64 / 1e3, r.kv_bytes_plain as f64 / 1e3,
+                if r.cascade_segments > 0 { format!(" (cascade, {} segments)", r.cascade_segments) } else { String::new() }
             )?;
         }
         steps += 1;
@@ -150,6 +158,13 @@ fn run_demo(out: &mut dyn Write, cfg: DemoConfig, verbose: bool) -> Res {
     times.sort_by(|a, b| a.total_cmp(b));
     let median = times.get(times.len() / 2).copied().unwrap_or(0.0);
     let tol = demo::tolerance(cfg.dtype);
+    writeln!(
+        out,
+        "cascade (shared prompts read once): ran in {cascade_steps} of {steps} steps; decode read {:.2} MB of K/V per layer where plain decode reads {:.2} MB ({:.2}x)",
+        read as f64 / 1e6,
+        plain as f64 / 1e6,
+        read as f64 / plain.max(1) as f64
+    )?;
     writeln!(
         out,
         "done: {steps} steps, {} copy-on-write block copies, peak tokens saved by sharing {peak_saved}, median {median:.2} ms/step",

@@ -28,5 +28,7 @@ pub use kv_cache::{
     bind as bind_buffers, dispatch as dispatch_pass, pipeline as kv_cache_pipeline,
 };
 pub use kv_cache::{KvCache, KvCacheConfig, KvDtype, MAX_KV_HEADS, MAX_LAYERS};
-pub use plan::{ActDtype, AttentionPlan, DecodeTables, PrefillTables, WritePlan};
+pub use plan::{
+    ActDtype, AttentionPlan, DecodeTables, PrefillTables, WritePlan, CASCADE_CHUNK_TOKENS,
+};
 pub use tune::TuneReport;
