@@ -43,7 +43,7 @@ pub enum Command {
 
 #[derive(clap::Args, Debug)]
 pub struct BenchArgs {
-    /// The small grid (under 30 s on lavapipe).
+    /// The small grid (about a minute on lavapipe).
     #[arg(long)]
     pub quick: bool,
     /// Print the report as JSON on stdout (fields documented in README.md).
@@ -53,7 +53,7 @@ pub struct BenchArgs {
     #[arg(long)]
     pub wall_clock: bool,
     /// Stop measuring new grid cells after this many seconds (they are
-    /// listed as skipped); finite and not negative. Default: 150, or 25
+    /// listed as skipped); finite and not negative. Default: 150, or 60
     /// with --quick.
     #[arg(long, allow_hyphen_values = true)]
     pub max_seconds: Option<f64>,
@@ -220,7 +220,7 @@ pub fn check(cli: Cli) -> Result<Checked, String> {
                 quick: a.quick,
                 wall_clock: a.wall_clock,
                 progress: true,
-                max_seconds: a.max_seconds.unwrap_or(if a.quick { 25.0 } else { 150.0 }),
+                max_seconds: a.max_seconds.unwrap_or(if a.quick { 60.0 } else { 150.0 }),
             };
             if let Some(s) = a.max_seconds {
                 if !(s.is_finite() && s >= 0.0) {

@@ -457,8 +457,13 @@ impl Demo {
         self.total_copies += view.copies.len() as u64;
 
         // One plan for the step's decode (the same tables in every layer):
-        // it finds the shared prefixes and uses the cascade when it pays.
-        let decode_opts = [AttnOptions::default()];
+        // it finds the shared prefixes and reads each once (the cascade).
+        // Forced on, to show it: under Auto a software adapter (the
+        // browser's SwiftShader, lavapipe) keeps plain decode.
+        let decode_opts = [AttnOptions {
+            cascade: pagedattn::gpu::Cascade::On,
+            ..Default::default()
+        }];
         if !ids.is_empty() {
             self.attn.plan_decode(
                 gpu,

@@ -18,7 +18,9 @@ use std::collections::HashMap;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Cascade {
     /// When the plan's cost model says it reads fewer bytes by a margin
-    /// (see [`CascadeTables::pays`]).
+    /// (see [`CascadeTables::pays`]), on adapters where bytes are the
+    /// bottleneck: not on software adapters (`Gpu::is_software`), where
+    /// decode is bound by arithmetic and the cascade measured slower.
     #[default]
     Auto,
     /// Whenever the batch shares at least one segment.

@@ -17,7 +17,7 @@ use pagedattn::rng::SplitMix64;
 /// What to measure.
 #[derive(Clone, Debug)]
 pub struct BenchConfig {
-    /// The small grid (under 30 s on lavapipe).
+    /// The small grid (about a minute on lavapipe).
     pub quick: bool,
     /// Force wall-clock timing even where timestamps exist.
     pub wall_clock: bool,
@@ -115,6 +115,35 @@ pub struct DtypeRow {
     pub time_over_f16: f64,
 }
 
+/// `n` sequences sharing a prompt of `prompt` tokens, each with 0-256
+/// private tokens: plain paged decode vs the cascade (forced on), timed
+/// interleaved, and what `Cascade::Auto` would pick here.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct CascadeRow {
+    /// Sequences.
+    pub n: u32,
+    /// Shared prompt tokens.
+    pub prompt: u32,
+    /// Private tokens per sequence (mean).
+    pub private_mean: f64,
+    /// Plain decode (Cascade::Off), ms.
+    pub plain_ms: f64,
+    /// Cascade::On, ms.
+    pub cascade_ms: f64,
+    /// plain / cascade.
+    pub speedup: f64,
+    /// K/V bytes each reads per layer.
+    pub plain_bytes: u64,
+    pub cascade_bytes: u64,
+    /// Whether the cascade ran (forced on; a batch sharing nothing runs
+    /// plain decode).
+    pub used: bool,
+    /// Whether `Cascade::Auto` picks it on this adapter.
+    pub auto_uses: bool,
+    /// The decode kernel of the suffixes (and of plain decode).
+    pub kernel: &'static str,
+}
+
 /// What the tuner measured for the grid's shape, per KV dtype.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct TunerRow {
@@ -169,6 +198,8 @@ pub struct BenchReport {
     pub tuner: Vec<TunerRow>,
     /// Decode per KV dtype on one cell, interleaved in one run.
     pub dtypes: Vec<DtypeRow>,
+    /// Plain vs cascade decode of sequences sharing a prompt.
+    pub cascade: Vec<CascadeRow>,
     /// Host bookkeeping per decode step at batch 256, microseconds per sequence.
     pub host_us_per_seq: f64,
     /// The same with prefix caching on (a SHA-256 digest per filled block).
@@ -704,6 +735,41 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, GpuError> {
             if cfg.quick { 1024 } else { 2048 },
         )?
     };
+    progress(cfg, "cascade: sequences sharing a prompt");
+    let cells: &[(u32, u32)] = if cfg.quick {
+        &[(1, 4096), (8, 512), (8, 4096)]
+    } else {
+        &[
+            (1, 512),
+            (1, 4096),
+            (1, 16384),
+            (4, 512),
+            (4, 4096),
+            (4, 16384),
+            (8, 512),
+            (8, 4096),
+            (8, 16384),
+            (32, 512),
+            (32, 4096),
+            (32, 16384),
+        ]
+    };
+    let mut cascade = Vec::new();
+    for &(n, prompt) in cells {
+        if over_budget(0.9) {
+            skipped.push(format!(
+                "cascade n {n} prompt {prompt}: over the {} s time budget",
+                cfg.max_seconds
+            ));
+            continue;
+        }
+        match cascade_row(gpu, &timer, &mut rng, n, prompt)? {
+            Some(r) => cascade.push(r),
+            None => skipped.push(format!(
+                "cascade n {n} prompt {prompt}: the pool exceeds the binding limit"
+            )),
+        }
+    }
     let mut split = Vec::new();
     let split_grid: &[(u32, u32)] = if cfg.quick {
         &[(1, 4096)]
@@ -781,6 +847,7 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, GpuError> {
         split,
         tuner,
         dtypes,
+        cascade,
         host_us_per_seq: host,
         host_us_per_seq_prefix_cache: host_prefix,
         host_step,
@@ -789,6 +856,102 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, GpuError> {
         copy_blocks_per_s: cb_ps,
         copy_blocks_gbs: cb_gbs,
     })
+}
+
+/// One cascade cell (f16 KV, the grid's head shape): `n` sequences sharing
+/// a `prompt`-token prompt, each with 0-256 private tokens.
+fn cascade_row(
+    gpu: &Gpu,
+    timer: &Timer,
+    rng: &mut SplitMix64,
+    n: u32,
+    prompt: u32,
+) -> Result<Option<CascadeRow>, GpuError> {
+    use pagedattn::gpu::{Cascade, DecodeTables};
+    let private: Vec<u32> = (0..n).map(|_| rng.below(257) as u32).collect();
+    let pblocks = prompt / BLOCK;
+    let mut indptr = vec![0u32];
+    let mut indices = Vec::new();
+    let mut next = pblocks;
+    let mut lens = Vec::new();
+    for &p in &private {
+        indices.extend(0..pblocks);
+        let own = p.div_ceil(BLOCK).max(1);
+        indices.extend(next..next + own);
+        next += own;
+        indptr.push(indices.len() as u32);
+        lens.push(prompt + p.max(1));
+    }
+    let Some(cache) = filled_cache(gpu, next * BLOCK, KvDtype::F16, 1, rng)? else {
+        return Ok(None);
+    };
+    let attn = PagedAttention::new(gpu, &cache, HEADS)?;
+    let t = DecodeTables {
+        kv_indptr: &indptr,
+        kv_indices: &indices,
+        seq_lens: &lens,
+    };
+    let mut plain = attn.plan();
+    let off = AttnOptions {
+        cascade: Cascade::Off,
+        ..Default::default()
+    };
+    attn.plan_decode(gpu, &mut plain, &t, &[off])?;
+    let mut cas = attn.plan();
+    let on = AttnOptions {
+        cascade: Cascade::On,
+        ..Default::default()
+    };
+    attn.plan_decode(gpu, &mut cas, &t, &[on])?;
+    let mut auto = attn.plan();
+    attn.plan_decode(gpu, &mut auto, &t, &[AttnOptions::default()])?;
+    let q = gpu.storage_init("q", &rng.signed_vec((n * HEADS * HEAD_DIM) as usize))?;
+    let out = gpu.storage("out", (n * HEADS * HEAD_DIM * 4) as u64)?;
+    let mut err = None;
+    let mut times = [Vec::new(), Vec::new()];
+    let runs = timer.runs.clamp(3, 7);
+    for run in 0..=runs {
+        for (i, plan) in [&mut plain, &mut cas].into_iter().enumerate() {
+            let ms = timer.once(run, &mut |_, enc| {
+                if let Err(e) = attn.run(
+                    gpu,
+                    enc,
+                    plan,
+                    &cache,
+                    0,
+                    0,
+                    &q.as_entire_buffer_binding(),
+                    &out.as_entire_buffer_binding(),
+                ) {
+                    err = Some(e);
+                }
+            })?;
+            if run > 0 {
+                times[i].push(ms);
+            }
+        }
+    }
+    if let Some(e) = err {
+        return Err(e);
+    }
+    let med = |t: &mut Vec<f64>| {
+        t.sort_by(f64::total_cmp);
+        t[t.len() / 2]
+    };
+    let (pm, cm) = (med(&mut times[0]), med(&mut times[1]));
+    Ok(Some(CascadeRow {
+        n,
+        prompt,
+        private_mean: private.iter().map(|&p| p as f64).sum::<f64>() / n as f64,
+        plain_ms: pm,
+        cascade_ms: cm,
+        speedup: pm / cm,
+        plain_bytes: plain.kv_bytes_per_layer(),
+        cascade_bytes: cas.kv_bytes_per_layer(),
+        used: cas.cascade().is_some(),
+        auto_uses: auto.cascade().is_some(),
+        kernel: attn.kernel().name(),
+    }))
 }
 
 /// Decode of `batch` x `context` over f32, f16, int8 and fp8 pools, one
@@ -995,6 +1158,27 @@ pub fn render(r: &BenchReport) -> String {
                 d.kv_bytes as f64 / 1e6,
                 d.block_bytes_over_f16,
                 d.time_over_f16
+            );
+        }
+    }
+    if !r.cascade.is_empty() {
+        let _ = writeln!(
+            s,
+            "\n cascade (f16): n  prompt  private  kernel    plain ms  cascade ms  plain/cascade  K/V bytes cascade/plain  Auto picks"
+        );
+        for c in &r.cascade {
+            let _ = writeln!(
+                s,
+                "  {:>13}  {:>6}  {:>7.0}  {:<8}  {:>8.3}  {:>10.3}  {:>13.2}  {:>24.3}  {}",
+                c.n,
+                c.prompt,
+                c.private_mean,
+                c.kernel,
+                c.plain_ms,
+                c.cascade_ms,
+                c.speedup,
+                c.cascade_bytes as f64 / c.plain_bytes.max(1) as f64,
+                if c.auto_uses { "cascade" } else { "plain" }
             );
         }
     }
