@@ -412,3 +412,24 @@ fn quantized_kv_buys_concurrency_under_the_same_memory() {
     ]);
     assert_eq!(plain.scenarios[0].policies[0].steps, f16.steps);
 }
+
+/// The K/V attention reads per generated token, plain and with the cascade:
+/// equal when nothing is shared, lower for parallel samples, lowest for
+/// beams (which share most of their history).
+#[test]
+fn the_cascade_reads_shared_prefixes_once() {
+    let r = small(&[
+        "--policies",
+        "paged",
+        "--sampling",
+        "single,parallel:4,beam:4",
+    ]);
+    let read = |i: usize| {
+        let p = &r.scenarios[i].policies[0];
+        (p.attn_read_per_token_plain, p.attn_read_per_token_cascade)
+    };
+    let (single, parallel, beam) = (read(0), read(1), read(2));
+    assert!(single.0 > 0.0 && single.1 == single.0, "{single:?}");
+    assert!(parallel.1 < parallel.0, "{parallel:?}");
+    assert!(beam.1 < 0.6 * beam.0, "{beam:?}");
+}

@@ -33,6 +33,11 @@ pub(super) struct Counters {
     pub copy_conflicts: u64,
     /// Prompt tokens served from the prefix cache.
     pub prefix_hit_tokens: u64,
+    /// Paged only: K/V tokens decode attention reads over the run, plain
+    /// paged decode (every sequence's whole context) and cascade decode
+    /// (shared full-block prefixes once: `gpu::find_segments`).
+    pub attn_tokens_plain: u64,
+    pub attn_tokens_cascade: u64,
 }
 
 /// What is left once every request has finished.

@@ -221,6 +221,20 @@ impl Memory for Paged {
         self.take_view(&ids)
             .map_err(|e| internal("batch_view", e))?;
         self.ids = ids;
+        // What attention reads this step, plain and with the cascade.
+        let v = &self.view;
+        if !v.seq_lens.is_empty() {
+            let t = pagedattn::gpu::find_segments(
+                self.m.config().num_blocks,
+                self.bs as u32,
+                &v.kv_indptr,
+                &v.kv_indices,
+                &v.seq_lens,
+                pagedattn::gpu::CASCADE_CHUNK_TOKENS / self.bs as u32,
+            );
+            self.counters.attn_tokens_plain += t.plain_tokens;
+            self.counters.attn_tokens_cascade += t.cascade_tokens;
+        }
         // The view already took every pending copy; anything left is a bug.
         let stray = self.m.take_copies();
         if !stray.is_empty() {

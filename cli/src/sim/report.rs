@@ -73,6 +73,12 @@ pub struct PolicyReport {
     pub sharing_saved_frac: f64,
     /// Copy-on-write block copies.
     pub cow_copies: u64,
+    /// Paged only: K/V tokens decode attention reads per generated token,
+    /// plain paged decode and cascade decode (shared prefixes once); bytes
+    /// are these times 2 x head_dim x bytes per element, per KV head and
+    /// layer.
+    pub attn_read_per_token_plain: f64,
+    pub attn_read_per_token_cascade: f64,
     /// Batches whose copy list reused a block as both source and destination.
     pub copy_conflicts: u64,
     /// Prompt tokens served from the prefix cache.
@@ -223,6 +229,14 @@ impl PolicyReport {
                 .unwrap_or(0),
             sharing_saved_frac: ratio(logical - stored, logical),
             cow_copies: log.counters.cow_copies,
+            attn_read_per_token_plain: ratio(
+                log.counters.attn_tokens_plain as f64,
+                log.generated as f64,
+            ),
+            attn_read_per_token_cascade: ratio(
+                log.counters.attn_tokens_cascade as f64,
+                log.generated as f64,
+            ),
             copy_conflicts: log.counters.copy_conflicts,
             prefix_hit_tokens: log.counters.prefix_hit_tokens,
             requests_finished: log.finished,
@@ -312,6 +326,18 @@ pub(super) fn render_scenario(out: &mut String, sc: &ScenarioReport, header: &st
         .find(|p| p.block_size == Some(16))
         .or_else(|| sc.policies.iter().find(|p| p.policy == "paged"));
     let max = sc.policies.iter().find(|p| p.policy == "max");
+    if let Some(p) = paged {
+        if p.attn_read_per_token_plain > 0.0 {
+            let _ = writeln!(
+                out,
+                "-> {} attention reads {:.0} K/V tokens per generated token; {:.0} with the cascade (shared prefixes once, {:.2}x)",
+                p.label,
+                p.attn_read_per_token_plain,
+                p.attn_read_per_token_cascade,
+                p.attn_read_per_token_cascade / p.attn_read_per_token_plain,
+            );
+        }
+    }
     if let (Some(p), Some(m)) = (paged, max) {
         let _ = writeln!(
             out,
@@ -338,4 +364,5 @@ seqs: concurrent sequences (peak, mean); queue: longest queue; preempt: paged pr
 shared/saved: tokens not stored twice thanks to copy-on-write forks and prefix caching (mean, share of
 logical tokens). steps: steps to finish the workload; tok/step: decoded tokens per step.
 Contiguous policies ignore external fragmentation between slabs, which flatters them.
+K/V tokens read per generated token: times 2 x head_dim x bytes per element for bytes, per KV head and layer.
 ";
