@@ -279,6 +279,7 @@ fn options_must_be_finite() {
         sliding_window: Some(u32::MAX),
         alibi_slopes: Some(vec![0.5, -0.25]),
         split: Split::Tokens(64),
+        cascade: pagedattn::gpu::Cascade::On,
     };
     assert_eq!(good.validate(2), Ok(()));
 }

@@ -76,10 +76,7 @@ impl DecodeBench {
 }
 
 fn dtype_name<S: serde::Serializer>(d: &KvDtype, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_str(match d {
-        KvDtype::F32 => "f32",
-        KvDtype::F16 => "f16",
-    })
+    s.serialize_str(d.name())
 }
 
 /// Timings of one [`bench_decode`] run (milliseconds per decode), for the
