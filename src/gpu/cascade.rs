@@ -93,6 +93,28 @@ pub fn find_segments(
     let n = seq_lens.len();
     let bs = block_size.max(1);
     let chunk_blocks = chunk_blocks.max(1);
+    // The common case, no two sequences starting on the same full block:
+    // nothing is shared, so skip the tree (O(n log n) instead of a hash
+    // map over every block).
+    let mut firsts: Vec<u32> = (0..n)
+        .filter(|&s| seq_lens[s] >= bs && kv_indptr[s] < kv_indptr[s + 1])
+        .map(|s| kv_indices[kv_indptr[s] as usize])
+        .filter(|&b| b < num_blocks)
+        .collect();
+    firsts.sort_unstable();
+    if firsts.windows(2).all(|w| w[0] != w[1]) {
+        let tokens = seq_lens.iter().map(|&l| l as u64).sum();
+        return CascadeTables {
+            suffix_indptr: kv_indptr.to_vec(),
+            suffix_indices: kv_indices.to_vec(),
+            suffix_lens: seq_lens.to_vec(),
+            seg_indptr: vec![0],
+            seg_qo: vec![0],
+            plain_tokens: tokens,
+            cascade_tokens: tokens,
+            ..Default::default()
+        };
+    }
     // The prefix tree: node = (parent, block) -> id; sharers per node.
     let mut ids: HashMap<(u32, u32), u32> = HashMap::new();
     let mut count: Vec<u32> = Vec::new();

@@ -540,32 +540,35 @@ impl PagedAttention {
         // hold each sequence's private suffix.
         let c = &self.cache_cfg;
         let bytes_per_token = 2 * c.block_bytes() / c.block_size as u64;
-        let cascade =
-            if qo_indptr.is_none() && n >= 2 && !variants.iter().any(|o| o.cascade == Cascade::Off)
-            {
-                let chunk_tokens = kernel::pass_cap(gpu, Kernel::Tiled, &self.prefill_shape)
-                    .unwrap_or(u32::MAX)
-                    .min(CASCADE_CHUNK_TOKENS);
-                let t = find_segments(
-                    self.num_blocks,
-                    self.block_size,
-                    kv_indptr,
-                    kv_indices,
-                    seq_lens,
-                    (chunk_tokens / self.block_size).max(1),
-                );
-                let partial = 2 * (self.head_dim as u64 * 4 + 8);
-                let forced = variants.iter().any(|o| o.cascade == Cascade::On);
-                let heads = self.num_heads as u64;
-                // On software adapters decode is bound by arithmetic, not bytes,
-                // and the segment pass (the tiled kernel) is slower there than
-                // the serial kernel: Auto keeps plain decode (measured in
-                // `pagedattn bench`); On still runs the cascade.
-                let auto = !gpu.is_software() && t.pays(bytes_per_token, n as u64 * heads, partial);
-                (t.num_segments() > 0 && (forced || auto)).then_some(t)
-            } else {
-                None
-            };
+        let forced = variants.iter().any(|o| o.cascade == Cascade::On);
+        // Auto never takes the cascade on a software adapter: skip the search.
+        let cascade = if qo_indptr.is_none()
+            && n >= 2
+            && !variants.iter().any(|o| o.cascade == Cascade::Off)
+            && (forced || !gpu.is_software())
+        {
+            let chunk_tokens = kernel::pass_cap(gpu, Kernel::Tiled, &self.prefill_shape)
+                .unwrap_or(u32::MAX)
+                .min(CASCADE_CHUNK_TOKENS);
+            let t = find_segments(
+                self.num_blocks,
+                self.block_size,
+                kv_indptr,
+                kv_indices,
+                seq_lens,
+                (chunk_tokens / self.block_size).max(1),
+            );
+            let partial = 2 * (self.head_dim as u64 * 4 + 8);
+            let heads = self.num_heads as u64;
+            // On software adapters decode is bound by arithmetic, not bytes,
+            // and the segment pass (the tiled kernel) is slower there than
+            // the serial kernel: Auto keeps plain decode (measured in
+            // `pagedattn bench`); On still runs the cascade.
+            let auto = !gpu.is_software() && t.pays(bytes_per_token, n as u64 * heads, partial);
+            (t.num_segments() > 0 && (forced || auto)).then_some(t)
+        } else {
+            None
+        };
         let (ip, ix, ln) = match &cascade {
             Some(t) => (
                 &t.suffix_indptr[..],
