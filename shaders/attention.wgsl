@@ -61,13 +61,6 @@ var<workgroup> alpha_sh: array<f32, NROW>;
 var<workgroup> red: array<vec4<f32>, WG>;
 var<workgroup> red_l: array<f32, WG>;
 
-fn table_at(i: u32) -> u32 {
-    if i < arrayLength(&table) {
-        return table[i];
-    }
-    return INVALID;
-}
-
 @compute @workgroup_size(64)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let p = params;
@@ -90,21 +83,11 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         q_count = min(qo_end - qo_start - min(q_first, qo_end - qo_start), QTILE);
         q_row0 = qo_start + q_first;
     }
-    let ind_end = min(table_at(seq + 1u), p.indices_len);
-    let ind_start = min(table_at(seq), ind_end);
-    // A length past what the table holds (a corrupt table) is cut to it, so
-    // the token loop is never longer than the table.
-    let held = ind_end - ind_start;
-    // Lengths past 2^31 are refused by the host; cut here too, so no
-    // position or tile counter below can wrap whatever the buffer holds.
-    var len = min(table_at(p.lens_off + seq), 0x80000000u);
-    if held <= 0xFFFFFFFFu / BLOCK_SIZE {
-        len = min(len, held * BLOCK_SIZE);
-    }
+    let span = seq_span(p, seq);
+    let len = span.len;
     let qo_len = select(1u, table_at(p.qo_off + seq + 1u) - table_at(p.qo_off + seq), p.qo_off != 0u);
     // Position of the first query; causal: it sees tokens [0, pos0 + i].
     let pos0 = len - min(qo_len, len) + q_first;
-    let first_blk = table_at(p.indices_off + ind_start);
 
     // Cascade pass (qmap_off != 0): the "sequence" is a segment of blocks
     // shared by several sequences, and its queries are rows of other
@@ -165,18 +148,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
             let tok = tile + t;
             var row = INVALID;
             if tok < t_end {
-                let j = ind_start + tok / BLOCK_SIZE;
-                if j < ind_end {
-                    // PAGED == false: the contiguous twin used as the benchmark
-                    // baseline; the sequence's blocks follow its first one.
-                    var blk = first_blk + tok / BLOCK_SIZE;
-                    if PAGED {
-                        blk = table_at(p.indices_off + j);
-                    }
-                    if blk < p.num_blocks {
-                        row = ((blk * p.num_kv_heads + kvh) * BLOCK_SIZE + tok % BLOCK_SIZE) * HEAD_DIM4;
-                    }
-                }
+                row = token_row(p, span, kvh, tok);
             }
             row_of[buf][t] = row;
             // Zeroed explicitly: Chrome's WebGPU (seen on SwiftShader) does not re-zero a

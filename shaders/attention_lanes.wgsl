@@ -44,13 +44,6 @@ var<workgroup> red: array<f32, RED_LEN>;
 var<workgroup> mrg: array<vec4<f32>, NT * HEAD_DIM4>;
 var<workgroup> mrg_ml: array<vec2<f32>, NT>;
 
-fn table_at(i: u32) -> u32 {
-    if i < arrayLength(&table) {
-        return table[i];
-    }
-    return INVALID;
-}
-
 @compute @workgroup_size(64)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let p = params;
@@ -63,25 +56,11 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     let c = lid % LPT;
     let slot = lid / LPT;
 
-    let ind_end = min(table_at(seq + 1u), p.indices_len);
-    let ind_start = min(table_at(seq), ind_end);
-    let held = ind_end - ind_start;
-    var len = min(table_at(p.lens_off + seq), 0x80000000u);
-    if held <= 0xFFFFFFFFu / BLOCK_SIZE {
-        len = min(len, held * BLOCK_SIZE);
-    }
-    let q_pos = max(len, 1u) - 1u;
-    let first_blk = table_at(p.indices_off + ind_start);
-    var t_begin = 0u;
-    var t_end = len;
-    if p.partition_tokens != 0u {
-        t_begin = min(part * p.partition_tokens, t_end);
-        t_end = min(t_begin + p.partition_tokens, t_end);
-    }
-    if p.sliding_window != 0u && q_pos + 1u > p.sliding_window {
-        t_begin = max(t_begin, q_pos + 1u - p.sliding_window);
-        t_end = max(t_end, t_begin);
-    }
+    let span = seq_span(p, seq);
+    let q_pos = max(span.len, 1u) - 1u;
+    let range = decode_range(p, span.len, part);
+    let t_begin = range.x;
+    let t_end = range.y;
 
     let q_stride = select(p.num_heads * HEAD_DIM4, p.q_stride, p.q_stride != 0u);
     var slope = array<f32, HT>();
@@ -109,16 +88,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         let tok = base + slot;
         var row = INVALID;
         if tok < t_end {
-            let j = ind_start + tok / BLOCK_SIZE;
-            if j < ind_end {
-                var blk = first_blk + tok / BLOCK_SIZE;
-                if PAGED {
-                    blk = table_at(p.indices_off + j);
-                }
-                if blk < p.num_blocks {
-                    row = ((blk * p.num_kv_heads + kvh) * BLOCK_SIZE + tok % BLOCK_SIZE) * HEAD_DIM4;
-                }
-            }
+            row = token_row(p, span, kvh, tok);
         }
         for (var r = 0u; r < HT; r++) {
             s[r] = 0.0;

@@ -36,13 +36,6 @@ var<private> slope: array<f32, HT>;
 var<private> m: array<f32, HT>;
 var<private> l: array<f32, HT>;
 
-fn table_at(i: u32) -> u32 {
-    if i < arrayLength(&table) {
-        return table[i];
-    }
-    return INVALID;
-}
-
 @compute @workgroup_size(64)
 fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
     let p = params;
@@ -62,26 +55,10 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
     // Rows of this tile that are real heads (the last tile of an odd group is partial).
     let live = min(GROUP - hg0, HT);
 
-    let ind_end = min(table_at(seq + 1u), p.indices_len);
-    let ind_start = min(table_at(seq), ind_end);
-    let held = ind_end - ind_start;
-    var len = min(table_at(p.lens_off + seq), 0x80000000u);
-    if held <= 0xFFFFFFFFu / BLOCK_SIZE {
-        len = min(len, held * BLOCK_SIZE);
-    }
+    let span = seq_span(p, seq);
     // Decode: the one query sits at position len - 1.
-    let q_pos = max(len, 1u) - 1u;
-    let first_blk = table_at(p.indices_off + ind_start);
-    var t_begin = 0u;
-    var t_end = len;
-    if p.partition_tokens != 0u {
-        t_begin = min(part * p.partition_tokens, t_end);
-        t_end = min(t_begin + p.partition_tokens, t_end);
-    }
-    if p.sliding_window != 0u && q_pos + 1u > p.sliding_window {
-        t_begin = max(t_begin, q_pos + 1u - p.sliding_window);
-        t_end = max(t_end, t_begin);
-    }
+    let q_pos = max(span.len, 1u) - 1u;
+    let range = decode_range(p, span.len, part);
 
     let q_stride = select(p.num_heads * HEAD_DIM4, p.q_stride, p.q_stride != 0u);
     ser_load_q(seq * q_stride + h0 * HEAD_DIM4, live, kvh);
@@ -92,17 +69,10 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
         m[r] = NEG_INF;
     }
 
-    for (var tok = t_begin; tok < t_end; tok++) {
-        let j = ind_start + tok / BLOCK_SIZE;
-        if j >= ind_end {
-            break;
-        }
-        var blk = first_blk + tok / BLOCK_SIZE;
-        if PAGED {
-            blk = table_at(p.indices_off + j);
-        }
-        if blk < p.num_blocks {
-            ser_token(((blk * p.num_kv_heads + kvh) * BLOCK_SIZE + tok % BLOCK_SIZE) * HEAD_DIM4, kvh, tok, q_pos);
+    for (var tok = range.x; tok < range.y; tok++) {
+        let row = token_row(p, span, kvh, tok);
+        if row != INVALID {
+            ser_token(row, kvh, tok, q_pos);
         }
     }
 
