@@ -768,22 +768,7 @@ impl PagedAttention {
     ) -> Result<(u32, u32), GpuError> {
         let pt = self.prefill_partition(gpu, split, tiles, num_queries, max_len);
         let cap = kernel::pass_cap(gpu, Kernel::Tiled, &self.prefill_shape);
-        self.check_pass_tokens(
-            gpu,
-            if pt == 0 { max_len } else { pt.min(max_len) },
-            "prefill",
-            cap,
-        )?;
-        if pt == 0 {
-            return Ok((0, 1));
-        }
-        let parts = max_len.div_ceil(pt).max(1);
-        if parts > 65535 {
-            return Err(GpuError::InvalidArgument(format!(
-                "{parts} partitions (at most 65535)"
-            )));
-        }
-        Ok((pt, parts))
+        self.checked_split(gpu, pt, max_len, "prefill", cap)
     }
 
     /// Checks a decode's pass and chooses its split: (partition tokens,
@@ -796,11 +781,25 @@ impl PagedAttention {
         max_len: u32,
     ) -> Result<(u32, u32), GpuError> {
         let pt = self.decode_partition(gpu, split, n, max_len);
+        self.checked_split(gpu, pt, max_len, "decode", self.decode_pass_cap(gpu))
+    }
+
+    /// (partition tokens, partitions) for `pt` over `max_len` tokens, once
+    /// each pass is known to fit the adapter's loop cap and the partitions
+    /// one dispatch dimension.
+    fn checked_split(
+        &self,
+        gpu: &Gpu,
+        pt: u32,
+        max_len: u32,
+        what: &str,
+        cap: Option<u32>,
+    ) -> Result<(u32, u32), GpuError> {
         self.check_pass_tokens(
             gpu,
             if pt == 0 { max_len } else { pt.min(max_len) },
-            "decode",
-            self.decode_pass_cap(gpu),
+            what,
+            cap,
         )?;
         if pt == 0 {
             return Ok((0, 1));

@@ -858,6 +858,41 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, GpuError> {
     })
 }
 
+/// Median ms of each of `n` variants, one run of each in turn (variant 0,
+/// 1, ..., 0, 1, ...) after a warm-up round, so a drift of the machine lands
+/// on all alike. `record(variant, run, encoder)` records one run.
+fn interleaved_medians(
+    timer: &Timer,
+    n: usize,
+    record: &mut dyn FnMut(usize, usize, &mut wgpu::CommandEncoder) -> Result<(), GpuError>,
+) -> Result<Vec<f64>, GpuError> {
+    let mut err = None;
+    let mut times = vec![Vec::new(); n];
+    let runs = timer.runs.clamp(3, 7);
+    for run in 0..=runs {
+        for (i, t) in times.iter_mut().enumerate() {
+            let ms = timer.once(run, &mut |run, enc| {
+                if let Err(e) = record(i, run, enc) {
+                    err = Some(e);
+                }
+            })?;
+            if run > 0 {
+                t.push(ms);
+            }
+        }
+    }
+    if let Some(e) = err {
+        return Err(e);
+    }
+    Ok(times
+        .into_iter()
+        .map(|mut t| {
+            t.sort_by(f64::total_cmp);
+            t[t.len() / 2]
+        })
+        .collect())
+}
+
 /// One cascade cell (f16 KV, the grid's head shape): `n` sequences sharing
 /// a `prompt`-token prompt, each with 0-256 private tokens.
 fn cascade_row(
@@ -907,38 +942,20 @@ fn cascade_row(
     attn.plan_decode(gpu, &mut auto, &t, &[AttnOptions::default()])?;
     let q = gpu.storage_init("q", &rng.signed_vec((n * HEADS * HEAD_DIM) as usize))?;
     let out = gpu.storage("out", (n * HEADS * HEAD_DIM * 4) as u64)?;
-    let mut err = None;
-    let mut times = [Vec::new(), Vec::new()];
-    let runs = timer.runs.clamp(3, 7);
-    for run in 0..=runs {
-        for (i, plan) in [&mut plain, &mut cas].into_iter().enumerate() {
-            let ms = timer.once(run, &mut |_, enc| {
-                if let Err(e) = attn.run(
-                    gpu,
-                    enc,
-                    plan,
-                    &cache,
-                    0,
-                    0,
-                    &q.as_entire_buffer_binding(),
-                    &out.as_entire_buffer_binding(),
-                ) {
-                    err = Some(e);
-                }
-            })?;
-            if run > 0 {
-                times[i].push(ms);
-            }
-        }
-    }
-    if let Some(e) = err {
-        return Err(e);
-    }
-    let med = |t: &mut Vec<f64>| {
-        t.sort_by(f64::total_cmp);
-        t[t.len() / 2]
-    };
-    let (pm, cm) = (med(&mut times[0]), med(&mut times[1]));
+    let mut plans = [&mut plain, &mut cas];
+    let t = interleaved_medians(timer, 2, &mut |i, _, enc| {
+        attn.run(
+            gpu,
+            enc,
+            plans[i],
+            &cache,
+            0,
+            0,
+            &q.as_entire_buffer_binding(),
+            &out.as_entire_buffer_binding(),
+        )
+    })?;
+    let (pm, cm) = (t[0], t[1]);
     Ok(Some(CascadeRow {
         n,
         prompt,
@@ -972,29 +989,14 @@ fn dtype_rows(
         let attn = PagedAttention::new(gpu, &r.cache, HEADS)?;
         let (ip, ix, ln) = tables(batch, context, true, rng);
         let t = BatchTables::upload(gpu, &ip, &ix, &ln, None)?;
-        rigs.push((dtype, r, attn, t, Vec::new()));
+        rigs.push((dtype, r, attn, t));
     }
     let opts = AttnOptions::default();
-    let mut err = None;
-    let runs = timer.runs.clamp(3, 7);
-    for run in 0..=runs {
-        for (_, r, attn, t, times) in rigs.iter_mut() {
-            let ms = timer.once(run, &mut |run, enc| {
-                let layer = run as u32 % r.layers;
-                if let Err(e) =
-                    attn.encode_decode(gpu, enc, &r.cache, layer, &r.q, t, &r.out, &opts)
-                {
-                    err = Some(e);
-                }
-            })?;
-            if run > 0 {
-                times.push(ms);
-            }
-        }
-    }
-    if let Some(e) = err {
-        return Err(e);
-    }
+    let ms = interleaved_medians(timer, rigs.len(), &mut |i, run, enc| {
+        let (_, r, attn, t) = &rigs[i];
+        let layer = run as u32 % r.layers;
+        attn.encode_decode(gpu, enc, &r.cache, layer, &r.q, t, &r.out, &opts)
+    })?;
     let f16_block = KvCacheConfig {
         num_layers: 1,
         num_blocks: 1,
@@ -1005,16 +1007,16 @@ fn dtype_rows(
     }
     .block_bytes() as f64;
     let mut rows: Vec<DtypeRow> = rigs
-        .iter_mut()
-        .map(|(dtype, r, attn, _, times)| {
-            times.sort_by(f64::total_cmp);
+        .iter()
+        .zip(&ms)
+        .map(|((dtype, r, attn, _), &ms)| {
             let c = r.cache.config();
             DtypeRow {
                 dtype: dtype.name(),
                 batch,
                 context,
                 kernel: attn.kernel().name(),
-                ms: times[times.len() / 2],
+                ms,
                 kv_bytes: 2 * (batch * context / BLOCK) as u64 * c.block_bytes(),
                 block_bytes_over_f16: c.block_bytes() as f64 / f16_block,
                 time_over_f16: 0.0,
