@@ -86,7 +86,16 @@ fn every_id_call_refuses(m: &mut BlockManager, id: SeqId) {
 fn unknown_sequence_every_call() {
     for prefix in [false, true] {
         let (mut m, _) = busy_manager(prefix);
-        for id in [SeqId(3), SeqId(1_000), SeqId(u64::MAX)] {
+        // Handles cannot be forged: an unknown one is another manager's,
+        // or a freed one whose slot a new sequence took (generation moved on).
+        let mut other = BlockManager::new(BlockManagerConfig::new(8, 4)).unwrap();
+        let foreign = other.add_sequence(&[1, 2, 3]).unwrap();
+        let stale = m.add_sequence(&[9]).unwrap();
+        m.free(stale).unwrap();
+        let reused = m.add_sequence(&[9]).unwrap();
+        assert_ne!(stale, reused);
+        assert!(m.contains(reused) && !m.contains(stale) && !m.contains(foreign));
+        for id in [foreign, stale] {
             every_id_call_refuses(&mut m, id);
         }
     }
@@ -571,7 +580,8 @@ fn gpu_wrong_lengths_and_out_of_range_indices() {
         "outside the pool",
     );
     invalid(
-        f.kv.write_kv(&gpu, 0, &k, &k, &[0, u32::MAX, 1]),
+        // u32::MAX is SKIP_WRITE (a token already in the pool), accepted.
+        f.kv.write_kv(&gpu, 0, &k, &k, &[0, u32::MAX - 1, 1]),
         "outside the pool",
     );
     invalid(

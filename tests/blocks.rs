@@ -6,7 +6,7 @@
 use std::collections::HashSet;
 
 use pagedattn::blocks::{
-    BatchView, BlockError, BlockManager, BlockManagerConfig, BlockStats, SeqId,
+    BatchView, BlockError, BlockManager, BlockManagerConfig, BlockStats, SeqId, SKIP_WRITE,
 };
 
 fn manager(num_blocks: u32, block_size: u32) -> BlockManager {
@@ -420,11 +420,20 @@ fn prefix_cache_matches_blocks_filled_by_appends() {
     m.batch_view(&[a]).unwrap();
     let b = m.add_sequence(&toks(0, 8)).unwrap();
     assert_eq!(m.block_table(b).unwrap(), &m.block_table(a).unwrap()[..2]);
+    // The cache-hit cap: the last token is computed again for its logits,
+    // its write skipped, so the last block stays shared.
     assert_eq!(
         m.pending_tokens(b).unwrap(),
-        0,
-        "a fully cached prompt has nothing to write"
+        1,
+        "a fully cached prompt computes its last token"
     );
+    assert_eq!(m.prefix_hit_tokens(), 7);
+    let plan = m.plan_step(&[(b, usize::MAX)]).unwrap();
+    assert_eq!(plan.view.slot_mapping, vec![SKIP_WRITE]);
+    assert_eq!(plan.view.seq_lens, vec![8]);
+    assert!(plan.completes[0]);
+    m.commit_step(&plan).unwrap();
+    assert_eq!(m.block_table(b).unwrap(), &m.block_table(a).unwrap()[..2]);
     // Its last block is full and shared: appending takes a new block, no copy.
     m.append(b, &[8]).unwrap();
     assert!(m.pending_copies().is_empty());
@@ -576,6 +585,9 @@ fn stats_count_every_field() {
             capacity_held: 16,
             pending_copies: 1,
             awaiting_copy: 0,
+            swapped_sequences: 0,
+            swap_used: 0,
+            swap_total: 0,
         }
     );
     assert_eq!(m.ref_count(0), Some(3));
@@ -760,10 +772,11 @@ fn unknown_or_freed_sequences_are_rejected_by_every_call() {
     let gone = m.add_sequence(&toks(0, 3)).unwrap();
     m.batch_view(&[a, gone]).unwrap();
     m.free(gone).unwrap();
-    let never = SeqId(1234);
+    // A handle that was never this manager's: another manager's.
+    let never = manager(8, 4).add_sequence(&toks(0, 3)).unwrap();
     for bad in [gone, never] {
         let want = BlockError::UnknownSequence(bad);
-        let label = format!("unknown sequence #{}", bad.0);
+        let label = format!("unknown sequence {bad}");
         let checks: Vec<(BlockError, String)> = vec![
             fails(&mut m, |m| m.append(bad, &[1])),
             fails(&mut m, |m| m.append(bad, &[])),
@@ -869,7 +882,7 @@ fn duplicates_in_a_batch_are_rejected() {
     m.append(a, &[1]).unwrap();
     let (err, msg) = fails(&mut m, |m| m.batch_view(&[a, b, a]));
     assert_eq!(err, BlockError::DuplicateInBatch(a));
-    assert_eq!(msg, format!("sequence #{} appears twice in one batch", a.0));
+    assert_eq!(msg, format!("sequence {a} appears twice in one batch"));
     let (err, _) = fails(&mut m, |m| m.batch_view(&[b, b]));
     assert_eq!(err, BlockError::DuplicateInBatch(b));
     assert_eq!(m.pending_tokens(a).unwrap(), 4);
@@ -877,12 +890,17 @@ fn duplicates_in_a_batch_are_rejected() {
 
 #[test]
 fn every_error_message_names_its_numbers() {
+    let mut m = manager(8, 4);
+    let _ = m.add_sequence(&toks(0, 3)).unwrap();
+    let id = m.add_sequence(&toks(0, 3)).unwrap();
+    let name = id.to_string();
+    assert_eq!(name, "#1v0");
     let cases = [
         (
             BlockError::OutOfBlocks { needed: 7, free: 3 },
             vec!["7", "3"],
         ),
-        (BlockError::UnknownSequence(SeqId(42)), vec!["#42"]),
+        (BlockError::UnknownSequence(id), vec![name.as_str()]),
         (BlockError::BadBlockSize(48), vec!["48"]),
         (
             BlockError::BadPoolSize {
@@ -901,12 +919,17 @@ fn every_error_message_names_its_numbers() {
         ),
         (
             BlockError::PendingTokens {
-                seq: SeqId(8),
+                seq: id,
                 pending: 17,
             },
-            vec!["#8", "17"],
+            vec![name.as_str(), "17"],
         ),
-        (BlockError::DuplicateInBatch(SeqId(11)), vec!["#11"]),
+        (BlockError::DuplicateInBatch(id), vec![name.as_str()]),
+        (
+            BlockError::SwapSpaceFull { needed: 6, free: 2 },
+            vec!["6", "2"],
+        ),
+        (BlockError::CopiesPending(5), vec!["5"]),
     ];
     for (err, parts) in cases {
         assert_mentions(&err.to_string(), &parts);
@@ -969,7 +992,7 @@ fn blocks_needed_to_append_counts_growth_and_copy_on_write() {
     );
     assert_eq!(m.blocks_needed_to_append(&[a, b], 0).unwrap(), 0);
     assert!(matches!(
-        m.blocks_needed_to_append(&[SeqId(99)], 1),
+        m.blocks_needed_to_append(&[manager(8, 4).add_sequence(&[1]).unwrap()], 1),
         Err(BlockError::UnknownSequence(_))
     ));
 }

@@ -24,7 +24,9 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 
-use pagedattn::blocks::{BatchView, BlockError, BlockManager, BlockManagerConfig, SeqId};
+use pagedattn::blocks::{
+    BatchView, BlockError, BlockManager, BlockManagerConfig, SeqId, SKIP_WRITE,
+};
 use pagedattn::rng::SplitMix64;
 
 /// Token ids come from a small alphabet so that full blocks repeat.
@@ -94,6 +96,8 @@ struct Harness {
     prefix: bool,
     model: BTreeMap<SeqId, ModelSeq>,
     dead: Vec<SeqId>,
+    /// A handle of another manager (refused as unknown).
+    foreign: SeqId,
     /// Token id held by each slot of the simulated GPU pool.
     pool: Vec<Option<u32>>,
     /// Plain free blocks.
@@ -138,6 +142,10 @@ impl Harness {
             prefix,
             model: BTreeMap::new(),
             dead: Vec::new(),
+            foreign: BlockManager::new(BlockManagerConfig::new(1, 1))
+                .unwrap()
+                .add_sequence(&[0])
+                .unwrap(),
             pool: vec![None; nb * bs],
             free: (0..nb as u32).collect(),
             evictable: Vec::new(),
@@ -171,7 +179,8 @@ impl Harness {
         } else if !self.dead.is_empty() && r < 96 {
             self.dead[self.rng.below(self.dead.len() as u64) as usize]
         } else {
-            SeqId(1_000_000 + self.rng.below(10))
+            // Handles cannot be forged: another manager's is the unknown one.
+            self.foreign
         }
     }
 
@@ -365,8 +374,15 @@ impl Harness {
             !self.model.contains_key(&id) && !self.dead.contains(&id),
             "id {id} reused"
         );
+        // The cache-hit cap: a prompt cached to its end computes its last
+        // token again (its K/V write skipped).
         let hit = (self.m.prefix_hit_tokens() - hits) as usize;
-        assert_eq!(hit, matched.len() * self.bs, "prefix hit tokens");
+        let capped = matched.len() * self.bs == prompt.len();
+        assert_eq!(
+            hit,
+            matched.len() * self.bs - capped as usize,
+            "prefix hit tokens"
+        );
         let table = self.m.block_table(id).unwrap().to_vec();
         assert_eq!(table.len(), matched.len() + needed);
         assert_eq!(
@@ -655,6 +671,9 @@ impl Harness {
             let slots =
                 &view.slot_mapping[view.new_indptr[i] as usize..view.new_indptr[i + 1] as usize];
             for (p, &slot) in (len - seq.pending..len).zip(slots) {
+                if slot == SKIP_WRITE {
+                    continue;
+                }
                 self.pool[slot as usize] = Some(seq.tokens[p]);
             }
             seq.pending = 0;
@@ -712,7 +731,15 @@ impl Harness {
             let want: Vec<u32> = (len - seq.pending..len)
                 .map(|p| self.m.slot(*id, p).unwrap())
                 .collect();
-            assert_eq!(slots, &want[..]);
+            for (k, (&got, &w)) in slots.iter().zip(&want).enumerate() {
+                // Only a capped cache hit's one token skips its write.
+                if got == SKIP_WRITE {
+                    assert_eq!((k, seq.pending), (0, 1), "{id}: skipped write");
+                    assert_eq!(self.pool[w as usize], Some(seq.tokens[len - 1]));
+                } else {
+                    assert_eq!(got, w);
+                }
+            }
         }
     }
 

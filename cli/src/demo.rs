@@ -7,10 +7,15 @@
 //! mirror of the pool. The same code drives the native CLI and the browser
 //! page (everything GPU-facing is async; natively it is blocked on).
 
-use pagedattn::blocks::{BlockError, BlockManager, BlockManagerConfig, SeqId};
+use std::collections::HashMap;
+
+use pagedattn::blocks::{
+    BlockError, BlockManager, BlockManagerConfig, Child, GroupOutput, RequestId, Scheduler,
+    SchedulerConfig, SchedulerError, SeqId, SKIP_WRITE,
+};
 use pagedattn::gpu::{
     AttentionPlan, AttnOptions, DecodeTables, Gpu, GpuError, KvCache, KvCacheConfig, KvDtype,
-    PagedAttention,
+    PagedAttention, SwapSpace,
 };
 use pagedattn::reference::{self, rel_l2, AttnParams, PagedPool};
 use pagedattn::rng::SplitMix64;
@@ -78,10 +83,11 @@ pub const MAX_SAMPLES: u32 = 64;
 pub const MAX_MIRROR_BYTES: u64 = 1 << 30;
 
 impl DemoConfig {
-    /// Bytes of the host mirror the reference check keeps of the pool.
+    /// Bytes of the host mirrors the reference check keeps of the pool and
+    /// of the swap space (as large as the pool).
     pub fn mirror_bytes(&self) -> u128 {
         self.layers as u128
-            * 2
+            * 4
             * self.num_blocks as u128
             * self.num_kv_heads as u128
             * self.block_size as u128
@@ -161,16 +167,20 @@ pub enum DemoError {
     /// From the block manager.
     #[error(transparent)]
     Blocks(#[from] BlockError),
+    /// From the scheduler.
+    #[error(transparent)]
+    Scheduler(#[from] SchedulerError),
     /// From the GPU layer.
     #[error(transparent)]
     Gpu(#[from] GpuError),
 }
 
-/// One live sequence of the demo.
+/// One sequence the demo ran in a step.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct DemoSeq {
-    /// Block-manager id.
-    pub id: u64,
+    /// Block-manager handle.
+    #[serde(skip)]
+    pub seq: SeqId,
     /// Request it belongs to.
     pub request: u32,
     /// Sample index within the request.
@@ -198,6 +208,11 @@ pub struct StepReport {
     pub copied: u32,
     /// The copies themselves, `(src, dst)`.
     pub copies: Vec<[u32; 2]>,
+    /// Requests preempted this step (swapped out or freed for recompute).
+    pub preempted: u32,
+    /// Blocks swapped out to host memory and back in this step.
+    pub swapped_out: u32,
+    pub swapped_in: u32,
     /// Blocks held by sequences.
     pub used: u32,
     /// Blocks held by more than one sequence.
@@ -212,8 +227,10 @@ pub struct StepReport {
     pub max_rel_err: f64,
     /// Wall time of the GPU work and readback, milliseconds.
     pub gpu_ms: f64,
-    /// Requests still waiting for blocks.
+    /// Requests waiting to be admitted (arrived or not).
     pub waiting: u32,
+    /// Requests swapped out to host memory.
+    pub swapped: u32,
     /// K/V bytes one layer's decode read this step (shared prefixes once
     /// when the cascade ran), and what plain paged decode reads.
     pub kv_bytes: u64,
@@ -224,28 +241,39 @@ pub struct StepReport {
     pub cascade_blocks: Vec<u32>,
 }
 
+/// A request the scheduler holds: its samples, in the order of its
+/// group's sequences.
+struct ReqState {
+    request: u32,
+    output: u32,
+    /// `(sample, tokens still to generate)`; empty until the prompt sampled.
+    samples: Vec<(u32, u32)>,
+}
+
 /// The running demo.
 pub struct Demo {
     cfg: DemoConfig,
     rng: SplitMix64,
-    manager: BlockManager,
+    sched: Scheduler,
     cache: KvCache,
     attn: PagedAttention,
     /// The step's decode plan (tables and workspace reused across steps).
     plan: AttentionPlan,
     /// Host mirror of each layer's pool: (K, V).
     mirror: Vec<(Vec<f32>, Vec<f32>)>,
+    /// Host swap space, and its mirror.
+    swap: SwapSpace,
+    mirror_swap: Vec<(Vec<f32>, Vec<f32>)>,
     seqs: Vec<DemoSeq>,
-    /// Requests not yet admitted: (request, prompt length, output length).
+    reqs: HashMap<RequestId, ReqState>,
+    /// Requests not yet arrived: (request, prompt length, output length).
     queue: Vec<(u32, u32, u32)>,
-    /// Sequences whose prompt was written last step and fork now.
-    to_fork: Vec<u64>,
     step: u32,
     /// Copies applied in total.
     pub total_copies: u64,
     /// Worst error seen in any step.
     pub worst_err: f64,
-    /// Consecutive steps in which nothing moved while sequences ran.
+    /// Consecutive steps that ran nothing while requests were held.
     idle: u32,
 }
 
@@ -266,9 +294,15 @@ impl Demo {
     pub fn new(gpu: &Gpu, cfg: DemoConfig) -> Result<Self, DemoError> {
         cfg.validate()?;
         let mut rng = SplitMix64::new(cfg.seed);
-        let mut manager =
-            BlockManager::new(BlockManagerConfig::new(cfg.num_blocks, cfg.block_size))?;
-        manager.scramble_free_list(rng.next_u64());
+        let width = cfg.samples.max(1) as usize;
+        let mut sched = Scheduler::new(
+            BlockManagerConfig::new(cfg.num_blocks, cfg.block_size).with_swap_space(cfg.num_blocks),
+            SchedulerConfig::new(
+                (cfg.max_prompt as usize).max(width).max(256),
+                256.max(width),
+            ),
+        )?;
+        sched.scramble_free_list(rng.next_u64());
         let cache = KvCache::new(
             gpu,
             KvCacheConfig {
@@ -288,12 +322,16 @@ impl Demo {
             }
         }
         let attn = PagedAttention::new(gpu, &cache, cfg.num_heads)?;
+        let swap = cache.swap_space(cfg.num_blocks)?;
         // Bounded by `validate` (MAX_MIRROR_BYTES), so this fits.
         let pool_len = cfg.num_blocks as usize
             * cfg.num_kv_heads as usize
             * cfg.block_size as usize
             * cfg.head_dim as usize;
         let mirror = (0..cfg.layers)
+            .map(|_| (vec![0.0; pool_len], vec![0.0; pool_len]))
+            .collect();
+        let mirror_swap = (0..cfg.layers)
             .map(|_| (vec![0.0; pool_len], vec![0.0; pool_len]))
             .collect();
         let queue = (0..cfg.requests)
@@ -306,14 +344,16 @@ impl Demo {
         Ok(Self {
             cfg,
             rng,
-            manager,
+            sched,
             cache,
             plan: attn.plan(),
             attn,
             mirror,
+            swap,
+            mirror_swap,
             seqs: Vec::new(),
+            reqs: HashMap::new(),
             queue,
-            to_fork: Vec::new(),
             step: 0,
             total_copies: 0,
             worst_err: 0.0,
@@ -333,128 +373,110 @@ impl Demo {
 
     /// The block manager (for views of the pool).
     pub fn manager(&self) -> &BlockManager {
-        &self.manager
+        self.sched.blocks()
     }
 
-    /// Live sequences.
+    /// The scheduler (queues, preemption counters).
+    pub fn scheduler(&self) -> &Scheduler {
+        &self.sched
+    }
+
+    /// The sequences the last step ran.
     pub fn sequences(&self) -> &[DemoSeq] {
         &self.seqs
     }
 
     /// True when every request has finished.
     pub fn done(&self) -> bool {
-        self.queue.is_empty() && self.seqs.is_empty()
+        self.queue.is_empty() && !self.sched.has_work()
     }
 
     fn kv_dtype(&self) -> KvDtype {
         self.cache.config().dtype
     }
 
-    /// One step: admit, fork, append, free; then copy -> write -> decode on the
-    /// GPU for every layer, checked against the reference.
+    /// Moves mirrored blocks: `pairs` of (from, to) between `src` and `dst`.
+    fn mirror_move(
+        src: &[(Vec<f32>, Vec<f32>)],
+        dst: &mut [(Vec<f32>, Vec<f32>)],
+        pairs: &[[u32; 2]],
+        per_block: usize,
+    ) {
+        for ((sk, sv), (dk, dv)) in src.iter().zip(dst.iter_mut()) {
+            for p in pairs {
+                let (s, t) = (p[0] as usize * per_block, p[1] as usize * per_block);
+                dk[t..t + per_block].copy_from_slice(&sk[s..s + per_block]);
+                dv[t..t + per_block].copy_from_slice(&sv[s..s + per_block]);
+            }
+        }
+    }
+
+    /// One step of the library's scheduler: arrivals join its queue; it
+    /// decides the batch (preempting by swap or recompute when the pool is
+    /// full); then swap-out -> swap-in -> copy-on-write -> write_kv ->
+    /// decode on the GPU for every layer, checked against the reference;
+    /// then the sampled tokens go back to the scheduler.
     pub async fn step(&mut self, gpu: &Gpu) -> Result<StepReport, DemoError> {
         let mut rep = StepReport {
             step: self.step,
             ..Default::default()
         };
-        // Children of prompts written last step: parallel samples share the prompt.
-        for pid in std::mem::take(&mut self.to_fork) {
-            let Some(parent) = self.seqs.iter().find(|s| s.id == pid).cloned() else {
-                continue;
-            };
-            for s in 1..self.cfg.samples {
-                let child = self.manager.fork(SeqId(parent.id))?;
-                let remaining = self.rng.range(1, parent.remaining.max(1) as u64) as u32;
-                self.seqs.push(DemoSeq {
-                    id: child.0,
-                    request: parent.request,
-                    sample: s,
-                    remaining,
-                });
-                rep.forked += 1;
-            }
+        if self.step.is_multiple_of(self.cfg.arrival_every.max(1)) && !self.queue.is_empty() {
+            let (r, p, o) = self.queue.remove(0);
+            let prompt: Vec<u32> = (0..p).map(|_| self.rng.below(32000) as u32).collect();
+            let width = self.cfg.samples.max(1) as usize;
+            let id = self.sched.add_request(&prompt, width, b"")?;
+            self.reqs.insert(
+                id,
+                ReqState {
+                    request: r,
+                    output: o,
+                    samples: Vec::new(),
+                },
+            );
         }
-        // Everyone that still generates gets one token; finished ones leave.
-        let mut keep = Vec::with_capacity(self.seqs.len());
-        for s in std::mem::take(&mut self.seqs) {
-            if s.remaining == 0 {
-                self.manager.free(SeqId(s.id))?;
-                rep.finished += 1;
-                continue;
-            }
-            keep.push(s);
-        }
-        self.seqs = keep;
-        let mut appended = 0u32;
-        for i in 0..self.seqs.len() {
-            let tok = self.rng.below(32000) as u32;
-            match self.manager.append(SeqId(self.seqs[i].id), &[tok]) {
-                Ok(_) => {
-                    self.seqs[i].remaining -= 1;
-                    appended += 1;
-                }
-                // Out of blocks: this sequence waits a step (its state is unchanged).
-                Err(BlockError::OutOfBlocks { .. }) => {}
-                Err(e) => return Err(e.into()),
-            }
-        }
-        // Admission on arrival, when the prompt and its samples' growth fit.
-        if self.step.is_multiple_of(self.cfg.arrival_every.max(1)) {
-            if let Some(&(r, p, o)) = self.queue.first() {
-                let prompt: Vec<u32> = (0..p).map(|_| self.rng.below(32000) as u32).collect();
-                let reserve = self.cfg.samples as usize * 2;
-                if self.manager.available_blocks()
-                    >= (p as usize).div_ceil(self.cfg.block_size as usize) + reserve
-                {
-                    let id = self.manager.add_sequence(&prompt)?;
-                    self.queue.remove(0);
-                    self.seqs.push(DemoSeq {
-                        id: id.0,
-                        request: r,
-                        sample: 0,
-                        remaining: o,
-                    });
-                    if self.cfg.samples > 1 {
-                        // Forked next step, once the prompt is written.
-                        self.to_fork.push(id.0);
-                    }
-                    rep.admitted += 1;
-                }
-            }
-        }
-        rep.waiting = self.queue.len() as u32;
-        // Sequences that cannot append found no free block. If a second step
-        // in a row moves nothing (the first may wait for blocks held back
-        // until last step's copies were handed out), nothing ever will:
-        // only a finishing sequence frees blocks, and none can finish.
-        let moved = appended + rep.forked + rep.finished + rep.admitted > 0;
-        if moved || self.seqs.is_empty() {
-            self.idle = 0;
-        } else {
-            self.idle += 1;
-        }
-        if self.idle >= 2 {
-            let st = self.manager.stats();
-            return Err(DemoError::Stalled(format!(
-                "at step {}, all {} running sequences wait for a block and {} requests wait to \
-                 be admitted, but the pool of {} blocks of {} tokens is full ({} free) and the \
-                 demo does not preempt; use more blocks, a larger block size, fewer samples or \
-                 shorter outputs",
-                self.step,
-                self.seqs.len(),
-                self.queue.len(),
-                self.cfg.num_blocks,
-                self.cfg.block_size,
-                st.free + st.evictable,
-            )));
-        }
-        let ids: Vec<SeqId> = self.seqs.iter().map(|s| SeqId(s.id)).collect();
-        let view = self.manager.batch_view(&ids)?;
+        let before = self.sched.stats();
+        let step = self.sched.schedule()?;
+        let view = &step.plan.view;
+        rep.preempted = step.preempted.len() as u32;
+        rep.swapped_out = step.swap_out.len() as u32;
+        rep.swapped_in = step.swap_in.len() as u32;
         rep.copied = view.copies.len() as u32;
         rep.copies = view.copies.clone();
-        rep.written = view.slot_mapping.len() as u32;
-        rep.decoded = ids.len() as u32;
+        rep.written = view
+            .slot_mapping
+            .iter()
+            .filter(|&&s| s != SKIP_WRITE)
+            .count() as u32;
+        rep.decoded = step.rows.len() as u32;
         self.total_copies += view.copies.len() as u64;
+        self.seqs = step
+            .rows
+            .iter()
+            .map(|row| {
+                let st = &self.reqs[&row.request];
+                let (sample, remaining) =
+                    st.samples.get(row.index).copied().unwrap_or((0, st.output));
+                DemoSeq {
+                    seq: row.seq,
+                    request: st.request,
+                    sample,
+                    remaining,
+                }
+            })
+            .collect();
+        if step.rows.is_empty() && self.sched.has_work() {
+            self.idle += 1;
+        } else {
+            self.idle = 0;
+        }
+        if self.idle >= 2 {
+            let (w, r, s) = self.sched.queue_lengths();
+            return Err(DemoError::Stalled(format!(
+                "at step {}, {w} requests wait, {r} run and {s} are swapped out, but nothing                  was scheduled twice in a row",
+                self.step
+            )));
+        }
 
         // One plan for the step's decode (the same tables in every layer):
         // it finds the shared prefixes and reads each once (the cascade).
@@ -464,11 +486,11 @@ impl Demo {
             cascade: pagedattn::gpu::Cascade::On,
             ..Default::default()
         }];
-        if !ids.is_empty() {
+        if !step.rows.is_empty() {
             self.attn.plan_decode(
                 gpu,
                 &mut self.plan,
-                &DecodeTables::from_view(&view),
+                &DecodeTables::from_view(view),
                 &decode_opts,
             )?;
             rep.kv_bytes = self.plan.kv_bytes_per_layer();
@@ -487,14 +509,35 @@ impl Demo {
             }
         }
         let t0 = now_ms();
-        // Copy-on-write first (all layers, one submit), then the new tokens.
-        self.cache.copy_blocks(gpu, &view.copies)?;
         let (nkv, d, bs) = (
             self.cfg.num_kv_heads as usize,
             self.cfg.head_dim as usize,
             self.cfg.block_size as usize,
         );
         let per_block = nkv * bs * d;
+        // Swap out (pool -> host) before anything reuses those blocks, then
+        // swap in, then copy-on-write (all layers, one submit each).
+        if !step.swap_out.is_empty() {
+            self.cache
+                .swap_out_async(gpu, &step.swap_out, &mut self.swap)
+                .await?;
+            Self::mirror_move(
+                &self.mirror,
+                &mut self.mirror_swap,
+                &step.swap_out,
+                per_block,
+            );
+        }
+        if !step.swap_in.is_empty() {
+            self.cache.swap_in(gpu, &step.swap_in, &self.swap)?;
+            Self::mirror_move(
+                &self.mirror_swap,
+                &mut self.mirror,
+                &step.swap_in,
+                per_block,
+            );
+        }
+        self.cache.copy_blocks(gpu, &view.copies)?;
         let dtype = self.kv_dtype();
         let mut max_err: f64 = 0.0;
         for layer in 0..self.cfg.layers {
@@ -510,6 +553,9 @@ impl Demo {
                 mv.copy_within(s..s + per_block, t);
             }
             for (t, &slot) in view.slot_mapping.iter().enumerate() {
+                if slot == SKIP_WRITE {
+                    continue;
+                }
                 let (b, o) = (slot as usize / bs, slot as usize % bs);
                 for h in 0..nkv {
                     let dst = ((b * nkv + h) * bs + o) * d;
@@ -520,12 +566,12 @@ impl Demo {
                     }
                 }
             }
-            if ids.is_empty() {
+            if step.rows.is_empty() {
                 continue;
             }
             let q = self
                 .rng
-                .signed_vec(ids.len() * self.cfg.num_heads as usize * d);
+                .signed_vec(step.rows.len() * self.cfg.num_heads as usize * d);
             let bytes = (q.len() * 4) as u64;
             let qb = gpu.storage_init("q", &q)?;
             let ob = gpu.storage_init("out", &vec![f32::NAN; q.len()])?;
@@ -564,7 +610,68 @@ impl Demo {
         rep.max_rel_err = max_err;
         self.worst_err = self.worst_err.max(max_err);
 
-        let st = self.manager.stats();
+        // Sampling: the prompt's first token starts `samples` sequences,
+        // each with its own output length; then one token per sequence.
+        let mut outputs = Vec::with_capacity(step.sample.len());
+        for &rid in &step.sample {
+            let st = self
+                .reqs
+                .get_mut(&rid)
+                .expect("the demo tracks every request");
+            let mut children = Vec::new();
+            let mut next = Vec::new();
+            if st.samples.is_empty() {
+                rep.admitted += 1;
+                for s in 0..self.cfg.samples.max(1) {
+                    let remaining = if s == 0 {
+                        st.output
+                    } else {
+                        self.rng.range(1, st.output.max(1) as u64) as u32
+                    };
+                    rep.forked += (s > 0) as u32;
+                    let token = self.rng.below(32000) as u32;
+                    children.push(Child {
+                        parent: 0,
+                        token,
+                        finished: remaining <= 1,
+                    });
+                    if remaining > 1 {
+                        next.push((s, remaining - 1));
+                    }
+                }
+            } else {
+                for (i, &(s, remaining)) in st.samples.iter().enumerate() {
+                    let token = self.rng.below(32000) as u32;
+                    children.push(Child {
+                        parent: i,
+                        token,
+                        finished: remaining <= 1,
+                    });
+                    if remaining > 1 {
+                        next.push((s, remaining - 1));
+                    }
+                }
+            }
+            st.samples = next;
+            outputs.push(GroupOutput {
+                request: rid,
+                children,
+            });
+        }
+        for f in self.sched.commit(&step, &outputs)? {
+            rep.finished += f.sequences.len() as u32;
+            self.reqs.remove(&f.request);
+        }
+        let after = self.sched.stats();
+        rep.preempted = rep.preempted.max(
+            (after.swapped_groups + after.recomputed_groups
+                - before.swapped_groups
+                - before.recomputed_groups) as u32,
+        );
+        let (w, _, s) = self.sched.queue_lengths();
+        rep.waiting = w as u32 + self.queue.len() as u32;
+        rep.swapped = s as u32;
+        let st = self.sched.blocks().stats();
         rep.used = st.used as u32;
         rep.shared = st.shared as u32;
         rep.free = (st.free + st.evictable) as u32;

@@ -75,4 +75,25 @@ pub enum BlockError {
     /// The same sequence appears twice in one batch.
     #[error("sequence {0} appears twice in one batch")]
     DuplicateInBatch(SeqId),
+    /// The sequence is swapped out: swap it in first.
+    #[error("sequence {0} is swapped out to host memory")]
+    Swapped(SeqId),
+    /// `swap_in` of a sequence that is not swapped out.
+    #[error("sequence {0} is not swapped out")]
+    NotSwapped(SeqId),
+    /// The host swap space has fewer free blocks than the swap-out needs.
+    #[error("swap space full: need {needed} blocks, {free} free")]
+    SwapSpaceFull {
+        /// Host blocks the swap-out would have taken.
+        needed: usize,
+        /// Host blocks free.
+        free: usize,
+    },
+    /// A swap-out while copy-on-write copies are pending: take them first
+    /// (their destinations are not written yet).
+    #[error("{0} copy-on-write copies are pending: take them before swapping out")]
+    CopiesPending(usize),
+    /// A step plan made before the manager last changed.
+    #[error("the step plan is stale: the manager changed after it was planned")]
+    StalePlan,
 }

@@ -5,7 +5,12 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 
 use sha2::{Digest as _, Sha256};
 
-use super::{BatchView, BlockError, BlockStats, SeqId, RELEASED};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use super::{BatchView, BlockError, BlockStats, SeqId, RELEASED, SKIP_WRITE};
+
+/// Tags each manager's handles, so that one manager refuses another's.
+static NEXT_OWNER: AtomicU32 = AtomicU32::new(1);
 
 /// Most blocks one manager takes: bounds its host memory (about 24 bytes a
 /// block up front) before anything is allocated.
@@ -25,6 +30,8 @@ pub struct BlockManagerConfig {
     pub prefix_caching: bool,
     /// Longest sequence the manager accepts.
     pub max_seq_len: usize,
+    /// Blocks of host swap space ([`BlockManager::swap_out`]); 0 for none.
+    pub swap_blocks: u32,
 }
 
 impl BlockManagerConfig {
@@ -36,7 +43,14 @@ impl BlockManagerConfig {
             block_size,
             prefix_caching: false,
             max_seq_len: 1 << 20,
+            swap_blocks: 0,
         }
+    }
+
+    /// The same with `blocks` blocks of host swap space.
+    pub fn with_swap_space(mut self, blocks: u32) -> Self {
+        self.swap_blocks = blocks;
+        self
     }
 
     /// The same with prefix caching switched on or off.
@@ -46,14 +60,20 @@ impl BlockManagerConfig {
     }
 }
 
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 struct Sequence {
     /// Logical block i -> physical block id.
     table: Vec<u32>,
     /// Token ids, kept for the prefix-cache hash chain.
     tokens: Vec<u32>,
-    /// Tokens at the end of `tokens` not yet taken by a batch view.
+    /// Tokens at the end of `tokens` whose K/V is not written yet (not
+    /// yet committed by a step).
     pending: usize,
+    /// The first pending token's K/V is already in the pool: a fully cached
+    /// prompt computes its last token again for the logits only.
+    skip_first: bool,
+    /// Swapped out: `table` holds host swap blocks.
+    swapped: bool,
     /// Digest chain of the leading full blocks already offered to the cache.
     hashes: Vec<ChainDigest>,
     /// Root of the chain: the digest of the sequence's cache salt.
@@ -97,8 +117,17 @@ pub struct BlockManager {
     /// Key of each evictable block in `evictable`.
     evict_key: Vec<u64>,
     tick: u64,
-    seqs: HashMap<u64, Sequence>,
-    next_seq: u64,
+    /// Sequence slots (index of a [`SeqId`]) with their generation.
+    seqs: Vec<SeqSlot>,
+    /// Vacant slots, reused last-in first-out.
+    vacant: Vec<u32>,
+    live: usize,
+    owner: u32,
+    /// Bumped by every change: a [`StepPlan`] commits only if unchanged.
+    epoch: u64,
+    /// Host swap blocks: references per block, and the free ones.
+    swap_refs: Vec<u32>,
+    swap_free: Vec<u32>,
     copies: Vec<[u32; 2]>,
     /// Blocks released to ref count 0 while a pending copy still reads them:
     /// held back from reuse until the copies are handed out, because one
@@ -106,6 +135,30 @@ pub struct BlockManager {
     /// a source and a destination in the same list.
     awaiting_copy: Vec<u32>,
     prefix_hit_tokens: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct SeqSlot {
+    generation: u32,
+    seq: Option<Sequence>,
+}
+
+/// One step's work, planned by [`BlockManager::plan_step`] without changing
+/// anything, and applied by [`BlockManager::commit_step`] once the GPU work
+/// is encoded. `view` is what the GPU needs.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StepPlan {
+    /// Tables, lengths (up to the end of each chunk), the chunk tokens'
+    /// slots and the pending copy-on-write pairs, in the order asked for.
+    pub view: BatchView,
+    /// Tokens of each sequence in this step (its chunk).
+    pub chunks: Vec<usize>,
+    /// Whether each sequence's chunk reaches its newest token, so that the
+    /// step computes its next-token logits.
+    pub completes: Vec<bool>,
+    ids: Vec<SeqId>,
+    epoch: u64,
+    owner: u32,
 }
 
 /// Root of a digest chain: the cache salt (namespace), domain-separated.
@@ -144,7 +197,7 @@ impl BlockManager {
             return Err(BlockError::BadBlockSize(bs));
         }
         let max = (u32::MAX / bs).min(MAX_BLOCKS);
-        if cfg.num_blocks == 0 || cfg.num_blocks > max {
+        if cfg.num_blocks == 0 || cfg.num_blocks > max || cfg.swap_blocks > MAX_BLOCKS {
             return Err(BlockError::BadPoolSize {
                 num_blocks: cfg.num_blocks,
                 block_size: bs,
@@ -162,8 +215,13 @@ impl BlockManager {
             evictable: BTreeMap::new(),
             evict_key: vec![0; n],
             tick: 0,
-            seqs: HashMap::new(),
-            next_seq: 0,
+            seqs: Vec::new(),
+            vacant: Vec::new(),
+            live: 0,
+            owner: NEXT_OWNER.fetch_add(1, Ordering::Relaxed),
+            epoch: 0,
+            swap_refs: vec![0; cfg.swap_blocks as usize],
+            swap_free: (0..cfg.swap_blocks).rev().collect(),
             copies: Vec::new(),
             awaiting_copy: Vec::new(),
             prefix_hit_tokens: 0,
@@ -192,25 +250,92 @@ impl BlockManager {
         self.free.len() + self.evictable.len()
     }
 
-    /// Number of live sequences.
+    /// Number of live sequences (swapped out ones included).
     pub fn num_sequences(&self) -> usize {
-        self.seqs.len()
+        self.live
     }
 
-    /// Ids of the live sequences, in ascending order.
+    /// Ids of the live sequences, in slot order.
     pub fn sequence_ids(&self) -> Vec<SeqId> {
-        let mut ids: Vec<SeqId> = self.seqs.keys().map(|&k| SeqId(k)).collect();
-        ids.sort();
-        ids
+        self.seqs
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.seq.is_some())
+            .map(|(i, s)| SeqId::new(i as u32, s.generation, self.owner))
+            .collect()
+    }
+
+    /// Whether `id` names a live sequence of this manager.
+    pub fn contains(&self, id: SeqId) -> bool {
+        self.seq(id).is_ok()
     }
 
     fn seq(&self, id: SeqId) -> Result<&Sequence, BlockError> {
-        self.seqs.get(&id.0).ok_or(BlockError::UnknownSequence(id))
+        match self.seqs.get(id.index() as usize) {
+            Some(SeqSlot {
+                generation,
+                seq: Some(s),
+            }) if *generation == id.generation() && id.owner() == self.owner => Ok(s),
+            _ => Err(BlockError::UnknownSequence(id)),
+        }
+    }
+
+    /// A live sequence that is not swapped out.
+    fn resident(&self, id: SeqId) -> Result<&Sequence, BlockError> {
+        let s = self.seq(id)?;
+        if s.swapped {
+            return Err(BlockError::Swapped(id));
+        }
+        Ok(s)
+    }
+
+    fn seq_mut(&mut self, id: SeqId) -> &mut Sequence {
+        self.seqs[id.index() as usize]
+            .seq
+            .as_mut()
+            .expect("caller checked the id")
+    }
+
+    fn insert_seq(&mut self, s: Sequence) -> SeqId {
+        self.live += 1;
+        if let Some(i) = self.vacant.pop() {
+            let slot = &mut self.seqs[i as usize];
+            slot.seq = Some(s);
+            return SeqId::new(i, slot.generation, self.owner);
+        }
+        self.seqs.push(SeqSlot {
+            generation: 0,
+            seq: Some(s),
+        });
+        SeqId::new(self.seqs.len() as u32 - 1, 0, self.owner)
+    }
+
+    fn remove_seq(&mut self, id: SeqId) -> Sequence {
+        let slot = &mut self.seqs[id.index() as usize];
+        let s = slot.seq.take().expect("caller checked the id");
+        self.live -= 1;
+        // A slot whose generation would wrap is retired, never reused.
+        if slot.generation < u32::MAX {
+            slot.generation += 1;
+            self.vacant.push(id.index());
+        }
+        s
     }
 
     /// The block table of a sequence (logical block -> physical block).
+    /// A swapped-out sequence has none (`BlockError::Swapped`).
     pub fn block_table(&self, id: SeqId) -> Result<&[u32], BlockError> {
-        Ok(&self.seq(id)?.table)
+        Ok(&self.resident(id)?.table)
+    }
+
+    /// Whether a sequence is swapped out.
+    pub fn is_swapped(&self, id: SeqId) -> Result<bool, BlockError> {
+        Ok(self.seq(id)?.swapped)
+    }
+
+    /// Free host swap blocks.
+    pub fn swap_free_blocks(&self) -> usize {
+        self.swap_free.len()
     }
 
     /// Tokens held by a sequence.
@@ -223,7 +348,8 @@ impl BlockManager {
         Ok(&self.seq(id)?.tokens)
     }
 
-    /// Tokens appended to a sequence since its last batch view.
+    /// Tokens of a sequence whose K/V is not written yet: appended (or
+    /// added) and not yet committed by a step.
     pub fn pending_tokens(&self, id: SeqId) -> Result<usize, BlockError> {
         Ok(self.seq(id)?.pending)
     }
@@ -240,7 +366,7 @@ impl BlockManager {
 
     /// Slot of `pos` in a sequence: `block * block_size + pos % block_size`.
     pub fn slot(&self, id: SeqId, pos: usize) -> Result<u32, BlockError> {
-        let s = self.seq(id)?;
+        let s = self.resident(id)?;
         if pos >= s.tokens.len() {
             return Err(BlockError::PositionOutOfRange {
                 pos,
@@ -367,29 +493,10 @@ impl BlockManager {
             return Err(BlockError::EmptyPrompt);
         }
         self.check_len(prompt.len())?;
-        let bs = self.cfg.block_size as usize;
         let root = chain_root(cache_salt);
-        let mut matched = Vec::new();
-        let mut hashes = Vec::new();
-        if self.cfg.prefix_caching {
-            let mut h = root;
-            for chunk in prompt.chunks_exact(bs) {
-                h = chain_hash(&h, chunk);
-                match self.cache.get(&h) {
-                    Some(&b) => {
-                        matched.push(b);
-                        hashes.push(h);
-                    }
-                    None => break,
-                }
-            }
-        }
-        let n_blocks = self.blocks_for(prompt.len());
-        let needed = n_blocks - matched.len();
-        let revived = matched
-            .iter()
-            .filter(|&&b| self.ref_counts[b as usize] == 0 && !self.awaiting_copy.contains(&b))
-            .count();
+        let (matched, hashes) = self.lookup(prompt, &root);
+        let needed = self.blocks_for(prompt.len()) - matched.len();
+        let revived = self.revived(&matched);
         let available = self.available_blocks() - revived;
         if needed > available {
             return Err(BlockError::OutOfBlocks {
@@ -401,25 +508,67 @@ impl BlockManager {
             self.retain(b);
         }
         let mut table = matched;
-        let cached_tokens = table.len() * bs;
-        self.prefix_hit_tokens += cached_tokens as u64;
+        let cached_tokens = table.len() * self.cfg.block_size as usize;
+        // The cache-hit cap: a prompt cached to its last token still
+        // computes that token (its logits start the decode). Its K/V is in
+        // the shared block already, so the step skips the write
+        // (SKIP_WRITE) and the block stays shared.
+        let skip_first = cached_tokens == prompt.len();
+        let pending = (prompt.len() - cached_tokens).max(1);
+        self.prefix_hit_tokens += (prompt.len() - pending) as u64;
         for _ in 0..needed {
             let b = self.take_block();
             table.push(b);
         }
-        let id = self.next_seq;
-        self.next_seq += 1;
-        self.seqs.insert(
-            id,
-            Sequence {
-                table,
-                tokens: prompt.to_vec(),
-                pending: prompt.len() - cached_tokens,
-                hashes,
-                root,
-            },
-        );
-        Ok(SeqId(id))
+        self.epoch += 1;
+        Ok(self.insert_seq(Sequence {
+            table,
+            tokens: prompt.to_vec(),
+            pending,
+            skip_first,
+            swapped: false,
+            hashes,
+            root,
+        }))
+    }
+
+    /// Cached blocks matching the leading full blocks of `prompt`, with
+    /// their chain digests.
+    fn lookup(&self, prompt: &[u32], root: &ChainDigest) -> (Vec<u32>, Vec<ChainDigest>) {
+        let mut matched = Vec::new();
+        let mut hashes = Vec::new();
+        if self.cfg.prefix_caching {
+            let mut h = *root;
+            for chunk in prompt.chunks_exact(self.cfg.block_size as usize) {
+                h = chain_hash(&h, chunk);
+                match self.cache.get(&h) {
+                    Some(&b) => {
+                        matched.push(b);
+                        hashes.push(h);
+                    }
+                    None => break,
+                }
+            }
+        }
+        (matched, hashes)
+    }
+
+    /// Of `matched` cached blocks, those a new reference takes out of the
+    /// evictable pool.
+    fn revived(&self, matched: &[u32]) -> usize {
+        matched
+            .iter()
+            .filter(|&&b| self.ref_counts[b as usize] == 0 && !self.awaiting_copy.contains(&b))
+            .count()
+    }
+
+    /// Blocks [`add_sequence_salted`](Self::add_sequence_salted) would take
+    /// from the pool for `prompt` now (prefix-cache hits not counted, cached
+    /// blocks it would revive counted), without changing anything: what a
+    /// scheduler checks before admitting a request.
+    pub fn blocks_to_add(&self, prompt: &[u32], cache_salt: &[u8]) -> usize {
+        let (matched, _) = self.lookup(prompt, &chain_root(cache_salt));
+        self.blocks_for(prompt.len()) - matched.len() + self.revived(&matched)
     }
 
     /// Appends tokens to a sequence and returns each new token's slot.
@@ -429,7 +578,7 @@ impl BlockManager {
     /// write copies it to a fresh block (copy-on-write): the `(src, dst)` pair
     /// goes to the pending copy list.
     pub fn append(&mut self, id: SeqId, tokens: &[u32]) -> Result<Vec<u32>, BlockError> {
-        let s = self.seq(id)?;
+        let s = self.resident(id)?;
         if tokens.is_empty() {
             return Ok(Vec::new());
         }
@@ -446,7 +595,8 @@ impl BlockManager {
             });
         }
         // Checks done; from here on nothing fails.
-        let mut s = self.seqs.remove(&id.0).expect("checked above");
+        self.epoch += 1;
+        let mut s = std::mem::take(self.seq_mut(id));
         if cow {
             let old = *s.table.last().unwrap();
             let new = self.take_block();
@@ -461,7 +611,7 @@ impl BlockManager {
         s.tokens.extend_from_slice(tokens);
         s.pending += tokens.len();
         let slots = (len..new_len).map(|p| self.slot_of(&s.table, p)).collect();
-        self.seqs.insert(id.0, s);
+        *self.seq_mut(id) = s;
         Ok(slots)
     }
 
@@ -488,7 +638,7 @@ impl BlockManager {
     pub fn blocks_needed_to_append(&self, seqs: &[SeqId], n: usize) -> Result<usize, BlockError> {
         let mut total = 0usize;
         for &id in seqs {
-            let (grow, cow) = self.append_cost(self.seq(id)?, n);
+            let (grow, cow) = self.append_cost(self.resident(id)?, n);
             total = total.saturating_add(grow).saturating_add(cow as usize);
         }
         Ok(total)
@@ -504,7 +654,7 @@ impl BlockManager {
         id: SeqId,
         window: usize,
     ) -> Result<usize, BlockError> {
-        let s = self.seq(id)?;
+        let s = self.resident(id)?;
         if window == 0 {
             return Err(BlockError::ZeroWindow);
         }
@@ -517,9 +667,12 @@ impl BlockManager {
             .filter(|(_, &b)| b != RELEASED)
             .map(|(i, &b)| (i, b))
             .collect();
+        if !victims.is_empty() {
+            self.epoch += 1;
+        }
         for &(i, b) in &victims {
             self.release(b);
-            self.seqs.get_mut(&id.0).expect("checked above").table[i] = RELEASED;
+            self.seq_mut(id).table[i] = RELEASED;
         }
         Ok(victims.len())
     }
@@ -530,7 +683,7 @@ impl BlockManager {
     /// (their K/V written), otherwise a later copy-on-write could copy a block
     /// before those tokens reach it.
     pub fn fork(&mut self, parent: SeqId) -> Result<SeqId, BlockError> {
-        let s = self.seq(parent)?;
+        let s = self.resident(parent)?;
         if s.pending > 0 {
             return Err(BlockError::PendingTokens {
                 seq: parent,
@@ -541,19 +694,22 @@ impl BlockManager {
         for &b in child.table.iter().filter(|&&b| b != RELEASED) {
             self.retain(b);
         }
-        let id = self.next_seq;
-        self.next_seq += 1;
-        self.seqs.insert(id, child);
-        Ok(SeqId(id))
+        self.epoch += 1;
+        Ok(self.insert_seq(child))
     }
 
     /// Frees a sequence; each of its blocks loses one reference and returns
     /// to the pool at zero (to the evictable cache if it holds a cached block).
     pub fn free(&mut self, id: SeqId) -> Result<(), BlockError> {
-        let s = self
-            .seqs
-            .remove(&id.0)
-            .ok_or(BlockError::UnknownSequence(id))?;
+        self.seq(id)?;
+        self.epoch += 1;
+        let s = self.remove_seq(id);
+        if s.swapped {
+            for &h in s.table.iter().filter(|&&b| b != RELEASED) {
+                self.release_swap(h);
+            }
+            return Ok(());
+        }
         // Tail blocks first: they become the oldest evictable entries, so a
         // chain's prefix outlives its suffix in the cache.
         for &b in s.table.iter().rev().filter(|&&b| b != RELEASED) {
@@ -566,6 +722,9 @@ impl BlockManager {
     /// pool before writing the next tokens' K/V.
     pub fn take_copies(&mut self) -> Vec<[u32; 2]> {
         let mut out = Vec::new();
+        if !self.copies.is_empty() || !self.awaiting_copy.is_empty() {
+            self.epoch += 1;
+        }
         self.drain_copies(&mut out);
         out
     }
@@ -579,6 +738,9 @@ impl BlockManager {
     /// Returns how many were dropped.
     pub fn evict_all_cached(&mut self) -> usize {
         let n = self.evictable.len();
+        if n > 0 {
+            self.epoch += 1;
+        }
         while let Some((_, b)) = self.evictable.pop_first() {
             if let Some(h) = self.block_hash.remove(&b) {
                 self.cache.remove(&h);
@@ -588,12 +750,103 @@ impl BlockManager {
         n
     }
 
-    /// Builds the GPU view of a batch: block tables in CSR form, the slot
-    /// mapping of every token appended since each sequence's last view, and
-    /// all pending copies (which must run before the writes).
+    /// Plans one step without changing anything: for each `(sequence,
+    /// budget)`, a chunk of up to `budget` of its pending tokens (oldest
+    /// first), so a long prompt reaches the GPU in chunks (chunked
+    /// prefill). The plan's view holds the block tables, each sequence's
+    /// length up to the end of its chunk, the chunk tokens' slots and the
+    /// pending copy-on-write pairs (to apply before the writes).
     ///
-    /// Taking the view marks those tokens as handed to the GPU: with prefix
-    /// caching on, blocks they fill become reusable by later prompts.
+    /// Nothing changes until [`commit_step`](Self::commit_step): encode the
+    /// GPU work from `plan.view`, then commit. Errors: an unknown or
+    /// swapped-out sequence, or one named twice.
+    pub fn plan_step(&self, batch: &[(SeqId, usize)]) -> Result<StepPlan, BlockError> {
+        let mut plan = StepPlan::default();
+        self.plan_step_into(batch, &mut plan)?;
+        Ok(plan)
+    }
+
+    /// [`plan_step`](Self::plan_step) into a reused plan (its vectors keep
+    /// their capacity).
+    pub fn plan_step_into(
+        &self,
+        batch: &[(SeqId, usize)],
+        plan: &mut StepPlan,
+    ) -> Result<(), BlockError> {
+        for &(id, _) in batch {
+            self.resident(id)?;
+        }
+        if batch.len() > 1 {
+            let mut seen = HashSet::with_capacity(batch.len());
+            for &(id, _) in batch {
+                if !seen.insert(id) {
+                    return Err(BlockError::DuplicateInBatch(id));
+                }
+            }
+        }
+        let view = &mut plan.view;
+        view.clear();
+        plan.chunks.clear();
+        plan.completes.clear();
+        plan.ids.clear();
+        plan.epoch = self.epoch;
+        plan.owner = self.owner;
+        view.kv_indptr.push(0);
+        view.new_indptr.push(0);
+        for &(id, budget) in batch {
+            let s = self.resident(id).expect("checked above");
+            let len = s.tokens.len();
+            let first = len - s.pending;
+            let chunk = s.pending.min(budget);
+            let end = first + chunk;
+            // Only the blocks the chunk's attention reads.
+            let blocks = self.blocks_for(end).min(s.table.len());
+            view.kv_indices.extend_from_slice(&s.table[..blocks]);
+            view.kv_indptr.push(view.kv_indices.len() as u32);
+            view.seq_lens.push(end as u32);
+            for p in first..end {
+                view.slot_mapping.push(if p == first && s.skip_first {
+                    SKIP_WRITE
+                } else {
+                    self.slot_of(&s.table, p)
+                });
+            }
+            view.new_indptr.push(view.slot_mapping.len() as u32);
+            plan.chunks.push(chunk);
+            plan.completes.push(chunk == s.pending);
+            plan.ids.push(id);
+        }
+        view.copies.extend_from_slice(&self.copies);
+        Ok(())
+    }
+
+    /// Commits a planned step once its GPU work is encoded: the chunks'
+    /// tokens count as written (with prefix caching on, the full blocks
+    /// they complete become reusable by later prompts), and the pending
+    /// copy-on-write pairs, which the plan handed on, are dropped (blocks
+    /// only they still read go back to the pool). Refused with
+    /// `BlockError::StalePlan` if the manager changed after the plan.
+    pub fn commit_step(&mut self, plan: &StepPlan) -> Result<(), BlockError> {
+        if plan.epoch != self.epoch || plan.owner != self.owner {
+            return Err(BlockError::StalePlan);
+        }
+        self.epoch += 1;
+        let mut sink = Vec::new();
+        self.drain_copies(&mut sink);
+        for (&id, &chunk) in plan.ids.iter().zip(&plan.chunks) {
+            let s = self.seq_mut(id);
+            if chunk > 0 {
+                s.skip_first = false;
+            }
+            s.pending -= chunk;
+            self.register_full_blocks(id);
+        }
+        Ok(())
+    }
+
+    /// Plans and commits a step that hands every pending token of `seqs`
+    /// to the GPU at once: [`plan_step`](Self::plan_step) with no budget,
+    /// then [`commit_step`](Self::commit_step). Returns the plan's view.
     pub fn batch_view(&mut self, seqs: &[SeqId]) -> Result<BatchView, BlockError> {
         let mut view = BatchView::default();
         self.batch_view_into(seqs, &mut view)?;
@@ -601,53 +854,35 @@ impl BlockManager {
     }
 
     /// [`batch_view`](Self::batch_view) into a reused [`BatchView`] (its
-    /// vectors keep their capacity; only the duplicate check allocates).
+    /// vectors keep their capacity).
     pub fn batch_view_into(
         &mut self,
         seqs: &[SeqId],
         view: &mut BatchView,
     ) -> Result<(), BlockError> {
-        for &id in seqs {
-            self.seq(id)?;
-        }
-        if seqs.len() > 1 {
-            let mut seen = HashSet::with_capacity(seqs.len());
-            for &id in seqs {
-                if !seen.insert(id.0) {
-                    return Err(BlockError::DuplicateInBatch(id));
-                }
-            }
-        }
-        view.clear();
-        view.kv_indptr.push(0);
-        view.new_indptr.push(0);
-        for &id in seqs {
-            let s = self.seqs.get(&id.0).expect("checked above");
-            view.kv_indices.extend_from_slice(&s.table);
-            view.kv_indptr.push(view.kv_indices.len() as u32);
-            view.seq_lens.push(s.tokens.len() as u32);
-            let len = s.tokens.len();
-            for p in len - s.pending..len {
-                view.slot_mapping.push(self.slot_of(&s.table, p));
-            }
-            view.new_indptr.push(view.slot_mapping.len() as u32);
-        }
-        self.drain_copies(&mut view.copies);
-        for &id in seqs {
-            self.register_full_blocks(id);
-        }
-        Ok(())
+        let batch: Vec<(SeqId, usize)> = seqs.iter().map(|&id| (id, usize::MAX)).collect();
+        let mut plan = StepPlan {
+            view: std::mem::take(view),
+            ..Default::default()
+        };
+        let r = self
+            .plan_step_into(&batch, &mut plan)
+            .and_then(|()| self.commit_step(&plan));
+        *view = plan.view;
+        r
     }
 
     fn register_full_blocks(&mut self, id: SeqId) {
         let prefix = self.cfg.prefix_caching;
         let bs = self.cfg.block_size as usize;
-        let s = self.seqs.get_mut(&id.0).expect("caller checked");
-        s.pending = 0;
+        let s = self.seqs[id.index() as usize]
+            .seq
+            .as_mut()
+            .expect("caller checked");
         if !prefix {
             return;
         }
-        let full = s.tokens.len() / bs;
+        let full = (s.tokens.len() - s.pending) / bs;
         while s.hashes.len() < full {
             let i = s.hashes.len();
             let parent = s.hashes.last().unwrap_or(&s.root);
@@ -663,12 +898,187 @@ impl BlockManager {
         }
     }
 
+    /// Swaps a sequence group (all the samples or beams of a request) out
+    /// to host swap space: every distinct block the group holds (a block
+    /// shared inside the group counted once) gets a host block, and the
+    /// group's references to the pool blocks are dropped. Returns the
+    /// copies `(pool block, host block)` to run before the pool blocks are
+    /// reused (`KvCache::swap_out`). Sharing inside the group survives the
+    /// round trip; a sequence's pending tokens stay pending.
+    ///
+    /// Errors, leaving everything unchanged: an unknown, swapped-out or
+    /// repeated sequence; pending copy-on-write copies
+    /// (`BlockError::CopiesPending`: take them first); too little swap space.
+    pub fn swap_out(&mut self, group: &[SeqId]) -> Result<Vec<[u32; 2]>, BlockError> {
+        self.check_group(group, false)?;
+        if !self.copies.is_empty() {
+            return Err(BlockError::CopiesPending(self.copies.len()));
+        }
+        let mut distinct: Vec<u32> = Vec::new();
+        let mut seen = HashSet::new();
+        for &id in group {
+            for &b in &self.seq(id)?.table {
+                if b != RELEASED && seen.insert(b) {
+                    distinct.push(b);
+                }
+            }
+        }
+        if distinct.len() > self.swap_free.len() {
+            return Err(BlockError::SwapSpaceFull {
+                needed: distinct.len(),
+                free: self.swap_free.len(),
+            });
+        }
+        self.epoch += 1;
+        let mut map = HashMap::with_capacity(distinct.len());
+        let mut pairs = Vec::with_capacity(distinct.len());
+        for &b in &distinct {
+            let h = self.swap_free.pop().expect("checked above");
+            map.insert(b, h);
+            pairs.push([b, h]);
+        }
+        for &id in group {
+            let table = std::mem::take(&mut self.seq_mut(id).table);
+            let mut host = Vec::with_capacity(table.len());
+            for &b in &table {
+                if b == RELEASED {
+                    host.push(RELEASED);
+                } else {
+                    let h = map[&b];
+                    self.swap_refs[h as usize] += 1;
+                    host.push(h);
+                    self.release(b);
+                }
+            }
+            let s = self.seq_mut(id);
+            s.table = host;
+            s.swapped = true;
+        }
+        Ok(pairs)
+    }
+
+    /// Swaps a group back in, to newly taken pool blocks: returns the
+    /// copies `(host block, pool block)` to run before the group's next
+    /// step (`KvCache::swap_in`). Blocks shared inside `group` are shared
+    /// again; host blocks still held by sequences swapped out with them but
+    /// not named here stay in swap space. Full blocks go back to the prefix
+    /// cache where their content is not cached already.
+    ///
+    /// Errors, leaving everything unchanged: an unknown, resident or
+    /// repeated sequence, or too few free pool blocks.
+    pub fn swap_in(&mut self, group: &[SeqId]) -> Result<Vec<[u32; 2]>, BlockError> {
+        self.check_group(group, true)?;
+        let needed = self.swap_in_blocks(group)?;
+        let available = self.available_blocks();
+        if needed > available {
+            return Err(BlockError::OutOfBlocks {
+                needed,
+                free: available,
+            });
+        }
+        self.epoch += 1;
+        let mut map: HashMap<u32, u32> = HashMap::with_capacity(needed);
+        let mut pairs = Vec::with_capacity(needed);
+        for &id in group {
+            let table = std::mem::take(&mut self.seq_mut(id).table);
+            let mut pool = Vec::with_capacity(table.len());
+            for &h in &table {
+                if h == RELEASED {
+                    pool.push(RELEASED);
+                    continue;
+                }
+                let b = match map.get(&h) {
+                    Some(&b) => {
+                        self.ref_counts[b as usize] += 1;
+                        b
+                    }
+                    None => {
+                        let b = self.take_block();
+                        map.insert(h, b);
+                        pairs.push([h, b]);
+                        b
+                    }
+                };
+                pool.push(b);
+                self.release_swap(h);
+            }
+            let s = self.seq_mut(id);
+            s.table = pool;
+            s.swapped = false;
+            if self.cfg.prefix_caching {
+                let s = self.seqs[id.index() as usize]
+                    .seq
+                    .as_ref()
+                    .expect("checked");
+                let back: Vec<(u32, ChainDigest)> = s
+                    .hashes
+                    .iter()
+                    .enumerate()
+                    .filter(|&(i, _)| s.table[i] != RELEASED)
+                    .map(|(i, h)| (s.table[i], *h))
+                    .collect();
+                for (b, h) in back {
+                    if !self.block_hash.contains_key(&b) && !self.cache.contains_key(&h) {
+                        self.cache.insert(h, b);
+                        self.block_hash.insert(b, h);
+                    }
+                }
+            }
+        }
+        Ok(pairs)
+    }
+
+    /// Pool blocks [`swap_in`](Self::swap_in) of `group` would take.
+    pub fn swap_in_blocks(&self, group: &[SeqId]) -> Result<usize, BlockError> {
+        let mut seen: HashSet<u32> = HashSet::new();
+        for &id in group {
+            let s = self.seq(id)?;
+            if !s.swapped {
+                return Err(BlockError::NotSwapped(id));
+            }
+            seen.extend(s.table.iter().filter(|&&h| h != RELEASED));
+        }
+        Ok(seen.len())
+    }
+
+    fn release_swap(&mut self, h: u32) {
+        let r = &mut self.swap_refs[h as usize];
+        *r -= 1;
+        if *r == 0 {
+            self.swap_free.push(h);
+        }
+    }
+
+    /// Every id live, distinct, and swapped out (or not) as `swapped` says.
+    fn check_group(&self, group: &[SeqId], swapped: bool) -> Result<(), BlockError> {
+        let mut seen = HashSet::with_capacity(group.len());
+        for &id in group {
+            let s = self.seq(id)?;
+            if s.swapped != swapped {
+                return Err(if swapped {
+                    BlockError::NotSwapped(id)
+                } else {
+                    BlockError::Swapped(id)
+                });
+            }
+            if !seen.insert(id) {
+                return Err(BlockError::DuplicateInBatch(id));
+            }
+        }
+        Ok(())
+    }
+
     /// Counts of the pool's state.
     pub fn stats(&self) -> BlockStats {
         let bs = self.cfg.block_size as usize;
         let mut filled = vec![0u32; self.ref_counts.len()];
         let mut logical_tokens = 0usize;
-        for s in self.seqs.values() {
+        let mut swapped_sequences = 0;
+        for s in self.seqs.iter().filter_map(|s| s.seq.as_ref()) {
+            if s.swapped {
+                swapped_sequences += 1;
+                continue;
+            }
             let len = s.tokens.len();
             logical_tokens += len;
             for (i, &b) in s.table.iter().enumerate().filter(|(_, &b)| b != RELEASED) {
@@ -684,12 +1094,15 @@ impl BlockManager {
             evictable: self.evictable.len(),
             used,
             shared: self.ref_counts.iter().filter(|&&r| r > 1).count(),
-            sequences: self.seqs.len(),
+            sequences: self.live,
             tokens_stored: filled.iter().map(|&f| f as usize).sum(),
             logical_tokens,
             capacity_held: used * bs,
             pending_copies: self.copies.len(),
             awaiting_copy: self.awaiting_copy.len(),
+            swapped_sequences,
+            swap_used: self.swap_refs.len() - self.swap_free.len(),
+            swap_total: self.swap_refs.len(),
         }
     }
 }

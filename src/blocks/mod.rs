@@ -5,22 +5,63 @@
 
 mod error;
 mod manager;
+mod scheduler;
 
 pub use error::BlockError;
-pub use manager::{BlockManager, BlockManagerConfig, MAX_BLOCKS};
+pub use manager::{BlockManager, BlockManagerConfig, StepPlan, MAX_BLOCKS};
+pub use scheduler::{
+    Child, Finished, GroupOutput, Preemption, RequestId, Row, Scheduler, SchedulerConfig,
+    SchedulerError, SchedulerStats, Step,
+};
 
 /// Table entry of a block dropped by
 /// [`BlockManager::release_outside_window`]: outside every pool, so the
 /// kernels skip it (those positions are outside the window anyway).
 pub const RELEASED: u32 = u32::MAX;
 
-/// Handle of a live sequence in a [`BlockManager`]. Ids are never reused.
+/// Slot of a token whose K/V is already in the pool: `write_kv` skips it.
+/// [`BlockManager::plan_step`] hands it out for the one token of a fully
+/// cached prompt that is computed again for its logits (the cache-hit cap),
+/// so that the prompt's last block stays shared.
+pub const SKIP_WRITE: u32 = u32::MAX;
+
+/// Opaque handle of a sequence in a [`BlockManager`], as slotmap's keys:
+/// a slot index, the slot's generation and the manager that issued it.
+/// It cannot be built outside this crate, a freed sequence's handle never
+/// names the slot's next occupant (the generation moved on), and a handle
+/// from another manager is refused (`BlockError::UnknownSequence`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct SeqId(pub u64);
+pub struct SeqId {
+    index: u32,
+    generation: u32,
+    owner: u32,
+}
+
+impl SeqId {
+    pub(crate) fn new(index: u32, generation: u32, owner: u32) -> Self {
+        Self {
+            index,
+            generation,
+            owner,
+        }
+    }
+
+    pub(crate) fn index(self) -> u32 {
+        self.index
+    }
+
+    pub(crate) fn generation(self) -> u32 {
+        self.generation
+    }
+
+    pub(crate) fn owner(self) -> u32 {
+        self.owner
+    }
+}
 
 impl std::fmt::Display for SeqId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "#{}", self.0)
+        write!(f, "#{}v{}", self.index, self.generation)
     }
 }
 
@@ -93,4 +134,10 @@ pub struct BlockStats {
     /// Blocks at ref count 0 held back until the pending copies that read
     /// them are taken. `free + evictable + used + awaiting_copy == total`.
     pub awaiting_copy: usize,
+    /// Sequences swapped out to host memory.
+    pub swapped_sequences: usize,
+    /// Host swap blocks in use (shared ones counted once).
+    pub swap_used: usize,
+    /// Host swap blocks in all.
+    pub swap_total: usize,
 }

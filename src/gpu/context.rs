@@ -520,6 +520,61 @@ impl Gpu {
         pollster::block_on(self.read_async(buf, bytes))
     }
 
+    /// A staging buffer to read back (`MAP_READ | COPY_DST`) of `bytes`,
+    /// checked against the device's `max_buffer_size`.
+    pub(crate) fn staging(&self, label: &str, bytes: u64) -> Result<wgpu::Buffer, GpuError> {
+        let _serial = self.serial();
+        self.alive()?;
+        let size = bytes
+            .max(4)
+            .checked_next_multiple_of(4)
+            .filter(|&s| s <= self.limits.max_buffer_size)
+            .ok_or_else(|| {
+                GpuError::InvalidArgument(format!(
+                    "staging buffer {label:?} of {bytes} bytes is over the device's max_buffer_size of {}",
+                    self.limits.max_buffer_size
+                ))
+            })?;
+        self.count_buffer();
+        Ok(self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(label),
+            size,
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        }))
+    }
+
+    /// A buffer holding `data` to copy from (storage usage includes
+    /// `COPY_SRC`), filled through the queue.
+    pub(crate) fn staging_init(&self, label: &str, data: &[u32]) -> Result<wgpu::Buffer, GpuError> {
+        self.storage_init(label, data)
+    }
+
+    /// Maps a `MAP_READ` buffer once the queue's work is done and reads
+    /// `bytes` bytes of it as `T`s.
+    pub(crate) async fn map_read<T: bytemuck::Pod>(
+        &self,
+        staging: &wgpu::Buffer,
+        bytes: u64,
+    ) -> Result<Vec<T>, GpuError> {
+        let (tx, rx) = futures_channel();
+        staging.map_async(wgpu::MapMode::Read, .., move |r| tx.send(r));
+        #[cfg(not(target_arch = "wasm32"))]
+        self.wait_own()?;
+        rx.recv()
+            .await
+            .map_err(|e| GpuError::Device(format!("readback failed: {e}")))?;
+        let out = {
+            let view = staging
+                .get_mapped_range(..)
+                .map_err(|e| GpuError::Device(format!("readback map failed: {e}")))?;
+            bytemuck::cast_slice::<u8, T>(&view[..bytes as usize / size_of::<T>() * size_of::<T>()])
+                .to_vec()
+        };
+        staging.unmap();
+        Ok(out)
+    }
+
     /// Reads `bytes` bytes of `buf` back as `T`s, without blocking the thread
     /// (the path the browser uses).
     pub async fn read_async<T: bytemuck::Pod>(

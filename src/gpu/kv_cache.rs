@@ -546,7 +546,12 @@ impl KvCache {
             )));
         }
         let cap = self.cfg.num_blocks as u64 * self.cfg.block_size as u64;
-        if let Some(&s) = slots.iter().find(|&&s| s as u64 >= cap) {
+        // SKIP_WRITE (u32::MAX): a token whose K/V is in the pool already
+        // (the block manager's cache-hit cap); the kernel skips it.
+        if let Some(&s) = slots
+            .iter()
+            .find(|&&s| s as u64 >= cap && s != crate::blocks::SKIP_WRITE)
+        {
             return Err(GpuError::InvalidArgument(format!(
                 "slot {s} outside the pool of {cap} slots"
             )));

@@ -11,6 +11,7 @@ mod kv_cache;
 pub mod params;
 mod plan;
 pub mod shader;
+mod swap;
 mod tune;
 
 pub use attention::{
@@ -31,4 +32,5 @@ pub use kv_cache::{KvCache, KvCacheConfig, KvDtype, MAX_KV_HEADS, MAX_LAYERS};
 pub use plan::{
     ActDtype, AttentionPlan, DecodeTables, PrefillTables, WritePlan, CASCADE_CHUNK_TOKENS,
 };
+pub use swap::{SwapSpace, MAX_SWAP_BYTES};
 pub use tune::TuneReport;

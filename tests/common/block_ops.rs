@@ -36,7 +36,9 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
-use pagedattn::blocks::{BatchView, BlockError, BlockManager, BlockManagerConfig, SeqId, RELEASED};
+use pagedattn::blocks::{
+    BatchView, BlockError, BlockManager, BlockManagerConfig, SeqId, RELEASED, SKIP_WRITE,
+};
 
 /// Token ids come from a small alphabet so that full blocks repeat.
 const ALPHABET: u8 = 4;
@@ -216,6 +218,9 @@ struct ModelSeq {
     pending: usize,
     /// Leading full blocks already offered to the prefix cache.
     hashed: usize,
+    /// A capped cache hit: the first pending token is in its (shared)
+    /// block already, and its write is skipped.
+    capped: bool,
 }
 
 /// The manager under test, the model, and the simulated GPU pool.
@@ -228,6 +233,8 @@ pub struct Harness {
     model: BTreeMap<SeqId, ModelSeq>,
     dead: Vec<SeqId>,
     last_id: Option<SeqId>,
+    /// A handle of another manager (refused as unknown).
+    foreign: SeqId,
     history: Vec<Vec<u32>>,
     /// Token id held by each slot of the simulated GPU pool.
     pool: Vec<Option<u32>>,
@@ -344,6 +351,10 @@ impl Harness {
             last_id: None,
             history: Vec::new(),
             pool: vec![None; nb * bs],
+            foreign: BlockManager::new(BlockManagerConfig::new(1, 1))
+                .unwrap()
+                .add_sequence(&[0])
+                .unwrap(),
             free: (0..nb as u32).collect(),
             evictable: Vec::new(),
             awaiting: Vec::new(),
@@ -373,11 +384,9 @@ impl Harness {
             live[sel as usize % live.len()]
         } else if sel < 230 && !self.dead.is_empty() {
             self.dead[sel as usize % self.dead.len()]
-        } else if sel < 250 {
-            // The next id the manager will issue, or one past it.
-            SeqId(self.last_id.map_or(0, |s| s.0 + 1) + (sel & 1) as u64)
         } else {
-            SeqId(u64::MAX - (sel - 250) as u64)
+            // Handles cannot be forged: another manager's is the unknown one.
+            self.foreign
         }
     }
 
@@ -578,13 +587,19 @@ impl Harness {
         }
         let id = res.expect("an add that fits must succeed");
         assert!(
-            self.last_id.is_none_or(|l| id > l),
-            "id {id} not above the last issued {:?}",
-            self.last_id
+            !self.model.contains_key(&id) && !self.dead.contains(&id),
+            "handle {id} names another sequence"
         );
         self.last_id = Some(id);
+        // The cache-hit cap: a prompt cached to its end computes its last
+        // token again (its K/V write skipped).
         let hit = (self.m.prefix_hit_tokens() - hits) as usize;
-        assert_eq!(hit, matched.len() * self.bs, "prefix hit tokens");
+        let capped = matched.len() * self.bs == len;
+        assert_eq!(
+            hit,
+            matched.len() * self.bs - capped as usize,
+            "prefix hit tokens"
+        );
         let table = self.m.block_table(id).unwrap().to_vec();
         assert_eq!(table.len(), matched.len() + needed);
         assert_eq!(
@@ -622,6 +637,7 @@ impl Harness {
                 table,
                 pending: len - hit,
                 hashed: matched.len(),
+                capped,
             },
         );
     }
@@ -739,7 +755,10 @@ impl Harness {
             return;
         }
         let child = res.expect("a fork of a handed-over sequence must succeed");
-        assert!(self.last_id.is_none_or(|l| child > l), "id {child} reused");
+        assert!(
+            !self.model.contains_key(&child) && !self.dead.contains(&child),
+            "handle {child} names another sequence"
+        );
         self.last_id = Some(child);
         assert_eq!(self.m.pending_copies(), pre.pending_copies());
         assert_eq!(self.m.available_blocks(), pre.available_blocks());
@@ -862,9 +881,19 @@ impl Harness {
             let slots =
                 &view.slot_mapping[view.new_indptr[i] as usize..view.new_indptr[i + 1] as usize];
             for (p, &slot) in (len - seq.pending..len).zip(slots) {
+                if slot == SKIP_WRITE {
+                    // Only a capped cache hit's token, whose block holds it.
+                    assert!(seq.capped && p == len - seq.pending);
+                    assert_eq!(
+                        self.pool[self.m.slot(*id, p).unwrap() as usize],
+                        Some(seq.tokens[p])
+                    );
+                    continue;
+                }
                 self.pool[slot as usize] = Some(seq.tokens[p]);
             }
             seq.pending = 0;
+            seq.capped = false;
         }
         // Written now: full blocks join the prefix cache unless the block or
         // an equal prefix is cached already.
@@ -922,7 +951,13 @@ impl Harness {
             assert_eq!(table, &seq.table[..], "{id}: table in the view");
             let slots = &v.slot_mapping[v.new_indptr[i] as usize..v.new_indptr[i + 1] as usize];
             let want: Vec<u32> = (len - seq.pending..len)
-                .map(|p| seq.table[p / self.bs] * self.bs as u32 + (p % self.bs) as u32)
+                .map(|p| {
+                    if seq.capped && p == len - seq.pending {
+                        SKIP_WRITE
+                    } else {
+                        seq.table[p / self.bs] * self.bs as u32 + (p % self.bs) as u32
+                    }
+                })
                 .collect();
             assert_eq!(slots, &want[..], "{id}: slots of its new tokens");
         }
@@ -1154,7 +1189,7 @@ impl Harness {
                     continue;
                 }
                 let slot = b as usize * bs + p % bs;
-                if p >= len - seq.pending {
+                if p >= len - seq.pending && !(seq.capped && p == len - seq.pending) {
                     assert_eq!(
                         holders[b as usize], 1,
                         "{id} will write position {p} into shared block {b}"

@@ -1,0 +1,769 @@
+//! Continuous batching over a [`BlockManager`]: the library's one scheduler.
+//!
+//! Requests are sequence groups (one sequence, parallel samples or beams).
+//! Each [`Scheduler::schedule`] call decides one step: it applies the
+//! previous step's sampled tokens (forking and pruning sequences), preempts
+//! the most recently arrived running groups when the pool cannot hold the
+//! step (by recompute or by swapping to host memory, per
+//! [`Preemption`]), swaps preempted groups back in when there is room, and
+//! fills a token budget with decodes first, then prompt chunks (chunked
+//! prefill), admitting waiting requests first come first served. It
+//! returns a [`Step`]: the batch (rows, token ids, the block manager's
+//! [`StepPlan`] with tables, lengths and slots) and the copy lists to run
+//! before it (swap-out, swap-in, copy-on-write, in that order). The caller
+//! runs the model and hands the sampled tokens to [`Scheduler::commit`].
+
+use std::collections::VecDeque;
+use std::ops::Range;
+
+use super::{BlockError, BlockManager, BlockManagerConfig, SeqId, StepPlan};
+
+/// Handle of a request in a [`Scheduler`]; never reused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct RequestId(u64);
+
+impl std::fmt::Display for RequestId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "r{}", self.0)
+    }
+}
+
+/// How a running group is preempted when the pool cannot hold a step.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Preemption {
+    /// Free its blocks; it is recomputed from its tokens when readmitted.
+    Recompute,
+    /// Swap its blocks to host swap space and back in later; recompute
+    /// when the swap space is full.
+    Swap,
+    /// vLLM's rule: recompute a single sequence, swap a group of several
+    /// (samples or beams, which share blocks a recompute would duplicate).
+    #[default]
+    Auto,
+}
+
+/// Limits of one step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    /// Tokens computed in one step (decodes and prompt chunks together).
+    pub max_batch_tokens: usize,
+    /// Sequences in one step.
+    pub max_seqs: usize,
+    /// How running groups are preempted.
+    pub preemption: Preemption,
+    /// Free blocks kept back at admission, so that running groups can grow
+    /// without preempting at once.
+    pub watermark_blocks: usize,
+}
+
+impl SchedulerConfig {
+    /// A budget of `max_batch_tokens` tokens and `max_seqs` sequences a
+    /// step, [`Preemption::Auto`], no watermark.
+    pub fn new(max_batch_tokens: usize, max_seqs: usize) -> Self {
+        Self {
+            max_batch_tokens,
+            max_seqs,
+            preemption: Preemption::Auto,
+            watermark_blocks: 0,
+        }
+    }
+}
+
+/// Errors of the [`Scheduler`]; every one leaves it as it was.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SchedulerError {
+    /// From the block manager.
+    #[error(transparent)]
+    Blocks(#[from] BlockError),
+    /// A configuration or request the scheduler cannot serve.
+    #[error("{0}")]
+    Invalid(String),
+    /// The request is not queued, running or swapped.
+    #[error("unknown request {0}")]
+    UnknownRequest(RequestId),
+    /// `schedule` while a step awaits its commit, or `commit` of a step that
+    /// is not the one in flight.
+    #[error("{0}")]
+    StepOrder(&'static str),
+    /// Sampled tokens that do not match the step.
+    #[error("bad step output: {0}")]
+    BadOutput(String),
+}
+
+/// One sequence a group continues with after a step: its parent (index
+/// into the group's sequences, as in [`Row::index`]) and the sampled token.
+/// A `finished` child ends there (its token is the last); the others are
+/// appended and decoded on. Parallel samples give one child per sequence;
+/// beam search gives the surviving beams, several of them on one parent
+/// where the beams fork.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Child {
+    /// Index of the parent sequence in the group.
+    pub parent: usize,
+    /// The sampled token.
+    pub token: u32,
+    /// The sequence ends with this token.
+    pub finished: bool,
+}
+
+/// The children of one group that sampled in a step.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GroupOutput {
+    /// The request.
+    pub request: RequestId,
+    /// Its next sequences; none ends the request.
+    pub children: Vec<Child>,
+}
+
+/// A request that ended, with every sequence it finished (prompt and
+/// generated tokens), in the order they finished.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Finished {
+    /// The request.
+    pub request: RequestId,
+    /// Its finished sequences.
+    pub sequences: Vec<Vec<u32>>,
+}
+
+/// One sequence of a step.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Row {
+    /// Its request.
+    pub request: RequestId,
+    /// Its index in the request's group (the `parent` of its children).
+    pub index: usize,
+    /// The sequence.
+    pub seq: SeqId,
+    /// Positions computed this step (a prompt chunk, or the one new token).
+    pub positions: Range<usize>,
+    /// Whether the step yields this sequence's next-token logits.
+    pub logits: bool,
+}
+
+/// One scheduled step. Run, in order: `swap_out` (pool block to host
+/// block), `swap_in` (host block to pool block), `plan.view.copies`
+/// (copy-on-write), then the model over `tokens` with `plan.view`'s tables
+/// and slots, and hand the sampled tokens of the groups in `sample` to
+/// [`Scheduler::commit`].
+#[derive(Clone, Debug, Default)]
+pub struct Step {
+    /// The batch, row by row (the order of `plan.view`).
+    pub rows: Vec<Row>,
+    /// Token ids of every row's positions, row after row (aligned with
+    /// `plan.view.slot_mapping`).
+    pub tokens: Vec<u32>,
+    /// The block manager's plan: tables, lengths, slots, copies.
+    pub plan: StepPlan,
+    /// Copies `(pool block, host block)` of groups swapped out this step.
+    pub swap_out: Vec<[u32; 2]>,
+    /// Copies `(host block, pool block)` of groups swapped in this step.
+    pub swap_in: Vec<[u32; 2]>,
+    /// Groups preempted this step, and how.
+    pub preempted: Vec<(RequestId, Preemption)>,
+    /// Groups whose every sequence yields logits: each needs a
+    /// [`GroupOutput`] in the commit.
+    pub sample: Vec<RequestId>,
+    number: u64,
+}
+
+/// Counters since the scheduler was made.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SchedulerStats {
+    /// Steps scheduled.
+    pub steps: u64,
+    /// Groups preempted by recompute.
+    pub recomputed_groups: u64,
+    /// Groups preempted by swapping.
+    pub swapped_groups: u64,
+    /// Swap preemptions that fell back to recompute (swap space full).
+    pub swap_fallbacks: u64,
+    /// Tokens whose K/V a recompute preemption threw away.
+    pub tokens_recomputed: u64,
+    /// Blocks copied out to host swap space.
+    pub blocks_swapped_out: u64,
+    /// Blocks copied back in.
+    pub blocks_swapped_in: u64,
+    /// Requests finished.
+    pub finished: u64,
+}
+
+#[derive(Clone, Debug)]
+struct Group {
+    id: RequestId,
+    salt: Vec<u8>,
+    width: usize,
+    /// Live sequences (running or swapped).
+    seqs: Vec<SeqId>,
+    /// Waiting: the token lists to add as sequences at admission.
+    sources: Vec<Vec<u32>>,
+    /// Children to apply at the next schedule.
+    children: Vec<Child>,
+    /// Sequences finished so far.
+    done: Vec<Vec<u32>>,
+}
+
+/// Continuous batching over a [`BlockManager`] it owns. See the module docs.
+///
+/// # Examples
+///
+/// ```
+/// use pagedattn::blocks::{BlockManagerConfig, Child, GroupOutput, Scheduler, SchedulerConfig};
+///
+/// let mut s = Scheduler::new(BlockManagerConfig::new(64, 16), SchedulerConfig::new(32, 8)).unwrap();
+/// let r = s.add_request(&[7; 40], 2, b"").unwrap(); // two parallel samples
+/// let mut out = Vec::new();
+/// while s.has_work() {
+///     let step = s.schedule().unwrap();
+///     // ... run swaps, copies and the model over step.plan.view ...
+///     let outputs: Vec<GroupOutput> = step.sample.iter().map(|&request| GroupOutput {
+///         request,
+///         children: (0..2).map(|i| Child { parent: i.min(step.rows.len() - 1), token: 1, finished: true }).collect(),
+///     }).collect();
+///     out.extend(s.commit(&step, &outputs).unwrap());
+/// }
+/// assert_eq!(out[0].request, r);
+/// assert_eq!(out[0].sequences.len(), 2);
+/// assert_eq!(out[0].sequences[0].len(), 41);
+/// ```
+#[derive(Clone, Debug)]
+pub struct Scheduler {
+    blocks: BlockManager,
+    cfg: SchedulerConfig,
+    waiting: VecDeque<Group>,
+    running: Vec<Group>,
+    swapped: VecDeque<Group>,
+    next_request: u64,
+    in_flight: Option<u64>,
+    steps: u64,
+    stats: SchedulerStats,
+}
+
+impl Scheduler {
+    /// A scheduler over a new block manager.
+    pub fn new(blocks: BlockManagerConfig, cfg: SchedulerConfig) -> Result<Self, SchedulerError> {
+        if cfg.max_batch_tokens == 0 || cfg.max_seqs == 0 {
+            return Err(SchedulerError::Invalid(
+                "a step needs a token budget and a sequence limit of at least 1".into(),
+            ));
+        }
+        Ok(Self {
+            blocks: BlockManager::new(blocks)?,
+            cfg,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            swapped: VecDeque::new(),
+            next_request: 0,
+            in_flight: None,
+            steps: 0,
+            stats: SchedulerStats::default(),
+        })
+    }
+
+    /// The block manager (tables, counts).
+    pub fn blocks(&self) -> &BlockManager {
+        &self.blocks
+    }
+
+    /// Reorders the block manager's free list with a seeded shuffle
+    /// (tests and demos see scrambled physical blocks).
+    pub fn scramble_free_list(&mut self, seed: u64) {
+        self.blocks.scramble_free_list(seed);
+    }
+
+    /// The limits.
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> SchedulerStats {
+        self.stats
+    }
+
+    /// Requests waiting, running and swapped out.
+    pub fn queue_lengths(&self) -> (usize, usize, usize) {
+        (self.waiting.len(), self.running.len(), self.swapped.len())
+    }
+
+    /// Whether any request is queued, running or swapped.
+    pub fn has_work(&self) -> bool {
+        !(self.waiting.is_empty() && self.running.is_empty() && self.swapped.is_empty())
+    }
+
+    /// Sequences a request holds now (0 while it waits).
+    pub fn sequences(&self, request: RequestId) -> Result<&[SeqId], SchedulerError> {
+        self.find(request).map(|g| g.seqs.as_slice())
+    }
+
+    fn find(&self, request: RequestId) -> Result<&Group, SchedulerError> {
+        self.waiting
+            .iter()
+            .chain(&self.running)
+            .chain(&self.swapped)
+            .find(|g| g.id == request)
+            .ok_or(SchedulerError::UnknownRequest(request))
+    }
+
+    /// Queues a request: `prompt`, decoded by up to `width` sequences at
+    /// once (1; n parallel samples; a beam width), in the prefix-cache
+    /// namespace `cache_salt`. Refused if it could never be scheduled.
+    pub fn add_request(
+        &mut self,
+        prompt: &[u32],
+        width: usize,
+        cache_salt: &[u8],
+    ) -> Result<RequestId, SchedulerError> {
+        if prompt.is_empty() {
+            return Err(BlockError::EmptyPrompt.into());
+        }
+        if width == 0 || width > self.cfg.max_seqs || width > self.cfg.max_batch_tokens {
+            return Err(SchedulerError::Invalid(format!(
+                "a group of {width} sequences cannot run in steps of {} sequences and {} tokens",
+                self.cfg.max_seqs, self.cfg.max_batch_tokens
+            )));
+        }
+        let bc = self.blocks.config();
+        let limit = bc.max_seq_len;
+        if prompt.len() >= limit {
+            return Err(BlockError::TooManyTokens {
+                requested: prompt.len() + 1,
+                limit,
+            }
+            .into());
+        }
+        let need = prompt.len().div_ceil(bc.block_size as usize) + width;
+        if need > bc.num_blocks as usize {
+            return Err(SchedulerError::Invalid(format!(
+                "a prompt of {} tokens decoded by {width} sequences needs {need} blocks; the pool has {}",
+                prompt.len(),
+                bc.num_blocks
+            )));
+        }
+        let id = RequestId(self.next_request);
+        self.next_request += 1;
+        self.waiting.push_back(Group {
+            id,
+            salt: cache_salt.to_vec(),
+            width,
+            seqs: Vec::new(),
+            sources: vec![prompt.to_vec()],
+            children: Vec::new(),
+            done: Vec::new(),
+        });
+        Ok(id)
+    }
+
+    /// Drops a request wherever it is, freeing its blocks. Not while a step
+    /// is in flight.
+    pub fn abort(&mut self, request: RequestId) -> Result<(), SchedulerError> {
+        if self.in_flight.is_some() {
+            return Err(SchedulerError::StepOrder(
+                "abort while a step awaits its commit",
+            ));
+        }
+        self.find(request)?;
+        let g = if let Some(i) = self.waiting.iter().position(|g| g.id == request) {
+            self.waiting.remove(i)
+        } else if let Some(i) = self.running.iter().position(|g| g.id == request) {
+            Some(self.running.remove(i))
+        } else {
+            let i = self.swapped.iter().position(|g| g.id == request);
+            i.and_then(|i| self.swapped.remove(i))
+        };
+        for id in g.expect("found above").seqs {
+            self.blocks.free(id)?;
+        }
+        Ok(())
+    }
+
+    /// Pool blocks applying a group's children takes at most.
+    fn children_cost(&self, g: &Group) -> Result<usize, BlockError> {
+        let mut per_parent = vec![0usize; g.seqs.len()];
+        for c in g.children.iter().filter(|c| !c.finished) {
+            per_parent[c.parent] += 1;
+        }
+        let mut total = 0;
+        for (p, &n) in per_parent.iter().enumerate() {
+            total += match n {
+                0 => 0,
+                1 => self.blocks.blocks_needed_to_append(&[g.seqs[p]], 1)?,
+                n => n,
+            };
+        }
+        Ok(total)
+    }
+
+    /// Forks and prunes a resident group's sequences to its children and
+    /// appends their tokens (the caller checked the blocks).
+    fn apply_children(blocks: &mut BlockManager, g: &mut Group) -> Result<(), BlockError> {
+        if g.children.is_empty() {
+            return Ok(());
+        }
+        let live: Vec<Child> = g.children.drain(..).filter(|c| !c.finished).collect();
+        let mut used = vec![false; g.seqs.len()];
+        for c in &live {
+            used[c.parent] = true;
+        }
+        for (i, &id) in g.seqs.iter().enumerate() {
+            if !used[i] {
+                blocks.free(id)?;
+            }
+        }
+        let mut taken = vec![false; g.seqs.len()];
+        let mut next = Vec::with_capacity(live.len());
+        for c in &live {
+            let parent = g.seqs[c.parent];
+            let id = if taken[c.parent] {
+                blocks.fork(parent)?
+            } else {
+                taken[c.parent] = true;
+                parent
+            };
+            next.push(id);
+        }
+        // Forks first (they need the parent's written state), then appends.
+        for (c, &id) in live.iter().zip(&next) {
+            blocks.append(id, &[c.token])?;
+        }
+        g.seqs = next;
+        Ok(())
+    }
+
+    fn preempt(&mut self, mut g: Group, step: &mut Step) -> Result<(), SchedulerError> {
+        let single = g.seqs.len() == 1 && g.children.iter().filter(|c| !c.finished).count() <= 1;
+        let mut mode = match self.cfg.preemption {
+            Preemption::Auto if single => Preemption::Recompute,
+            Preemption::Auto => Preemption::Swap,
+            p => p,
+        };
+        if mode == Preemption::Swap {
+            match self.blocks.swap_out(&g.seqs) {
+                Ok(pairs) => {
+                    self.stats.swapped_groups += 1;
+                    self.stats.blocks_swapped_out += pairs.len() as u64;
+                    step.swap_out.extend(pairs);
+                    step.preempted.push((g.id, Preemption::Swap));
+                    let at = self.swapped.partition_point(|x| x.id < g.id);
+                    self.swapped.insert(at, g);
+                    return Ok(());
+                }
+                Err(BlockError::SwapSpaceFull { .. }) => {
+                    self.stats.swap_fallbacks += 1;
+                    mode = Preemption::Recompute;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        debug_assert_eq!(mode, Preemption::Recompute);
+        let mut sources = Vec::new();
+        let live: Vec<Child> = g.children.iter().filter(|c| !c.finished).copied().collect();
+        if live.is_empty() {
+            for &id in &g.seqs {
+                sources.push(self.blocks.tokens(id)?.to_vec());
+            }
+        } else {
+            for c in &live {
+                let mut t = self.blocks.tokens(g.seqs[c.parent])?.to_vec();
+                t.push(c.token);
+                sources.push(t);
+            }
+        }
+        for &id in &g.seqs {
+            let written = self.blocks.seq_len(id)? - self.blocks.pending_tokens(id)?;
+            self.stats.tokens_recomputed += written as u64;
+            self.blocks.free(id)?;
+        }
+        g.seqs.clear();
+        g.children.clear();
+        g.sources = sources;
+        self.stats.recomputed_groups += 1;
+        step.preempted.push((g.id, Preemption::Recompute));
+        let at = self.waiting.partition_point(|x| x.id < g.id);
+        self.waiting.insert(at, g);
+        Ok(())
+    }
+
+    /// Chunks of a group's sequences within `budget` tokens: everything
+    /// when it fits (every sequence then yields logits), else chunks that
+    /// hold back each sequence's last pending token, so that a group's
+    /// sequences reach their logits in the same step.
+    fn chunks(&self, g: &Group, budget: usize) -> Result<Vec<usize>, BlockError> {
+        let pending: Vec<usize> = g
+            .seqs
+            .iter()
+            .map(|&id| self.blocks.pending_tokens(id))
+            .collect::<Result<_, _>>()?;
+        let total: usize = pending.iter().sum();
+        if total <= budget {
+            return Ok(pending);
+        }
+        let mut left = budget;
+        Ok(pending
+            .iter()
+            .map(|&p| {
+                let c = p.saturating_sub(1).min(left);
+                left -= c;
+                c
+            })
+            .collect())
+    }
+
+    /// Decides the next step. See [`Step`] for what to run.
+    pub fn schedule(&mut self) -> Result<Step, SchedulerError> {
+        if self.in_flight.is_some() {
+            return Err(SchedulerError::StepOrder(
+                "schedule while the previous step awaits its commit",
+            ));
+        }
+        // Every input was checked when it arrived (add_request, commit), so
+        // an error below is a broken invariant, reported instead of a panic.
+        self.schedule_inner()
+    }
+
+    fn schedule_inner(&mut self) -> Result<Step, SchedulerError> {
+        let mut step = Step::default();
+        // 1. Room for the running groups' children; preempt the newest
+        //    arrivals until there is.
+        loop {
+            let mut need = 0usize;
+            for g in &self.running {
+                need += self.children_cost(g)?;
+            }
+            if need <= self.blocks.available_blocks() {
+                break;
+            }
+            let victim = self.running.pop().expect("need > 0 means a running group");
+            self.preempt(victim, &mut step)?;
+        }
+        for g in &mut self.running {
+            Self::apply_children(&mut self.blocks, g)?;
+        }
+        let preempted = !step.preempted.is_empty();
+        // 2. Swapped groups back in, oldest first, when nothing was
+        //    preempted this step.
+        let mut seqs: usize = self.running.iter().map(|g| g.seqs.len()).sum();
+        while !preempted {
+            let Some(g) = self.swapped.front() else { break };
+            let width = g.seqs.len().max(g.children.len());
+            let need = self.blocks.swap_in_blocks(&g.seqs)?
+                + g.children.iter().filter(|c| !c.finished).count();
+            if need + self.cfg.watermark_blocks > self.blocks.available_blocks()
+                || seqs + width > self.cfg.max_seqs
+            {
+                break;
+            }
+            let mut g = self.swapped.pop_front().expect("front exists");
+            let pairs = self.blocks.swap_in(&g.seqs)?;
+            self.stats.blocks_swapped_in += pairs.len() as u64;
+            step.swap_in.extend(pairs);
+            Self::apply_children(&mut self.blocks, &mut g)?;
+            seqs += g.seqs.len();
+            let at = self.running.partition_point(|x| x.id < g.id);
+            self.running.insert(at, g);
+        }
+        // 3. The token budget: running groups in arrival order (decodes
+        //    take one token a sequence), then admissions.
+        let mut budget = self.cfg.max_batch_tokens;
+        let mut batch: Vec<(SeqId, usize)> = Vec::new();
+        let mut owners: Vec<(usize, usize)> = Vec::new(); // (running index, seq index)
+        let mut in_batch = 0usize;
+        for gi in 0..self.running.len() {
+            let g = &self.running[gi];
+            if in_batch + g.seqs.len() > self.cfg.max_seqs || budget == 0 {
+                continue;
+            }
+            let chunks = self.chunks(g, budget)?;
+            let sum: usize = chunks.iter().sum();
+            if sum == 0 {
+                continue;
+            }
+            budget -= sum;
+            in_batch += g.seqs.len();
+            for (si, (&id, &c)) in g.seqs.iter().zip(&chunks).enumerate() {
+                if c > 0 {
+                    batch.push((id, c));
+                    owners.push((gi, si));
+                }
+            }
+        }
+        // 4. Admissions, first come first served, unless preempting.
+        while !preempted && budget > 0 && self.swapped.is_empty() {
+            let Some(g) = self.waiting.front() else { break };
+            if in_batch + g.sources.len() > self.cfg.max_seqs {
+                break;
+            }
+            let mut need = g.width + self.cfg.watermark_blocks;
+            for s in &g.sources {
+                need += self.blocks.blocks_to_add(s, &g.salt);
+            }
+            if need > self.blocks.available_blocks() {
+                break;
+            }
+            let mut g = self.waiting.pop_front().expect("front exists");
+            for s in std::mem::take(&mut g.sources) {
+                let id = self.blocks.add_sequence_salted(&s, &g.salt)?;
+                g.seqs.push(id);
+            }
+            let chunks = self.chunks(&g, budget)?;
+            let sum: usize = chunks.iter().sum();
+            budget -= sum;
+            let at = self.running.partition_point(|x| x.id < g.id);
+            // Owners index the running list: shift those at or after `at`.
+            for o in owners.iter_mut() {
+                if o.0 >= at {
+                    o.0 += 1;
+                }
+            }
+            if sum > 0 {
+                in_batch += g.seqs.len();
+                for (si, (&id, &c)) in g.seqs.iter().zip(&chunks).enumerate() {
+                    if c > 0 {
+                        batch.push((id, c));
+                        owners.push((at, si));
+                    }
+                }
+            }
+            self.running.insert(at, g);
+        }
+        // 5. The plan, rows and token ids.
+        self.blocks.plan_step_into(&batch, &mut step.plan)?;
+        let mut last_group = usize::MAX;
+        for (i, &(gi, si)) in owners.iter().enumerate() {
+            let g = &self.running[gi];
+            let id = g.seqs[si];
+            let tokens = self.blocks.tokens(id)?;
+            let end = step.plan.view.seq_lens[i] as usize;
+            let start = end - step.plan.chunks[i];
+            step.tokens.extend_from_slice(&tokens[start..end]);
+            step.rows.push(Row {
+                request: g.id,
+                index: si,
+                seq: id,
+                positions: start..end,
+                logits: step.plan.completes[i] && step.plan.chunks[i] > 0,
+            });
+            // A group's rows are adjacent: it samples when every one of its
+            // sequences is in the batch and reaches its logits.
+            if gi != last_group {
+                last_group = gi;
+                let n = g.seqs.len();
+                let all = owners
+                    .get(i..i + n)
+                    .is_some_and(|o| o.iter().all(|&(a, _)| a == gi))
+                    && step.plan.completes[i..i + n].iter().all(|&c| c);
+                if all {
+                    step.sample.push(g.id);
+                }
+            }
+        }
+        self.steps += 1;
+        self.stats.steps += 1;
+        step.number = self.steps;
+        self.in_flight = Some(self.steps);
+        Ok(step)
+    }
+
+    /// Commits a step once the model ran it: the rows' tokens count as
+    /// written, and each group in `step.sample` continues with the children
+    /// in `outputs` (applied at the next [`schedule`](Self::schedule)).
+    /// Returns the requests that ended. Refused, changing nothing, if
+    /// `outputs` does not name exactly the groups in `step.sample` or names
+    /// a parent the group does not have, or more live children than its
+    /// width.
+    pub fn commit(
+        &mut self,
+        step: &Step,
+        outputs: &[GroupOutput],
+    ) -> Result<Vec<Finished>, SchedulerError> {
+        if self.in_flight != Some(step.number) {
+            return Err(SchedulerError::StepOrder(
+                "commit of a step that is not in flight",
+            ));
+        }
+        if outputs.len() != step.sample.len() {
+            return Err(SchedulerError::BadOutput(format!(
+                "{} groups sampled in this step, {} outputs given",
+                step.sample.len(),
+                outputs.len()
+            )));
+        }
+        for o in outputs {
+            if !step.sample.contains(&o.request) {
+                return Err(SchedulerError::BadOutput(format!(
+                    "request {} did not sample in this step",
+                    o.request
+                )));
+            }
+            if outputs.iter().filter(|x| x.request == o.request).count() > 1 {
+                return Err(SchedulerError::BadOutput(format!(
+                    "request {} named twice",
+                    o.request
+                )));
+            }
+            let g = self
+                .running
+                .iter()
+                .find(|g| g.id == o.request)
+                .ok_or(SchedulerError::UnknownRequest(o.request))?;
+            if let Some(c) = o.children.iter().find(|c| c.parent >= g.seqs.len()) {
+                return Err(SchedulerError::BadOutput(format!(
+                    "request {} has {} sequences; a child names parent {}",
+                    o.request,
+                    g.seqs.len(),
+                    c.parent
+                )));
+            }
+            let live = o.children.iter().filter(|c| !c.finished).count();
+            if live > g.width {
+                return Err(SchedulerError::BadOutput(format!(
+                    "request {} continues with {live} sequences, more than its width {}",
+                    o.request, g.width
+                )));
+            }
+            let longest = o
+                .children
+                .iter()
+                .filter(|c| !c.finished)
+                .map(|c| self.blocks.seq_len(g.seqs[c.parent]).unwrap_or(0) + 1)
+                .max()
+                .unwrap_or(0);
+            let limit = self.blocks.config().max_seq_len;
+            if longest > limit {
+                return Err(SchedulerError::BadOutput(format!(
+                    "request {} would grow to {longest} tokens, past the limit of {limit}",
+                    o.request
+                )));
+            }
+        }
+        self.blocks.commit_step(&step.plan)?;
+        self.in_flight = None;
+        let mut ended = Vec::new();
+        for o in outputs {
+            let gi = self
+                .running
+                .iter()
+                .position(|g| g.id == o.request)
+                .expect("checked above");
+            let g = &mut self.running[gi];
+            for c in o.children.iter().filter(|c| c.finished) {
+                let mut t = self.blocks.tokens(g.seqs[c.parent])?.to_vec();
+                t.push(c.token);
+                g.done.push(t);
+            }
+            g.children = o.children.clone();
+            if o.children.iter().all(|c| c.finished) {
+                let g = self.running.remove(gi);
+                for &id in &g.seqs {
+                    self.blocks.free(id)?;
+                }
+                self.stats.finished += 1;
+                ended.push(Finished {
+                    request: g.id,
+                    sequences: g.done,
+                });
+            }
+        }
+        Ok(ended)
+    }
+}

@@ -1,0 +1,420 @@
+//! The block manager's chunked steps, swap and handles, and the library
+//! `Scheduler` driving random workloads on a simulated pool (each slot
+//! holds the token id whose K/V it would hold), under every preemption
+//! policy: every step's tables must read exactly each sequence's tokens,
+//! and the finished sequences must not depend on the policy.
+
+use std::collections::HashMap;
+
+use pagedattn::blocks::{
+    BlockError, BlockManager, BlockManagerConfig, Child, GroupOutput, Preemption, RequestId,
+    Scheduler, SchedulerConfig, SchedulerError, Step, RELEASED, SKIP_WRITE,
+};
+use pagedattn::rng::SplitMix64;
+
+fn toks(start: u32, n: usize) -> Vec<u32> {
+    (start..start + n as u32).collect()
+}
+
+#[test]
+fn chunked_prefill_registers_blocks_as_chunks_are_written() {
+    let mut m =
+        BlockManager::new(BlockManagerConfig::new(32, 4).with_prefix_caching(true)).unwrap();
+    let a = m.add_sequence(&toks(0, 10)).unwrap();
+    let plan = m.plan_step(&[(a, 4)]).unwrap();
+    assert_eq!(plan.chunks, vec![4]);
+    assert_eq!(plan.view.seq_lens, vec![4]);
+    assert_eq!(
+        plan.view.kv_indptr,
+        vec![0, 1],
+        "only the blocks the chunk reads"
+    );
+    assert!(!plan.completes[0]);
+    // Planning changes nothing.
+    assert_eq!(m.pending_tokens(a).unwrap(), 10);
+    m.commit_step(&plan).unwrap();
+    assert_eq!(m.pending_tokens(a).unwrap(), 6);
+    // Only the written block is in the cache.
+    let b = m.add_sequence(&toks(0, 9)).unwrap();
+    assert_eq!(m.prefix_hit_tokens(), 4);
+    m.free(b).unwrap();
+    let plan = m.plan_step(&[(a, 5)]).unwrap();
+    assert_eq!(plan.view.seq_lens, vec![9]);
+    assert_eq!(plan.view.slot_mapping.len(), 5);
+    m.commit_step(&plan).unwrap();
+    let plan = m.plan_step(&[(a, 5)]).unwrap();
+    assert_eq!((plan.chunks[0], plan.completes[0]), (1, true));
+    m.commit_step(&plan).unwrap();
+    assert_eq!(m.pending_tokens(a).unwrap(), 0);
+}
+
+#[test]
+fn a_stale_plan_is_refused_and_changes_nothing() {
+    let mut m = BlockManager::new(BlockManagerConfig::new(8, 4)).unwrap();
+    let a = m.add_sequence(&toks(0, 3)).unwrap();
+    let plan = m.plan_step(&[(a, 8)]).unwrap();
+    m.append(a, &[9]).unwrap();
+    let before = m.clone();
+    assert_eq!(m.commit_step(&plan), Err(BlockError::StalePlan));
+    assert_eq!(m, before);
+    // A plan of another manager too.
+    let other = BlockManager::new(BlockManagerConfig::new(8, 4)).unwrap();
+    assert_eq!(
+        BlockManager::new(BlockManagerConfig::new(8, 4))
+            .unwrap()
+            .commit_step(&other.plan_step(&[]).unwrap()),
+        Err(BlockError::StalePlan)
+    );
+}
+
+#[test]
+fn swap_keeps_sharing_and_is_atomic() {
+    let cfg = BlockManagerConfig::new(16, 4).with_swap_space(6);
+    let mut m = BlockManager::new(cfg).unwrap();
+    let a = m.add_sequence(&toks(0, 10)).unwrap(); // 3 blocks
+    m.batch_view(&[a]).unwrap();
+    let b = m.fork(a).unwrap();
+    m.append(b, &[50]).unwrap(); // copy-on-write of the partial block
+    let other = m.add_sequence(&toks(100, 4)).unwrap();
+    // Copies pending: refused until taken.
+    assert_eq!(m.swap_out(&[a, b]), Err(BlockError::CopiesPending(1)));
+    m.batch_view(&[a, b, other]).unwrap();
+    let before = m.clone();
+    assert_eq!(m.swap_out(&[a, a]), Err(BlockError::DuplicateInBatch(a)));
+    assert_eq!(m, before);
+    let free = m.available_blocks();
+    let out = m.swap_out(&[a, b]).unwrap();
+    // Two shared blocks once, plus each one's last block.
+    assert_eq!(out.len(), 4);
+    assert_eq!(m.available_blocks(), free + 4);
+    assert_eq!(m.swap_free_blocks(), 2);
+    assert_eq!(m.is_swapped(a), Ok(true));
+    for e in [
+        m.append(a, &[1]).unwrap_err(),
+        m.fork(b).unwrap_err(),
+        m.plan_step(&[(a, 1)]).unwrap_err(),
+        m.block_table(b).unwrap_err(),
+    ] {
+        assert!(matches!(e, BlockError::Swapped(_)), "{e}");
+    }
+    // Too little swap space for another group: refused, nothing changed.
+    let c = m.add_sequence(&toks(200, 12)).unwrap();
+    m.batch_view(&[c]).unwrap();
+    let before = m.clone();
+    assert_eq!(
+        m.swap_out(&[c]),
+        Err(BlockError::SwapSpaceFull { needed: 3, free: 2 })
+    );
+    assert_eq!(m, before);
+    let back = m.swap_in(&[a, b]).unwrap();
+    assert_eq!(back.len(), 4);
+    let (ta, tb) = (m.block_table(a).unwrap(), m.block_table(b).unwrap());
+    assert_eq!(ta[..2], tb[..2], "shared blocks shared again");
+    assert_ne!(ta[2], tb[2]);
+    assert_eq!(m.ref_count(ta[0]), Some(2));
+    assert_eq!(m.swap_free_blocks(), 6);
+    // Host blocks map back one to one: (pool, host) out, (host, pool) in.
+    let host_of: HashMap<u32, u32> = out.iter().map(|p| (p[0], p[1])).collect();
+    assert_eq!(host_of.len(), 4);
+    assert!(back.iter().all(|p| host_of.values().any(|&h| h == p[0])));
+    // Freeing a swapped-out sequence returns its host blocks.
+    let d = m.swap_out(&[other]).unwrap();
+    assert_eq!(d.len(), 1);
+    m.free(other).unwrap();
+    assert_eq!(m.swap_free_blocks(), 6);
+    assert_eq!(m.stats().swapped_sequences, 0);
+}
+
+/// Token of sample `s` of request `r` at position `p`: what the caller's
+/// sampler returns, the same whatever the scheduler does.
+fn token(r: u64, s: u64, p: usize) -> u32 {
+    let mut x =
+        r.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ s.wrapping_mul(0xBF58_476D_1CE4_E5B9) ^ p as u64;
+    x ^= x >> 31;
+    x = x.wrapping_mul(0x94D0_49BB_1331_11EB);
+    (x >> 40) as u32
+}
+
+struct Sim {
+    sched: Scheduler,
+    /// Simulated pool and swap space: the token id each slot holds.
+    pool: Vec<Option<u32>>,
+    swap: Vec<Option<u32>>,
+    bs: usize,
+    /// Per request: its key, output length, and its samples' identities
+    /// (sample number, tokens generated), in its group's order.
+    reqs: HashMap<RequestId, (u64, usize, usize, Vec<(u64, usize)>)>,
+}
+
+impl Sim {
+    fn run_step(&mut self, step: &Step) {
+        let bs = self.bs;
+        for &[b, h] in &step.swap_out {
+            for o in 0..bs {
+                self.swap[h as usize * bs + o] = self.pool[b as usize * bs + o];
+            }
+        }
+        for &[h, b] in &step.swap_in {
+            for o in 0..bs {
+                self.pool[b as usize * bs + o] = self.swap[h as usize * bs + o];
+            }
+        }
+        for &[s, d] in &step.plan.view.copies {
+            for o in 0..bs {
+                self.pool[d as usize * bs + o] = self.pool[s as usize * bs + o];
+            }
+        }
+        let v = &step.plan.view;
+        for (i, row) in step.rows.iter().enumerate() {
+            let new = &v.slot_mapping[v.new_indptr[i] as usize..v.new_indptr[i + 1] as usize];
+            let toks = &step.tokens[v.new_indptr[i] as usize..v.new_indptr[i + 1] as usize];
+            assert_eq!(new.len(), row.positions.len());
+            for (&slot, &t) in new.iter().zip(toks) {
+                if slot != SKIP_WRITE {
+                    self.pool[slot as usize] = Some(t);
+                }
+            }
+            // The attention of this row reads positions 0..end: each must
+            // hold the sequence's token there.
+            let seq = self.sched.blocks().tokens(row.seq).unwrap();
+            let table = &v.kv_indices[v.kv_indptr[i] as usize..v.kv_indptr[i + 1] as usize];
+            assert_eq!(v.seq_lens[i] as usize, row.positions.end);
+            for p in 0..row.positions.end {
+                let b = table[p / bs];
+                assert_ne!(b, RELEASED);
+                assert_eq!(
+                    self.pool[b as usize * bs + p % bs],
+                    Some(seq[p]),
+                    "row {i} ({}) position {p}",
+                    row.request
+                );
+            }
+        }
+    }
+}
+
+/// Runs a random workload to the end; returns every finished sequence by
+/// (request key, sample) and the scheduler's counters.
+fn workload(
+    seed: u64,
+    preemption: Preemption,
+    swap_blocks: u32,
+    prefix: bool,
+) -> (
+    Vec<((u64, u64), Vec<u32>)>,
+    pagedattn::blocks::SchedulerStats,
+) {
+    let (nb, bs) = (48u32, 4usize);
+    let cfg = BlockManagerConfig::new(nb, bs as u32)
+        .with_prefix_caching(prefix)
+        .with_swap_space(swap_blocks);
+    let mut sc = SchedulerConfig::new(24, 12);
+    sc.preemption = preemption;
+    let mut sim = Sim {
+        sched: Scheduler::new(cfg, sc).unwrap(),
+        pool: vec![None; nb as usize * bs],
+        swap: vec![None; swap_blocks as usize * bs],
+        bs,
+        reqs: HashMap::new(),
+    };
+    let mut rng = SplitMix64::new(seed);
+    let system: Vec<u32> = (0..8).map(|i| 1000 + i).collect();
+    let mut done = Vec::new();
+    let mut arrivals = 14u64;
+    let mut steps = 0;
+    while arrivals > 0 || sim.sched.has_work() {
+        if arrivals > 0 && rng.below(3) == 0 {
+            let key = 14 - arrivals;
+            arrivals -= 1;
+            let mut prompt = if rng.below(2) == 0 {
+                system.clone()
+            } else {
+                Vec::new()
+            };
+            let extra = rng.range(1, 30) as usize;
+            prompt.extend((0..extra).map(|i| token(key, 99, i)));
+            let width = [1, 1, 2, 3][rng.below(4) as usize];
+            let out = rng.range(1, 24) as usize;
+            let id = sim.sched.add_request(&prompt, width, b"").unwrap();
+            sim.reqs.insert(id, (key, out, width, Vec::new()));
+        }
+        let step = sim.sched.schedule().unwrap();
+        sim.run_step(&step);
+        let mut outputs = Vec::new();
+        for &r in &step.sample {
+            let (key, out, width, samples) = sim.reqs.get_mut(&r).unwrap();
+            let len_of = |i: usize| {
+                step.rows
+                    .iter()
+                    .find(|x| x.request == r && x.index == i)
+                    .unwrap()
+                    .positions
+                    .end
+            };
+            let mut children = Vec::new();
+            let mut next = Vec::new();
+            if samples.is_empty() {
+                for s in 0..*width as u64 {
+                    let t = token(*key, s, len_of(0));
+                    let fin = *out <= 1 + s as usize;
+                    children.push(Child {
+                        parent: 0,
+                        token: t,
+                        finished: fin,
+                    });
+                    if !fin {
+                        next.push((s, 1));
+                    }
+                }
+            } else {
+                for (i, &(s, n)) in samples.iter().enumerate() {
+                    let t = token(*key, s, len_of(i));
+                    let fin = n + 1 >= *out - s as usize;
+                    children.push(Child {
+                        parent: i,
+                        token: t,
+                        finished: fin,
+                    });
+                    if !fin {
+                        next.push((s, n + 1));
+                    }
+                }
+            }
+            // Finished children leave the group in order; the survivors'
+            // order is the group's next order.
+            *samples = next;
+            outputs.push(GroupOutput {
+                request: r,
+                children,
+            });
+        }
+        let ended = sim.sched.commit(&step, &outputs).unwrap();
+        for f in ended {
+            let (key, ..) = sim.reqs.remove(&f.request).unwrap();
+            let mut seqs = f.sequences;
+            seqs.sort();
+            for (i, s) in seqs.into_iter().enumerate() {
+                done.push(((key, i as u64), s));
+            }
+        }
+        steps += 1;
+        assert!(steps < 5000, "the workload never finished");
+    }
+    let st = sim.sched.blocks().stats();
+    assert_eq!(st.sequences, 0);
+    assert_eq!(st.free + st.evictable, st.total, "every block came back");
+    assert_eq!(st.swap_used, 0);
+    done.sort();
+    (done, sim.sched.stats())
+}
+
+#[test]
+fn the_policy_never_changes_what_is_generated() {
+    let (mut recomputed, mut swapped, mut fallbacks) = (0, 0, 0);
+    for seed in 0..8u64 {
+        for prefix in [false, true] {
+            let (want, plain) = workload(seed, Preemption::Recompute, 0, prefix);
+            recomputed += plain.recomputed_groups;
+            for (p, swap) in [
+                (Preemption::Swap, 64),
+                (Preemption::Auto, 64),
+                (Preemption::Swap, 3),
+            ] {
+                let (got, st) = workload(seed, p, swap, prefix);
+                assert_eq!(got, want, "seed {seed} {p:?} swap {swap} prefix {prefix}");
+                assert_eq!(st.blocks_swapped_in, st.blocks_swapped_out, "{st:?}");
+                if p == Preemption::Swap {
+                    if swap == 64 {
+                        swapped += st.swapped_groups;
+                        assert_eq!(st.recomputed_groups, 0, "{st:?}");
+                    } else {
+                        fallbacks += st.swap_fallbacks;
+                    }
+                }
+            }
+        }
+    }
+    // The workloads did fill the pool, under every policy.
+    assert!(
+        recomputed > 10 && swapped > 10 && fallbacks > 0,
+        "{recomputed} {swapped} {fallbacks}"
+    );
+}
+
+#[test]
+fn bad_outputs_and_out_of_order_calls_are_refused() {
+    let mut s =
+        Scheduler::new(BlockManagerConfig::new(16, 4), SchedulerConfig::new(64, 4)).unwrap();
+    assert!(matches!(
+        s.add_request(&[], 1, b""),
+        Err(SchedulerError::Blocks(BlockError::EmptyPrompt))
+    ));
+    assert!(matches!(
+        s.add_request(&[1], 5, b""),
+        Err(SchedulerError::Invalid(_))
+    ));
+    assert!(matches!(
+        s.add_request(&[1; 70], 1, b""),
+        Err(SchedulerError::Invalid(_))
+    ));
+    let r = s.add_request(&[1, 2, 3, 4, 5], 2, b"").unwrap();
+    let step = s.schedule().unwrap();
+    assert_eq!(step.sample, vec![r]);
+    assert!(matches!(s.schedule(), Err(SchedulerError::StepOrder(_))));
+    for bad in [
+        vec![],
+        vec![GroupOutput {
+            request: r,
+            children: vec![Child {
+                parent: 1,
+                token: 0,
+                finished: false,
+            }],
+        }],
+        vec![GroupOutput {
+            request: r,
+            children: vec![
+                Child {
+                    parent: 0,
+                    token: 0,
+                    finished: false
+                };
+                3
+            ],
+        }],
+    ] {
+        assert!(
+            matches!(s.commit(&step, &bad), Err(SchedulerError::BadOutput(_))),
+            "{bad:?}"
+        );
+    }
+    let ok = [GroupOutput {
+        request: r,
+        children: vec![
+            Child {
+                parent: 0,
+                token: 7,
+                finished: false
+            };
+            2
+        ],
+    }];
+    assert!(s.commit(&step, &ok).unwrap().is_empty());
+    assert!(matches!(
+        s.commit(&step, &ok),
+        Err(SchedulerError::StepOrder(_))
+    ));
+    let step = s.schedule().unwrap();
+    assert_eq!(step.rows.len(), 2, "two samples decode");
+    assert_eq!(step.tokens, vec![7, 7]);
+    s.commit(
+        &step,
+        &[GroupOutput {
+            request: r,
+            children: vec![],
+        }],
+    )
+    .unwrap();
+    assert!(!s.has_work());
+    assert_eq!(s.blocks().stats().free, 16);
+}
