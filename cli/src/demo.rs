@@ -381,7 +381,7 @@ impl Demo {
         &self.sched
     }
 
-    /// The sequences the last step ran.
+    /// The sequences the pool holds after the last step.
     pub fn sequences(&self) -> &[DemoSeq] {
         &self.seqs
     }
@@ -450,21 +450,6 @@ impl Demo {
             .count() as u32;
         rep.decoded = step.rows.len() as u32;
         self.total_copies += view.copies.len() as u64;
-        self.seqs = step
-            .rows
-            .iter()
-            .map(|row| {
-                let st = &self.reqs[&row.request];
-                let (sample, remaining) =
-                    st.samples.get(row.index).copied().unwrap_or((0, st.output));
-                DemoSeq {
-                    seq: row.seq,
-                    request: st.request,
-                    sample,
-                    remaining,
-                }
-            })
-            .collect();
         if step.rows.is_empty() && self.sched.has_work() {
             self.idle += 1;
         } else {
@@ -668,6 +653,25 @@ impl Demo {
                 - before.swapped_groups
                 - before.recomputed_groups) as u32,
         );
+        // The sequences the pool holds now (swapped-out ones aside), by
+        // request; a group's children join at the next step.
+        self.seqs.clear();
+        for (rid, st) in &self.reqs {
+            for (i, &seq) in self.sched.sequences(*rid)?.iter().enumerate() {
+                if self.sched.blocks().is_swapped(seq)? {
+                    continue;
+                }
+                let (sample, remaining) =
+                    st.samples.get(i).copied().unwrap_or((i as u32, st.output));
+                self.seqs.push(DemoSeq {
+                    seq,
+                    request: st.request,
+                    sample,
+                    remaining,
+                });
+            }
+        }
+        self.seqs.sort_by_key(|q| (q.request, q.sample));
         let (w, _, s) = self.sched.queue_lengths();
         rep.waiting = w as u32 + self.queue.len() as u32;
         rep.swapped = s as u32;

@@ -79,3 +79,37 @@ fn demo_after_device_loss() {
         other => panic!("{:?}", other.map(|_| ())),
     }
 }
+
+/// A pool too small for the workload: the library scheduler preempts
+/// (groups of samples by swapping to host memory and back), and every
+/// decode still matches the f64 reference over the mirrored pool, swap
+/// round trips included.
+#[test]
+fn gpu_demo_preempts_by_swap_and_stays_exact() {
+    let Some(gpu) = gpu() else { return };
+    let cfg = DemoConfig {
+        requests: 6,
+        samples: 3,
+        num_blocks: 14,
+        layers: 1,
+        max_prompt: 60,
+        max_output: 40,
+        arrival_every: 1,
+        dtype: pagedattn::gpu::KvDtype::F32,
+        ..Default::default()
+    };
+    let mut d = Demo::new(&gpu, cfg).unwrap();
+    let mut steps = 0;
+    while !d.done() {
+        let r = pollster::block_on(d.step(&gpu)).unwrap();
+        assert!(r.max_rel_err < 1e-5, "step {steps}: {}", r.max_rel_err);
+        steps += 1;
+        assert!(steps < 2000, "never finished");
+    }
+    let st = d.scheduler().stats();
+    eprintln!("{steps} steps, {st:?}");
+    assert!(st.swapped_groups > 0 && st.blocks_swapped_in > 0, "{st:?}");
+    assert_eq!(st.blocks_swapped_in, st.blocks_swapped_out);
+    assert_eq!(st.finished, 6);
+    assert_eq!(d.manager().stats().free, d.manager().stats().total);
+}

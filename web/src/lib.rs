@@ -17,7 +17,6 @@ use std::rc::Rc;
 use serde::{Deserialize, Serialize};
 use wasm_bindgen::prelude::*;
 
-use pagedattn::blocks::SeqId;
 use pagedattn::gpu::{Gpu, KvCacheConfig, KvDtype};
 use pagedattn_cli::demo::{tolerance, Demo, DemoConfig, StepReport};
 
@@ -238,7 +237,7 @@ struct BlockView {
 
 #[derive(Serialize)]
 struct SeqView {
-    id: u64,
+    id: String,
     request: u32,
     sample: u32,
     len: u32,
@@ -321,7 +320,7 @@ fn snapshot(s: &mut Inner) -> Result<String, JsValue> {
     let mut seqs = Vec::new();
     let mut contiguous_tokens = 0u32;
     for q in demo.sequences() {
-        let id = SeqId(q.id);
+        let id = q.seq;
         let table = m.block_table(id).map_err(err)?.to_vec();
         let len = m.seq_len(id).map_err(err)? as u32;
         // A request is first seen right after admission, holding its prompt;
@@ -354,7 +353,7 @@ fn snapshot(s: &mut Inner) -> Result<String, JsValue> {
             v.fill = v.fill.max((len - i as u32 * bs).min(bs));
         }
         seqs.push(SeqView {
-            id: q.id,
+            id: q.seq.to_string(),
             request: q.request,
             sample: q.sample,
             len,
