@@ -8,7 +8,10 @@ pub mod timer;
 
 pub use timer::{Timer, TimingSource};
 
-use pagedattn::blocks::{BatchView, BlockManager, BlockManagerConfig, SeqId};
+use pagedattn::blocks::{
+    BatchView, BlockManager, BlockManagerConfig, Child, GroupOutput, Scheduler, SchedulerConfig,
+    SeqId,
+};
 use pagedattn::gpu::{
     AttnOptions, BatchTables, Gpu, GpuError, KvCache, KvCacheConfig, KvDtype, PagedAttention, Split,
 };
@@ -214,6 +217,14 @@ pub struct BenchReport {
     pub copy_blocks_per_s: f64,
     /// copy_blocks: GB/s (bytes copied, K and V).
     pub copy_blocks_gbs: f64,
+    /// Swap-out (pool to host memory, `KvCache::swap_out`, wall clock with
+    /// the readback and host copies): GB/s of K and V moved.
+    pub swap_out_gbs: f64,
+    /// Swap-in (host memory to pool): GB/s.
+    pub swap_in_gbs: f64,
+    /// The library `Scheduler` (schedule + commit) per decode step at batch
+    /// 256, microseconds per sequence.
+    pub scheduler_us_per_seq: f64,
 }
 
 fn progress(cfg: &BenchConfig, msg: &str) {
@@ -467,6 +478,79 @@ pub fn host_bookkeeping_us_per_seq(steps: usize) -> f64 {
 /// sequence fills is digested (SHA-256 chain) and registered.
 pub fn host_bookkeeping_us_per_seq_prefix_cache(steps: usize) -> f64 {
     bookkeeping(steps, true)
+}
+
+/// The library [`Scheduler`]'s host cost of a decode step at batch 256
+/// (`schedule` + `commit`, one token a sequence), microseconds per sequence.
+pub fn scheduler_us_per_seq(steps: usize) -> f64 {
+    let batch = 256usize;
+    let mut s = Scheduler::new(
+        BlockManagerConfig::new((batch * 64) as u32, BLOCK),
+        SchedulerConfig::new(4096, batch),
+    )
+    .expect("valid scheduler");
+    for i in 0..batch {
+        s.add_request(&vec![i as u32; 500], 1, b"")
+            .expect("pool sized for the batch");
+    }
+    let run = |s: &mut Scheduler| -> usize {
+        let step = s.schedule().expect("pool sized for the run");
+        let outs: Vec<GroupOutput> = step
+            .sample
+            .iter()
+            .map(|&request| GroupOutput {
+                request,
+                children: vec![Child {
+                    parent: 0,
+                    token: 1,
+                    finished: false,
+                }],
+            })
+            .collect();
+        s.commit(&step, &outs).expect("outputs match the step");
+        step.rows.len()
+    };
+    // Prefill in chunks until every sequence decodes.
+    while run(&mut s) < batch || s.queue_lengths().0 > 0 {}
+    let t0 = std::time::Instant::now();
+    for _ in 0..steps {
+        run(&mut s);
+    }
+    t0.elapsed().as_secs_f64() * 1e6 / (steps * batch) as f64
+}
+
+/// Swap-out and swap-in throughput (GB/s, wall clock, median of 5) of 128
+/// scattered blocks of a 4-layer f16 pool of the grid's shape.
+fn swap_rates(gpu: &Gpu) -> Result<(f64, f64), GpuError> {
+    let cfg = KvCacheConfig {
+        num_layers: 4,
+        num_blocks: 256,
+        block_size: BLOCK,
+        num_kv_heads: KV_HEADS,
+        head_dim: HEAD_DIM,
+        dtype: KvDtype::F16,
+    };
+    let cache = KvCache::new(gpu, cfg)?;
+    let mut space = cache.swap_space(128)?;
+    // Every other block: no runs to coalesce (the worst case).
+    let out: Vec<[u32; 2]> = (0..128).map(|i| [i * 2, i]).collect();
+    let back: Vec<[u32; 2]> = (0..128).map(|i| [i, i * 2 + 1]).collect();
+    let bytes = 128.0 * space.block_bytes() as f64;
+    let (mut to, mut ti) = (Vec::new(), Vec::new());
+    for _ in 0..5 {
+        let t = std::time::Instant::now();
+        cache.swap_out(gpu, &out, &mut space)?;
+        to.push(t.elapsed().as_secs_f64());
+        let t = std::time::Instant::now();
+        cache.swap_in(gpu, &back, &space)?;
+        gpu.wait()?;
+        ti.push(t.elapsed().as_secs_f64());
+    }
+    let med = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    Ok((bytes / med(&mut to) / 1e9, bytes / med(&mut ti) / 1e9))
 }
 
 fn bookkeeping(steps: usize, prefix: bool) -> f64 {
@@ -829,10 +913,13 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, GpuError> {
     progress(cfg, "host bookkeeping");
     let host = host_bookkeeping_us_per_seq(if cfg.quick { 50 } else { 400 });
     let host_prefix = host_bookkeeping_us_per_seq_prefix_cache(if cfg.quick { 50 } else { 400 });
+    let sched_us = scheduler_us_per_seq(if cfg.quick { 50 } else { 400 });
     progress(cfg, "host side of a planned 32-layer step");
     let host_step = host_step(gpu, if cfg.quick { 20 } else { 100 })?;
     progress(cfg, "write_kv / copy_blocks");
     let (wk_tps, wk_gbs, cb_ps, cb_gbs) = write_and_copy(gpu, &timer, &mut rng)?;
+    progress(cfg, "swap out / in");
+    let (swap_out_gbs, swap_in_gbs) = swap_rates(gpu)?;
     if cfg.progress {
         use std::io::Write as _;
         let _ = writeln!(std::io::stderr(), "\r\x1b[2K[bench] done");
@@ -855,6 +942,9 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, GpuError> {
         write_kv_gbs: wk_gbs,
         copy_blocks_per_s: cb_ps,
         copy_blocks_gbs: cb_gbs,
+        swap_out_gbs,
+        swap_in_gbs,
+        scheduler_us_per_seq: sched_us,
     })
 }
 
@@ -1229,6 +1319,16 @@ pub fn render(r: &BenchReport) -> String {
         s,
         "copy_blocks: {:.0} blocks/s ({:.2} GB/s)",
         r.copy_blocks_per_s, r.copy_blocks_gbs
+    );
+    let _ = writeln!(
+        s,
+        "swap (128 scattered blocks, 4 layers, wall clock): out {:.2} GB/s, in {:.2} GB/s (copy_buffer_to_buffer {:.2} GB/s)",
+        r.swap_out_gbs, r.swap_in_gbs, r.memcpy_gbs
+    );
+    let _ = writeln!(
+        s,
+        "scheduler (schedule + commit) at batch 256: {:.2} us per sequence per step",
+        r.scheduler_us_per_seq
     );
     s
 }
