@@ -160,8 +160,8 @@ pub enum DemoError {
     /// The settings are out of range (see [`DemoConfig::validate`]).
     #[error("invalid demo settings: {0}")]
     Config(String),
-    /// No step can make progress any more: every running sequence waits
-    /// for a block that none of them will free (the demo never preempts).
+    /// Nothing was scheduled twice in a row while requests were held (the
+    /// scheduler preempts, so this is a backstop against a bug).
     #[error("the demo is stuck: {0}")]
     Stalled(String),
     /// From the block manager.

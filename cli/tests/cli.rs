@@ -413,20 +413,20 @@ fn demo_into_a_closed_pipe_stops_quietly() {
 }
 
 /// `demo --block-size 1` fills its 256-token pool with sequences that all
-/// wait for a block; it used to step on until step 100,000 (over 9
-/// minutes). Now the second step without progress ends it with the reason.
+/// need a block. It used to step on until step 100,000, then it stopped
+/// with "stuck"; on the library scheduler it preempts (swapping groups of
+/// samples out and back in) and finishes, every decode checked.
 #[test]
-fn demo_that_cannot_progress_says_why_promptly() {
+fn demo_on_a_pool_too_small_preempts_and_finishes() {
     if !have_adapter() {
         return;
     }
     let t0 = Instant::now();
-    let out = run_for(&["demo", "--block-size", "1"], Duration::from_secs(120));
+    let out = run_for(&["demo", "--block-size", "1"], Duration::from_secs(300));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!err.contains("panicked"), "{err}");
-    assert_eq!(out.status.code(), Some(1), "{err}");
-    assert_eq!(err.lines().count(), 1, "{err}");
-    assert!(err.starts_with("error: the demo is stuck"), "{err}");
-    assert!(err.contains("256 blocks of 1 tokens"), "{err}");
-    println!("stuck reported after {:?}: {err}", t0.elapsed());
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    let so = String::from_utf8_lossy(&out.stdout);
+    assert!(so.contains("no leak: true"), "{so}");
+    println!("finished after {:?}", t0.elapsed());
 }
