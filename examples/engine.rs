@@ -13,13 +13,15 @@
 //! [`Gpu::from_device`]), weights, activations, and its own kernels
 //! (embedding, matmul with optional residual, logits). What pagedattn owns:
 //! the paged K/V pool ([`KvCache`]), the attention kernels
-//! ([`PagedAttention`]), and the host bookkeeping ([`BlockManager`]).
+//! ([`PagedAttention`]), and the scheduling and host bookkeeping
+//! ([`Scheduler`] over its block manager).
 //!
-//! Each step: the block manager's batch view -> plan (host work, once per
-//! step) -> ONE encoder with every layer's
+//! Each step: the scheduler's step (rows, token ids, tables, slots,
+//! copies) -> plan (host work, once per step) -> ONE encoder with every layer's
 //! `QKV matmul -> write_kv -> paged attention -> output matmul + residual`,
-//! then the logits -> ONE submit -> ONE readback. Every step's logits are
-//! checked against an f64 CPU model of the same network.
+//! then the logits -> ONE submit -> ONE readback -> sampled tokens back to
+//! the scheduler's commit. Every step's logits are checked against an f64
+//! CPU model of the same network.
 //!
 //! Run it with `cargo run --example engine` (`PAGEDATTN_BACKEND=vulkan` etc.
 //! picks a backend); `tests/engine_example.rs` runs it as a test.
@@ -30,7 +32,9 @@
 use std::error::Error;
 use std::time::Instant;
 
-use pagedattn::blocks::{BatchView, BlockManager, BlockManagerConfig, SeqId};
+use pagedattn::blocks::{
+    BatchView, BlockManagerConfig, Child, GroupOutput, RequestId, Scheduler, SchedulerConfig,
+};
 use pagedattn::gpu::{
     AttentionPlan, AttnOptions, DecodeTables, Gpu, KvCache, KvCacheConfig, KvDtype, PagedAttention,
     PrefillTables, WritePlan,
@@ -539,7 +543,6 @@ impl HostSeq {
 /// A live sequence: the manager's id, which rank it samples, its host
 /// model, what it generated.
 struct Live {
-    id: SeqId,
     name: String,
     rank: usize,
     host: HostSeq,
@@ -547,10 +550,9 @@ struct Live {
 }
 
 impl Live {
-    fn new(id: SeqId, name: &str, rank: usize, host: HostSeq) -> Self {
+    fn new(name: &str, rank: usize, host: HostSeq) -> Self {
         let (name, out) = (name.to_string(), Vec::new());
         Self {
-            id,
             name,
             rank,
             host,
@@ -592,12 +594,14 @@ pub fn run_on(device: &Device, queue: &Queue, quiet: bool) -> Res<Summary> {
     ));
 
     let cfg = BlockManagerConfig::new(NUM_BLOCKS, BS).with_prefix_caching(true);
-    let mut mgr = BlockManager::new(cfg)?;
+    let mut sched = Scheduler::new(cfg, SchedulerConfig::new(64, SAMPLES + 1))?;
     let prompt_a: Vec<u32> = (0..37).map(|_| rng.below(VOCAB as u64) as u32).collect();
     let mut prompt_b = prompt_a[..32].to_vec(); // A's first two full blocks
     prompt_b.extend((0..9).map(|_| rng.below(VOCAB as u64) as u32));
-    let a = mgr.add_sequence(&prompt_a)?;
-    let mut live = vec![Live::new(a, "A", 0, HostSeq::new())];
+    let a = sched.add_request(&prompt_a, SAMPLES, b"")?;
+    // Each request's sequences, in its group's order (the scheduler's
+    // `Row::index`); A's prompt starts as one.
+    let mut live: Vec<(RequestId, Vec<Live>)> = vec![(a, vec![Live::new("A", 0, HostSeq::new())])];
 
     let mut s = Summary {
         adapter,
@@ -605,34 +609,39 @@ pub fn run_on(device: &Device, queue: &Queue, quiet: bool) -> Res<Summary> {
         ..Default::default()
     };
     let mut warm = None;
-    while !live.is_empty() {
+    while sched.has_work() {
         let ts = Instant::now();
-        let ids: Vec<SeqId> = live.iter().map(|l| l.id).collect();
-        // The batch: block tables, slots of the new tokens, pending copies.
-        let view = mgr.batch_view(&ids)?;
-        let mut rows = Vec::new();
-        for (i, l) in live.iter().enumerate() {
-            let len = view.seq_lens[i] as usize;
-            let new = (view.new_indptr[i + 1] - view.new_indptr[i]) as usize;
-            let tokens = mgr.tokens(l.id)?;
-            rows.extend((len - new..len).map(|p| [tokens[p], p as u32]));
-        }
+        // The step: rows (prompt chunks and decodes), token ids, tables,
+        // slots of the new tokens, pending copies.
+        let step = sched.schedule()?;
+        let view = &step.plan.view;
+        let positions = step.rows.iter().flat_map(|r| r.positions.clone());
+        let rows: Vec<[u32; 2]> = step
+            .tokens
+            .iter()
+            .zip(positions)
+            .map(|(&t, p)| [t, p as u32])
+            .collect();
         let prefill = view.new_indptr.windows(2).any(|w| w[1] - w[0] != 1);
-        let logits = model.step(&view, &rows, prefill)?;
+        let logits = model.step(view, &rows, prefill)?;
 
         // Check: the f64 model runs each sequence's tokens up to its length,
         // and the logits of the rows the GPU ran are compared. (B's host
         // model runs its whole prompt: the GPU ran only what the prefix
         // cache did not hold, so this also checks the shared blocks.)
         let mut want = Vec::with_capacity(logits.len());
-        for (i, l) in live.iter_mut().enumerate() {
-            let len = view.seq_lens[i] as usize;
-            let first_new = len - (view.new_indptr[i + 1] - view.new_indptr[i]) as usize;
-            let tokens = mgr.tokens(l.id)?;
-            while l.host.len < len {
+        for row in &step.rows {
+            let group = &mut live
+                .iter_mut()
+                .find(|g| g.0 == row.request)
+                .expect("tracked")
+                .1;
+            let l = &mut group[row.index];
+            let tokens = sched.blocks().tokens(row.seq)?;
+            while l.host.len < row.positions.end {
                 let p = l.host.len;
                 let lg = l.host.forward(&w, tokens[p]);
-                if p >= first_new {
+                if p >= row.positions.start {
                     want.extend(lg);
                 }
             }
@@ -643,43 +652,67 @@ pub fn run_on(device: &Device, queue: &Queue, quiet: bool) -> Res<Summary> {
             return Err(format!("step {}: logits rel L2 {err:.3e} over {TOL:.0e}", s.steps).into());
         }
 
-        // Sample: each sequence's next token from its last row.
-        let mut last: Vec<usize> = (0..live.len())
-            .map(|i| view.new_indptr[i + 1] as usize - 1)
-            .collect();
-        if s.steps == 0 {
-            // Parallel sampling: A's prompt is on the GPU, so fork it; the
-            // forks share every block of A and sample A's last row too.
-            for k in 1..SAMPLES {
-                let id = mgr.fork(live[0].id)?;
-                live.push(Live::new(id, &format!("A{k}"), k, live[0].host.clone()));
-                last.push(last[0]);
-            }
+        // Sample: each sequence's next token from its last row. A's first
+        // sampling starts its SAMPLES sequences off the prompt (the
+        // scheduler forks them next step: they share every block of A, and
+        // their first writes copy the shared, partly filled last block).
+        let mut last_row = std::collections::HashMap::new();
+        let mut at = 0usize;
+        for row in &step.rows {
+            at += row.positions.len();
+            last_row.insert((row.request, row.index), at - 1);
         }
         let mut line = Vec::new();
-        let mut next = Vec::new();
-        for (l, &r) in live.iter_mut().zip(&last) {
-            let tok = pick(&logits[r * VOCAB..(r + 1) * VOCAB], l.rank);
-            l.out.push(tok);
-            line.push(format!("{}:{tok}", l.name));
-            if l.out.len() == GEN {
-                mgr.free(l.id)?; // done: its blocks go back (cached ones stay reusable)
-                s.generated.push((l.name.clone(), l.out.clone()));
+        let mut outputs = Vec::new();
+        for &request in &step.sample {
+            let group = &mut live.iter_mut().find(|g| g.0 == request).expect("tracked").1;
+            let starting = request == a && group.len() == 1 && group[0].out.is_empty();
+            let parents: Vec<(usize, usize)> = if starting {
+                (0..SAMPLES).map(|k| (0, k)).collect()
             } else {
-                // The first write into a shared, partly filled block is a
-                // copy-on-write: the copy is in the next view.
-                mgr.append(l.id, &[tok])?;
-                next.push(l.id);
+                (0..group.len()).map(|i| (i, group[i].rank)).collect()
+            };
+            let mut children = Vec::new();
+            let mut next = Vec::new();
+            for (parent, rank) in parents {
+                let r = last_row[&(request, parent)];
+                let tok = pick(&logits[r * VOCAB..(r + 1) * VOCAB], rank);
+                let p = &group[parent];
+                let name = if starting && rank > 0 {
+                    format!("A{rank}")
+                } else {
+                    p.name.clone()
+                };
+                let mut l = Live::new(&name, rank, p.host.clone());
+                l.out = p.out.clone();
+                l.out.push(tok);
+                line.push(format!("{}:{tok}", l.name));
+                let finished = l.out.len() == GEN;
+                children.push(Child {
+                    parent,
+                    token: tok,
+                    finished,
+                });
+                if finished {
+                    s.generated.push((l.name.clone(), l.out.clone()));
+                } else {
+                    next.push(l);
+                }
             }
+            *group = next;
+            outputs.push(GroupOutput { request, children });
         }
-        live.retain(|l| next.contains(&l.id));
+        // Finished sequences' blocks go back (cached ones stay reusable).
+        for f in sched.commit(&step, &outputs)? {
+            live.retain(|g| g.0 != f.request);
+        }
         if s.steps == 0 {
-            // B comes after A's prompt was viewed: its first two blocks are A's.
-            let b = mgr.add_sequence(&prompt_b)?;
-            live.push(Live::new(b, "B", 0, HostSeq::new()));
+            // B comes after A's prompt was committed: its first two blocks are A's.
+            let b = sched.add_request(&prompt_b, 1, b"")?;
+            live.push((b, vec![Live::new("B", 0, HostSeq::new())]));
         }
 
-        let st = mgr.stats();
+        let st = sched.blocks().stats();
         s.peak_blocks_used = s.peak_blocks_used.max(st.used);
         s.peak_blocks_shared = s.peak_blocks_shared.max(st.shared);
         s.copies += view.copies.len();
@@ -701,7 +734,7 @@ pub fn run_on(device: &Device, queue: &Queue, quiet: bool) -> Res<Summary> {
             s.objects_after_warmup = c.buffers + c.bind_groups - w.buffers - w.bind_groups;
         }
     }
-    s.prefix_hit_tokens = mgr.prefix_hit_tokens();
+    s.prefix_hit_tokens = sched.blocks().prefix_hit_tokens();
     s.seconds = t0.elapsed().as_secs_f64();
     let Summary {
         steps,

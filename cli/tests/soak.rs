@@ -5,13 +5,14 @@
 //! Requests come from the simulator's workload generator (Alpaca-like
 //! lengths, a shared system prompt so the prefix cache hits, Poisson
 //! arrivals, parallel samples that fork off the prompt and copy-on-write
-//! its last block). A small scheduler drives the real [`BlockManager`]:
-//! admission while blocks and batch slots allow, one token per running
-//! sequence per step, preemption of the newest request when the step does
-//! not fit (freed, requeued, recomputed later), frees when a sample ends.
-//! Every step runs `copy_blocks`, `write_kv` and `decode` on the adapter for
-//! every layer and compares each decode to the f64 reference over a host
-//! mirror of the pool.
+//! its last block). The library's [`Scheduler`] drives the real block
+//! manager: chunked prefill mixed with decodes, admission while blocks and
+//! batch slots allow, preemption of the newest request when a step does not
+//! fit, by recompute or by swapping to host memory (one run each), frees
+//! when a sample ends. Every step runs swap-out, swap-in, `copy_blocks`,
+//! `write_kv` and `decode` on the adapter for every layer and compares each
+//! decode to the f64 reference over a host mirror of the pool (and of the
+//! swap space).
 //!
 //! K and V of a token are a function of (layer, token id, position), so
 //! every `check_every` steps a full check reads the whole pool back and
@@ -30,12 +31,17 @@
 #[path = "../../tests/common/mod.rs"]
 mod common;
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Instant;
 
 use common::gpu;
-use pagedattn::blocks::{BlockError, BlockManager, BlockManagerConfig, SeqId};
-use pagedattn::gpu::{AttnOptions, Gpu, KvCache, KvCacheConfig, KvDtype, PagedAttention};
+use pagedattn::blocks::{
+    BlockManagerConfig, Child, GroupOutput, Preemption, RequestId, Scheduler, SchedulerConfig,
+    SeqId, Step, SKIP_WRITE,
+};
+use pagedattn::gpu::{
+    AttnOptions, Gpu, KvCache, KvCacheConfig, KvDtype, PagedAttention, SwapSpace,
+};
 use pagedattn::reference::{self, rel_l2, AttnParams, PagedPool};
 use pagedattn::rng::SplitMix64;
 use pagedattn_cli::demo::tolerance;
@@ -61,6 +67,8 @@ struct SoakConfig {
     max_batch: usize,
     /// Steps between full checks.
     check_every: u64,
+    /// How the scheduler preempts.
+    preemption: Preemption,
 }
 
 #[derive(Debug, Default)]
@@ -72,6 +80,8 @@ struct SoakReport {
     prefix_hit_tokens: u64,
     copies: u64,
     preemptions: u64,
+    swapped_groups: u64,
+    blocks_swapped: u64,
     full_checks: u64,
     peak_sequences: usize,
     peak_used_blocks: usize,
@@ -81,20 +91,6 @@ struct SoakReport {
     rss_end_mib: f64,
     rss_peak_mib: f64,
     seconds: f64,
-}
-
-/// One sequence (a sample) of a running request.
-struct Sample {
-    id: SeqId,
-    /// Tokens still to generate.
-    remaining: usize,
-}
-
-struct Running {
-    req: usize,
-    samples: Vec<Sample>,
-    /// Fork the other samples off the prompt next step (once it is written).
-    fork_pending: bool,
 }
 
 /// K and V of one token in one layer: `[num_kv_heads][head_dim]` each, a
@@ -128,13 +124,17 @@ struct Soak<'a> {
     cfg: SoakConfig,
     gpu: &'a Gpu,
     reqs: Vec<Request>,
-    m: BlockManager,
+    sched: Scheduler,
     kv: KvCache,
     attn: PagedAttention,
-    /// Host mirror of each layer's pool (K, V), values as stored.
+    swap: SwapSpace,
+    /// Host mirror of each layer's pool (K, V), values as stored, and of
+    /// the swap space.
     mirror: Vec<(Vec<f32>, Vec<f32>)>,
-    running: Vec<Running>,
-    queue: VecDeque<usize>,
+    mirror_swap: Vec<(Vec<f32>, Vec<f32>)>,
+    /// Per running request: its workload index and each sample's tokens
+    /// still to generate, in its group's order (empty before its first).
+    live: BTreeMap<RequestId, (usize, Vec<usize>)>,
     next_arrival: usize,
     rng: SplitMix64,
     rep: SoakReport,
@@ -161,10 +161,15 @@ impl<'a> Soak<'a> {
         let reqs = workload::generate(&spec, Sampling::Parallel(cfg.samples));
         let mcfg = BlockManagerConfig {
             max_seq_len: cfg.max_len,
-            ..BlockManagerConfig::new(cfg.num_blocks, cfg.block_size).with_prefix_caching(true)
+            ..BlockManagerConfig::new(cfg.num_blocks, cfg.block_size)
+                .with_prefix_caching(true)
+                .with_swap_space(cfg.num_blocks)
         };
-        let mut m = BlockManager::new(mcfg).unwrap();
-        m.scramble_free_list(cfg.seed);
+        let mut scfg = SchedulerConfig::new(256, cfg.max_batch);
+        scfg.preemption = cfg.preemption;
+        scfg.watermark_blocks = cfg.num_blocks as usize / 16;
+        let mut sched = Scheduler::new(mcfg, scfg).unwrap();
+        sched.scramble_free_list(cfg.seed);
         let kv = KvCache::new(
             gpu,
             KvCacheConfig {
@@ -178,8 +183,12 @@ impl<'a> Soak<'a> {
         )
         .unwrap();
         let attn = PagedAttention::new(gpu, &kv, cfg.num_heads).unwrap();
+        let swap = kv.swap_space(cfg.num_blocks).unwrap();
         let n = (cfg.num_blocks * cfg.num_kv_heads * cfg.block_size * cfg.head_dim) as usize;
         let mirror = (0..cfg.layers)
+            .map(|_| (vec![0.0; n], vec![0.0; n]))
+            .collect();
+        let mirror_swap = (0..cfg.layers)
             .map(|_| (vec![0.0; n], vec![0.0; n]))
             .collect();
         Soak {
@@ -187,161 +196,84 @@ impl<'a> Soak<'a> {
             cfg,
             gpu,
             reqs,
-            m,
+            sched,
             kv,
             attn,
+            swap,
             mirror,
-            running: Vec::new(),
-            queue: VecDeque::new(),
+            mirror_swap,
+            live: BTreeMap::new(),
             next_arrival: 0,
             rep: SoakReport::default(),
         }
     }
 
     fn done(&self) -> bool {
-        self.next_arrival == self.reqs.len() && self.queue.is_empty() && self.running.is_empty()
-    }
-
-    /// Sequences running, counting samples still to be forked.
-    fn live_sequences(&self) -> usize {
-        self.running
-            .iter()
-            .map(|r| {
-                if r.fork_pending {
-                    self.reqs[r.req].outputs.len()
-                } else {
-                    r.samples.len()
-                }
-            })
-            .sum()
-    }
-
-    /// Frees the newest request and puts it back at the head of the queue.
-    fn preempt_newest(&mut self) -> bool {
-        let Some(r) = self.running.pop() else {
-            return false;
-        };
-        for s in &r.samples {
-            self.m.free(s.id).unwrap();
-        }
-        self.queue.push_front(r.req);
-        self.rep.preemptions += 1;
-        true
+        self.next_arrival == self.reqs.len() && !self.sched.has_work()
     }
 
     fn step(&mut self) {
-        let step = self.rep.steps;
-        while self.next_arrival < self.reqs.len() && self.reqs[self.next_arrival].arrival <= step {
-            self.queue.push_back(self.next_arrival);
+        let now = self.rep.steps;
+        while self.next_arrival < self.reqs.len() && self.reqs[self.next_arrival].arrival <= now {
+            let r = &self.reqs[self.next_arrival];
+            let id = self
+                .sched
+                .add_request(&r.prompt, r.outputs.len(), b"")
+                .unwrap();
+            self.rep.prompt_tokens += r.prompt.len() as u64;
+            self.live.insert(id, (self.next_arrival, Vec::new()));
             self.next_arrival += 1;
         }
-        // Samples fork off a prompt written last step.
-        for r in &mut self.running {
-            if !std::mem::take(&mut r.fork_pending) {
-                continue;
-            }
-            let parent = r.samples[0].id;
-            for &out in &self.reqs[r.req].outputs[1..] {
-                let id = self.m.fork(parent).unwrap();
-                r.samples.push(Sample { id, remaining: out });
-            }
-        }
-        // One token per sequence that still generates: the step must fit, or
-        // the newest request makes room.
-        let mut preempted = false;
-        loop {
-            let ids: Vec<SeqId> = self.decoding().collect();
-            let need = self.m.blocks_needed_to_append(&ids, 1).unwrap();
-            if need <= self.m.available_blocks() {
-                break;
-            }
-            assert!(
-                self.preempt_newest(),
-                "one request alone does not fit the pool"
-            );
-            preempted = true;
-        }
-        for i in 0..self.running.len() {
-            for j in 0..self.running[i].samples.len() {
-                let s = &mut self.running[i].samples[j];
-                if s.remaining == 0 {
-                    continue;
+        let step = self
+            .sched
+            .schedule()
+            .unwrap_or_else(|e| panic!("step {now}: {e}"));
+        self.run_gpu(&step);
+        // Sampling: the prompt's first token starts every sample; then one
+        // token per sample until its output length.
+        let mut outputs = Vec::new();
+        for &rid in &step.sample {
+            let (req, left) = self.live.get_mut(&rid).unwrap();
+            let mut children = Vec::new();
+            let mut next = Vec::new();
+            let firsts: Vec<(usize, usize)> = if left.is_empty() {
+                self.reqs[*req].outputs.iter().map(|&o| (0, o)).collect()
+            } else {
+                left.iter().enumerate().map(|(i, &l)| (i, l)).collect()
+            };
+            for (parent, remaining) in firsts {
+                let token = self.rng.below(32000) as u32;
+                let finished = remaining <= 1;
+                children.push(Child {
+                    parent,
+                    token,
+                    finished,
+                });
+                if !finished {
+                    next.push(remaining - 1);
                 }
-                let tok = self.rng.below(32000) as u32;
-                self.m
-                    .append(s.id, &[tok])
-                    .unwrap_or_else(|e| panic!("step {step}: append within the bound: {e}"));
-                s.remaining -= 1;
                 self.rep.tokens_decoded += 1;
             }
-        }
-        // Admission, first come first served, unless this step preempted.
-        while let Some(&req) = self.queue.front().filter(|_| !preempted) {
-            let r = &self.reqs[req];
-            let blocks = r.prompt.len().div_ceil(self.cfg.block_size as usize);
-            let watermark = self.cfg.num_blocks as usize / 16 + r.outputs.len();
-            if self.live_sequences() + r.outputs.len() > self.cfg.max_batch
-                || blocks + watermark > self.m.available_blocks()
-            {
-                break;
-            }
-            let hits = self.m.prefix_hit_tokens();
-            let id = match self.m.add_sequence(&r.prompt) {
-                Ok(id) => id,
-                Err(BlockError::OutOfBlocks { .. }) => break,
-                Err(e) => panic!("admitting request {req}: {e}"),
-            };
-            self.queue.pop_front();
-            self.rep.prompt_tokens += r.prompt.len() as u64;
-            self.rep.prefix_hit_tokens += self.m.prefix_hit_tokens() - hits;
-            self.running.push(Running {
-                req,
-                samples: vec![Sample {
-                    id,
-                    remaining: r.outputs[0],
-                }],
-                fork_pending: r.outputs.len() > 1,
+            *left = next;
+            outputs.push(GroupOutput {
+                request: rid,
+                children,
             });
         }
-        let ids: Vec<SeqId> = self
-            .running
-            .iter()
-            .flat_map(|r| r.samples.iter().map(|s| s.id))
-            .collect();
-        self.run_gpu(&ids);
-        // Samples that generated their last token leave; a request leaves with its last sample.
-        for r in &mut self.running {
-            r.samples.retain(|s| {
-                // A request with samples still to fork keeps its parent.
-                if s.remaining == 0 && !r.fork_pending {
-                    self.m.free(s.id).unwrap();
-                    false
-                } else {
-                    true
-                }
-            });
+        for f in self.sched.commit(&step, &outputs).unwrap() {
+            self.live.remove(&f.request);
+            self.rep.requests_done += 1;
         }
-        let before = self.running.len();
-        self.running.retain(|r| !r.samples.is_empty());
-        self.rep.requests_done += before - self.running.len();
-        let st = self.m.stats();
+        let st = self.sched.blocks().stats();
         self.rep.peak_sequences = self.rep.peak_sequences.max(st.sequences);
         self.rep.peak_used_blocks = self.rep.peak_used_blocks.max(st.used);
         self.rep.steps += 1;
     }
 
-    fn decoding(&self) -> impl Iterator<Item = SeqId> + '_ {
-        self.running
-            .iter()
-            .flat_map(|r| r.samples.iter().filter(|s| s.remaining > 0).map(|s| s.id))
-    }
-
     /// copy_blocks, then write_kv and decode for every layer, each decode
     /// compared to the reference over the mirror.
-    fn run_gpu(&mut self, ids: &[SeqId]) {
-        let view = self.m.batch_view(ids).unwrap();
-        self.rep.copies += view.copies.len() as u64;
-        self.kv.copy_blocks(self.gpu, &view.copies).unwrap();
+    fn run_gpu(&mut self, step: &Step) {
+        let view = &step.plan.view;
         let (kvh, d, bs) = (
             self.cfg.num_kv_heads as usize,
             self.cfg.head_dim as usize,
@@ -349,13 +281,44 @@ impl<'a> Soak<'a> {
         );
         let row = kvh * d;
         let per_block = kvh * bs * d;
+        // Swap out (before the blocks are reused), swap in, copy-on-write.
+        let moves =
+            |src: &[(Vec<f32>, Vec<f32>)], dst: &mut [(Vec<f32>, Vec<f32>)], pairs: &[[u32; 2]]| {
+                for ((sk, sv), (dk, dv)) in src.iter().zip(dst.iter_mut()) {
+                    for p in pairs {
+                        let (a, b) = (p[0] as usize * per_block, p[1] as usize * per_block);
+                        dk[b..b + per_block].copy_from_slice(&sk[a..a + per_block]);
+                        dv[b..b + per_block].copy_from_slice(&sv[a..a + per_block]);
+                    }
+                }
+            };
+        if !step.swap_out.is_empty() {
+            self.kv
+                .swap_out(self.gpu, &step.swap_out, &mut self.swap)
+                .unwrap();
+            moves(&self.mirror, &mut self.mirror_swap, &step.swap_out);
+            self.rep.swapped_groups += step
+                .preempted
+                .iter()
+                .filter(|p| p.1 == Preemption::Swap)
+                .count() as u64;
+            self.rep.blocks_swapped += step.swap_out.len() as u64;
+        }
+        if !step.swap_in.is_empty() {
+            self.kv
+                .swap_in(self.gpu, &step.swap_in, &self.swap)
+                .unwrap();
+            moves(&self.mirror_swap, &mut self.mirror, &step.swap_in);
+        }
+        self.rep.copies += view.copies.len() as u64;
+        self.kv.copy_blocks(self.gpu, &view.copies).unwrap();
         // Token id and position of every new slot, in slot_mapping order.
         let mut new_tokens = Vec::with_capacity(view.slot_mapping.len());
-        for (i, &id) in ids.iter().enumerate() {
-            let toks = self.m.tokens(id).unwrap();
-            let n = (view.new_indptr[i + 1] - view.new_indptr[i]) as usize;
-            let len = view.seq_lens[i] as usize;
-            new_tokens.extend(toks.iter().enumerate().skip(len - n).map(|(p, &t)| (t, p)));
+        for r in &step.rows {
+            new_tokens.extend(r.positions.clone().map(|p| (0u32, p)));
+        }
+        for (nt, &t) in new_tokens.iter_mut().zip(&step.tokens) {
+            nt.0 = t;
         }
         let params = AttnParams::new(self.cfg.num_heads as usize, d);
         let dtype = self.cfg.dtype;
@@ -377,6 +340,9 @@ impl<'a> Soak<'a> {
                 mv.copy_within(s..s + per_block, t);
             }
             for (t, &slot) in view.slot_mapping.iter().enumerate() {
+                if slot == SKIP_WRITE {
+                    continue;
+                }
                 let (b, o) = (slot as usize / bs, slot as usize % bs);
                 for h in 0..kvh {
                     let dst = ((b * kvh + h) * bs + o) * d;
@@ -386,12 +352,12 @@ impl<'a> Soak<'a> {
                     }
                 }
             }
-            if ids.is_empty() {
+            if step.rows.is_empty() {
                 continue;
             }
             let q = self
                 .rng
-                .signed_vec(ids.len() * self.cfg.num_heads as usize * d);
+                .signed_vec(step.rows.len() * self.cfg.num_heads as usize * d);
             let out = self
                 .attn
                 .decode(
@@ -439,21 +405,30 @@ impl<'a> Soak<'a> {
             self.cfg.block_size as usize,
         );
         let row = kvh * d;
-        let ids = self.m.sequence_ids();
-        let live: HashSet<SeqId> = self
-            .running
+        let m = self.sched.blocks();
+        let all = m.sequence_ids();
+        let mut held: HashSet<SeqId> = HashSet::new();
+        for &rid in self.live.keys() {
+            held.extend(self.sched.sequences(rid).unwrap().iter().copied());
+        }
+        assert_eq!(all.iter().copied().collect::<HashSet<_>>(), held);
+        // Swapped-out sequences hold no pool blocks.
+        let ids: Vec<SeqId> = all
             .iter()
-            .flat_map(|r| r.samples.iter().map(|s| s.id))
+            .copied()
+            .filter(|&id| !m.is_swapped(id).unwrap())
             .collect();
-        assert_eq!(ids.iter().copied().collect::<HashSet<_>>(), live);
         for layer in 0..self.cfg.layers {
             let (gk, gv) = self.kv.read_layer(self.gpu, layer).unwrap();
             let (mk, mv) = &self.mirror[layer as usize];
             // Only slots of live sequences are defined (freed blocks keep stale data).
             for &id in &ids {
-                let toks = self.m.tokens(id).unwrap();
-                let table = self.m.block_table(id).unwrap();
-                for (p, &t) in toks.iter().enumerate() {
+                let toks = m.tokens(id).unwrap();
+                let table = m.block_table(id).unwrap();
+                // Positions not computed yet (a prompt's later chunks, the
+                // children appended for the next step) hold nothing yet.
+                let written = toks.len() - m.pending_tokens(id).unwrap();
+                for (p, &t) in toks.iter().enumerate().take(written) {
                     let (b, o) = (table[p / bs] as usize, p % bs);
                     let (k, v) = kv_of(layer, t, p, row);
                     for h in 0..kvh {
@@ -475,20 +450,17 @@ impl<'a> Soak<'a> {
             }
         }
         // Block accounting.
-        let st = self.m.stats();
+        let st = m.stats();
         let mut holders: HashMap<u32, u32> = HashMap::new();
         let mut logical = 0;
         for &id in &ids {
-            logical += self.m.seq_len(id).unwrap();
-            for &b in self.m.block_table(id).unwrap() {
+            logical += m.seq_len(id).unwrap();
+            for &b in m.block_table(id).unwrap() {
                 *holders.entry(b).or_default() += 1;
             }
         }
         for b in 0..self.cfg.num_blocks {
-            assert_eq!(
-                self.m.ref_count(b),
-                Some(holders.get(&b).copied().unwrap_or(0))
-            );
+            assert_eq!(m.ref_count(b), Some(holders.get(&b).copied().unwrap_or(0)));
         }
         assert_eq!(st.used, holders.len());
         assert_eq!(st.shared, holders.values().filter(|&&h| h > 1).count());
@@ -497,9 +469,10 @@ impl<'a> Soak<'a> {
             st.total
         );
         assert_eq!(st.logical_tokens, logical);
-        assert_eq!(st.sequences, ids.len());
-        assert_eq!(st.pending_copies, 0, "a view took every copy");
-        assert_eq!(self.m.available_blocks(), st.free + st.evictable);
+        assert_eq!(st.sequences, all.len());
+        assert_eq!(st.swapped_sequences, all.len() - ids.len());
+        assert_eq!(st.pending_copies, 0, "a commit took every copy");
+        assert_eq!(m.available_blocks(), st.free + st.evictable);
         self.rep.full_checks += 1;
     }
 }
@@ -527,17 +500,25 @@ fn soak(gpu: &Gpu, cfg: SoakConfig) -> SoakReport {
     s.full_check();
     // Nothing leaked: no sequence, no copy, every block back in the pool
     // (cached ones evictable), and plain free once the cache is dropped.
-    let st = s.m.stats();
+    let st = s.sched.blocks().stats();
     assert_eq!(
-        (st.sequences, st.used, st.pending_copies, st.awaiting_copy),
-        (0, 0, 0, 0),
+        (
+            st.sequences,
+            st.used,
+            st.pending_copies,
+            st.awaiting_copy,
+            st.swap_used
+        ),
+        (0, 0, 0, 0, 0),
         "{st:?}"
     );
     assert_eq!(st.free + st.evictable, st.total, "{st:?}");
-    assert_eq!(s.m.available_blocks(), cfg.num_blocks as usize);
-    s.m.evict_all_cached();
-    assert_eq!(s.m.stats().free, cfg.num_blocks as usize);
+    assert_eq!(s.sched.blocks().available_blocks(), cfg.num_blocks as usize);
     assert_eq!(s.rep.requests_done, total);
+    let ss = s.sched.stats();
+    s.rep.preemptions = ss.recomputed_groups + ss.swapped_groups;
+    s.rep.prefix_hit_tokens = s.sched.blocks().prefix_hit_tokens();
+    assert_eq!(ss.blocks_swapped_in, ss.blocks_swapped_out);
     gpu.wait().unwrap();
     let end = rss_mib();
     let mut rep = s.rep;
@@ -570,6 +551,7 @@ fn config(requests: usize) -> SoakConfig {
         dtype: KvDtype::F16,
         max_batch: 48,
         check_every: 25,
+        preemption: Preemption::Recompute,
     }
 }
 
@@ -580,6 +562,12 @@ const RSS_GROWTH_MIB: f64 = 48.0;
 
 fn check_report(r: &SoakReport, cfg: &SoakConfig) {
     assert!(r.preemptions > 0, "the pool never ran short: {r:?}");
+    if cfg.preemption == Preemption::Swap {
+        assert!(
+            r.swapped_groups > 0 && r.blocks_swapped > 0,
+            "never swapped: {r:?}"
+        );
+    }
     assert!(r.copies > 0 && r.prefix_hit_tokens > 0, "{r:?}");
     assert!(r.full_checks >= r.steps / cfg.check_every);
     assert!(
@@ -593,13 +581,16 @@ fn check_report(r: &SoakReport, cfg: &SoakConfig) {
 #[test]
 fn soak_small() {
     let Some(gpu) = gpu() else { return };
-    let cfg = SoakConfig {
-        num_blocks: 96,
-        max_batch: 24,
-        ..config(100)
-    };
-    let r = soak(&gpu, cfg.clone());
-    check_report(&r, &cfg);
+    for preemption in [Preemption::Recompute, Preemption::Swap] {
+        let cfg = SoakConfig {
+            num_blocks: 96,
+            max_batch: 24,
+            preemption,
+            ..config(100)
+        };
+        let r = soak(&gpu, cfg.clone());
+        check_report(&r, &cfg);
+    }
 }
 
 #[test]
@@ -610,7 +601,12 @@ fn soak_full() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(2000);
-    let cfg = config(requests);
-    let r = soak(&gpu, cfg.clone());
-    check_report(&r, &cfg);
+    for preemption in [Preemption::Recompute, Preemption::Swap] {
+        let cfg = SoakConfig {
+            preemption,
+            ..config(requests)
+        };
+        let r = soak(&gpu, cfg.clone());
+        check_report(&r, &cfg);
+    }
 }

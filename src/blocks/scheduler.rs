@@ -542,14 +542,15 @@ impl Scheduler {
         let preempted = !step.preempted.is_empty();
         // 2. Swapped groups back in, oldest first, when nothing was
         //    preempted this step.
-        let mut seqs: usize = self.running.iter().map(|g| g.seqs.len()).sum();
+        // Running groups are counted at their width (what they may grow
+        // to), so the sequences held never pass `max_seqs`.
+        let mut width: usize = self.running.iter().map(|g| g.width).sum();
         while !preempted {
             let Some(g) = self.swapped.front() else { break };
-            let width = g.seqs.len().max(g.children.len());
             let need = self.blocks.swap_in_blocks(&g.seqs)?
                 + g.children.iter().filter(|c| !c.finished).count();
             if need + self.cfg.watermark_blocks > self.blocks.available_blocks()
-                || seqs + width > self.cfg.max_seqs
+                || width + g.width > self.cfg.max_seqs
             {
                 break;
             }
@@ -558,7 +559,7 @@ impl Scheduler {
             self.stats.blocks_swapped_in += pairs.len() as u64;
             step.swap_in.extend(pairs);
             Self::apply_children(&mut self.blocks, &mut g)?;
-            seqs += g.seqs.len();
+            width += g.width;
             let at = self.running.partition_point(|x| x.id < g.id);
             self.running.insert(at, g);
         }
@@ -590,7 +591,8 @@ impl Scheduler {
         // 4. Admissions, first come first served, unless preempting.
         while !preempted && budget > 0 && self.swapped.is_empty() {
             let Some(g) = self.waiting.front() else { break };
-            if in_batch + g.sources.len() > self.cfg.max_seqs {
+            if in_batch + g.sources.len() > self.cfg.max_seqs || width + g.width > self.cfg.max_seqs
+            {
                 break;
             }
             let mut need = g.width + self.cfg.watermark_blocks;
@@ -601,6 +603,7 @@ impl Scheduler {
                 break;
             }
             let mut g = self.waiting.pop_front().expect("front exists");
+            width += g.width;
             for s in std::mem::take(&mut g.sources) {
                 let id = self.blocks.add_sequence_salted(&s, &g.salt)?;
                 g.seqs.push(id);

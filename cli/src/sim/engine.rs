@@ -1,4 +1,8 @@
-//! The scheduler: one loop shared by every memory policy.
+//! The contiguous baselines' scheduler. The paged policy runs through the
+//! library's own `blocks::Scheduler` (`scheduled`); this loop models the
+//! reservation systems it is compared with (per-sequence contiguous slabs,
+//! which a block scheduler cannot express), with the same FCFS admission,
+//! newest-first preemption by recompute, and the same seeded decode.
 //!
 //! Each step: arrivals join the queue; every running request decodes one
 //! token per sequence, oldest first (beam requests first fork and prune
@@ -18,16 +22,13 @@ use std::collections::VecDeque;
 use super::memory::{Counters, EndState, Memory};
 use super::workload::{Request, Sampling};
 use super::SimError;
-use pagedattn::blocks::SeqId;
 use pagedattn::rng::SplitMix64;
 
-const VOCAB: u64 = 32_000;
+pub(super) const VOCAB: u64 = 32_000;
 
 /// One sequence of a request (a sample or a beam).
 #[derive(Clone, Debug)]
 pub(super) struct Seq {
-    /// Block-manager handle while the paged policy holds it.
-    pub handle: Option<SeqId>,
     /// Tokens generated so far (the prompt is the request's).
     pub tail: Vec<u32>,
     /// Tokens it will have generated when it finishes.
@@ -46,18 +47,17 @@ pub(super) struct Live {
     /// Contiguous beam search: reserved slabs not owned by a beam right now.
     pub parked: usize,
     /// Decode stream of this request.
-    rng: SplitMix64,
+    pub rng: SplitMix64,
     /// Tokens drawn for the current step, one per sequence, not yet written
     /// (kept across a preemption so the request resumes the same step).
     pending: Option<Vec<u32>>,
     /// Whether it has been admitted before (a readmission is a recompute).
-    admitted: bool,
+    pub admitted: bool,
 }
 
 impl Live {
-    fn new(req: &Request, sampling: Sampling, seed: u64) -> Self {
+    pub(super) fn new(req: &Request, sampling: Sampling, seed: u64) -> Self {
         let seq = |target| Seq {
-            handle: None,
             tail: Vec::new(),
             target,
             reserved: 0,
@@ -173,7 +173,7 @@ pub(super) fn run(
 /// enough that there are at least `2k` in all); `k` survive, drawn
 /// uniformly. Returns how many survivors each beam has (0 = pruned, 2+ =
 /// it forks).
-fn select_beams(rng: &mut SplitMix64, beams: usize, k: usize) -> Vec<usize> {
+pub(super) fn select_beams(rng: &mut SplitMix64, beams: usize, k: usize) -> Vec<usize> {
     let per = (2 * k).div_ceil(beams).max(2);
     let total = beams * per;
     let keep = k.min(total);

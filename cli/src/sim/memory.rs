@@ -161,7 +161,6 @@ impl Memory for Contiguous {
         live.parked -= slab;
         self.stored += seq_len(req, p);
         Ok(Seq {
-            handle: None,
             tail: p.tail.clone(),
             target: p.target,
             reserved: slab,

@@ -21,8 +21,8 @@
 
 mod engine;
 mod memory;
-mod paged;
 mod report;
+mod scheduled;
 mod svg;
 pub mod workload;
 
@@ -71,6 +71,56 @@ pub enum PolicyKind {
     Max,
     /// Contiguous reservation of each sequence's exact final length.
     Oracle,
+}
+
+/// How the paged policy's scheduler preempts (the library's
+/// `blocks::Preemption`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum PreemptKind {
+    /// Free the group's blocks and recompute it later.
+    Recompute,
+    /// Swap its blocks to host memory and back (recompute if the swap
+    /// space is full).
+    Swap,
+    /// vLLM's rule: recompute a single sequence, swap a group.
+    Auto,
+}
+
+impl PreemptKind {
+    fn library(self) -> pagedattn::blocks::Preemption {
+        use pagedattn::blocks::Preemption as P;
+        match self {
+            Self::Recompute => P::Recompute,
+            Self::Swap => P::Swap,
+            Self::Auto => P::Auto,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Self::Recompute => "recompute",
+            Self::Swap => "swap",
+            Self::Auto => "auto",
+        }
+    }
+}
+
+/// The cost model of preemption (see `--swap-gbps`): a swapped block moves
+/// out and back in, each way `bytes / swap_gbps` plus `copy_overhead_us`
+/// per copy (one per block, layer and K or V); a recomputed token costs
+/// `1 / recompute_tps` seconds of prefill.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct CostModel {
+    /// Host link bandwidth, GB/s.
+    pub swap_gbps: f64,
+    /// Fixed cost of one copy command, microseconds.
+    pub copy_overhead_us: f64,
+    /// Prefill throughput of a recompute, tokens per second.
+    pub recompute_tps: f64,
+    /// Transformer layers and KV heads of the modelled model (with
+    /// `--head-dim` and the dtype: bytes per token).
+    pub layers: usize,
+    pub kv_heads: usize,
 }
 
 /// Options of `pagedattn simulate`.
@@ -146,6 +196,31 @@ pub struct SimulateArgs {
     /// Elements per KV head, for the bytes per token of `--kv-dtype`.
     #[arg(long, default_value_t = 128)]
     pub head_dim: usize,
+    /// How the paged policy preempts (comma-separated: one paged run each):
+    /// recompute, swap, or auto (recompute a single sequence, swap a group).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "auto")]
+    pub preemption: Vec<PreemptKind>,
+    /// Host swap space of the paged policy, in tokens [default: --budget].
+    #[arg(long)]
+    pub swap_tokens: Option<usize>,
+    /// Cost model: host link bandwidth for swapping, GB/s (PCIe 4.0 x16
+    /// moves about 25; `pagedattn bench` measures the adapter's own).
+    #[arg(long, default_value_t = 25.0)]
+    pub swap_gbps: f64,
+    /// Cost model: fixed cost of one block copy (per block, layer and K or
+    /// V), microseconds.
+    #[arg(long, default_value_t = 5.0)]
+    pub copy_overhead_us: f64,
+    /// Cost model: prefill throughput of a recompute, tokens per second
+    /// (about a 7-8B model on one datacenter GPU).
+    #[arg(long, default_value_t = 10000.0)]
+    pub recompute_tps: f64,
+    /// Cost model: layers and KV heads of the model (bytes per token, with
+    /// --head-dim and the dtype).
+    #[arg(long, default_value_t = 32)]
+    pub model_layers: usize,
+    #[arg(long, default_value_t = 8)]
+    pub model_kv_heads: usize,
     /// Print the report as JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -188,6 +263,12 @@ pub struct SimConfig {
     pub kv_dtypes: Vec<pagedattn::gpu::KvDtype>,
     /// Elements per KV head (bytes per token of each dtype).
     pub head_dim: usize,
+    /// Preemption policies of the paged runs.
+    pub preemption: Vec<PreemptKind>,
+    /// Host swap space, tokens.
+    pub swap_tokens: usize,
+    /// The preemption cost model.
+    pub cost: CostModel,
 }
 
 /// Bytes one token takes per KV head and per K or V, for `head_dim`:
@@ -243,6 +324,15 @@ impl SimConfig {
                 .collect::<Result<_, _>>()
                 .map_err(SimError::Config)?,
             head_dim: a.head_dim,
+            preemption: a.preemption.clone(),
+            swap_tokens: a.swap_tokens.unwrap_or(a.budget),
+            cost: CostModel {
+                swap_gbps: a.swap_gbps,
+                copy_overhead_us: a.copy_overhead_us,
+                recompute_tps: a.recompute_tps,
+                layers: a.model_layers,
+                kv_heads: a.model_kv_heads,
+            },
         };
         cfg.check()?;
         Ok(cfg)
@@ -268,6 +358,33 @@ impl SimConfig {
                 "--kv-dtype lists {} entries (at most 4)",
                 self.kv_dtypes.len()
             ));
+        }
+        if self.preemption.is_empty() || self.preemption.len() > 3 {
+            return bad("--preemption takes 1 to 3 policies".into());
+        }
+        if self.swap_tokens > MAX_BUDGET {
+            return bad(format!(
+                "--swap-tokens {} is over the limit of {MAX_BUDGET}",
+                self.swap_tokens
+            ));
+        }
+        let c = &self.cost;
+        for (name, v) in [
+            ("--swap-gbps", c.swap_gbps),
+            ("--recompute-tps", c.recompute_tps),
+        ] {
+            if !(v.is_finite() && v > 0.0 && v <= 1e12) {
+                return bad(format!("{name} {v} is not a positive rate of at most 1e12"));
+            }
+        }
+        if !(c.copy_overhead_us.is_finite() && (0.0..=1e6).contains(&c.copy_overhead_us)) {
+            return bad(format!(
+                "--copy-overhead-us {} is not in 0..=1000000",
+                c.copy_overhead_us
+            ));
+        }
+        if !(1..=1024).contains(&c.layers) || !(1..=1024).contains(&c.kv_heads) {
+            return bad("--model-layers and --model-kv-heads take 1 to 1024".into());
         }
         if self.head_dim == 0 || self.head_dim % 4 != 0 || self.head_dim > 256 {
             return bad(format!(
@@ -424,7 +541,7 @@ pub fn simulate(cfg: &SimConfig) -> Result<Report, SimError> {
     for &sampling in &cfg.sampling {
         let reqs = workload::generate(w, sampling);
         let mut policies = Vec::new();
-        for &dtype in &cfg.kv_dtypes {
+        for &dtype in &cfg.kv_dtypes.clone() {
             // The same bytes as `budget` f16 tokens.
             let budget = cfg.budget * f16_bytes / kv_bytes_per_token(dtype, cfg.head_dim);
             let cfg = &SimConfig {
@@ -436,17 +553,45 @@ pub fn simulate(cfg: &SimConfig) -> Result<Report, SimError> {
                 match kind {
                     PolicyKind::Paged => {
                         for &bs in &cfg.block_sizes {
-                            let mut mem =
-                                paged::Paged::new(cfg.budget, bs, w.shared_prefix > 0, w.max_len)?;
-                            let cap = mem.capacity();
-                            let log = engine::run(&reqs, sampling, w.seed, cfg.max_seqs, &mut mem)?;
-                            policies.push(PolicyReport::from_log(
-                                "paged",
-                                format!("paged/{bs}"),
-                                Some(bs),
-                                cap,
-                                log,
-                            ));
+                            for &pk in &cfg.preemption {
+                                let run = scheduled::PagedRun {
+                                    budget: cfg.budget,
+                                    block_size: bs,
+                                    prefix_caching: w.shared_prefix > 0,
+                                    max_len: w.max_len,
+                                    max_seqs: cfg.max_seqs,
+                                    preemption: pk.library(),
+                                    swap_blocks: u32::try_from(cfg.swap_tokens / bs as usize)
+                                        .unwrap_or(u32::MAX),
+                                };
+                                let cap = run.num_blocks()? as usize * bs as usize;
+                                let (log, st) = scheduled::run(&reqs, sampling, w.seed, run)?;
+                                let label = if cfg.preemption.len() > 1 {
+                                    format!("paged/{bs} {}", pk.name())
+                                } else {
+                                    format!("paged/{bs}")
+                                };
+                                let mut p =
+                                    PolicyReport::from_log("paged", label, Some(bs), cap, log);
+                                // The cost model, per K/V byte of this dtype.
+                                let c = &cfg.cost;
+                                let token_bytes = 2
+                                    * c.layers
+                                    * c.kv_heads
+                                    * kv_bytes_per_token(dtype, cfg.head_dim);
+                                let moved = st.blocks_swapped_out + st.blocks_swapped_in;
+                                let bytes = moved as f64 * (bs as usize * token_bytes) as f64;
+                                let copies = moved as f64 * (2 * c.layers) as f64;
+                                p.preemption = Some(pk.name().into());
+                                p.swapped_groups = st.swapped_groups;
+                                p.recomputed_groups = st.recomputed_groups;
+                                p.swap_fallbacks = st.swap_fallbacks;
+                                p.swapped_bytes = bytes as u64;
+                                p.swap_ms = bytes / (c.swap_gbps * 1e9) * 1e3
+                                    + copies * c.copy_overhead_us / 1e3;
+                                p.recompute_ms = p.recomputed_tokens as f64 / c.recompute_tps * 1e3;
+                                policies.push(p);
+                            }
                         }
                     }
                     PolicyKind::Max | PolicyKind::Oracle => {

@@ -91,6 +91,20 @@ pub struct PolicyReport {
     pub blocks_free_at_end: Option<usize>,
     /// Paged: blocks in the pool.
     pub blocks_total: Option<usize>,
+    /// Paged: how the scheduler preempted (recompute, swap, auto).
+    pub preemption: Option<String>,
+    /// Paged: groups preempted by recompute and by swapping, and swap
+    /// preemptions that fell back to recompute (swap space full).
+    pub recomputed_groups: u64,
+    pub swapped_groups: u64,
+    pub swap_fallbacks: u64,
+    /// Paged: K/V bytes moved by swapping (out and back in), for the cost
+    /// model's bytes per token.
+    pub swapped_bytes: u64,
+    /// Paged, modelled: time spent swapping, and recomputing, in ms
+    /// (`CostModel`).
+    pub swap_ms: f64,
+    pub recompute_ms: f64,
     /// Per-step samples, for the plot (not serialised).
     #[serde(skip)]
     pub series: Vec<Sample>,
@@ -243,6 +257,13 @@ impl PolicyReport {
             leaked_tokens: log.end.leaked,
             blocks_free_at_end: log.end.blocks.map(|b| b.0),
             blocks_total: log.end.blocks.map(|b| b.1),
+            preemption: None,
+            recomputed_groups: 0,
+            swapped_groups: 0,
+            swap_fallbacks: 0,
+            swapped_bytes: 0,
+            swap_ms: 0.0,
+            recompute_ms: 0.0,
             series: log.samples,
         }
     }
@@ -338,6 +359,26 @@ pub(super) fn render_scenario(out: &mut String, sc: &ScenarioReport, header: &st
             );
         }
     }
+    // Preemption: what each paged run paid, under the cost model.
+    for p in sc.policies.iter().filter(|p| p.preemption.is_some()) {
+        if p.preemptions == 0 {
+            continue;
+        }
+        let _ = writeln!(
+            out,
+            "-> {} preempted {} times ({} swapped, {} recomputed, {} swap fallbacks): {:.1} MB swapped out and in ({:.1} ms modelled), {} tokens recomputed ({:.1} ms modelled); {:.1} ms in all",
+            p.label,
+            p.preemptions,
+            p.swapped_groups,
+            p.recomputed_groups,
+            p.swap_fallbacks,
+            p.swapped_bytes as f64 / 1e6,
+            p.swap_ms,
+            p.recomputed_tokens,
+            p.recompute_ms,
+            p.swap_ms + p.recompute_ms,
+        );
+    }
     if let (Some(p), Some(m)) = (paged, max) {
         let _ = writeln!(
             out,
@@ -360,7 +401,9 @@ pub(super) const LEGEND: &str = "\
 util: tokens stored / memory held, time-averaged (util@pk: at the step with the most tokens stored).
 reserv: held slots a running sequence will still fill; frag: held slots that never get a token
 (internal fragmentation); waste/seq: (held - stored) per running sequence, in tokens.
-seqs: concurrent sequences (peak, mean); queue: longest queue; preempt: paged preemptions (recompute).
+seqs: concurrent sequences (peak, mean); queue: longest queue; preempt: preemptions (paged: by
+the library scheduler, --preemption; contiguous: recompute). Modelled preemption time: swapped bytes /
+--swap-gbps + --copy-overhead-us per block, layer and K or V copy; recomputed tokens / --recompute-tps.
 shared/saved: tokens not stored twice thanks to copy-on-write forks and prefix caching (mean, share of
 logical tokens). steps: steps to finish the workload; tok/step: decoded tokens per step.
 Contiguous policies ignore external fragmentation between slabs, which flatters them.

@@ -1,0 +1,255 @@
+//! The paged policy, run by the library's own [`Scheduler`] over the
+//! crate's real [`BlockManager`](pagedattn::blocks::BlockManager): the
+//! simulator's paged numbers are those of the scheduling and bookkeeping an
+//! engine embeds, preemption (recompute or swap) included.
+//!
+//! Each step: arrivals join the scheduler's queue; it decides the step
+//! (the previous step's forks and prunes, preemptions, swap-ins,
+//! admissions); the "GPU" runs it; the groups whose logits are ready
+//! sample: one token per parallel sample, or beam survivors drawn by
+//! [`select_beams`](super::engine::select_beams), from the request's own
+//! seeded stream (as in `engine`, so every policy replays the same
+//! decode); memory is sampled; the scheduler commits.
+
+use std::collections::BTreeMap;
+
+use super::engine::{select_beams, Live, RunLog, Sample, VOCAB};
+use super::memory::{Counters, EndState};
+use super::workload::{Request, Sampling};
+use super::SimError;
+use pagedattn::blocks::{
+    BlockManagerConfig, Child, GroupOutput, Preemption, RequestId, Scheduler, SchedulerConfig,
+    SchedulerError, SchedulerStats,
+};
+
+fn internal(what: &str, e: SchedulerError) -> SimError {
+    SimError::Internal(format!("{what}: {e}"))
+}
+
+/// Settings of one paged run.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct PagedRun {
+    pub budget: usize,
+    pub block_size: u32,
+    pub prefix_caching: bool,
+    pub max_len: usize,
+    pub max_seqs: usize,
+    pub preemption: Preemption,
+    /// Host swap space, in blocks.
+    pub swap_blocks: u32,
+}
+
+impl PagedRun {
+    /// Blocks in the pool: `budget / block_size`.
+    pub fn num_blocks(&self) -> Result<u32, SimError> {
+        u32::try_from(self.budget / self.block_size as usize)
+            .map_err(|_| SimError::Config(format!("budget {} is too large", self.budget)))
+    }
+}
+
+/// What a paged run adds to the [`RunLog`]: the scheduler's counters.
+pub(super) type PagedLog = (RunLog, SchedulerStats);
+
+fn count_copies(copies: &[[u32; 2]], c: &mut Counters) {
+    c.cow_copies += copies.len() as u64;
+    if copies.len() > 1 {
+        let mut srcs: Vec<u32> = copies.iter().map(|c| c[0]).collect();
+        let mut dsts: Vec<u32> = copies.iter().map(|c| c[1]).collect();
+        srcs.sort_unstable();
+        dsts.sort_unstable();
+        let dup_dst = dsts.windows(2).any(|w| w[0] == w[1]);
+        let overlap = dsts.iter().any(|d| srcs.binary_search(d).is_ok());
+        if dup_dst || overlap {
+            c.copy_conflicts += 1;
+        }
+    }
+}
+
+/// Runs the whole workload through the library scheduler.
+pub(super) fn run(
+    reqs: &[Request],
+    sampling: Sampling,
+    seed: u64,
+    r: PagedRun,
+) -> Result<PagedLog, SimError> {
+    let num_blocks = r.num_blocks()?;
+    let mut bcfg = BlockManagerConfig::new(num_blocks, r.block_size)
+        .with_prefix_caching(r.prefix_caching)
+        .with_swap_space(r.swap_blocks);
+    bcfg.max_seq_len = r.max_len;
+    let mut scfg = SchedulerConfig::new(1 << 40, r.max_seqs);
+    scfg.preemption = r.preemption;
+    // Admission leaves 1% of the pool free while others run.
+    scfg.watermark_blocks = (num_blocks as usize / 100).max(1);
+    let mut sched = Scheduler::new(bcfg, scfg).map_err(|e| SimError::Config(e.to_string()))?;
+    let bs = r.block_size as usize;
+    let mut log = RunLog::default();
+    let mut counters = Counters::default();
+    // Per request: its decode state (sequences in the group's order).
+    let mut live: BTreeMap<RequestId, Live> = BTreeMap::new();
+    let mut next = 0;
+    let mut now = 0u64;
+    while log.finished < reqs.len() {
+        if !sched.has_work() {
+            // Idle: jump to the next arrival instead of stepping through the gap.
+            now = now.max(reqs[next].arrival);
+        }
+        while next < reqs.len() && reqs[next].arrival <= now {
+            let req = &reqs[next];
+            let width = match sampling {
+                Sampling::Parallel(_) => req.outputs.len(),
+                Sampling::Beam(k) => k,
+            };
+            let id =
+                sched
+                    .add_request(&req.prompt, width, b"")
+                    .map_err(|_| SimError::TooSmall {
+                        request: req.id,
+                        tokens: req.prompt.len() + req.outputs.iter().max().copied().unwrap_or(0),
+                    })?;
+            live.insert(id, Live::new(req, sampling, seed));
+            next += 1;
+        }
+        let step = sched.schedule().map_err(|e| internal("schedule", e))?;
+        let view = &step.plan.view;
+        count_copies(&view.copies, &mut counters);
+        if !view.seq_lens.is_empty() {
+            let t = pagedattn::gpu::find_segments(
+                num_blocks,
+                r.block_size,
+                &view.kv_indptr,
+                &view.kv_indices,
+                &view.seq_lens,
+                pagedattn::gpu::CASCADE_CHUNK_TOKENS / r.block_size,
+            );
+            counters.attn_tokens_plain += t.plain_tokens;
+            counters.attn_tokens_cascade += t.cascade_tokens;
+        }
+        for row in &step.rows {
+            let l = live.get_mut(&row.request).expect("tracked");
+            if !l.admitted {
+                l.admitted = true;
+                log.waits.push(now - reqs[l.req].arrival);
+            }
+        }
+        // Memory at the end of the step's writes.
+        let st = sched.blocks().stats();
+        let mut reserved = 0usize;
+        let mut seqs = 0usize;
+        for (&rid, l) in &live {
+            let ids = sched.sequences(rid).map_err(|e| internal("sequences", e))?;
+            let left = l
+                .seqs
+                .iter()
+                .map(|s| s.target - s.tail.len())
+                .max()
+                .unwrap_or(0);
+            let mut tails = std::collections::BTreeSet::new();
+            for &id in ids {
+                let b = sched.blocks();
+                if b.is_swapped(id).unwrap_or(true) {
+                    continue;
+                }
+                seqs += 1;
+                let len = b.seq_len(id).unwrap_or(0);
+                let fill = len % bs;
+                if fill == 0 {
+                    continue;
+                }
+                if let Some(&last) = b.block_table(id).ok().and_then(|t| t.last()) {
+                    if tails.insert(last) {
+                        reserved += (bs - fill).min(left);
+                    }
+                }
+            }
+        }
+        let (waiting, running, swapped) = sched.queue_lengths();
+        let c = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
+        log.samples.push(Sample {
+            step: now,
+            held: c(st.capacity_held),
+            stored: c(st.tokens_stored),
+            logical: c(st.logical_tokens),
+            reserved: c(reserved),
+            seqs: c(seqs),
+            requests: c(running),
+            queue: c(waiting + swapped),
+        });
+        // Sampling: the groups whose every sequence has its logits.
+        let mut outputs = Vec::with_capacity(step.sample.len());
+        for &rid in &step.sample {
+            let l = live.get_mut(&rid).expect("tracked");
+            let first = l.seqs.iter().all(|s| s.tail.is_empty());
+            let group = sched
+                .sequences(rid)
+                .map_err(|e| internal("sequences", e))?
+                .len();
+            let mut children = Vec::new();
+            let mut next_seqs = Vec::new();
+            match sampling {
+                Sampling::Parallel(_) => {
+                    for (j, s) in l.seqs.iter().enumerate() {
+                        let token = l.rng.below(VOCAB) as u32;
+                        let parent = if first && group == 1 { 0 } else { j };
+                        let mut s = s.clone();
+                        s.tail.push(token);
+                        let finished = s.tail.len() >= s.target;
+                        children.push(Child {
+                            parent,
+                            token,
+                            finished,
+                        });
+                        if !finished {
+                            next_seqs.push(s);
+                        }
+                    }
+                }
+                Sampling::Beam(k) => {
+                    let counts = select_beams(&mut l.rng, l.seqs.len(), k);
+                    for (b, (s, &n)) in l.seqs.iter().zip(&counts).enumerate() {
+                        for _ in 0..n {
+                            let token = l.rng.below(VOCAB) as u32;
+                            let mut s = s.clone();
+                            s.tail.push(token);
+                            let finished = s.tail.len() >= s.target;
+                            children.push(Child {
+                                parent: b,
+                                token,
+                                finished,
+                            });
+                            if !finished {
+                                next_seqs.push(s);
+                            }
+                        }
+                    }
+                }
+            }
+            log.generated += children.len() as u64;
+            l.seqs = next_seqs;
+            outputs.push(GroupOutput {
+                request: rid,
+                children,
+            });
+        }
+        for f in sched
+            .commit(&step, &outputs)
+            .map_err(|e| internal("commit", e))?
+        {
+            live.remove(&f.request);
+            log.finished += 1;
+        }
+        now += 1;
+    }
+    let stats = sched.stats();
+    log.steps = now;
+    log.preemptions = stats.recomputed_groups + stats.swapped_groups;
+    log.recomputed = stats.tokens_recomputed;
+    counters.prefix_hit_tokens = sched.blocks().prefix_hit_tokens();
+    log.counters = counters;
+    let st = sched.blocks().stats();
+    log.end = EndState {
+        leaked: st.capacity_held,
+        blocks: Some((st.free + st.evictable, st.total)),
+    };
+    Ok((log, stats))
+}
