@@ -167,7 +167,8 @@ impl<'a> Soak<'a> {
         };
         let mut scfg = SchedulerConfig::new(256, cfg.max_batch);
         scfg.preemption = cfg.preemption;
-        scfg.watermark_blocks = cfg.num_blocks as usize / 16;
+        // No watermark: admission runs the pool short, so preemption happens.
+        scfg.watermark_blocks = 0;
         let mut sched = Scheduler::new(mcfg, scfg).unwrap();
         sched.scramble_free_list(cfg.seed);
         let kv = KvCache::new(
@@ -583,7 +584,7 @@ fn soak_small() {
     let Some(gpu) = gpu() else { return };
     for preemption in [Preemption::Recompute, Preemption::Swap] {
         let cfg = SoakConfig {
-            num_blocks: 96,
+            num_blocks: 48,
             max_batch: 24,
             preemption,
             ..config(100)

@@ -164,6 +164,9 @@ pub struct Step {
     /// Groups whose every sequence yields logits: each needs a
     /// [`GroupOutput`] in the commit.
     pub sample: Vec<RequestId>,
+    /// Requests dropped because they cannot grow even with the whole pool
+    /// to themselves (their blocks are freed; they will never finish).
+    pub aborted: Vec<RequestId>,
     number: u64,
 }
 
@@ -186,6 +189,8 @@ pub struct SchedulerStats {
     pub blocks_swapped_in: u64,
     /// Requests finished.
     pub finished: u64,
+    /// Requests dropped because they outgrew the whole pool.
+    pub aborted: u64,
 }
 
 #[derive(Clone, Debug)]
@@ -534,6 +539,16 @@ impl Scheduler {
                 break;
             }
             let victim = self.running.pop().expect("need > 0 means a running group");
+            if self.running.is_empty() {
+                // Alone, with every other block free or evictable, it still
+                // does not fit: preempting it would only bring it back.
+                for &id in &victim.seqs {
+                    self.blocks.free(id)?;
+                }
+                self.stats.aborted += 1;
+                step.aborted.push(victim.id);
+                continue;
+            }
             self.preempt(victim, &mut step)?;
         }
         for g in &mut self.running {
@@ -545,23 +560,32 @@ impl Scheduler {
         // Running groups are counted at their width (what they may grow
         // to), so the sequences held never pass `max_seqs`.
         let mut width: usize = self.running.iter().map(|g| g.width).sum();
+        // Their children are applied once every swap-in is chosen: a parent
+        // pruned then frees a block that no later swap-in of this step may
+        // take (one step never writes a pool block twice by swapping).
+        let mut back: Vec<RequestId> = Vec::new();
+        let mut reserved = 0usize;
         while !preempted {
             let Some(g) = self.swapped.front() else { break };
-            let need = self.blocks.swap_in_blocks(&g.seqs)?
-                + g.children.iter().filter(|c| !c.finished).count();
-            if need + self.cfg.watermark_blocks > self.blocks.available_blocks()
+            let grow = g.children.iter().filter(|c| !c.finished).count();
+            let need = self.blocks.swap_in_blocks(&g.seqs)? + grow;
+            if need + reserved + self.cfg.watermark_blocks > self.blocks.available_blocks()
                 || width + g.width > self.cfg.max_seqs
             {
                 break;
             }
-            let mut g = self.swapped.pop_front().expect("front exists");
+            let g = self.swapped.pop_front().expect("front exists");
             let pairs = self.blocks.swap_in(&g.seqs)?;
             self.stats.blocks_swapped_in += pairs.len() as u64;
             step.swap_in.extend(pairs);
-            Self::apply_children(&mut self.blocks, &mut g)?;
+            reserved += grow;
             width += g.width;
+            back.push(g.id);
             let at = self.running.partition_point(|x| x.id < g.id);
             self.running.insert(at, g);
+        }
+        for g in self.running.iter_mut().filter(|g| back.contains(&g.id)) {
+            Self::apply_children(&mut self.blocks, g)?;
         }
         // 3. The token budget: running groups in arrival order (decodes
         //    take one token a sequence), then admissions.

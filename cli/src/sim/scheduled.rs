@@ -111,6 +111,13 @@ pub(super) fn run(
             next += 1;
         }
         let step = sched.schedule().map_err(|e| internal("schedule", e))?;
+        if let Some(rid) = step.aborted.first() {
+            let req = &reqs[live[rid].req];
+            return Err(SimError::TooSmall {
+                request: req.id,
+                tokens: req.prompt.len() + req.outputs.iter().max().copied().unwrap_or(0),
+            });
+        }
         let view = &step.plan.view;
         count_copies(&view.copies, &mut counters);
         if !view.seq_lens.is_empty() {
