@@ -1,6 +1,7 @@
 //! Fuzzes the block manager's whole API: the input is decoded into a
 //! configuration and a sequence of calls (add with prefix caching, append,
-//! fork, free, batch views, take copies, evict, queries), each checked
+//! fork, free, batch views, chunked steps, swap-out / swap-in, take
+//! copies, evict, queries), each checked
 //! against a model; see tests/common/block_ops.rs for the format and the
 //! invariants.
 #![no_main]

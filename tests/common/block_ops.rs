@@ -79,6 +79,15 @@ pub struct Coverage {
     pub window_released: usize,
     pub position_released: usize,
     pub zero_window: usize,
+    pub swapped_out: usize,
+    pub swapped_in: usize,
+    pub swap_full: usize,
+    pub copies_pending: usize,
+    pub not_swapped: usize,
+    pub swapped_refused: usize,
+    pub freed_swapped: usize,
+    pub chunked: usize,
+    pub stale_plans: usize,
 }
 
 impl Coverage {
@@ -91,7 +100,7 @@ impl Coverage {
 
     /// (name, count) of every field.
     pub fn named(&self) -> Vec<(&'static str, usize)> {
-        const NAMES: [&str; 27] = [
+        const NAMES: [&str; 36] = [
             "inputs",
             "bad configs",
             "ops",
@@ -119,11 +128,20 @@ impl Coverage {
             "blocks released outside a window",
             "released positions asked for",
             "zero windows",
+            "groups swapped out",
+            "groups swapped in",
+            "swap space full",
+            "swap-outs with copies pending",
+            "swap-ins of resident sequences",
+            "calls refused on swapped sequences",
+            "swapped sequences freed",
+            "chunked steps",
+            "stale plans refused",
         ];
         NAMES.into_iter().zip(self.fields()).collect()
     }
 
-    fn fields(&self) -> [usize; 27] {
+    fn fields(&self) -> [usize; 36] {
         [
             self.inputs,
             self.bad_configs,
@@ -152,10 +170,19 @@ impl Coverage {
             self.window_released,
             self.position_released,
             self.zero_window,
+            self.swapped_out,
+            self.swapped_in,
+            self.swap_full,
+            self.copies_pending,
+            self.not_swapped,
+            self.swapped_refused,
+            self.freed_swapped,
+            self.chunked,
+            self.stale_plans,
         ]
     }
 
-    fn fields_mut(&mut self) -> [&mut usize; 27] {
+    fn fields_mut(&mut self) -> [&mut usize; 36] {
         [
             &mut self.inputs,
             &mut self.bad_configs,
@@ -184,6 +211,15 @@ impl Coverage {
             &mut self.window_released,
             &mut self.position_released,
             &mut self.zero_window,
+            &mut self.swapped_out,
+            &mut self.swapped_in,
+            &mut self.swap_full,
+            &mut self.copies_pending,
+            &mut self.not_swapped,
+            &mut self.swapped_refused,
+            &mut self.freed_swapped,
+            &mut self.chunked,
+            &mut self.stale_plans,
         ]
     }
 }
@@ -235,6 +271,11 @@ pub struct Harness {
     last_id: Option<SeqId>,
     /// A handle of another manager (refused as unknown).
     foreign: SeqId,
+    /// Swapped-out sequences (tables of host blocks); never in `model`.
+    swapped: BTreeMap<SeqId, ModelSeq>,
+    /// Simulated host swap space (token per slot) and references per host block.
+    host: Vec<Option<u32>>,
+    host_refs: Vec<usize>,
     history: Vec<Vec<u32>>,
     /// Token id held by each slot of the simulated GPU pool.
     pool: Vec<Option<u32>>,
@@ -309,9 +350,12 @@ impl Harness {
             64
         };
         let prefix = c3 & 1 == 1;
+        let swap_blocks = ((c3 >> 1) % 16) as u32;
         let cfg = BlockManagerConfig {
             max_seq_len,
-            ..BlockManagerConfig::new(num_blocks, bs).with_prefix_caching(prefix)
+            ..BlockManagerConfig::new(num_blocks, bs)
+                .with_prefix_caching(prefix)
+                .with_swap_space(swap_blocks)
         };
         let res = BlockManager::new(cfg);
         let bs_ok = (1..=256).contains(&bs) && bs.is_power_of_two();
@@ -351,6 +395,9 @@ impl Harness {
             last_id: None,
             history: Vec::new(),
             pool: vec![None; nb * bs],
+            swapped: BTreeMap::new(),
+            host: vec![None; swap_blocks as usize * bs],
+            host_refs: vec![0; swap_blocks as usize],
             foreign: BlockManager::new(BlockManagerConfig::new(1, 1))
                 .unwrap()
                 .add_sequence(&[0])
@@ -417,7 +464,13 @@ impl Harness {
             13 => self.op_take_copies(),
             14 => self.op_evict(),
             _ if tag >= 128 => self.op_window(input),
-            _ => self.op_query(input),
+            _ => match tag {
+                15 => self.op_swap_out(input),
+                31 => self.op_swap_in(input),
+                47 => self.op_chunk(input),
+                63 => self.op_swapped_calls(input),
+                _ => self.op_query(input),
+            },
         }
     }
 
@@ -1121,11 +1174,368 @@ impl Harness {
         self.cov.bound_tried += 1;
     }
 
+    fn host_free(&self) -> usize {
+        self.host_refs.iter().filter(|&&r| r == 0).count()
+    }
+
+    /// A group for a swap: `n` picks, each a live, swapped, freed or
+    /// foreign handle.
+    fn pick_group(&self, input: &mut Bytes, prefer_swapped: bool) -> Vec<SeqId> {
+        let n = 1 + input.byte() as usize % 3;
+        let swapped: Vec<SeqId> = self.swapped.keys().copied().collect();
+        (0..n)
+            .map(|_| {
+                let b = input.byte();
+                if prefer_swapped && b < 200 && !swapped.is_empty() {
+                    swapped[b as usize % swapped.len()]
+                } else {
+                    self.pick_id(b)
+                }
+            })
+            .collect()
+    }
+
+    /// The error a group call predicts: the first unknown id, or one
+    /// swapped (or not) against `want_swapped`, then the first repeat.
+    fn group_error(&self, group: &[SeqId], want_swapped: bool) -> Option<BlockError> {
+        let mut seen = HashSet::new();
+        for &id in group {
+            let resident = self.model.contains_key(&id);
+            let swapped = self.swapped.contains_key(&id);
+            if !resident && !swapped {
+                return Some(BlockError::UnknownSequence(id));
+            }
+            if swapped != want_swapped {
+                return Some(if want_swapped {
+                    BlockError::NotSwapped(id)
+                } else {
+                    BlockError::Swapped(id)
+                });
+            }
+            if !seen.insert(id) {
+                return Some(BlockError::DuplicateInBatch(id));
+            }
+        }
+        None
+    }
+
+    fn op_swap_out(&mut self, input: &mut Bytes) {
+        let group = self.pick_group(input, false);
+        let pre = self.m.clone();
+        let res = self.m.swap_out(&group);
+        self.note(format!("swap_out {group:?} -> {res:?}"));
+        let mut err = self.group_error(&group, false);
+        if err.is_none() && !pre.pending_copies().is_empty() {
+            err = Some(BlockError::CopiesPending(pre.pending_copies().len()));
+            self.cov.copies_pending += 1;
+        }
+        let mut distinct = Vec::new();
+        if err.is_none() {
+            for id in &group {
+                for &b in &self.model[id].table {
+                    if b != RELEASED && !distinct.contains(&b) {
+                        distinct.push(b);
+                    }
+                }
+            }
+            if distinct.len() > self.host_free() {
+                err = Some(BlockError::SwapSpaceFull {
+                    needed: distinct.len(),
+                    free: self.host_free(),
+                });
+                self.cov.swap_full += 1;
+            }
+        }
+        if let Some(e) = err {
+            self.cov.unknown += matches!(e, BlockError::UnknownSequence(_)) as usize;
+            self.cov.duplicate += matches!(e, BlockError::DuplicateInBatch(_)) as usize;
+            assert_eq!(res, Err(e));
+            self.expect_unchanged(&pre, "swap_out");
+            return;
+        }
+        let pairs = res.expect("a swap-out that fits must succeed");
+        assert_eq!(pairs.iter().map(|p| p[0]).collect::<Vec<_>>(), distinct);
+        let bs = self.bs;
+        let mut map = HashMap::new();
+        for &[b, h] in &pairs {
+            assert!((h as usize) < self.host_refs.len() && self.host_refs[h as usize] == 0);
+            assert!(!map.values().any(|&x| x == h), "host block {h} given twice");
+            map.insert(b, h);
+            for i in 0..bs {
+                self.host[h as usize * bs + i] = self.pool[b as usize * bs + i];
+            }
+        }
+        // References drop in the manager's order: group, then table order.
+        let mut holders = self.holders();
+        for &id in &group {
+            let mut seq = self.model.remove(&id).expect("checked");
+            for b in seq.table.iter_mut().filter(|b| **b != RELEASED) {
+                let h = map[b];
+                self.host_refs[h as usize] += 1;
+                holders[*b as usize] -= 1;
+                if holders[*b as usize] == 0 {
+                    self.model_release(*b);
+                }
+                *b = h;
+            }
+            self.swapped.insert(id, seq);
+        }
+        self.cov.swapped_out += 1;
+    }
+
+    fn op_swap_in(&mut self, input: &mut Bytes) {
+        let flag = input.byte();
+        if flag & 7 == 0 && !self.swapped.is_empty() {
+            // Free a swapped-out sequence: its host blocks go back.
+            let id = *self
+                .swapped
+                .keys()
+                .nth(flag as usize / 8 % self.swapped.len())
+                .expect("non-empty");
+            let pre_avail = self.m.available_blocks();
+            self.m.free(id).expect("a swapped sequence can be freed");
+            self.note(format!("free swapped {id}"));
+            let seq = self.swapped.remove(&id).expect("picked");
+            for &h in seq.table.iter().filter(|&&h| h != RELEASED) {
+                self.host_refs[h as usize] -= 1;
+            }
+            assert_eq!(self.m.available_blocks(), pre_avail);
+            self.dead.push(id);
+            self.cov.freed_swapped += 1;
+            return;
+        }
+        let group = self.pick_group(input, true);
+        let pre = self.m.clone();
+        let res = self.m.swap_in(&group);
+        self.note(format!("swap_in {group:?} -> {res:?}"));
+        let mut err = self.group_error(&group, true);
+        self.cov.not_swapped += matches!(err, Some(BlockError::NotSwapped(_))) as usize;
+        let mut distinct = Vec::new();
+        if err.is_none() {
+            for id in &group {
+                for &h in &self.swapped[id].table {
+                    if h != RELEASED && !distinct.contains(&h) {
+                        distinct.push(h);
+                    }
+                }
+            }
+            let free = self.free.len() + self.evictable.len();
+            if distinct.len() > free {
+                err = Some(BlockError::OutOfBlocks {
+                    needed: distinct.len(),
+                    free,
+                });
+                self.cov.out_of_blocks += 1;
+            }
+        }
+        if let Some(e) = err {
+            self.cov.unknown += matches!(e, BlockError::UnknownSequence(_)) as usize;
+            self.cov.duplicate += matches!(e, BlockError::DuplicateInBatch(_)) as usize;
+            assert_eq!(res, Err(e));
+            self.expect_unchanged(&pre, "swap_in");
+            return;
+        }
+        let pairs = res.expect("a swap-in that fits must succeed");
+        assert_eq!(pairs.iter().map(|p| p[0]).collect::<Vec<_>>(), distinct);
+        let bs = self.bs;
+        let map: HashMap<u32, u32> = pairs.iter().map(|p| (p[0], p[1])).collect();
+        let mut taken = 0;
+        for &id in &group {
+            let mut seq = self.swapped.remove(&id).expect("checked");
+            for h in seq.table.iter_mut().filter(|h| **h != RELEASED) {
+                let b = map[h];
+                if pairs[taken..].first().is_some_and(|p| p[1] == b) {
+                    // First use of this host block: a block taken now.
+                    self.model_take(b);
+                    for i in 0..bs {
+                        self.pool[b as usize * bs + i] = self.host[*h as usize * bs + i];
+                    }
+                    taken += 1;
+                }
+                self.host_refs[*h as usize] -= 1;
+                *h = b;
+            }
+            // Full blocks go back to the cache where their prefix is not cached.
+            if self.prefix {
+                for blk in 0..seq.hashed {
+                    let b = seq.table[blk];
+                    let key = seq.tokens[..(blk + 1) * bs].to_vec();
+                    if b != RELEASED
+                        && self.block_key[b as usize].is_none()
+                        && !self.cache.contains_key(&key)
+                    {
+                        self.cache.insert(key.clone(), b);
+                        self.block_key[b as usize] = Some(key);
+                    }
+                }
+            }
+            self.model.insert(id, seq);
+        }
+        assert_eq!(taken, pairs.len());
+        self.cov.swapped_in += 1;
+    }
+
+    /// Every pool call on a swapped-out sequence is refused, changing nothing.
+    fn op_swapped_calls(&mut self, input: &mut Bytes) {
+        let sel = input.byte() as usize;
+        let Some(&id) = self.swapped.keys().nth(sel % self.swapped.len().max(1)) else {
+            return self.op_query(input);
+        };
+        let pre = self.m.clone();
+        let want = BlockError::Swapped(id);
+        assert_eq!(self.m.append(id, &[1]), Err(want.clone()));
+        assert_eq!(self.m.fork(id), Err(want.clone()));
+        assert_eq!(self.m.plan_step(&[(id, 1)]), Err(want.clone()));
+        assert_eq!(self.m.block_table(id), Err(want.clone()));
+        assert_eq!(self.m.slot(id, 0), Err(want.clone()));
+        assert_eq!(self.m.release_outside_window(id, 1), Err(want.clone()));
+        assert_eq!(self.m.blocks_needed_to_append(&[id], 1), Err(want.clone()));
+        assert_eq!(self.m.batch_view(&[id]), Err(want));
+        assert_eq!(self.m.is_swapped(id), Ok(true));
+        self.expect_unchanged(&pre, "calls on a swapped sequence");
+        self.cov.swapped_refused += 1;
+    }
+
+    /// A chunked step: `plan_step` with a token budget per sequence (it
+    /// changes nothing), sometimes a stale commit on a changed copy
+    /// (refused), then `commit_step`.
+    fn op_chunk(&mut self, input: &mut Bytes) {
+        let mask = input.byte();
+        let ids: Vec<SeqId> = self
+            .live()
+            .into_iter()
+            .enumerate()
+            .filter(|&(i, _)| mask & (1 << (i % 8)) != 0)
+            .map(|(_, id)| id)
+            .collect();
+        let bs = self.bs;
+        let batch: Vec<(SeqId, usize)> = ids
+            .iter()
+            .map(|&id| (id, input.byte() as usize % (2 * bs + 2)))
+            .collect();
+        let pre = self.m.clone();
+        let plan = self
+            .m
+            .plan_step(&batch)
+            .expect("distinct resident sequences");
+        self.note(format!("plan_step {batch:?} -> chunks {:?}", plan.chunks));
+        self.expect_unchanged(&pre, "plan_step");
+        let v = &plan.view;
+        assert_eq!(v.copies, pre.pending_copies());
+        for (i, &(id, budget)) in batch.iter().enumerate() {
+            let seq = &self.model[&id];
+            let len = seq.tokens.len();
+            let first = len - seq.pending;
+            let chunk = seq.pending.min(budget);
+            let end = first + chunk;
+            assert_eq!(plan.chunks[i], chunk);
+            assert_eq!(plan.completes[i], chunk == seq.pending);
+            assert_eq!(v.seq_lens[i] as usize, end);
+            let table = &v.kv_indices[v.kv_indptr[i] as usize..v.kv_indptr[i + 1] as usize];
+            assert_eq!(table, &seq.table[..self.blocks_for(end)]);
+            let slots = &v.slot_mapping[v.new_indptr[i] as usize..v.new_indptr[i + 1] as usize];
+            let want: Vec<u32> = (first..end)
+                .map(|p| {
+                    if seq.capped && p == first {
+                        SKIP_WRITE
+                    } else {
+                        seq.table[p / bs] * bs as u32 + (p % bs) as u32
+                    }
+                })
+                .collect();
+            assert_eq!(slots, &want[..], "{id}: chunk slots");
+        }
+        if input.byte() & 1 == 1 {
+            let mut other = self.m.clone();
+            if other.add_sequence(&[0]).is_ok() {
+                let before = other.clone();
+                assert_eq!(other.commit_step(&plan), Err(BlockError::StalePlan));
+                assert!(other == before, "a stale commit changed the manager");
+                self.cov.stale_plans += 1;
+            }
+        }
+        self.m.commit_step(&plan).expect("a fresh plan commits");
+        assert!(self.m.pending_copies().is_empty());
+        self.model_copies_taken();
+        self.apply_copies(&plan.view.copies);
+        for (i, &(id, _)) in batch.iter().enumerate() {
+            let seq = self.model.get_mut(&id).expect("live");
+            let len = seq.tokens.len();
+            let first = len - seq.pending;
+            let slots = &plan.view.slot_mapping
+                [plan.view.new_indptr[i] as usize..plan.view.new_indptr[i + 1] as usize];
+            for (p, &slot) in (first..).zip(slots) {
+                if slot != SKIP_WRITE {
+                    self.pool[slot as usize] = Some(seq.tokens[p]);
+                }
+            }
+            let chunk = plan.chunks[i];
+            seq.pending -= chunk;
+            if chunk > 0 {
+                seq.capped = false;
+            }
+            if self.prefix {
+                let full = (len - seq.pending) / bs;
+                for blk in seq.hashed..full {
+                    let b = seq.table[blk];
+                    let key = seq.tokens[..(blk + 1) * bs].to_vec();
+                    if b != RELEASED
+                        && self.block_key[b as usize].is_none()
+                        && !self.cache.contains_key(&key)
+                    {
+                        self.cache.insert(key.clone(), b);
+                        self.block_key[b as usize] = Some(key);
+                    }
+                }
+                seq.hashed = seq.hashed.max(full);
+            }
+        }
+        self.cov.chunked += 1;
+    }
+
+    /// Swapped-out sequences: their host blocks hold what their handed-over
+    /// positions held, and host references add up.
+    fn check_swapped(&self) {
+        let bs = self.bs;
+        let mut refs = vec![0usize; self.host_refs.len()];
+        for (id, seq) in &self.swapped {
+            assert_eq!(self.m.is_swapped(*id), Ok(true));
+            assert_eq!(self.m.tokens(*id).unwrap(), &seq.tokens[..]);
+            assert_eq!(self.m.pending_tokens(*id).unwrap(), seq.pending);
+            let len = seq.tokens.len();
+            for (i, &h) in seq.table.iter().enumerate() {
+                if h == RELEASED {
+                    continue;
+                }
+                refs[h as usize] += 1;
+                for p in i * bs..((i + 1) * bs).min(len - seq.pending) {
+                    assert_eq!(
+                        self.host[h as usize * bs + p % bs],
+                        Some(seq.tokens[p]),
+                        "{id} position {p} in host block {h}"
+                    );
+                }
+            }
+        }
+        assert_eq!(refs, self.host_refs, "host block references");
+        let s = self.m.stats();
+        assert_eq!(s.swapped_sequences, self.swapped.len());
+        assert_eq!(s.swap_used, refs.iter().filter(|&&r| r > 0).count());
+        assert_eq!(self.m.swap_free_blocks(), self.host_free());
+    }
+
     /// Invariants that hold between any two calls.
     fn check(&self) {
         let (bs, nb) = (self.bs, self.nb);
-        assert_eq!(self.m.sequence_ids(), self.live());
-        assert_eq!(self.m.num_sequences(), self.model.len());
+        let mut all: Vec<SeqId> = self.live();
+        all.extend(self.swapped.keys().copied());
+        all.sort();
+        assert_eq!(self.m.sequence_ids(), all);
+        assert_eq!(
+            self.m.num_sequences(),
+            self.model.len() + self.swapped.len()
+        );
+        self.check_swapped();
         let holders = self.holders();
         for (b, &h) in holders.iter().enumerate() {
             assert_eq!(
@@ -1238,7 +1648,7 @@ impl Harness {
         );
         assert_eq!(s.used, used);
         assert_eq!(s.shared, holders.iter().filter(|&&h| h > 1).count());
-        assert_eq!(s.sequences, self.model.len());
+        assert_eq!(s.sequences, self.model.len() + self.swapped.len());
         assert_eq!(s.logical_tokens, logical);
         assert_eq!(s.tokens_stored, filled.iter().sum::<usize>());
         assert_eq!(s.capacity_held, used * bs);
