@@ -7,14 +7,20 @@
 //! to both. Not declared in `common/mod.rs`: only those two use it.
 //!
 //! An input is four configuration bytes (block size, pool size, length
-//! limit, prefix caching and free-list scrambling; some values ask for an
-//! invalid configuration, which must be refused) and then operations, one
+//! limit, prefix caching, host swap space of 0 to 15 blocks and free-list
+//! scrambling; some values ask for an invalid configuration, which must be
+//! refused) and then operations, one
 //! tag byte each followed by its arguments: add a sequence (fresh tokens, a
 //! prefix of a live or freed sequence, a shared stem, an empty or over-long
 //! prompt), append, fork, free, release outside a sliding window, a batch view (of a subset, with unknown or
 //! repeated ids mixed in, into a fresh or a reused view), take the copies,
-//! evict the cache, and queries (`slot`, `blocks_needed_to_append`, whose
-//! bound is also tried out on a copy of the manager). Missing bytes read as
+//! evict the cache, queries (`slot`, `blocks_needed_to_append`, whose
+//! bound is also tried out on a copy of the manager), and (tags 15, 31, 47,
+//! 63) swap-out of a group, swap-in of a group or freeing a swapped-out
+//! sequence, a chunked step (`plan_step` with token budgets, a stale plan
+//! refused on a changed copy, `commit_step`), and every pool call on a
+//! swapped-out sequence (refused). A simulated host swap space holds what
+//! swapped blocks held. Missing bytes read as
 //! zero; decoding never fails, so every byte string is a valid input.
 //!
 //! The model keeps each sequence's tokens, block table and pending count,
