@@ -418,3 +418,43 @@ fn bad_outputs_and_out_of_order_calls_are_refused() {
     assert!(!s.has_work());
     assert_eq!(s.blocks().stats().free, 16);
 }
+
+#[test]
+fn a_request_that_outgrows_the_whole_pool_is_dropped_not_preempted_forever() {
+    for preemption in [Preemption::Recompute, Preemption::Swap] {
+        let mut cfg = SchedulerConfig::new(64, 4);
+        cfg.preemption = preemption;
+        let blocks = BlockManagerConfig::new(8, 4).with_swap_space(8);
+        let mut s = Scheduler::new(blocks, cfg).unwrap();
+        let r = s.add_request(&toks(0, 20), 1, b"").unwrap();
+        let mut steps = 0;
+        let aborted = loop {
+            let step = s.schedule().unwrap();
+            if !step.aborted.is_empty() {
+                break step.aborted;
+            }
+            let out: Vec<GroupOutput> = step
+                .sample
+                .iter()
+                .map(|&request| GroupOutput {
+                    request,
+                    children: vec![Child {
+                        parent: 0,
+                        token: 3,
+                        finished: false,
+                    }],
+                })
+                .collect();
+            s.commit(&step, &out).unwrap();
+            steps += 1;
+            assert!(steps < 100, "{preemption:?}: never dropped");
+        };
+        assert_eq!(aborted, vec![r]);
+        // 32 slots: the prompt and 12 tokens fit, the 13th does not.
+        assert_eq!(steps, 13, "{preemption:?}");
+        assert_eq!(s.stats().aborted, 1);
+        assert_eq!(s.stats().swapped_groups + s.stats().recomputed_groups, 0);
+        assert!(!s.has_work());
+        assert_eq!(s.blocks().stats().free, 8);
+    }
+}
