@@ -445,3 +445,44 @@ fn the_cascade_reads_shared_prefixes_once() {
     assert!(parallel.1 < parallel.0, "{parallel:?}");
     assert!(beam.1 < 0.6 * beam.0, "{beam:?}");
 }
+
+/// The paged policy runs the library scheduler under each preemption
+/// policy; the cost model prices them, and, as in the vLLM paper's Figure
+/// 19, swapping loses at one-token blocks (a copy per block, layer and K or
+/// V is mostly overhead) and wins at large blocks.
+#[test]
+fn recompute_and_swap_are_compared_by_block_size() {
+    let r = small(&[
+        "--sampling",
+        "parallel:4",
+        "--policies",
+        "paged",
+        "--block-size",
+        "1,64",
+        "--preemption",
+        "recompute,swap",
+    ]);
+    for bs in [1, 64] {
+        let rc = policy(&r, "parallel:4", &format!("paged/{bs} recompute"));
+        let sw = policy(&r, "parallel:4", &format!("paged/{bs} swap"));
+        assert_eq!(rc.preemption.as_deref(), Some("recompute"));
+        assert!(rc.recomputed_groups > 0 && rc.swapped_groups == 0, "{bs}");
+        assert!(rc.recompute_ms > 0.0 && rc.swap_ms == 0.0);
+        assert!(sw.swapped_groups > 0 && sw.swapped_bytes > 0, "{bs}");
+        assert!(sw.swap_ms > 0.0);
+        // Same work either way.
+        assert_eq!(rc.generated_tokens, sw.generated_tokens);
+        let (r_ms, s_ms) = (rc.recompute_ms + rc.swap_ms, sw.recompute_ms + sw.swap_ms);
+        if bs == 1 {
+            assert!(
+                s_ms > r_ms,
+                "block 1: swap {s_ms} ms vs recompute {r_ms} ms"
+            );
+        } else {
+            assert!(
+                s_ms < r_ms,
+                "block 64: swap {s_ms} ms vs recompute {r_ms} ms"
+            );
+        }
+    }
+}

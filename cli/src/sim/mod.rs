@@ -359,33 +359,6 @@ impl SimConfig {
                 self.kv_dtypes.len()
             ));
         }
-        if self.preemption.is_empty() || self.preemption.len() > 3 {
-            return bad("--preemption takes 1 to 3 policies".into());
-        }
-        if self.swap_tokens > MAX_BUDGET {
-            return bad(format!(
-                "--swap-tokens {} is over the limit of {MAX_BUDGET}",
-                self.swap_tokens
-            ));
-        }
-        let c = &self.cost;
-        for (name, v) in [
-            ("--swap-gbps", c.swap_gbps),
-            ("--recompute-tps", c.recompute_tps),
-        ] {
-            if !(v.is_finite() && v > 0.0 && v <= 1e12) {
-                return bad(format!("{name} {v} is not a positive rate of at most 1e12"));
-            }
-        }
-        if !(c.copy_overhead_us.is_finite() && (0.0..=1e6).contains(&c.copy_overhead_us)) {
-            return bad(format!(
-                "--copy-overhead-us {} is not in 0..=1000000",
-                c.copy_overhead_us
-            ));
-        }
-        if !(1..=1024).contains(&c.layers) || !(1..=1024).contains(&c.kv_heads) {
-            return bad("--model-layers and --model-kv-heads take 1 to 1024".into());
-        }
         if self.head_dim == 0 || self.head_dim % 4 != 0 || self.head_dim > 256 {
             return bad(format!(
                 "--head-dim {} is not a multiple of 4 in 4..=256",
@@ -442,6 +415,33 @@ impl SimConfig {
                 "--requests {} x {widest} sequences each = {seqs} sequences is over the limit of {MAX_SEQUENCES}",
                 self.workload.requests
             ));
+        }
+        if self.preemption.is_empty() || self.preemption.len() > 3 {
+            return bad("--preemption takes 1 to 3 policies".into());
+        }
+        if self.swap_tokens > MAX_BUDGET {
+            return bad(format!(
+                "--swap-tokens {} is over the limit of {MAX_BUDGET}",
+                self.swap_tokens
+            ));
+        }
+        let c = &self.cost;
+        for (name, v) in [
+            ("--swap-gbps", c.swap_gbps),
+            ("--recompute-tps", c.recompute_tps),
+        ] {
+            if !(v.is_finite() && v > 0.0 && v <= 1e12) {
+                return bad(format!("{name} {v} is not a positive rate of at most 1e12"));
+            }
+        }
+        if !(c.copy_overhead_us.is_finite() && (0.0..=1e6).contains(&c.copy_overhead_us)) {
+            return bad(format!(
+                "--copy-overhead-us {} is not in 0..=1000000",
+                c.copy_overhead_us
+            ));
+        }
+        if !(1..=1024).contains(&c.layers) || !(1..=1024).contains(&c.kv_heads) {
+            return bad("--model-layers and --model-kv-heads take 1 to 1024".into());
         }
         Ok(())
     }
