@@ -458,3 +458,43 @@ fn a_request_that_outgrows_the_whole_pool_is_dropped_not_preempted_forever() {
         assert_eq!(s.blocks().stats().free, 8);
     }
 }
+
+/// The watermark keeps room for running groups to grow: with nothing
+/// running it does not keep a request that fits the pool waiting forever.
+#[test]
+fn the_watermark_never_starves_an_idle_pool() {
+    let mut cfg = SchedulerConfig::new(64, 4);
+    cfg.watermark_blocks = 1;
+    let mut s = Scheduler::new(BlockManagerConfig::new(5, 16), cfg).unwrap();
+    // One prompt block and four samples' growth: the whole pool.
+    let r = s.add_request(&[1, 2, 3], 4, b"").unwrap();
+    let step = s.schedule().unwrap();
+    assert_eq!(step.sample, vec![r], "admitted into an idle pool");
+    let children = (0..4)
+        .map(|_| Child {
+            parent: 0,
+            token: 9,
+            finished: false,
+        })
+        .collect();
+    s.commit(
+        &step,
+        &[GroupOutput {
+            request: r,
+            children,
+        }],
+    )
+    .unwrap();
+    let step = s.schedule().unwrap();
+    assert_eq!(step.rows.len(), 4);
+    assert!(step.aborted.is_empty() && step.preempted.is_empty());
+    s.commit(
+        &step,
+        &[GroupOutput {
+            request: r,
+            children: vec![],
+        }],
+    )
+    .unwrap();
+    assert!(!s.has_work());
+}

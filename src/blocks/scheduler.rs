@@ -569,9 +569,22 @@ impl Scheduler {
             let Some(g) = self.swapped.front() else { break };
             let grow = g.children.iter().filter(|c| !c.finished).count();
             let need = self.blocks.swap_in_blocks(&g.seqs)? + grow;
-            if need + reserved + self.cfg.watermark_blocks > self.blocks.available_blocks()
+            let idle = self.running.is_empty();
+            let wm = if idle { 0 } else { self.cfg.watermark_blocks };
+            if need + reserved + wm > self.blocks.available_blocks()
                 || width + g.width > self.cfg.max_seqs
             {
+                if idle && need > self.blocks.available_blocks() {
+                    // With the pool to itself it still cannot come back
+                    // and grow: it never will. Drop it.
+                    let g = self.swapped.pop_front().expect("front exists");
+                    for &id in &g.seqs {
+                        self.blocks.free(id)?;
+                    }
+                    self.stats.aborted += 1;
+                    step.aborted.push(g.id);
+                    continue;
+                }
                 break;
             }
             let g = self.swapped.pop_front().expect("front exists");
@@ -619,11 +632,23 @@ impl Scheduler {
             {
                 break;
             }
-            let mut need = g.width + self.cfg.watermark_blocks;
+            // The watermark keeps room for running groups to grow; with
+            // none, it would only keep the pool idle.
+            let idle = self.running.is_empty();
+            let mut need = g.width + if idle { 0 } else { self.cfg.watermark_blocks };
             for s in &g.sources {
                 need += self.blocks.blocks_to_add(s, &g.salt);
             }
             if need > self.blocks.available_blocks() {
+                if idle {
+                    // Nothing runs or is swapped out: every block is free or
+                    // evictable, and it still does not fit (a recompute of a
+                    // group grown past the pool). It never will: drop it.
+                    let g = self.waiting.pop_front().expect("front exists");
+                    self.stats.aborted += 1;
+                    step.aborted.push(g.id);
+                    continue;
+                }
                 break;
             }
             let mut g = self.waiting.pop_front().expect("front exists");
