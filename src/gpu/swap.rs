@@ -95,11 +95,16 @@ impl KvCache {
                     cfg.block_bytes() * 2 * cfg.num_layers as u64
                 ))
             })?;
+        let len = usize::try_from(bytes / 4).map_err(|_| {
+            GpuError::InvalidArgument(format!(
+                "swap space of {bytes} bytes does not fit this platform's memory"
+            ))
+        })?;
         Ok(SwapSpace {
             cfg,
             blocks,
             words,
-            data: vec![0; (bytes / 4) as usize],
+            data: vec![0; len],
         })
     }
 

@@ -77,7 +77,7 @@ pub(super) fn run(
         .with_prefix_caching(r.prefix_caching)
         .with_swap_space(r.swap_blocks);
     bcfg.max_seq_len = r.max_len;
-    let mut scfg = SchedulerConfig::new(1 << 40, r.max_seqs);
+    let mut scfg = SchedulerConfig::new(usize::MAX, r.max_seqs);
     scfg.preemption = r.preemption;
     // Admission leaves 1% of the pool free while others run.
     scfg.watermark_blocks = (num_blocks as usize / 100).max(1);
