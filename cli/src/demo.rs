@@ -435,7 +435,6 @@ impl Demo {
                 },
             );
         }
-        let before = self.sched.stats();
         let step = self.sched.schedule()?;
         let view = &step.plan.view;
         rep.preempted = step.preempted.len() as u32;
@@ -647,12 +646,6 @@ impl Demo {
             rep.finished += f.sequences.len() as u32;
             self.reqs.remove(&f.request);
         }
-        let after = self.sched.stats();
-        rep.preempted = rep.preempted.max(
-            (after.swapped_groups + after.recomputed_groups
-                - before.swapped_groups
-                - before.recomputed_groups) as u32,
-        );
         // The sequences the pool holds now (swapped-out ones aside), by
         // request; a group's children join at the next step.
         self.seqs.clear();

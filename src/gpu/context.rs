@@ -456,10 +456,27 @@ impl Gpu {
     /// refused here, naming the limit, before wgpu sees it; a lost device is
     /// `GpuError::Device`.
     pub fn storage(&self, label: &str, bytes: u64) -> Result<wgpu::Buffer, GpuError> {
+        self.buffer(
+            label,
+            bytes.max(16),
+            wgpu::BufferUsages::STORAGE
+                | wgpu::BufferUsages::COPY_DST
+                | wgpu::BufferUsages::COPY_SRC,
+        )
+    }
+
+    /// A buffer of `bytes` rounded up to a multiple of 4 (at least 4),
+    /// refused past the device's `max_buffer_size`, naming the limit.
+    fn buffer(
+        &self,
+        label: &str,
+        bytes: u64,
+        usage: wgpu::BufferUsages,
+    ) -> Result<wgpu::Buffer, GpuError> {
         let _serial = self.serial();
         self.alive()?;
         let size = bytes
-            .max(16)
+            .max(4)
             .checked_next_multiple_of(4)
             .filter(|&s| s <= self.limits.max_buffer_size)
             .ok_or_else(|| {
@@ -472,9 +489,7 @@ impl Gpu {
         Ok(self.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some(label),
             size,
-            usage: wgpu::BufferUsages::STORAGE
-                | wgpu::BufferUsages::COPY_DST
-                | wgpu::BufferUsages::COPY_SRC,
+            usage,
             mapped_at_creation: false,
         }))
     }
@@ -523,31 +538,11 @@ impl Gpu {
     /// A staging buffer to read back (`MAP_READ | COPY_DST`) of `bytes`,
     /// checked against the device's `max_buffer_size`.
     pub(crate) fn staging(&self, label: &str, bytes: u64) -> Result<wgpu::Buffer, GpuError> {
-        let _serial = self.serial();
-        self.alive()?;
-        let size = bytes
-            .max(4)
-            .checked_next_multiple_of(4)
-            .filter(|&s| s <= self.limits.max_buffer_size)
-            .ok_or_else(|| {
-                GpuError::InvalidArgument(format!(
-                    "staging buffer {label:?} of {bytes} bytes is over the device's max_buffer_size of {}",
-                    self.limits.max_buffer_size
-                ))
-            })?;
-        self.count_buffer();
-        Ok(self.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some(label),
-            size,
-            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        }))
-    }
-
-    /// A buffer holding `data` to copy from (storage usage includes
-    /// `COPY_SRC`), filled through the queue.
-    pub(crate) fn staging_init(&self, label: &str, data: &[u32]) -> Result<wgpu::Buffer, GpuError> {
-        self.storage_init(label, data)
+        self.buffer(
+            label,
+            bytes,
+            wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+        )
     }
 
     /// Maps a `MAP_READ` buffer once the queue's work is done and reads
@@ -596,32 +591,11 @@ impl Gpu {
         if bytes == 0 {
             return Ok(Vec::new());
         }
-        self.count_buffer();
-        let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("readback"),
-            size: bytes.max(4),
-            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        });
+        let staging = self.staging("readback", bytes)?;
         let mut enc = self.device.create_command_encoder(&Default::default());
         enc.copy_buffer_to_buffer(buf, 0, &staging, 0, bytes);
         self.queue.submit([enc.finish()]);
-        let (tx, rx) = futures_channel();
-        staging.map_async(wgpu::MapMode::Read, .., move |r| tx.send(r));
-        #[cfg(not(target_arch = "wasm32"))]
-        self.wait_own()?;
-        rx.recv()
-            .await
-            .map_err(|e| GpuError::Device(format!("readback failed: {e}")))?;
-        let out = {
-            let view = staging
-                .get_mapped_range(..)
-                .map_err(|e| GpuError::Device(format!("readback map failed: {e}")))?;
-            bytemuck::cast_slice::<u8, T>(&view[..bytes as usize / size_of::<T>() * size_of::<T>()])
-                .to_vec()
-        };
-        staging.unmap();
-        Ok(out)
+        self.map_read(&staging, bytes).await
     }
 
     /// Runs `f` inside a validation + out-of-memory error scope and returns

@@ -260,7 +260,7 @@ impl KvCache {
         }
         let plane = pairs.len() as u64 * w as u64 * 4;
         gpu.scoped_try(|| {
-            let staging = gpu.staging_init("swap-in staging", &words)?;
+            let staging = gpu.storage_init("swap-in staging", &words)?;
             let mut enc = gpu.device.create_command_encoder(&Default::default());
             for l in 0..cfg.num_layers {
                 let bufs = self.layer(l)?;

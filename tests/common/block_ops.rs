@@ -265,6 +265,25 @@ struct ModelSeq {
     capped: bool,
 }
 
+/// Offers full blocks `blocks` of `seq` to the model's prefix cache: each
+/// joins unless it is released, cached already, or its prefix is cached.
+fn offer_to_cache(
+    cache: &mut HashMap<Vec<u32>, u32>,
+    block_key: &mut [Option<Vec<u32>>],
+    bs: usize,
+    seq: &ModelSeq,
+    blocks: std::ops::Range<usize>,
+) {
+    for blk in blocks {
+        let b = seq.table[blk];
+        let key = seq.tokens[..(blk + 1) * bs].to_vec();
+        if b != RELEASED && block_key[b as usize].is_none() && !cache.contains_key(&key) {
+            cache.insert(key.clone(), b);
+            block_key[b as usize] = Some(key);
+        }
+    }
+}
+
 /// The manager under test, the model, and the simulated GPU pool.
 pub struct Harness {
     m: BlockManager,
@@ -960,17 +979,13 @@ impl Harness {
             for id in &ids {
                 let seq = self.model.get_mut(id).unwrap();
                 let full = seq.tokens.len() / self.bs;
-                for blk in seq.hashed..full {
-                    let b = seq.table[blk];
-                    let key = seq.tokens[..(blk + 1) * self.bs].to_vec();
-                    if b != RELEASED
-                        && self.block_key[b as usize].is_none()
-                        && !self.cache.contains_key(&key)
-                    {
-                        self.cache.insert(key.clone(), b);
-                        self.block_key[b as usize] = Some(key);
-                    }
-                }
+                offer_to_cache(
+                    &mut self.cache,
+                    &mut self.block_key,
+                    self.bs,
+                    seq,
+                    seq.hashed..full,
+                );
                 seq.hashed = full;
             }
         }
@@ -1363,17 +1378,13 @@ impl Harness {
             }
             // Full blocks go back to the cache where their prefix is not cached.
             if self.prefix {
-                for blk in 0..seq.hashed {
-                    let b = seq.table[blk];
-                    let key = seq.tokens[..(blk + 1) * bs].to_vec();
-                    if b != RELEASED
-                        && self.block_key[b as usize].is_none()
-                        && !self.cache.contains_key(&key)
-                    {
-                        self.cache.insert(key.clone(), b);
-                        self.block_key[b as usize] = Some(key);
-                    }
-                }
+                offer_to_cache(
+                    &mut self.cache,
+                    &mut self.block_key,
+                    bs,
+                    &seq,
+                    0..seq.hashed,
+                );
             }
             self.model.insert(id, seq);
         }
@@ -1482,17 +1493,13 @@ impl Harness {
             }
             if self.prefix {
                 let full = (len - seq.pending) / bs;
-                for blk in seq.hashed..full {
-                    let b = seq.table[blk];
-                    let key = seq.tokens[..(blk + 1) * bs].to_vec();
-                    if b != RELEASED
-                        && self.block_key[b as usize].is_none()
-                        && !self.cache.contains_key(&key)
-                    {
-                        self.cache.insert(key.clone(), b);
-                        self.block_key[b as usize] = Some(key);
-                    }
-                }
+                offer_to_cache(
+                    &mut self.cache,
+                    &mut self.block_key,
+                    bs,
+                    seq,
+                    seq.hashed..full,
+                );
                 seq.hashed = seq.hashed.max(full);
             }
         }
