@@ -47,6 +47,8 @@ const SEGS: u32 = max(WG / NROW, 1u);
 @group(0) @binding(6) var<storage, read_write> out_ml: array<vec2<f32>>;
 
 var<workgroup> q_sh: array<vec4<f32>, NROW * HEAD_DIM4>;
+// Quantized pools: each row at its KV head's K outlier channels (q_res).
+var<workgroup> qf_sh: array<vec4<f32>, NROW>;
 // Scores of a tile, then their probabilities, [NROW][TILE]; double-buffered
 // by tile parity so the next tile's scores never wait for this tile's V pass.
 var<workgroup> sc: array<array<f32, NROW * TILE>, 2>;
@@ -128,6 +130,15 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         }
         q_sh[i] = v;
     }
+    for (var r = lid; r < NROW; r += WG) {
+        let qi = r / HT;
+        var f = vec4<f32>(0.0);
+        if K_RES && qi < q_count && hg0 + r % HT < GROUP {
+            let q_stride = select(p.num_heads * HEAD_DIM4, p.q_stride, p.q_stride != 0u);
+            f = q_res(qrow[qi] * q_stride + (h0 + r % HT) * HEAD_DIM4, kvh);
+        }
+        qf_sh[r] = f;
+    }
     // Each thread keeps its share of the V accumulator and of the running
     // sum; the running max lives in workgroup memory. Explicit zeros: some
     // WGSL compilers have been seen not to zero a bare `var` array.
@@ -163,6 +174,12 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
                     let kv = kv_load(k_pool[row + d]);
                     for (var r = 0u; r < NROW; r++) {
                         s[r] += dot(q_sh[r * HEAD_DIM4 + d], kv);
+                    }
+                }
+                if K_RES {
+                    let kr = k_res(row, kvh);
+                    for (var r = 0u; r < NROW; r++) {
+                        s[r] += dot(qf_sh[r], kr);
                     }
                 }
             }

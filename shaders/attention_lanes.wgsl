@@ -38,6 +38,8 @@ var<private> acc: array<vec4<f32>, HT * JN>;
 var<private> s: array<f32, HT>;
 var<private> pw: array<f32, HT>;
 var<private> alpha: array<f32, HT>;
+// Quantized pools: each row at its KV head's K outlier channels (q_res).
+var<private> qf: array<vec4<f32>, HT>;
 
 var<workgroup> red: array<f32, RED_LEN>;
 // End of pass: one row's accumulators and (max, sum) of every slot.
@@ -76,6 +78,9 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
             qv[r * JN + j] = q_conv(x);
             acc[r * JN + j] = vec4<f32>(0.0);
         }
+        if K_RES && live {
+            qf[r] = q_res(seq * q_stride + (h0 + r) * HEAD_DIM4, kvh);
+        }
         if live && p.alibi != 0u {
             slope[r] = bitcast<f32>(table_at(p.slopes_off + h0 + r));
         }
@@ -96,6 +101,13 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         if row != INVALID {
             for (var j = 0u; j < JN; j++) {
                 rows_k(j, k_pool[row + c + j * LPT]);
+            }
+            // The outlier channels' residuals, once per token (lane 0).
+            if K_RES && c == 0u {
+                let kr = k_res(row, kvh);
+                for (var r = 0u; r < HT; r++) {
+                    s[r] += dot(qf[r], kr);
+                }
             }
         }
         // Sum the partial dots of the slot's LPT lanes: every lane gets the total.

@@ -61,6 +61,9 @@ struct AttnParams {
 // -3.40282347e+38f as out of f32 range, though naga accepts it.
 const NEG_INF: f32 = -0x1.fffffep+127f;
 const INVALID: u32 = 0xffffffffu;
+// K channels per (layer, KV head) kept to higher precision in quantized
+// pools (src/gpu/kv_cache.rs: K_OUTLIERS).
+const K_OUTLIERS: u32 = 4u;
 
 // The logit of a score after the variant rules (custom scale, soft-cap,
 // ALiBi). Masking (causal, window) is decided by the caller.

@@ -1,7 +1,8 @@
-// copy_blocks for quantized pools: copies a block's packed words and, for
-// int8 (KV_QUANT 1), its per-row scales (num_kv_heads * BLOCK_SIZE words at
-// DATA_WORDS + block * num_kv_heads * BLOCK_SIZE), for K and V. fp8's
-// per-head scales belong to the layer and stay. One thread per word.
+// copy_blocks for quantized pools: copies a block's packed words and its
+// rows' side words (num_kv_heads * BLOCK_SIZE words at DATA_WORDS + block *
+// num_kv_heads * BLOCK_SIZE: int8's row scale, the K outlier residuals),
+// for K and V. fp8's per-head scales, int8's smoothing factors and the
+// outlier channels belong to the layer and stay. One thread per word.
 
 @group(0) @binding(0) var<uniform> params: CopyParams;
 @group(0) @binding(1) var<storage, read> copies: array<vec2<u32>>;
@@ -14,7 +15,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
     let per = params.block_elems;
     // Rows of a block: block_elems / HEAD_DIM4.
     let rows = per / HEAD_DIM4;
-    let scales = select(0u, rows, KV_QUANT == 1u);
+    let scales = rows;
     let each = per + scales;
     if i >= params.num_copies * each {
         return;

@@ -16,12 +16,13 @@ fn raw(gpu: &pagedattn::gpu::Gpu, cache: &KvCache, layer: u32) -> [Vec<u8>; 2] {
     [gpu.read(k, bytes).unwrap(), gpu.read(v, bytes).unwrap()]
 }
 
-/// The bytes of block `b` in a layer buffer: its data, then int8's scales.
+/// The bytes of block `b` in a layer buffer: its data, then (quantized
+/// pools) its rows' side words.
 fn block(cfg: &KvCacheConfig, buf: &[u8], b: u32) -> Vec<u8> {
     let rows = (cfg.num_kv_heads * cfg.block_size) as usize;
     let data = rows * cfg.head_dim as usize * cfg.dtype.bytes() as usize;
     let mut out = buf[b as usize * data..(b as usize + 1) * data].to_vec();
-    if cfg.dtype == KvDtype::Int8 {
+    if cfg.dtype.quantized() {
         let at = cfg.data_words() as usize * 4 + b as usize * rows * 4;
         out.extend_from_slice(&buf[at..at + rows * 4]);
     }

@@ -13,15 +13,20 @@ pub enum KvDtype {
     /// IEEE half floats packed two per `u32` (read with `unpack2x16float`,
     /// so no `shader-f16` feature is needed).
     F16,
-    /// Symmetric int8, four per `u32`, with one f32 scale per (token, KV
-    /// head) stored after the layer's blocks: `write_kv` quantizes on the
-    /// GPU (scale = the row's largest |x| / 127, round to nearest), the
-    /// kernels dequantize as they read. Needs no `shader-f16` or int8
+    /// Symmetric int8, four per `u32`, with one scale per (token, KV head)
+    /// in the row's side word after the layer's blocks: `write_kv`
+    /// quantizes on the GPU (scale = the row's largest |x|, rounded up to
+    /// bf16, / 127; round to nearest), the kernels dequantize as they read.
+    /// K may be smoothed per channel ([`KvCache::set_k_smoothing`]) and up
+    /// to [`K_OUTLIERS`] channels per KV head kept to about 12 bits
+    /// ([`KvCache::set_k_outlier_channels`]). Needs no `shader-f16` or int8
     /// feature (`pack4x8snorm` / `unpack4x8snorm`).
     Int8,
     /// FP8 E4M3 (bias 7, no infinities, max 448), four per `u32`, with one
     /// f32 scale per (layer, KV head) set by the engine
-    /// ([`KvCache::set_fp8_scales`]; 1.0 until then). Encoded and decoded
+    /// ([`KvCache::set_fp8_scales`]; 1.0 until then), and up to
+    /// [`K_OUTLIERS`] K channels per KV head kept to 7 mantissa bits
+    /// ([`KvCache::set_k_outlier_channels`]). Encoded and decoded
     /// with bit operations; values past +-448 x scale saturate, non-finite
     /// inputs are stored as 0: never NaN.
     Fp8E4M3,
@@ -88,37 +93,96 @@ pub(super) fn dequantize(cfg: &KvCacheConfig, raw: &[u8], is_k: bool) -> Vec<f32
             let n = (cfg.data_words() * 4) as usize;
             let d = cfg.head_dim as usize;
             let bs = cfg.block_size as usize;
-            let scale_at = |w: usize| {
-                f32::from_le_bytes([
+            let kvh = cfg.num_kv_heads as usize;
+            let rows = n / d;
+            let word = |w: usize| {
+                u32::from_le_bytes([
                     raw[n + 4 * w],
                     raw[n + 4 * w + 1],
                     raw[n + 4 * w + 2],
                     raw[n + 4 * w + 3],
                 ])
             };
-            (0..n)
+            // Words after the row side words: int8's smoothing factors, or
+            // fp8's head scales; then the outlier channels.
+            let tail = rows;
+            let chan_at = tail
+                + if cfg.dtype == KvDtype::Int8 {
+                    kvh * d
+                } else {
+                    kvh
+                };
+            let mut out: Vec<f32> = (0..n)
                 .map(|i| {
                     let row = i / d;
+                    let h = (row / bs) % kvh;
                     let b = raw[i];
                     if cfg.dtype == KvDtype::Int8 {
                         let q = (b as i8).max(-127) as f32 / 127.0;
-                        // K was divided by its channel's smoothing factor.
-                        let rows = (cfg.num_blocks * cfg.num_kv_heads * cfg.block_size) as usize;
-                        let smooth = if is_k {
-                            let h = (row / bs) % cfg.num_kv_heads as usize;
-                            scale_at(rows + h * d + i % d)
-                        } else {
-                            1.0
-                        };
-                        q * scale_at(row) * smooth
+                        q * bf16_scale(word(row))
                     } else {
-                        let h = (row / bs) % cfg.num_kv_heads as usize;
-                        fp8_e4m3_to_f32(b) * scale_at(h)
+                        fp8_e4m3_to_f32(b) * f32::from_bits(word(tail + h))
                     }
                 })
-                .collect()
+                .collect();
+            if is_k {
+                for row in 0..rows {
+                    let h = (row / bs) % kvh;
+                    let side = word(row);
+                    for j in 0..K_OUTLIERS as usize {
+                        let ch = word(chan_at + h * K_OUTLIERS as usize + j) as usize;
+                        if ch >= d {
+                            continue;
+                        }
+                        let i = row * d + ch;
+                        out[i] += if cfg.dtype == KvDtype::Int8 {
+                            int8_residual(side, j) * bf16_scale(side)
+                        } else {
+                            fp8_residual(side, j) * f32::from_bits(word(tail + h))
+                        };
+                    }
+                }
+                if cfg.dtype == KvDtype::Int8 {
+                    // K was divided by its channel's smoothing factor.
+                    for (i, x) in out.iter_mut().enumerate() {
+                        let h = (i / d / bs) % kvh;
+                        *x *= f32::from_bits(word(tail + h * d + i % d));
+                    }
+                }
+            }
+            out
         }
     }
+}
+
+/// Most K channels per (layer, KV head) that a quantized pool keeps to
+/// higher precision ([`KvCache::set_k_outlier_channels`]).
+pub const K_OUTLIERS: u32 = 4;
+
+/// An int8 row's scale: the bf16 in the low half of its side word (the
+/// row's largest |x|, rounded up; the step is scale / 127).
+pub fn bf16_scale(side: u32) -> f32 {
+    f32::from_bits(side << 16)
+}
+
+/// The 4-bit two's-complement nibble `j` of the high half of a K side word.
+fn nibble(side: u32, j: usize) -> f32 {
+    (((side >> (16 + 4 * j)) as i32) << 28 >> 28) as f32
+}
+
+/// Int8 outlier channel `j`'s residual in units of the row scale: the
+/// nibble counts fifteenths of a step (1 / 127).
+fn int8_residual(side: u32, j: usize) -> f32 {
+    nibble(side, j) / (127.0 * 15.0)
+}
+
+/// Fp8 outlier channel `j`'s residual before the head scale: the nibble in
+/// bits 4j.. counts fifteenths of the ulp of the stored byte, whose
+/// exponent field is in bits 16 + 4j..
+fn fp8_residual(side: u32, j: usize) -> f32 {
+    let n = (((side >> (4 * j)) as i32) << 28 >> 28) as f32;
+    let e = ((side >> (16 + 4 * j)) & 0xf).max(1) as i32;
+    n * 2f32.powi(e - 10) / 15.0
 }
 
 /// Most layers one [`KvCache`] holds.
@@ -148,16 +212,46 @@ pub struct KvCacheConfig {
 impl KvCacheConfig {
     /// Bytes one block takes in one layer's K buffer (saturating at
     /// `u64::MAX` for shapes [`validate`](Self::validate) refuses).
-    /// Int8 pools include each row's f32 scale.
+    /// Quantized pools include each row's side word.
     pub fn block_bytes(&self) -> u64 {
         let rows = self.num_kv_heads as u64 * self.block_size as u64;
         let data = rows
             .saturating_mul(self.head_dim as u64)
             .saturating_mul(self.dtype.bytes());
-        match self.dtype {
-            KvDtype::Int8 => data.saturating_add(rows * 4),
-            _ => data,
+        data.saturating_add(rows * 4 * self.side_words())
+    }
+
+    /// `u32` side words per (token, KV head) row after the blocks: 1 for
+    /// quantized pools (int8: the bf16 row scale in the low half, K's
+    /// outlier residual nibbles in the high half; fp8: K's outlier residual
+    /// nibbles and their bytes' exponent fields), 0 otherwise.
+    pub fn side_words(&self) -> u64 {
+        u64::from(self.dtype.quantized())
+    }
+
+    /// The initial words of a layer buffer from [`data_words`](Self::data_words)
+    /// on (quantized pools; empty otherwise): row side words of an int8
+    /// scale of 1 with no residuals (fp8: 0), then the tail: smoothing
+    /// factors of 1 (int8) or head scales of 1 (fp8), and no outlier channels.
+    pub fn side_and_tail_init(&self) -> Vec<u32> {
+        if !self.dtype.quantized() {
+            return Vec::new();
         }
+        let rows =
+            (self.num_blocks as u64 * self.num_kv_heads as u64 * self.block_size as u64) as usize;
+        let side = if self.dtype == KvDtype::Int8 {
+            1.0f32.to_bits() >> 16
+        } else {
+            0
+        };
+        let ones = (self.tail_bytes() / 4) as usize - (self.num_kv_heads * K_OUTLIERS) as usize;
+        let mut w = vec![side; rows];
+        w.extend(std::iter::repeat_n(1.0f32.to_bits(), ones));
+        w.extend(std::iter::repeat_n(
+            u32::MAX,
+            (self.num_kv_heads * K_OUTLIERS) as usize,
+        ));
+        w
     }
 
     /// Bytes of one layer's K buffer (saturating): the blocks, then for
@@ -169,13 +263,16 @@ impl KvCacheConfig {
             .saturating_add(tail)
     }
 
-    /// Bytes of a layer buffer after its blocks: fp8's scale per KV head;
-    /// int8's K smoothing factor per (KV head, channel) (the per-row scales
-    /// are counted in the blocks).
+    /// Bytes of a layer buffer after its blocks and their side words: fp8's
+    /// scale per KV head, or int8's K smoothing factor per (KV head,
+    /// channel); then [`K_OUTLIERS`] outlier channel indices per KV head
+    /// (`u32::MAX`: none).
     pub fn tail_bytes(&self) -> u64 {
+        let h = self.num_kv_heads as u64;
+        let chans = h * K_OUTLIERS as u64 * 4;
         match self.dtype {
-            KvDtype::Fp8E4M3 => self.num_kv_heads as u64 * 4,
-            KvDtype::Int8 => self.num_kv_heads as u64 * self.head_dim as u64 * 4,
+            KvDtype::Fp8E4M3 => h * 4 + chans,
+            KvDtype::Int8 => h * self.head_dim as u64 * 4 + chans,
             _ => 0,
         }
     }
@@ -197,8 +294,9 @@ impl KvCacheConfig {
         e.min(u32::MAX as u64) as u32
     }
 
-    /// Threads of write_kv per token: one per vec4, or for int8 one per
-    /// (token, head) row (it finds the row's scale first).
+    /// Threads of write_kv per token: one per vec4 (fp8's first vec4 of a
+    /// row also writes the row's side word), or for int8 one per (token,
+    /// head) row (it finds the row's scale first).
     pub(super) fn write_threads_per_token(&self) -> u64 {
         let heads = self.num_kv_heads as u64;
         if self.dtype == KvDtype::Int8 {
@@ -209,10 +307,10 @@ impl KvCacheConfig {
     }
 
     /// Threads of copy_blocks per copied block: its KV4 elements, plus its
-    /// rows' scales for int8.
+    /// rows' side words.
     pub(super) fn copy_threads_per_block(&self) -> u64 {
         let rows = self.num_kv_heads as u64 * self.block_size as u64;
-        self.block_elems4() as u64 + if self.dtype == KvDtype::Int8 { rows } else { 0 }
+        self.block_elems4() as u64 + rows * self.side_words()
     }
 
     /// Checks the shape on its own (no adapter limits).
@@ -262,12 +360,7 @@ impl KvCacheConfig {
         let tail = self.tail_bytes();
         let by_bytes = limit.saturating_sub(tail) / block;
         // Quantized pools address data and scales as u32 words.
-        let words = elems4
-            + if self.dtype == KvDtype::Int8 {
-                self.num_kv_heads as u64 * self.block_size as u64
-            } else {
-                0
-            };
+        let words = elems4 + self.num_kv_heads as u64 * self.block_size as u64 * self.side_words();
         let by_index = (u32::MAX as u64 - tail / 4) / words.max(1);
         by_bytes.min(by_index).min(u32::MAX as u64) as u32
     }
@@ -444,13 +537,13 @@ impl KvCache {
             alloc()?;
         }
         if cfg.dtype.quantized() {
-            // fp8 scales and int8 K smoothing factors of 1.0 until the
-            // engine sets its own.
-            let ones = vec![1.0f32; (cfg.tail_bytes() / 4) as usize];
-            let at = cfg.layer_bytes() - cfg.tail_bytes();
+            // fp8 scales and int8 K smoothing factors of 1.0, and no
+            // outlier channels, until the engine sets its own.
+            let init = cfg.side_and_tail_init();
+            let at = cfg.data_words() * 4;
             for [k, v] in &layers {
-                gpu.queue.write_buffer(k, at, bytemuck::cast_slice(&ones));
-                gpu.queue.write_buffer(v, at, bytemuck::cast_slice(&ones));
+                gpu.queue.write_buffer(k, at, bytemuck::cast_slice(&init));
+                gpu.queue.write_buffer(v, at, bytemuck::cast_slice(&init));
             }
         }
         Ok(Self {
@@ -608,7 +701,7 @@ impl KvCache {
                 ));
             }
         }
-        let at = self.cfg.data_words() * 4;
+        let at = self.cfg.layer_bytes() - self.cfg.tail_bytes();
         gpu.queue
             .write_buffer(k, at, bytemuck::cast_slice(k_scales));
         gpu.queue
@@ -706,6 +799,93 @@ impl KvCache {
         amax.iter()
             .map(|&a| if a > 0.0 { a / 448.0 } else { 1.0 })
             .collect()
+    }
+
+    /// Sets the K outlier channels of a quantized `layer`: for each KV head,
+    /// [`K_OUTLIERS`] channel indices (`u32::MAX` for an unused entry). Each
+    /// named channel keeps a 4-bit residual in its row's side word, so its
+    /// values are stored to about 12 bits (int8: fifteenths of the row's step) or
+    /// about 7 mantissa bits (fp8) instead of 8 or 3, and the kernels add its
+    /// share of q.k back. Channels that dwarf the others (the outliers of
+    /// real keys) otherwise dominate the error of q.k: a score's error
+    /// grows with the channel's magnitude. Indices must be below
+    /// `head_dim` and distinct within a head; none are set until this is
+    /// called. Set them before writing: tokens already written keep their bytes.
+    pub fn set_k_outlier_channels(
+        &self,
+        gpu: &Gpu,
+        layer: u32,
+        channels: &[u32],
+    ) -> Result<(), GpuError> {
+        let _serial = gpu.serial();
+        gpu.alive()?;
+        let bad = |m: String| Err(GpuError::InvalidArgument(m));
+        if !self.cfg.dtype.quantized() {
+            return bad(format!(
+                "set_k_outlier_channels on a {} pool (int8 and fp8 pools only)",
+                self.cfg.dtype.name()
+            ));
+        }
+        let [k, _] = self.layer(layer)?;
+        let n = (self.cfg.num_kv_heads * K_OUTLIERS) as usize;
+        if channels.len() != n {
+            return bad(format!(
+                "{} outlier channels for {} KV heads x {K_OUTLIERS} = {n}",
+                channels.len(),
+                self.cfg.num_kv_heads
+            ));
+        }
+        for (h, head) in channels.chunks(K_OUTLIERS as usize).enumerate() {
+            for (j, &c) in head.iter().enumerate() {
+                if c == u32::MAX {
+                    continue;
+                }
+                if c >= self.cfg.head_dim {
+                    return bad(format!(
+                        "outlier channel {c} of KV head {h} is not below head_dim {}",
+                        self.cfg.head_dim
+                    ));
+                }
+                if head[..j].contains(&c) {
+                    return bad(format!("outlier channel {c} of KV head {h} is named twice"));
+                }
+            }
+        }
+        let at = self.cfg.layer_bytes() - (n as u64) * 4;
+        gpu.queue
+            .write_buffer(k, at, bytemuck::cast_slice(channels));
+        Ok(())
+    }
+
+    /// K outlier channels from sample keys `rows` (`[n][num_kv_heads]
+    /// [head_dim]`), for [`set_k_outlier_channels`](Self::set_k_outlier_channels):
+    /// per KV head, up to [`K_OUTLIERS`] channels whose largest |value| is
+    /// over twice the head's 90th-percentile channel maximum, largest first;
+    /// `u32::MAX` fills the rest.
+    pub fn calibrate_k_outlier_channels(cfg: &KvCacheConfig, rows: &[f32]) -> Vec<u32> {
+        let (h, d) = (cfg.num_kv_heads as usize, cfg.head_dim as usize);
+        let mut amax = vec![0.0f32; h * d];
+        for (i, x) in rows.iter().enumerate() {
+            if x.is_finite() {
+                let c = i % (h * d);
+                amax[c] = amax[c].max(x.abs());
+            }
+        }
+        let mut out = Vec::with_capacity(h * K_OUTLIERS as usize);
+        for head in amax.chunks(d) {
+            let mut sorted = head.to_vec();
+            sorted.sort_by(f32::total_cmp);
+            let reference = sorted[(d * 9 / 10).min(d - 1)];
+            let mut order: Vec<usize> = (0..d).filter(|&c| head[c] > 2.0 * reference).collect();
+            order.sort_by(|&a, &b| head[b].total_cmp(&head[a]));
+            order.truncate(K_OUTLIERS as usize);
+            out.extend(order.iter().map(|&c| c as u32));
+            out.extend(std::iter::repeat_n(
+                u32::MAX,
+                K_OUTLIERS as usize - order.len(),
+            ));
+        }
+        out
     }
 
     /// Records `copy_blocks` for every layer (one dispatch per layer, so no

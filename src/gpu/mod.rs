@@ -28,7 +28,7 @@ pub use kernel::{kernel_from_env, Kernel, PORTABLE_WORKGROUP_BYTES};
 pub use kv_cache::{
     bind as bind_buffers, dispatch as dispatch_pass, pipeline as kv_cache_pipeline,
 };
-pub use kv_cache::{KvCache, KvCacheConfig, KvDtype, MAX_KV_HEADS, MAX_LAYERS};
+pub use kv_cache::{KvCache, KvCacheConfig, KvDtype, K_OUTLIERS, MAX_KV_HEADS, MAX_LAYERS};
 pub use plan::{
     ActDtype, AttentionPlan, DecodeTables, PrefillTables, WritePlan, CASCADE_CHUNK_TOKENS,
 };

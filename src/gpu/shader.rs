@@ -225,33 +225,79 @@ fn decode_range(p: AttnParams, len: u32, part: u32) -> vec2<u32> {
 }
 ";
 
+/// `q_res` of the quantized pools: a query row (`qbase`, in vec4s) at its
+/// KV head's outlier channels, 0 where a channel is unset.
+macro_rules! q_res {
+    () => {
+        "const K_RES: bool = true;
+fn q_res1(qbase: u32, kvh: u32, j: u32) -> f32 {
+    let ch = k_chan(kvh, j);
+    if ch >= HEAD_DIM4 * 4u {
+        return 0.0;
+    }
+    return (act_load(q[qbase + ch / 4u]) * q_smooth(kvh, ch / 4u))[ch % 4u];
+}
+fn q_res(qbase: u32, kvh: u32) -> vec4<f32> {
+    return vec4<f32>(q_res1(qbase, kvh, 0u), q_res1(qbase, kvh, 1u), q_res1(qbase, kvh, 2u), q_res1(qbase, kvh, 3u));
+}
+"
+    };
+}
+
 /// The attention kernels' per-token K and V scales: 1 for f32 and f16
-/// pools; int8 reads the row's scale and fp8 the KV head's, from the words
-/// after the layer's blocks.
+/// pools; int8 reads the bf16 in the low half of the row's side word and
+/// fp8 the KV head's f32, from the words after the layer's blocks. And the
+/// K outlier channels of quantized pools (`K_RES`): `q_res` gathers a query
+/// row's values at its KV head's outlier channels (times int8's smoothing),
+/// `k_res` a K row's residuals there, in the units of `kv_load` (before the
+/// row's K scale), so `dot(q_res, k_res)` is what q.k lacks.
 fn scale_helpers(dtype: KvDtype) -> &'static str {
     match dtype {
         KvDtype::F32 | KvDtype::F16 => {
-            "fn k_scale(row: u32, kvh: u32) -> f32 { return 1.0; }\n\
+            "const K_RES: bool = false;\n\
+             fn k_scale(row: u32, kvh: u32) -> f32 { return 1.0; }\n\
              fn v_scale(row: u32, kvh: u32) -> f32 { return 1.0; }\n\
-             fn q_smooth(kvh: u32, c: u32) -> vec4<f32> { return vec4<f32>(1.0); }\n"
+             fn q_smooth(kvh: u32, c: u32) -> vec4<f32> { return vec4<f32>(1.0); }\n\
+             fn q_res(qbase: u32, kvh: u32) -> vec4<f32> { return vec4<f32>(0.0); }\n\
+             fn k_res(row: u32, kvh: u32) -> vec4<f32> { return vec4<f32>(0.0); }\n"
         }
         // q_smooth: the query times int8's K smoothing factors (after the
-        // row scales), so q.k is what it was before K was divided by them.
-        KvDtype::Int8 => {
+        // row side words), so q.k is what it was before K was divided by them.
+        KvDtype::Int8 => concat!(
             "fn data_words() -> u32 { return params.num_blocks * params.num_kv_heads * BLOCK_SIZE * HEAD_DIM4; }\n\
-             fn k_scale(row: u32, kvh: u32) -> f32 { return bitcast<f32>(k_pool[data_words() + row / HEAD_DIM4]); }\n\
-             fn v_scale(row: u32, kvh: u32) -> f32 { return bitcast<f32>(v_pool[data_words() + row / HEAD_DIM4]); }\n\
+             fn layer_tail() -> u32 { return data_words() + params.num_blocks * params.num_kv_heads * BLOCK_SIZE; }\n\
+             fn k_scale(row: u32, kvh: u32) -> f32 { return bitcast<f32>(k_pool[data_words() + row / HEAD_DIM4] << 16u); }\n\
+             fn v_scale(row: u32, kvh: u32) -> f32 { return bitcast<f32>(v_pool[data_words() + row / HEAD_DIM4] << 16u); }\n\
              fn q_smooth(kvh: u32, c: u32) -> vec4<f32> {\n\
-                 let w = data_words() + params.num_blocks * params.num_kv_heads * BLOCK_SIZE + (kvh * HEAD_DIM4 + c) * 4u;\n\
+                 let w = layer_tail() + (kvh * HEAD_DIM4 + c) * 4u;\n\
                  return bitcast<vec4<f32>>(vec4<u32>(k_pool[w], k_pool[w + 1u], k_pool[w + 2u], k_pool[w + 3u]));\n\
-             }\n"
-        }
-        KvDtype::Fp8E4M3 => {
+             }\n\
+             fn k_chan(kvh: u32, j: u32) -> u32 { return k_pool[layer_tail() + params.num_kv_heads * HEAD_DIM4 * 4u + kvh * K_OUTLIERS + j]; }\n\
+             // Sixteenths of a step (1 / 127) in the side word's high half.\n\
+             fn k_res(row: u32, kvh: u32) -> vec4<f32> {\n\
+                 let w = bitcast<i32>(k_pool[data_words() + row / HEAD_DIM4]);\n\
+                 return vec4<f32>(f32(extractBits(w, 16u, 4u)), f32(extractBits(w, 20u, 4u)), f32(extractBits(w, 24u, 4u)), f32(extractBits(w, 28u, 4u))) * (1.0 / 1905.0);\n\
+             }\n",
+            q_res!()
+        ),
+        KvDtype::Fp8E4M3 => concat!(
             "fn data_words() -> u32 { return params.num_blocks * params.num_kv_heads * BLOCK_SIZE * HEAD_DIM4; }\n\
-             fn k_scale(row: u32, kvh: u32) -> f32 { return bitcast<f32>(k_pool[data_words() + kvh]); }\n\
-             fn v_scale(row: u32, kvh: u32) -> f32 { return bitcast<f32>(v_pool[data_words() + kvh]); }\n\
-             fn q_smooth(kvh: u32, c: u32) -> vec4<f32> { return vec4<f32>(1.0); }\n"
-        }
+             fn layer_tail() -> u32 { return data_words() + params.num_blocks * params.num_kv_heads * BLOCK_SIZE; }\n\
+             fn k_scale(row: u32, kvh: u32) -> f32 { return bitcast<f32>(k_pool[layer_tail() + kvh]); }\n\
+             fn v_scale(row: u32, kvh: u32) -> f32 { return bitcast<f32>(v_pool[layer_tail() + kvh]); }\n\
+             fn q_smooth(kvh: u32, c: u32) -> vec4<f32> { return vec4<f32>(1.0); }\n\
+             fn k_chan(kvh: u32, j: u32) -> u32 { return k_pool[layer_tail() + params.num_kv_heads + kvh * K_OUTLIERS + j]; }\n\
+             // Sixteenths of the stored byte's ulp (bits 4j..), whose exponent\n\
+             // field is at bits 16 + 4j.\n\
+             fn k_res(row: u32, kvh: u32) -> vec4<f32> {\n\
+                 let w = k_pool[data_words() + row / HEAD_DIM4];\n\
+                 let iw = bitcast<i32>(w);\n\
+                 let n = vec4<f32>(f32(extractBits(iw, 0u, 4u)), f32(extractBits(iw, 4u, 4u)), f32(extractBits(iw, 8u, 4u)), f32(extractBits(iw, 12u, 4u)));\n\
+                 let e = max(vec4<u32>(extractBits(w, 16u, 4u), extractBits(w, 20u, 4u), extractBits(w, 24u, 4u), extractBits(w, 28u, 4u)), vec4<u32>(1u));\n\
+                 return n * exp2(vec4<f32>(e) - 10.0) * (1.0 / 15.0);\n\
+             }\n",
+            q_res!()
+        ),
     }
 }
 
@@ -268,7 +314,10 @@ pub fn prelude(s: &ShaderShape) -> String {
         KvDtype::Int8 => "alias KV4 = u32;\nconst KV_QUANT: u32 = 1u;\n\
              fn kv_load(x: KV4) -> vec4<f32> { return unpack4x8snorm(x); }\n\
              fn kv_store(x: vec4<f32>) -> KV4 { return pack4x8snorm(x); }\n\
-             fn fp8x4_enc(x: vec4<f32>) -> u32 { return 0u; } // write_kv_q's fp8 branch, never taken\n",
+             // write_kv_q's fp8 branch, never taken:\n\
+             fn fp8x4_enc(x: vec4<f32>) -> u32 { return 0u; }\n\
+             fn fp8_enc(x: f32) -> u32 { return 0u; }\n\
+             fn fp8_dec(b: u32) -> f32 { return 0.0; }\n",
         KvDtype::Fp8E4M3 => FP8,
     };
     let packed = |name: &str, load: &str, store: &str| {
@@ -375,7 +424,9 @@ fn row_helpers(ht: u32, stride: &str, shuffle: bool) -> String {
 /// a dynamically indexed private array into a ladder of selects, which made
 /// this kernel take 16 s to compile on llvmpipe), and the only loop an
 /// invocation runs per token is the token loop itself.
-fn serial_helpers(ht: u32, d4: u32) -> String {
+/// With `quant`, each row also holds `qf`, its values at the KV head's
+/// outlier channels, and each token adds `dot(qf, k_res)` to its scores.
+fn serial_helpers(ht: u32, d4: u32, quant: bool) -> String {
     use std::fmt::Write;
     let mut o = String::from("// generated by src/gpu/shader.rs: the serial kernel's rows\n");
     // Query rows of the tile; rows at or past `live` are zero.
@@ -389,6 +440,9 @@ fn serial_helpers(ht: u32, d4: u32) -> String {
                 "        qv[{i}u] = q_conv(act_load(q[qbase + {}u]) * q_smooth(kvh, {d}u));",
                 r * d4 + d
             );
+        }
+        if quant {
+            let _ = writeln!(o, "        qf[{r}u] = q_res(qbase + {}u, kvh);", r * d4);
         }
         let _ = writeln!(o, "    }}");
     }
@@ -410,6 +464,12 @@ fn serial_helpers(ht: u32, d4: u32) -> String {
         let _ = writeln!(o, "    let k{d} = k_pool[row + {d}u];");
         for r in 0..ht {
             let _ = writeln!(o, "    s{r} += k_dot(qv[{}u], k{d});", r * d4 + d);
+        }
+    }
+    if quant {
+        let _ = writeln!(o, "    let kr = k_res(row, kvh);");
+        for r in 0..ht {
+            let _ = writeln!(o, "    s{r} += dot(qf[{r}u], kr);");
         }
     }
     // Branch-free: every row rescales by f (1 unless its max grew), so the
@@ -489,7 +549,11 @@ pub fn source(kernel: &str, shape: &ShaderShape) -> Option<String> {
     };
     let rows = match kernel {
         "attention_lanes" => row_helpers(shape.head_tile(), "JN", shape.subgroups),
-        "attention_serial" => serial_helpers(shape.head_tile(), shape.head_dim / 4),
+        "attention_serial" => serial_helpers(
+            shape.head_tile(),
+            shape.head_dim / 4,
+            shape.dtype.quantized(),
+        ),
         _ => String::new(),
     };
     Some(format!(
@@ -502,7 +566,7 @@ pub fn source(kernel: &str, shape: &ShaderShape) -> Option<String> {
 pub fn attention_workgroup_bytes(s: &ShaderShape) -> u32 {
     let (rows, d4, tile, wg) = (s.head_tile() * s.qtile.max(1), s.head_dim / 4, 64, 64);
     let segs = (wg / rows).max(1);
-    16 * rows * d4 + 2 * (4 * rows * tile + 4 * tile) + 4 * rows * segs + 8 * rows + 20 * wg
+    16 * rows * d4 + 2 * (4 * rows * tile + 4 * tile) + 4 * rows * segs + 24 * rows + 20 * wg
 }
 
 /// Queries per prefill workgroup for `shape` (its `qtile` ignored): the most

@@ -6,7 +6,7 @@
 //! layer), never a submit per block. A block moves with its int8 row
 //! scales; per-layer data (fp8 scales, K smoothing) stays in the pool.
 
-use super::kv_cache::{KvCache, KvCacheConfig, KvDtype};
+use super::kv_cache::{KvCache, KvCacheConfig};
 use super::{Gpu, GpuError};
 
 /// Most host memory one [`SwapSpace`] takes: 16 GiB.
@@ -50,16 +50,14 @@ impl SwapSpace {
     }
 }
 
-/// A block's byte ranges in a layer buffer: its data, and (int8) its rows'
-/// scales after all blocks' data. Offsets and lengths are multiples of 4.
+/// A block's byte ranges in a layer buffer: its data, and (quantized pools)
+/// its rows' side words after all blocks' data. Offsets and lengths are multiples of 4.
 fn block_ranges(cfg: &KvCacheConfig, b: u32) -> [(u64, u64); 2] {
     let rows = cfg.num_kv_heads as u64 * cfg.block_size as u64;
     let data = rows * cfg.head_dim as u64 * cfg.dtype.bytes();
     let first = (b as u64 * data, data);
-    let second = match cfg.dtype {
-        KvDtype::Int8 => (cfg.data_words() * 4 + b as u64 * rows * 4, rows * 4),
-        _ => (0, 0),
-    };
+    let side = rows * 4 * cfg.side_words();
+    let second = (cfg.data_words() * 4 + b as u64 * side, side);
     [first, second]
 }
 

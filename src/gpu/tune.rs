@@ -94,11 +94,10 @@ impl PagedAttention {
             .collect();
         let mut words = words;
         if c.dtype.quantized() {
-            // Scales of 1 after the data (int8: per row; fp8: per head).
+            // Scales of 1 after the data, no outlier channels.
             let at = scratch.config().data_words() as usize;
-            for w in &mut words[at..] {
-                *w = 1.0f32.to_bits();
-            }
+            let init = scratch.config().side_and_tail_init();
+            words[at..at + init.len()].copy_from_slice(&init);
         }
         gpu.queue.write_buffer(k, 0, bytemuck::cast_slice(&words));
         gpu.queue.write_buffer(v, 0, bytemuck::cast_slice(&words));

@@ -281,8 +281,8 @@ pub fn filled_cache(
             }
             if dtype.quantized() {
                 let at = cfg.data_words() * 4;
-                let ones = vec![1.0f32; ((cfg.layer_bytes() - at) / 4) as usize];
-                gpu.queue.write_buffer(buf, at, bytemuck::cast_slice(&ones));
+                let init = cfg.side_and_tail_init();
+                gpu.queue.write_buffer(buf, at, bytemuck::cast_slice(&init));
             }
         }
     }
