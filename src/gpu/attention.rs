@@ -256,6 +256,10 @@ pub struct BatchTables {
     pub num_tiles: u32,
     /// Query rows: `qo_indptr[n]` for prefill, the sequences for decode.
     pub num_queries: u32,
+    /// Decode only: the packed words kept on the host, so
+    /// [`PagedAttention::encode_decode`] can find shared prefixes and run
+    /// the cascade.
+    host: Option<Vec<u32>>,
 }
 
 impl BatchTables {
@@ -303,6 +307,7 @@ impl BatchTables {
     pub fn from_packed(gpu: &Gpu, p: PackedTables) -> Result<Self, GpuError> {
         Ok(Self {
             buffer: gpu.storage_init("tables", &p.words)?,
+            host: (p.qo_off == 0).then(|| p.words.clone()),
             num_seqs: p.num_seqs,
             indices_len: p.indices_len,
             max_len: p.max_len,
@@ -980,7 +985,11 @@ impl PagedAttention {
 
     /// Records decode into `enc`: `q` holds `[num_seqs][num_heads][head_dim]`
     /// f32, `out` receives the same shape. Split partials go to scratch
-    /// buffers allocated here.
+    /// buffers allocated here. With [`Cascade::On`](super::Cascade::On), or
+    /// `Auto` where the cost model says it pays, and tables whose sequences
+    /// share prefixes (checked against the pool), shared prefixes are read
+    /// once: the call goes through a one-step plan, as the host
+    /// [`decode`](Self::decode) does (see [`plan_decode`](Self::plan_decode)).
     #[allow(clippy::too_many_arguments)]
     pub fn encode_decode(
         &self,
@@ -1009,6 +1018,20 @@ impl PagedAttention {
             return Err(GpuError::InvalidArgument(format!(
                 "{n} sequences in one decode (at most {MAX_BATCH})"
             )));
+        }
+        if opts.cascade != super::Cascade::Off {
+            if let Some(mut plan) = self.cascade_plan(gpu, tables, opts)? {
+                return self.run(
+                    gpu,
+                    enc,
+                    &mut plan,
+                    cache,
+                    layer,
+                    0,
+                    &q.as_entire_buffer_binding(),
+                    &out.as_entire_buffer_binding(),
+                );
+            }
         }
         let (pt, parts) = self.decode_split(gpu, opts.split, n, tables.max_len)?;
         let d4 = self.head_dim as u64 / 4;
@@ -1040,6 +1063,53 @@ impl PagedAttention {
         let bg = bind(gpu, &self.reduce, &[&ub, &acc, &ml, out]);
         dispatch(enc, "reduce", &self.reduce, &bg, (n, self.num_heads, 1));
         Ok(())
+    }
+
+    /// A one-step plan for decode tables whose sequences share blocks, when
+    /// it runs the cascade; `None` for tables without host words, tables the
+    /// pool check refuses (the plain path skips bad entries instead), no
+    /// two sequences starting on one block, or a plan that stays plain.
+    fn cascade_plan(
+        &self,
+        gpu: &Gpu,
+        tables: &BatchTables,
+        opts: &AttnOptions,
+    ) -> Result<Option<super::AttentionPlan>, GpuError> {
+        let Some(w) = &tables.host else {
+            return Ok(None);
+        };
+        let n = tables.num_seqs as usize;
+        let m = tables.indices_len as usize;
+        let (Some(ip), Some(ln), Some(ix)) = (
+            w.get(..n + 1),
+            w.get(n + 1..2 * n + 1),
+            w.get(2 * n + 1..2 * n + 1 + m),
+        ) else {
+            return Ok(None);
+        };
+        if self.check_tables(ip, ix, ln).is_err() {
+            return Ok(None);
+        }
+        let mut firsts: Vec<u32> = (0..n)
+            .filter(|&s| ip[s] < ip[s + 1])
+            .map(|s| ix[ip[s] as usize])
+            .collect();
+        firsts.sort_unstable();
+        if !firsts.windows(2).any(|p| p[0] == p[1]) {
+            return Ok(None);
+        }
+        let mut plan = self.plan();
+        self.plan_decode(
+            gpu,
+            &mut plan,
+            &super::DecodeTables {
+                kv_indptr: ip,
+                kv_indices: ix,
+                seq_lens: ln,
+            },
+            std::slice::from_ref(opts),
+        )?;
+        Ok(plan.cascade().is_some().then_some(plan))
     }
 
     /// Decode from host slices: validates everything, runs, returns
