@@ -30,6 +30,10 @@ const state = {
   cascadeSteps: 0,
   kvRead: 0,
   kvPlain: 0,
+  // Layer 0's decode time in cascade steps (wall clock, submit to
+  // readback): with the cascade, and plain decode of the same step.
+  cascadeMs: 0,
+  plainMs: 0,
   tolerance: null,
   errorsFinite: true,
   used: 0,
@@ -234,6 +238,10 @@ function drawNumbers() {
       : '–'],
     ['K/V read so far: cascade / plain', state.kvPlain
       ? `${(state.kvRead / 1e6).toFixed(2)} / ${(state.kvPlain / 1e6).toFixed(2)} MB (${state.cascadeSteps} cascade steps)` : '–'],
+    ['decode time, layer 0, this step: cascade / plain', s && s.cascade_segments
+      ? `${s.decode_ms.toFixed(2)} / ${s.decode_ms_plain.toFixed(2)} ms` : s && s.decoded ? `${s.decode_ms.toFixed(2)} ms (plain decode)` : '–'],
+    ['decode time so far, cascade steps: cascade / plain', state.cascadeSteps
+      ? `${state.cascadeMs.toFixed(1)} / ${state.plainMs.toFixed(1)} ms` : '–'],
   ]);
   if (!c.consistent) $('kernels').lastChild.title = c.problems.join('\n');
   $('pool-caption').textContent =
@@ -321,6 +329,8 @@ function absorb(next) {
     cascadeSteps: state.cascadeSteps + (s && s.cascade_segments > 0 ? 1 : 0),
     kvRead: state.kvRead + (s ? s.kv_bytes : 0),
     kvPlain: state.kvPlain + (s ? s.kv_bytes_plain : 0),
+    cascadeMs: state.cascadeMs + (s && s.cascade_segments > 0 ? s.decode_ms : 0),
+    plainMs: state.plainMs + (s && s.cascade_segments > 0 ? s.decode_ms_plain : 0),
     gpuMs: s ? s.gpu_ms : null,
     gpuErrors: c.gpu_errors,
     peakShared: Math.max(state.peakShared, n.shared),
@@ -424,7 +434,7 @@ async function reset() {
   Object.assign(state, {
     config: cfg, steps: 0, done: false, maxErr: 0, lastErr: null, errorsFinite: true,
     copiesTotal: 0, peakShared: 0, peakUsed: 0, peakSequences: 0, consistent: true,
-    cascadeSteps: 0, kvRead: 0, kvPlain: 0,
+    cascadeSteps: 0, kvRead: 0, kvPlain: 0, cascadeMs: 0, plainMs: 0,
     problems: [], stepMs: null, stepMsTotal: 0, gpuMs: null,
   });
   snap = null;

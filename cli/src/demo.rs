@@ -239,6 +239,12 @@ pub struct StepReport {
     pub cascade_segments: u32,
     /// Blocks of those segments (the page marks them).
     pub cascade_blocks: Vec<u32>,
+    /// Wall time of layer 0's decode with the step's plan (the cascade when
+    /// it ran), submit to readback, milliseconds; and, in steps that ran
+    /// the cascade, of plain paged decode over the same tables and query
+    /// (else the same figure).
+    pub decode_ms: f64,
+    pub decode_ms_plain: f64,
 }
 
 /// A request the scheduler holds: its samples, in the order of its
@@ -259,6 +265,8 @@ pub struct Demo {
     attn: PagedAttention,
     /// The step's decode plan (tables and workspace reused across steps).
     plan: AttentionPlan,
+    /// Plain decode of the same step, timed beside the cascade.
+    plain_plan: AttentionPlan,
     /// Host mirror of each layer's pool: (K, V).
     mirror: Vec<(Vec<f32>, Vec<f32>)>,
     /// Host swap space, and its mirror.
@@ -347,6 +355,7 @@ impl Demo {
             sched,
             cache,
             plan: attn.plan(),
+            plain_plan: attn.plan(),
             attn,
             mirror,
             swap,
@@ -490,6 +499,16 @@ impl Demo {
                     pagedattn::gpu::CASCADE_CHUNK_TOKENS / self.cfg.block_size,
                 );
                 rep.cascade_blocks = t.seg_indices;
+                let off = [AttnOptions {
+                    cascade: pagedattn::gpu::Cascade::Off,
+                    ..Default::default()
+                }];
+                self.attn.plan_decode(
+                    gpu,
+                    &mut self.plain_plan,
+                    &DecodeTables::from_view(view),
+                    &off,
+                )?;
             }
         }
         let t0 = now_ms();
@@ -558,20 +577,35 @@ impl Demo {
                 .signed_vec(step.rows.len() * self.cfg.num_heads as usize * d);
             let bytes = (q.len() * 4) as u64;
             let qb = gpu.storage_init("q", &q)?;
-            let ob = gpu.storage_init("out", &vec![f32::NAN; q.len()])?;
-            let mut enc = gpu.device.create_command_encoder(&Default::default());
-            self.attn.run(
-                gpu,
-                &mut enc,
-                &mut self.plan,
-                &self.cache,
-                layer,
-                0,
-                &qb.as_entire_buffer_binding(),
-                &ob.as_entire_buffer_binding(),
-            )?;
-            gpu.queue.submit([enc.finish()]);
-            let out: Vec<f32> = gpu.read_async(&ob, bytes).await?;
+            // Layer 0 of a cascade step also runs plain decode, timed the
+            // same way, so both times can be shown.
+            let plain = layer == 0 && rep.cascade_segments > 0;
+            let mut outs = Vec::new();
+            for plan in [&mut self.plan, &mut self.plain_plan]
+                .into_iter()
+                .take(1 + plain as usize)
+            {
+                let ob = gpu.storage_init("out", &vec![f32::NAN; q.len()])?;
+                let t = now_ms();
+                let mut enc = gpu.device.create_command_encoder(&Default::default());
+                self.attn.run(
+                    gpu,
+                    &mut enc,
+                    plan,
+                    &self.cache,
+                    layer,
+                    0,
+                    &qb.as_entire_buffer_binding(),
+                    &ob.as_entire_buffer_binding(),
+                )?;
+                gpu.queue.submit([enc.finish()]);
+                let out: Vec<f32> = gpu.read_async(&ob, bytes).await?;
+                outs.push((out, now_ms() - t));
+            }
+            if layer == 0 {
+                rep.decode_ms = outs[0].1;
+                rep.decode_ms_plain = outs.last().map_or(0.0, |o| o.1);
+            }
             let pool = PagedPool {
                 k: mk,
                 v: mv,
@@ -588,7 +622,9 @@ impl Demo {
                 &view.kv_indices,
                 &view.seq_lens,
             );
-            max_err = max_err.max(rel_l2(&out, &want));
+            for (out, _) in &outs {
+                max_err = max_err.max(rel_l2(out, &want));
+            }
         }
         rep.gpu_ms = now_ms() - t0;
         rep.max_rel_err = max_err;

@@ -161,6 +161,8 @@ try {
   check(s.copiesTotal > 0, `copy-on-write happened (${s.copiesTotal} copies)`);
   check(s.cascadeSteps > 0 && s.kvRead < s.kvPlain,
     `the cascade read shared prompts once in ${s.cascadeSteps} steps (${(s.kvRead / 1e6).toFixed(2)} of ${(s.kvPlain / 1e6).toFixed(2)} MB)`);
+  check(s.cascadeMs > 0 && s.plainMs > 0,
+    `both decode times shown for the cascade steps (cascade ${s.cascadeMs.toFixed(1)} ms, plain ${s.plainMs.toFixed(1)} ms)`);
   check(s.peakShared > 0 && s.peakShared <= s.peakUsed, `shared <= used (peak ${s.peakShared} <= ${s.peakUsed})`);
   check(s.used + s.free === s.total, `used + free == total (${s.used} + ${s.free} == ${s.total})`);
   check(s.used === 0 && s.sequences === 0, `every block back in the pool at the end (${s.used} used, ${s.sequences} sequences)`);
