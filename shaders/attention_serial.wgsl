@@ -13,7 +13,10 @@
 //
 // Unsplit (partition_tokens == 0) it writes the normalised output; split it
 // writes the partition's unnormalised accumulator and (max, sum), max in
-// natural-log units, for reduce.wgsl. Table entries outside the pool are
+// natural-log units, for reduce.wgsl. In a cascade pass (qmap_off != 0) an
+// invocation serves one query of one shared segment (the segment's tables
+// are a prefill's, in tiles of one query) and writes its partial at the
+// segment's slot, as attention.wgsl's cascade mode does. Table entries outside the pool are
 // skipped; a row with no readable token writes zeros (or sum 0).
 
 const WGS: u32 = 64u;
@@ -41,15 +44,55 @@ var<private> qf: array<vec4<f32>, HT>;
 @compute @workgroup_size(64)
 fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
     let p = params;
-    let parts = max(p.num_partitions, 1u);
     let units = p.num_kv_heads * HTILES;
     // Flattened over a 2D grid (more than 65535 workgroups of 64 in x).
     let flat = gid.x + gid.y * nwg.x * WGS;
-    let part = flat % parts;
-    let unit = (flat / parts) % units;
-    let seq = flat / parts / units;
-    if seq >= p.num_seqs {
-        return;
+    let np = p.num_partitions;
+    var seq = 0u;
+    var unit = 0u;
+    // The query row, its position, the tokens walked, and where the output
+    // (or the partial: slot `slot` of np) goes.
+    var q_row = 0u;
+    var q_pos = 0u;
+    var range = vec2<u32>(0u, 0u);
+    var slot = 0u;
+    var span: Span;
+    if p.qmap_off != 0u {
+        // Cascade pass: entry e of the tile list (tiles of one query) is one
+        // query of one shared segment; the segment's tokens all precede it,
+        // positions are relative to the segment's first token. The partial
+        // goes to the segment's slot.
+        let e = flat / units;
+        unit = flat % units;
+        if e >= table_at(p.qo_off + p.num_seqs) {
+            return;
+        }
+        let tiles_off = p.qo_off + p.num_seqs + 1u;
+        seq = table_at(tiles_off + 2u * e);
+        let qi = table_at(p.qo_off + seq) + table_at(tiles_off + 2u * e + 1u);
+        q_row = table_at(p.qmap_off + 2u * qi);
+        q_pos = table_at(p.qmap_off + 2u * qi + 1u);
+        span = seq_span(p, seq);
+        range = vec2<u32>(0u, span.len);
+        // q_pos - tok < window: tokens from q_pos + 1 - window on.
+        if p.sliding_window != 0u && q_pos + 1u > p.sliding_window {
+            range.x = min(q_pos + 1u - p.sliding_window, range.y);
+        }
+        slot = table_at(p.slot_off + seq);
+    } else {
+        let parts = max(np, 1u);
+        let part = flat % parts;
+        unit = (flat / parts) % units;
+        seq = flat / parts / units;
+        if seq >= p.num_seqs {
+            return;
+        }
+        span = seq_span(p, seq);
+        // Decode: the one query sits at position len - 1.
+        q_row = seq;
+        q_pos = max(span.len, 1u) - 1u;
+        range = decode_range(p, span.len, part);
+        slot = part;
     }
     let kvh = unit / HTILES;
     let hg0 = (unit % HTILES) * HT;
@@ -57,13 +100,8 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
     // Rows of this tile that are real heads (the last tile of an odd group is partial).
     let live = min(GROUP - hg0, HT);
 
-    let span = seq_span(p, seq);
-    // Decode: the one query sits at position len - 1.
-    let q_pos = max(span.len, 1u) - 1u;
-    let range = decode_range(p, span.len, part);
-
     let q_stride = select(p.num_heads * HEAD_DIM4, p.q_stride, p.q_stride != 0u);
-    ser_load_q(seq * q_stride + h0 * HEAD_DIM4, live, kvh);
+    ser_load_q(q_row * q_stride + h0 * HEAD_DIM4, live, kvh);
     for (var r = 0u; r < HT; r++) {
         if r < live && p.alibi != 0u {
             slope[r] = bitcast<f32>(table_at(p.slopes_off + h0 + r));
@@ -78,11 +116,10 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
         }
     }
 
-    let o = seq * p.num_heads + h0;
-    if p.partition_tokens == 0u {
+    let o = q_row * p.num_heads + h0;
+    if p.partition_tokens == 0u && p.qmap_off == 0u {
         ser_out(o * HEAD_DIM4, HEAD_DIM4, live, false, 0u, 0u);
     } else {
-        let np = p.num_partitions;
-        ser_out((o * np + part) * HEAD_DIM4, np * HEAD_DIM4, live, true, o * np + part, np);
+        ser_out((o * np + slot) * HEAD_DIM4, np * HEAD_DIM4, live, true, o * np + slot, np);
     }
 }

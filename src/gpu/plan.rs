@@ -290,12 +290,21 @@ pub struct AttentionPlan {
 /// workgroups).
 pub const CASCADE_CHUNK_TOKENS: u32 = 2048;
 
-/// A planned cascade: shared segments attended once (attention.wgsl's
-/// cascade mode), suffixes split, all merged by reduce.
+/// Longest shared segment of a cascade pass on the `serial` kernel (one
+/// invocation per query, head tile and segment): shorter, so a few shared
+/// prefixes still make enough invocations for every core.
+pub const SERIAL_CASCADE_CHUNK_TOKENS: u32 = 512;
+
+/// A planned cascade: shared segments attended once (the cascade mode of
+/// attention.wgsl, or of attention_serial.wgsl when that is the decode
+/// kernel), suffixes split, all merged by reduce.
 struct CascadeStep {
-    /// Query tiles of the segment pass.
+    /// Query tiles of the segment pass (queries, for `serial`).
     num_tiles: u32,
-    /// The segment pass's pipeline (prefill-shaped, f32 partials).
+    /// The segment pass runs on the serial kernel (a flattened grid).
+    serial: bool,
+    /// The segment pass's pipeline (f32 partials): the tiled kernel's
+    /// prefill shape, or the serial decode kernel's split pipeline.
     pipe: wgpu::ComputePipeline,
     /// K/V bytes one layer reads with the cascade, and plain decode would.
     bytes: (u64, u64),
@@ -542,14 +551,24 @@ impl PagedAttention {
         let bytes_per_token = 2 * c.block_bytes() / c.block_size as u64;
         let forced = variants.iter().any(|o| o.cascade == Cascade::On);
         // Auto never takes the cascade on a software adapter: skip the search.
+        // The segment pass runs on the decode kernel's family: the serial
+        // kernel where that is the decode kernel (software adapters), else
+        // the tiled kernel in its multi-query (prefill) shape.
+        let seg_serial = self.kernel.base() == Kernel::Serial;
         let cascade = if qo_indptr.is_none()
             && n >= 2
             && !variants.iter().any(|o| o.cascade == Cascade::Off)
             && (forced || !gpu.is_software())
         {
-            let chunk_tokens = kernel::pass_cap(gpu, Kernel::Tiled, &self.prefill_shape)
-                .unwrap_or(u32::MAX)
-                .min(CASCADE_CHUNK_TOKENS);
+            let chunk_tokens = if seg_serial {
+                kernel::pass_cap(gpu, self.kernel, &self.decode_shape)
+                    .unwrap_or(u32::MAX)
+                    .min(SERIAL_CASCADE_CHUNK_TOKENS)
+            } else {
+                kernel::pass_cap(gpu, Kernel::Tiled, &self.prefill_shape)
+                    .unwrap_or(u32::MAX)
+                    .min(CASCADE_CHUNK_TOKENS)
+            };
             let t = find_segments(
                 self.num_blocks,
                 self.block_size,
@@ -634,6 +653,7 @@ impl PagedAttention {
             splits.push((pt, parts));
         }
         let pipes = self.pipes_for(gpu, plan.act, qo_indptr.is_some())?;
+        let seg_pipe = pipes[1].clone();
         // GPU side: nothing above failed, so the plan can change now.
         plan.pipes = Some(pipes);
         let mut regrown = plan
@@ -678,7 +698,7 @@ impl PagedAttention {
                 &t.seg_indices,
                 &t.seg_lens,
                 None,
-                Some((&t.seg_qo, qtile)),
+                Some((&t.seg_qo, if seg_serial { 1 } else { qtile })),
             )?;
             let qmap_off = plan.c_words.len() as u32;
             plan.c_words.extend_from_slice(&t.qmap);
@@ -717,6 +737,7 @@ impl PagedAttention {
                     .write_buffer(&plan.c_params[i], 0, bytemuck::bytes_of(&p));
             }
             let pipe = match plan.act {
+                _ if seg_serial => seg_pipe,
                 ActDtype::F32 => self.prefill_pipeline(gpu)?.clone(),
                 ActDtype::F16 => pipeline(
                     gpu,
@@ -730,6 +751,7 @@ impl PagedAttention {
             };
             plan.cascade = Some(CascadeStep {
                 num_tiles: cmeta.num_tiles,
+                serial: seg_serial,
                 pipe,
                 bytes: (
                     t.cascade_tokens * bytes_per_token,
@@ -911,8 +933,13 @@ impl PagedAttention {
             }
             if c.num_tiles > 0 {
                 let bg = &plan.groups[&ckey];
-                let units = self.num_kv_heads * self.prefill_shape.head_tiles();
-                dispatch(enc, "cascade", &c.pipe, bg, (c.num_tiles, units, 1));
+                let grid = if c.serial {
+                    self.decode_grid(c.num_tiles, 1)?
+                } else {
+                    let units = self.num_kv_heads * self.prefill_shape.head_tiles();
+                    (c.num_tiles, units, 1)
+                };
+                dispatch(enc, "cascade", &c.pipe, bg, grid);
             }
         }
         // The reduce's group: same key, another variant slot.
