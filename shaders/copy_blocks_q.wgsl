@@ -1,8 +1,10 @@
 // copy_blocks for quantized pools: copies a block's packed words and its
-// rows' side words (num_kv_heads * BLOCK_SIZE words at DATA_WORDS + block *
-// num_kv_heads * BLOCK_SIZE: int8's row scale, the K outlier residuals),
-// for K and V. fp8's per-head scales, int8's smoothing factors and the
-// outlier channels belong to the layer and stay. One thread per word.
+// side words, for K and V: K's num_kv_heads * BLOCK_SIZE words at
+// DATA_WORDS + block * num_kv_heads * BLOCK_SIZE (int8's row scale, the
+// outlier residuals); int8 V's half as many (bf16 scales in pairs; as many
+// at BLOCK_SIZE 1); fp8 V has none. fp8's per-head scales, int8's smoothing
+// factors and the outlier channels belong to the layer and stay. One
+// thread per word.
 
 @group(0) @binding(0) var<uniform> params: CopyParams;
 @group(0) @binding(1) var<storage, read> copies: array<vec2<u32>>;
@@ -16,6 +18,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
     // Rows of a block: block_elems / HEAD_DIM4.
     let rows = per / HEAD_DIM4;
     let scales = rows;
+    let v_scales = select(0u, select(rows, rows / 2u, BLOCK_SIZE >= 2u), KV_QUANT == 1u);
     let each = per + scales;
     if i >= params.num_copies * each {
         return;
@@ -32,6 +35,8 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
         let data_words = params.num_blocks * per;
         let s = e - per;
         k_pool[data_words + pair.y * rows + s] = k_pool[data_words + pair.x * rows + s];
-        v_pool[data_words + pair.y * rows + s] = v_pool[data_words + pair.x * rows + s];
+        if s < v_scales {
+            v_pool[data_words + pair.y * v_scales + s] = v_pool[data_words + pair.x * v_scales + s];
+        }
     }
 }

@@ -1,17 +1,21 @@
-// write_kv for quantized pools (KV4 = u32: four 8-bit values). The layer
+// write_kv for quantized pools (KV4 = u32: four 8-bit values). A layer
 // buffer holds the packed rows, [num_blocks][num_kv_heads][BLOCK_SIZE]
 // [HEAD_DIM4] words (DATA_WORDS = num_slots * num_kv_heads * HEAD_DIM4),
-// then one side word per row (same order), then the layer's tail:
+// then side words: K one per row (same order); V (int8 only) the rows' bf16
+// scales two per word (rows 2i and 2i + 1, low half first; one per word when
+// BLOCK_SIZE is 1). The K buffer then holds the layer's tail:
 //   int8 (KV_QUANT 1): one K smoothing factor per (KV head, channel), f32,
 //     that K is divided by first (the kernels multiply the query by it);
-//   fp8 e4m3 (KV_QUANT 2): one f32 scale per KV head, set by the host;
+//   fp8 e4m3 (KV_QUANT 2): one f32 K scale per KV head, then one V scale
+//     per KV head, set by the host;
 //   then K_OUTLIERS outlier channel indices per KV head (>= head_dim: none).
 // int8: one thread per (token, head) row finds the row's largest |x|, rounds
 //   it up to bf16 (S, so the stored scale is what the values were divided
 //   by) and writes every word with pack4x8snorm(x / S): symmetric, round to
-//   nearest. The side word holds S in its low half; K's holds in its high
-//   half each outlier channel's residual, in fifteenths of a step, as 4-bit
-//   two's complement (channel j at bit 16 + 4j).
+//   nearest. K's side word holds S in its low half and in its high half
+//   each outlier channel's residual, in fifteenths of a step, as 4-bit
+//   two's complement (channel j at bit 16 + 4j). V's half word is set with
+//   atomics (the other half belongs to another row, maybe another thread).
 // fp8: one thread per word encodes x / scale, saturating at +-448
 //   (infinities too); NaN is stored as 0. Never NaN in the pool. The thread
 //   of a row's first word writes K's side word: per outlier channel j, the
@@ -24,7 +28,8 @@
 @group(0) @binding(2) var<storage, read> v_new: array<ACT4>;
 @group(0) @binding(3) var<storage, read> slots: array<u32>;
 @group(0) @binding(4) var<storage, read_write> k_pool: array<u32>;
-@group(0) @binding(5) var<storage, read_write> v_pool: array<u32>;
+// Atomic: two rows share a V side word.
+@group(0) @binding(5) var<storage, read_write> v_pool: array<atomic<u32>>;
 
 fn finite4(x: vec4<f32>) -> vec4<f32> {
     let bits = bitcast<vec4<u32>>(x) & vec4<u32>(0x7fffffffu);
@@ -57,9 +62,11 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
     let data_words = params.num_slots * kvh * HEAD_DIM4;
     let side0 = data_words;
     let tail = data_words + params.num_slots * kvh;
-    let chan0 = tail + select(kvh, kvh * HEAD_DIM4 * 4u, KV_QUANT == 1u);
-    // The whole layout must fit the buffer (a pool made for another shape never does).
-    if chan0 + kvh * K_OUTLIERS > arrayLength(&k_pool) || chan0 + kvh * K_OUTLIERS > arrayLength(&v_pool) {
+    let chan0 = tail + select(2u * kvh, kvh * HEAD_DIM4 * 4u, KV_QUANT == 1u);
+    // V's side words (int8): paired rows, or one per row at BLOCK_SIZE 1.
+    let v_side = select(0u, select(params.num_slots * kvh, params.num_slots * kvh / 2u, BLOCK_SIZE >= 2u), KV_QUANT == 1u);
+    // The whole layout must fit the buffers (a pool made for another shape never does).
+    if chan0 + kvh * K_OUTLIERS > arrayLength(&k_pool) || data_words + v_side > arrayLength(&v_pool) {
         return;
     }
     let per_token = select(kvh * HEAD_DIM4, kvh, KV_QUANT == 1u);
@@ -93,7 +100,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
         let dst0 = row * HEAD_DIM4;
         for (var c = 0u; c < HEAD_DIM4; c++) {
             k_pool[dst0 + c] = pack4x8snorm(finite4(act_load(k_new[src0 + c]) / smooth4(smooth0 + 4u * c)) * ki);
-            v_pool[dst0 + c] = pack4x8snorm(finite4(act_load(v_new[src0 + c])) * vi);
+            atomicStore(&v_pool[dst0 + c], pack4x8snorm(finite4(act_load(v_new[src0 + c])) * vi));
         }
         // Each outlier channel's residual: the exact value in steps less
         // the stored step count.
@@ -109,7 +116,13 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
             }
         }
         k_pool[side0 + row] = kb | (nib << 16u);
-        v_pool[side0 + row] = vb;
+        if BLOCK_SIZE >= 2u {
+            let sh = (row & 1u) * 16u;
+            atomicAnd(&v_pool[side0 + row / 2u], ~(0xffffu << sh));
+            atomicOr(&v_pool[side0 + row / 2u], vb << sh);
+        } else {
+            atomicStore(&v_pool[side0 + row], vb);
+        }
     } else {
         let h = rem / HEAD_DIM4;
         let c = rem % HEAD_DIM4;
@@ -117,10 +130,10 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
         let dst = row * HEAD_DIM4 + c;
         let src = select(i, tok * params.kv_stride + rem, params.kv_stride != 0u);
         let ks = bitcast<f32>(k_pool[tail + h]);
-        let vs = bitcast<f32>(v_pool[tail + h]);
+        let vs = bitcast<f32>(k_pool[tail + kvh + h]);
         // Past +-448 saturates (infinities too); NaN is stored as 0.
         k_pool[dst] = fp8x4_enc(act_load(k_new[src]) / ks);
-        v_pool[dst] = fp8x4_enc(act_load(v_new[src]) / vs);
+        atomicStore(&v_pool[dst], fp8x4_enc(act_load(v_new[src]) / vs));
         if c == 0u {
             var side = 0u;
             for (var j = 0u; j < K_OUTLIERS; j++) {
@@ -136,7 +149,6 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
                 }
             }
             k_pool[side0 + row] = side;
-            v_pool[side0 + row] = 0u;
         }
     }
 }

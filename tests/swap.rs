@@ -12,20 +12,22 @@ use pagedattn::rng::SplitMix64;
 
 fn raw(gpu: &pagedattn::gpu::Gpu, cache: &KvCache, layer: u32) -> [Vec<u8>; 2] {
     let [k, v] = cache.layer(layer).unwrap();
-    let bytes = cache.config().layer_bytes();
-    [gpu.read(k, bytes).unwrap(), gpu.read(v, bytes).unwrap()]
+    let c = cache.config();
+    [
+        gpu.read(k, c.layer_bytes()).unwrap(),
+        gpu.read(v, c.v_layer_bytes()).unwrap(),
+    ]
 }
 
 /// The bytes of block `b` in a layer buffer: its data, then (quantized
 /// pools) its rows' side words.
-fn block(cfg: &KvCacheConfig, buf: &[u8], b: u32) -> Vec<u8> {
+fn block(cfg: &KvCacheConfig, buf: &[u8], b: u32, is_k: bool) -> Vec<u8> {
     let rows = (cfg.num_kv_heads * cfg.block_size) as usize;
     let data = rows * cfg.head_dim as usize * cfg.dtype.bytes() as usize;
     let mut out = buf[b as usize * data..(b as usize + 1) * data].to_vec();
-    if cfg.dtype.quantized() {
-        let at = cfg.data_words() as usize * 4 + b as usize * rows * 4;
-        out.extend_from_slice(&buf[at..at + rows * 4]);
-    }
+    let side = cfg.side_words_per_block(is_k) as usize * 4;
+    let at = cfg.data_words() as usize * 4 + b as usize * side;
+    out.extend_from_slice(&buf[at..at + side]);
     out
 }
 
@@ -69,8 +71,8 @@ fn swap_round_trip_is_byte_identical() {
                 for (o, b) in out.iter().zip(&back) {
                     assert_eq!(o[1], b[0]);
                     assert_eq!(
-                        block(&cfg, &after[kv], b[1]),
-                        block(&cfg, &before[l as usize][kv], o[0]),
+                        block(&cfg, &after[kv], b[1], kv == 0),
+                        block(&cfg, &before[l as usize][kv], o[0], kv == 0),
                         "{} layer {l} kv {kv}: block {} -> host {} -> block {}",
                         dtype.name(),
                         o[0],

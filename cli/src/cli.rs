@@ -57,6 +57,10 @@ pub struct BenchArgs {
     /// with --quick.
     #[arg(long, allow_hyphen_values = true)]
     pub max_seconds: Option<f64>,
+    /// Run only these sections (comma-separated): decode, dtypes, cascade,
+    /// split, host, copy, swap.
+    #[arg(long, value_delimiter = ',')]
+    pub only: Vec<String>,
 }
 
 #[derive(clap::Args, Debug, Clone)]
@@ -221,6 +225,7 @@ pub fn check(cli: Cli) -> Result<Checked, String> {
                 wall_clock: a.wall_clock,
                 progress: true,
                 max_seconds: a.max_seconds.unwrap_or(if a.quick { 60.0 } else { 150.0 }),
+                only: a.only.clone(),
             };
             if let Some(s) = a.max_seconds {
                 if !(s.is_finite() && s >= 0.0) {

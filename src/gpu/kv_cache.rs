@@ -81,8 +81,9 @@ pub fn fp8_e4m3_to_f32(b: u8) -> f32 {
 }
 
 /// A layer buffer's bytes as f32 values in the pool layout (quantized
-/// pools dequantized with their scales).
-pub(super) fn dequantize(cfg: &KvCacheConfig, raw: &[u8], is_k: bool) -> Vec<f32> {
+/// pools dequantized with their scales): `raw` is the K (`is_k`) or V
+/// buffer, `k_raw` the K buffer (which holds the layer's tail).
+pub(super) fn dequantize(cfg: &KvCacheConfig, raw: &[u8], k_raw: &[u8], is_k: bool) -> Vec<f32> {
     match cfg.dtype {
         KvDtype::F32 => bytemuck::cast_slice(raw).to_vec(),
         KvDtype::F16 => bytemuck::cast_slice::<u8, half::f16>(raw)
@@ -95,23 +96,33 @@ pub(super) fn dequantize(cfg: &KvCacheConfig, raw: &[u8], is_k: bool) -> Vec<f32
             let bs = cfg.block_size as usize;
             let kvh = cfg.num_kv_heads as usize;
             let rows = n / d;
-            let word = |w: usize| {
+            let word_of = |buf: &[u8], w: usize| {
                 u32::from_le_bytes([
-                    raw[n + 4 * w],
-                    raw[n + 4 * w + 1],
-                    raw[n + 4 * w + 2],
-                    raw[n + 4 * w + 3],
+                    buf[n + 4 * w],
+                    buf[n + 4 * w + 1],
+                    buf[n + 4 * w + 2],
+                    buf[n + 4 * w + 3],
                 ])
             };
-            // Words after the row side words: int8's smoothing factors, or
-            // fp8's head scales; then the outlier channels.
-            let tail = rows;
-            let chan_at = tail
-                + if cfg.dtype == KvDtype::Int8 {
-                    kvh * d
+            let word = |w: usize| word_of(raw, w);
+            // The K buffer's tail, after its side words: int8's smoothing
+            // factors, or fp8's K then V head scales; then the outlier channels.
+            let k_tail = |w: usize| word_of(k_raw, rows + w);
+            let chan_at = if cfg.dtype == KvDtype::Int8 {
+                kvh * d
+            } else {
+                2 * kvh
+            };
+            // A row's int8 scale: K's side word, or V's paired word.
+            let int8_scale = |row: usize| {
+                if is_k {
+                    bf16_scale(word(row))
+                } else if bs >= 2 {
+                    bf16_scale(word(row / 2) >> (16 * (row % 2)))
                 } else {
-                    kvh
-                };
+                    bf16_scale(word(row))
+                }
+            };
             let mut out: Vec<f32> = (0..n)
                 .map(|i| {
                     let row = i / d;
@@ -119,9 +130,10 @@ pub(super) fn dequantize(cfg: &KvCacheConfig, raw: &[u8], is_k: bool) -> Vec<f32
                     let b = raw[i];
                     if cfg.dtype == KvDtype::Int8 {
                         let q = (b as i8).max(-127) as f32 / 127.0;
-                        q * bf16_scale(word(row))
+                        q * int8_scale(row)
                     } else {
-                        fp8_e4m3_to_f32(b) * f32::from_bits(word(tail + h))
+                        let scale = f32::from_bits(k_tail(h + if is_k { 0 } else { kvh }));
+                        fp8_e4m3_to_f32(b) * scale
                     }
                 })
                 .collect();
@@ -130,15 +142,14 @@ pub(super) fn dequantize(cfg: &KvCacheConfig, raw: &[u8], is_k: bool) -> Vec<f32
                     let h = (row / bs) % kvh;
                     let side = word(row);
                     for j in 0..K_OUTLIERS as usize {
-                        let ch = word(chan_at + h * K_OUTLIERS as usize + j) as usize;
+                        let ch = k_tail(chan_at + h * K_OUTLIERS as usize + j) as usize;
                         if ch >= d {
                             continue;
                         }
-                        let i = row * d + ch;
-                        out[i] += if cfg.dtype == KvDtype::Int8 {
+                        out[row * d + ch] += if cfg.dtype == KvDtype::Int8 {
                             int8_residual(side, j) * bf16_scale(side)
                         } else {
-                            fp8_residual(side, j) * f32::from_bits(word(tail + h))
+                            fp8_residual(side, j) * f32::from_bits(k_tail(h))
                         };
                     }
                 }
@@ -146,7 +157,7 @@ pub(super) fn dequantize(cfg: &KvCacheConfig, raw: &[u8], is_k: bool) -> Vec<f32
                     // K was divided by its channel's smoothing factor.
                     for (i, x) in out.iter_mut().enumerate() {
                         let h = (i / d / bs) % kvh;
-                        *x *= f32::from_bits(word(tail + h * d + i % d));
+                        *x *= f32::from_bits(k_tail(h * d + i % d));
                     }
                 }
             }
@@ -159,8 +170,8 @@ pub(super) fn dequantize(cfg: &KvCacheConfig, raw: &[u8], is_k: bool) -> Vec<f32
 /// higher precision ([`KvCache::set_k_outlier_channels`]).
 pub const K_OUTLIERS: u32 = 4;
 
-/// An int8 row's scale: the bf16 in the low half of its side word (the
-/// row's largest |x|, rounded up; the step is scale / 127).
+/// An int8 row's scale: the bf16 in the low half of `side` (the row's
+/// largest |x|, rounded up; the step is scale / 127).
 pub fn bf16_scale(side: u32) -> f32 {
     f32::from_bits(side << 16)
 }
@@ -210,68 +221,93 @@ pub struct KvCacheConfig {
 }
 
 impl KvCacheConfig {
-    /// Bytes one block takes in one layer's K buffer (saturating at
-    /// `u64::MAX` for shapes [`validate`](Self::validate) refuses).
-    /// Quantized pools include each row's side word.
+    /// Bytes one block takes in one layer, K and V buffers together
+    /// (saturating at `u64::MAX` for shapes [`validate`](Self::validate)
+    /// refuses). Quantized pools include the rows' side words.
     pub fn block_bytes(&self) -> u64 {
+        self.buffer_block_bytes(true)
+            .saturating_add(self.buffer_block_bytes(false))
+    }
+
+    /// Bytes one block takes in one layer's K (`is_k`) or V buffer.
+    pub fn buffer_block_bytes(&self, is_k: bool) -> u64 {
         let rows = self.num_kv_heads as u64 * self.block_size as u64;
         let data = rows
             .saturating_mul(self.head_dim as u64)
             .saturating_mul(self.dtype.bytes());
-        data.saturating_add(rows * 4 * self.side_words())
+        data.saturating_add(self.side_words_per_block(is_k) * 4)
     }
 
-    /// `u32` side words per (token, KV head) row after the blocks: 1 for
-    /// quantized pools (int8: the bf16 row scale in the low half, K's
-    /// outlier residual nibbles in the high half; fp8: K's outlier residual
-    /// nibbles and their bytes' exponent fields), 0 otherwise.
-    pub fn side_words(&self) -> u64 {
-        u64::from(self.dtype.quantized())
+    /// `u32` side words of one block after all blocks' data, in the K
+    /// (`is_k`) or V buffer of a quantized pool (0 otherwise). K: one per
+    /// (token, KV head) row (int8: the row's bf16 scale in the low half and
+    /// the outlier residual nibbles in the high half; fp8: the residual
+    /// nibbles and their bytes' exponent fields). V, int8: the rows' bf16
+    /// scales two per word (rows `2i`, `2i + 1` of a block, low half
+    /// first), one per word when `block_size` is 1; V, fp8: none. A block's
+    /// side words are consecutive (block `b`'s start at `b` times this).
+    pub fn side_words_per_block(&self, is_k: bool) -> u64 {
+        let rows = self.num_kv_heads as u64 * self.block_size as u64;
+        match (self.dtype, is_k) {
+            (KvDtype::F32 | KvDtype::F16, _) => 0,
+            (_, true) => rows,
+            (KvDtype::Int8, false) if self.block_size >= 2 => rows / 2,
+            (KvDtype::Int8, false) => rows,
+            (KvDtype::Fp8E4M3, false) => 0,
+        }
     }
 
-    /// The initial words of a layer buffer from [`data_words`](Self::data_words)
-    /// on (quantized pools; empty otherwise): row side words of an int8
-    /// scale of 1 with no residuals (fp8: 0), then the tail: smoothing
-    /// factors of 1 (int8) or head scales of 1 (fp8), and no outlier channels.
-    pub fn side_and_tail_init(&self) -> Vec<u32> {
+    /// The initial words of the K (`is_k`) or V layer buffer from
+    /// [`data_words`](Self::data_words) on (quantized pools; empty
+    /// otherwise): side words of an int8 scale of 1 with no residuals (fp8:
+    /// 0), then (K) the tail: smoothing factors of 1 (int8) or K and V head
+    /// scales of 1 (fp8), and no outlier channels.
+    pub fn side_and_tail_init(&self, is_k: bool) -> Vec<u32> {
         if !self.dtype.quantized() {
             return Vec::new();
         }
-        let rows =
-            (self.num_blocks as u64 * self.num_kv_heads as u64 * self.block_size as u64) as usize;
-        let side = if self.dtype == KvDtype::Int8 {
-            1.0f32.to_bits() >> 16
-        } else {
-            0
+        let side = self.side_words_per_block(is_k) as usize * self.num_blocks as usize;
+        let one = 1.0f32.to_bits() >> 16;
+        let word = match (self.dtype, is_k) {
+            (KvDtype::Int8, true) => one,
+            (KvDtype::Int8, false) if self.block_size >= 2 => one | one << 16,
+            (KvDtype::Int8, false) => one,
+            _ => 0,
         };
-        let ones = (self.tail_bytes() / 4) as usize - (self.num_kv_heads * K_OUTLIERS) as usize;
-        let mut w = vec![side; rows];
-        w.extend(std::iter::repeat_n(1.0f32.to_bits(), ones));
-        w.extend(std::iter::repeat_n(
-            u32::MAX,
-            (self.num_kv_heads * K_OUTLIERS) as usize,
-        ));
+        let mut w = vec![word; side];
+        if is_k {
+            let chans = (self.num_kv_heads * K_OUTLIERS) as usize;
+            let ones = (self.tail_bytes() / 4) as usize - chans;
+            w.extend(std::iter::repeat_n(1.0f32.to_bits(), ones));
+            w.extend(std::iter::repeat_n(u32::MAX, chans));
+        }
         w
     }
 
-    /// Bytes of one layer's K buffer (saturating): the blocks, then for
-    /// quantized pools their scales (int8: one per row; fp8: one per KV head).
+    /// Bytes of one layer's K buffer (saturating), the larger of the two:
+    /// the blocks, their side words, and the layer's tail.
     pub fn layer_bytes(&self) -> u64 {
-        let tail = self.tail_bytes();
-        self.block_bytes()
+        self.buffer_block_bytes(true)
             .saturating_mul(self.num_blocks as u64)
-            .saturating_add(tail)
+            .saturating_add(self.tail_bytes())
     }
 
-    /// Bytes of a layer buffer after its blocks and their side words: fp8's
-    /// scale per KV head, or int8's K smoothing factor per (KV head,
-    /// channel); then [`K_OUTLIERS`] outlier channel indices per KV head
-    /// (`u32::MAX`: none).
+    /// Bytes of one layer's V buffer (saturating): the blocks and their
+    /// side words.
+    pub fn v_layer_bytes(&self) -> u64 {
+        self.buffer_block_bytes(false)
+            .saturating_mul(self.num_blocks as u64)
+    }
+
+    /// Bytes of the K layer buffer after its blocks and their side words:
+    /// fp8's K then V scale per KV head, or int8's K smoothing factor per
+    /// (KV head, channel); then [`K_OUTLIERS`] outlier channel indices per
+    /// KV head (`u32::MAX`: none). The V buffer has no tail.
     pub fn tail_bytes(&self) -> u64 {
         let h = self.num_kv_heads as u64;
         let chans = h * K_OUTLIERS as u64 * 4;
         match self.dtype {
-            KvDtype::Fp8E4M3 => h * 4 + chans,
+            KvDtype::Fp8E4M3 => 2 * h * 4 + chans,
             KvDtype::Int8 => h * self.head_dim as u64 * 4 + chans,
             _ => 0,
         }
@@ -307,10 +343,9 @@ impl KvCacheConfig {
     }
 
     /// Threads of copy_blocks per copied block: its KV4 elements, plus its
-    /// rows' side words.
+    /// K side words (the V side words, never more, ride along).
     pub(super) fn copy_threads_per_block(&self) -> u64 {
-        let rows = self.num_kv_heads as u64 * self.block_size as u64;
-        self.block_elems4() as u64 + rows * self.side_words()
+        self.block_elems4() as u64 + self.side_words_per_block(true)
     }
 
     /// Checks the shape on its own (no adapter limits).
@@ -353,14 +388,15 @@ impl KvCacheConfig {
     /// element offsets fit the kernels' `u32` indices); 0 for a shape whose
     /// one block is already too big.
     pub fn max_blocks_for(&self, limit: u64) -> u32 {
-        let block = self.block_bytes().max(1);
+        // The K buffer is the larger.
+        let block = self.buffer_block_bytes(true).max(1);
         let elems4 = (self.num_kv_heads as u64 * self.block_size as u64)
             .saturating_mul(self.head_dim as u64)
             / 4;
         let tail = self.tail_bytes();
         let by_bytes = limit.saturating_sub(tail) / block;
         // Quantized pools address data and scales as u32 words.
-        let words = elems4 + self.num_kv_heads as u64 * self.block_size as u64 * self.side_words();
+        let words = elems4 + self.side_words_per_block(true);
         let by_index = (u32::MAX as u64 - tail / 4) / words.max(1);
         by_bytes.min(by_index).min(u32::MAX as u64) as u32
     }
@@ -523,7 +559,7 @@ impl KvCache {
         let alloc = || -> Result<(), GpuError> {
             for l in 0..cfg.num_layers {
                 let k = gpu.storage(&format!("k_pool[{l}]"), cfg.layer_bytes())?;
-                let v = gpu.storage(&format!("v_pool[{l}]"), cfg.layer_bytes())?;
+                let v = gpu.storage(&format!("v_pool[{l}]"), cfg.v_layer_bytes())?;
                 layers.push([k, v]);
             }
             Ok(())
@@ -539,11 +575,13 @@ impl KvCache {
         if cfg.dtype.quantized() {
             // fp8 scales and int8 K smoothing factors of 1.0, and no
             // outlier channels, until the engine sets its own.
-            let init = cfg.side_and_tail_init();
+            let (ki, vi) = (cfg.side_and_tail_init(true), cfg.side_and_tail_init(false));
             let at = cfg.data_words() * 4;
             for [k, v] in &layers {
-                gpu.queue.write_buffer(k, at, bytemuck::cast_slice(&init));
-                gpu.queue.write_buffer(v, at, bytemuck::cast_slice(&init));
+                gpu.queue.write_buffer(k, at, bytemuck::cast_slice(&ki));
+                if !vi.is_empty() {
+                    gpu.queue.write_buffer(v, at, bytemuck::cast_slice(&vi));
+                }
             }
         }
         Ok(Self {
@@ -685,7 +723,7 @@ impl KvCache {
                 self.cfg.dtype.name()
             ));
         }
-        let [k, v] = self.layer(layer)?;
+        let [k, _] = self.layer(layer)?;
         let h = self.cfg.num_kv_heads as usize;
         for (what, s) in [("K", k_scales), ("V", v_scales)] {
             if s.len() != h {
@@ -701,11 +739,15 @@ impl KvCache {
                 ));
             }
         }
+        // Both in the K buffer's tail: K's scales, then V's.
         let at = self.cfg.layer_bytes() - self.cfg.tail_bytes();
         gpu.queue
             .write_buffer(k, at, bytemuck::cast_slice(k_scales));
-        gpu.queue
-            .write_buffer(v, at, bytemuck::cast_slice(v_scales));
+        gpu.queue.write_buffer(
+            k,
+            at + 4 * self.cfg.num_kv_heads as u64,
+            bytemuck::cast_slice(v_scales),
+        );
         Ok(())
     }
 
@@ -954,10 +996,11 @@ impl KvCache {
         let _serial = gpu.serial();
         gpu.alive()?;
         let [k, v] = self.layer(layer)?;
-        let bytes = self.cfg.layer_bytes();
+        let kr = gpu.read(k, self.cfg.layer_bytes())?;
+        let vr = gpu.read(v, self.cfg.v_layer_bytes())?;
         Ok((
-            dequantize(&self.cfg, &gpu.read(k, bytes)?, true),
-            dequantize(&self.cfg, &gpu.read(v, bytes)?, false),
+            dequantize(&self.cfg, &kr, &kr, true),
+            dequantize(&self.cfg, &vr, &kr, false),
         ))
     }
 }

@@ -548,7 +548,7 @@ impl PagedAttention {
         // variant forces it or the cost model pays; the main tables then
         // hold each sequence's private suffix.
         let c = &self.cache_cfg;
-        let bytes_per_token = 2 * c.block_bytes() / c.block_size as u64;
+        let bytes_per_token = c.block_bytes() / c.block_size as u64;
         let forced = variants.iter().any(|o| o.cascade == Cascade::On);
         // Auto never takes the cascade on a software adapter: skip the search.
         // The segment pass runs on the decode kernel's family: the serial

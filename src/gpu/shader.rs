@@ -267,7 +267,12 @@ fn scale_helpers(dtype: KvDtype) -> &'static str {
             "fn data_words() -> u32 { return params.num_blocks * params.num_kv_heads * BLOCK_SIZE * HEAD_DIM4; }\n\
              fn layer_tail() -> u32 { return data_words() + params.num_blocks * params.num_kv_heads * BLOCK_SIZE; }\n\
              fn k_scale(row: u32, kvh: u32) -> f32 { return bitcast<f32>(k_pool[data_words() + row / HEAD_DIM4] << 16u); }\n\
-             fn v_scale(row: u32, kvh: u32) -> f32 { return bitcast<f32>(v_pool[data_words() + row / HEAD_DIM4] << 16u); }\n\
+             // V: bf16 scales two per word (rows 2i, 2i + 1), one at BLOCK_SIZE 1.\n\
+             fn v_scale(row: u32, kvh: u32) -> f32 {\n\
+                 let r = row / HEAD_DIM4;\n\
+                 if BLOCK_SIZE == 1u { return bitcast<f32>(v_pool[data_words() + r] << 16u); }\n\
+                 return bitcast<f32>(((v_pool[data_words() + r / 2u] >> ((r & 1u) * 16u)) & 0xffffu) << 16u);\n\
+             }\n\
              fn q_smooth(kvh: u32, c: u32) -> vec4<f32> {\n\
                  let w = layer_tail() + (kvh * HEAD_DIM4 + c) * 4u;\n\
                  return bitcast<vec4<f32>>(vec4<u32>(k_pool[w], k_pool[w + 1u], k_pool[w + 2u], k_pool[w + 3u]));\n\
@@ -284,9 +289,9 @@ fn scale_helpers(dtype: KvDtype) -> &'static str {
             "fn data_words() -> u32 { return params.num_blocks * params.num_kv_heads * BLOCK_SIZE * HEAD_DIM4; }\n\
              fn layer_tail() -> u32 { return data_words() + params.num_blocks * params.num_kv_heads * BLOCK_SIZE; }\n\
              fn k_scale(row: u32, kvh: u32) -> f32 { return bitcast<f32>(k_pool[layer_tail() + kvh]); }\n\
-             fn v_scale(row: u32, kvh: u32) -> f32 { return bitcast<f32>(v_pool[layer_tail() + kvh]); }\n\
+             fn v_scale(row: u32, kvh: u32) -> f32 { return bitcast<f32>(k_pool[layer_tail() + params.num_kv_heads + kvh]); }\n\
              fn q_smooth(kvh: u32, c: u32) -> vec4<f32> { return vec4<f32>(1.0); }\n\
-             fn k_chan(kvh: u32, j: u32) -> u32 { return k_pool[layer_tail() + params.num_kv_heads + kvh * K_OUTLIERS + j]; }\n\
+             fn k_chan(kvh: u32, j: u32) -> u32 { return k_pool[layer_tail() + 2u * params.num_kv_heads + kvh * K_OUTLIERS + j]; }\n\
              // Sixteenths of the stored byte's ulp (bits 4j..), whose exponent\n\
              // field is at bits 16 + 4j.\n\
              fn k_res(row: u32, kvh: u32) -> vec4<f32> {\n\

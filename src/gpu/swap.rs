@@ -3,8 +3,9 @@
 //!
 //! Each direction is one submit of `copy_buffer_to_buffer` commands through
 //! staging buffers (runs of consecutive pool blocks go as one copy per
-//! layer), never a submit per block. A block moves with its int8 row
-//! scales; per-layer data (fp8 scales, K smoothing) stays in the pool.
+//! layer), never a submit per block. A block moves with its side words
+//! (int8 scales, K outlier residuals); per-layer data (fp8 scales, K
+//! smoothing, outlier channels) stays in the pool.
 
 use super::kv_cache::{KvCache, KvCacheConfig};
 use super::{Gpu, GpuError};
@@ -18,7 +19,8 @@ pub const MAX_SWAP_BYTES: u64 = 16 << 30;
 pub struct SwapSpace {
     cfg: KvCacheConfig,
     blocks: u32,
-    /// `u32` words of one block in one layer's K (or V) buffer.
+    /// `u32` words of one block in one layer's K buffer (V's, never more,
+    /// take the start of their slot).
     words: usize,
     /// `[host block][layer][K, V][words]`.
     data: Vec<u32>,
@@ -50,13 +52,14 @@ impl SwapSpace {
     }
 }
 
-/// A block's byte ranges in a layer buffer: its data, and (quantized pools)
-/// its rows' side words after all blocks' data. Offsets and lengths are multiples of 4.
-fn block_ranges(cfg: &KvCacheConfig, b: u32) -> [(u64, u64); 2] {
+/// A block's byte ranges in the K (`is_k`) or V buffer of a layer: its
+/// data, and (quantized pools) its side words after all blocks' data.
+/// Offsets and lengths are multiples of 4.
+fn block_ranges(cfg: &KvCacheConfig, b: u32, is_k: bool) -> [(u64, u64); 2] {
     let rows = cfg.num_kv_heads as u64 * cfg.block_size as u64;
     let data = rows * cfg.head_dim as u64 * cfg.dtype.bytes();
     let first = (b as u64 * data, data);
-    let side = rows * 4 * cfg.side_words();
+    let side = cfg.side_words_per_block(is_k) * 4;
     let second = (cfg.data_words() * 4 + b as u64 * side, side);
     [first, second]
 }
@@ -81,16 +84,16 @@ impl KvCache {
     /// [`MAX_SWAP_BYTES`]).
     pub fn swap_space(&self, blocks: u32) -> Result<SwapSpace, GpuError> {
         let cfg = *self.config();
-        let words = (cfg.block_bytes() / 4) as usize;
+        let words = (cfg.buffer_block_bytes(true) / 4) as usize;
         let bytes = cfg
-            .block_bytes()
+            .buffer_block_bytes(true)
             .checked_mul(2 * cfg.num_layers as u64)
             .and_then(|b| b.checked_mul(blocks as u64))
             .filter(|&b| b <= MAX_SWAP_BYTES)
             .ok_or_else(|| {
                 GpuError::InvalidArgument(format!(
                     "swap space of {blocks} blocks of {} bytes is over the {MAX_SWAP_BYTES}-byte limit",
-                    cfg.block_bytes() * 2 * cfg.num_layers as u64
+                    cfg.buffer_block_bytes(true) * 2 * cfg.num_layers as u64
                 ))
             })?;
         let len = usize::try_from(bytes / 4).map_err(|_| {
@@ -185,7 +188,7 @@ impl KvCache {
                     let base = (l as u64 * 2 + kv as u64) * plane;
                     for &(i, n) in &runs {
                         let mut at = base + i as u64 * space.words as u64 * 4;
-                        for (off, len) in block_ranges(&cfg, pairs[i][0]) {
+                        for (off, len) in block_ranges(&cfg, pairs[i][0], kv == 0) {
                             if len > 0 {
                                 enc.copy_buffer_to_buffer(buf, off, &staging, at, len * n as u64);
                                 at += len * n as u64;
@@ -206,13 +209,14 @@ impl KvCache {
                 let base = ((l as usize * 2 + kv) * pairs.len()) * w;
                 for &(i, n) in &runs {
                     let run = &words[base + i * w..base + (i + n) * w];
-                    let [(_, dl), _] = block_ranges(&cfg, pairs[i][0]);
-                    let (dw, sw) = ((dl / 4) as usize, w - (dl / 4) as usize);
+                    let [(_, dl), (_, sl)] = block_ranges(&cfg, pairs[i][0], kv == 0);
+                    let (dw, sw) = ((dl / 4) as usize, (sl / 4) as usize);
                     for j in 0..n {
                         let dst = space.range(pairs[i + j][1], l, kv);
                         let out = &mut space.data[dst];
                         out[..dw].copy_from_slice(&run[j * dw..(j + 1) * dw]);
-                        out[dw..].copy_from_slice(&run[n * dw + j * sw..n * dw + (j + 1) * sw]);
+                        out[dw..dw + sw]
+                            .copy_from_slice(&run[n * dw + j * sw..n * dw + (j + 1) * sw]);
                     }
                 }
             }
@@ -245,13 +249,14 @@ impl KvCache {
             for kv in 0..2 {
                 let base = ((l as usize * 2 + kv) * pairs.len()) * w;
                 for &(i, n) in &runs {
-                    let [(_, dl), _] = block_ranges(&cfg, pairs[i][1]);
-                    let (dw, sw) = ((dl / 4) as usize, w - (dl / 4) as usize);
+                    let [(_, dl), (_, sl)] = block_ranges(&cfg, pairs[i][1], kv == 0);
+                    let (dw, sw) = ((dl / 4) as usize, (sl / 4) as usize);
                     let run = &mut words[base + i * w..base + (i + n) * w];
                     for j in 0..n {
                         let src = &space.data[space.range(pairs[i + j][0], l, kv)];
                         run[j * dw..(j + 1) * dw].copy_from_slice(&src[..dw]);
-                        run[n * dw + j * sw..n * dw + (j + 1) * sw].copy_from_slice(&src[dw..]);
+                        run[n * dw + j * sw..n * dw + (j + 1) * sw]
+                            .copy_from_slice(&src[dw..dw + sw]);
                     }
                 }
             }
@@ -266,7 +271,7 @@ impl KvCache {
                     let base = (l as u64 * 2 + kv as u64) * plane;
                     for &(i, n) in &runs {
                         let mut at = base + i as u64 * w as u64 * 4;
-                        for (off, len) in block_ranges(&cfg, pairs[i][1]) {
+                        for (off, len) in block_ranges(&cfg, pairs[i][1], kv == 0) {
                             if len > 0 {
                                 enc.copy_buffer_to_buffer(&staging, at, buf, off, len * n as u64);
                                 at += len * n as u64;

@@ -93,14 +93,17 @@ impl PagedAttention {
             })
             .collect();
         let mut words = words;
+        let mut v_words = words[..(v.size() / 4) as usize].to_vec();
         if c.dtype.quantized() {
             // Scales of 1 after the data, no outlier channels.
             let at = scratch.config().data_words() as usize;
-            let init = scratch.config().side_and_tail_init();
+            let init = scratch.config().side_and_tail_init(true);
             words[at..at + init.len()].copy_from_slice(&init);
+            let init = scratch.config().side_and_tail_init(false);
+            v_words[at..at + init.len()].copy_from_slice(&init);
         }
         gpu.queue.write_buffer(k, 0, bytemuck::cast_slice(&words));
-        gpu.queue.write_buffer(v, 0, bytemuck::cast_slice(&words));
+        gpu.queue.write_buffer(v, 0, bytemuck::cast_slice(&v_words));
         let q: Vec<f32> = (0..(TUNE_SEQS * num_heads * c.head_dim))
             .map(|_| rng.next_signed())
             .collect();

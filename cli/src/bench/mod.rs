@@ -29,7 +29,15 @@ pub struct BenchConfig {
     /// Time budget in seconds: once spent, the remaining grid cells are
     /// listed as skipped instead of measured (software adapters are slow).
     pub max_seconds: f64,
+    /// Sections to run (of [`SECTIONS`]); empty: all. The others are listed
+    /// as skipped and their figures left at 0.
+    pub only: Vec<String>,
 }
+
+/// The bench's sections, as `--only` names them.
+pub const SECTIONS: &[&str] = &[
+    "decode", "dtypes", "cascade", "split", "host", "copy", "swap",
+];
 
 impl BenchConfig {
     /// Checks the settings: `max_seconds` finite and not negative.
@@ -40,7 +48,18 @@ impl BenchConfig {
                 self.max_seconds
             )));
         }
+        if let Some(bad) = self.only.iter().find(|o| !SECTIONS.contains(&o.as_str())) {
+            return Err(GpuError::InvalidArgument(format!(
+                "no bench section {bad:?} (sections: {})",
+                SECTIONS.join(", ")
+            )));
+        }
         Ok(())
+    }
+
+    /// Whether `section` runs.
+    pub fn runs(&self, section: &str) -> bool {
+        self.only.is_empty() || self.only.iter().any(|o| o == section)
     }
 }
 
@@ -272,16 +291,17 @@ pub fn filled_cache(
             .collect(),
     };
     for l in 0..layers {
-        for buf in cache.layer(l)? {
+        for (kv, buf) in cache.layer(l)?.iter().enumerate() {
+            let size = buf.size();
             let mut off = 0;
-            while off < cfg.layer_bytes() {
-                let n = (pattern.len() as u64).min(cfg.layer_bytes() - off);
+            while off < size {
+                let n = (pattern.len() as u64).min(size - off);
                 gpu.queue.write_buffer(buf, off, &pattern[..n as usize]);
                 off += n;
             }
             if dtype.quantized() {
                 let at = cfg.data_words() * 4;
-                let init = cfg.side_and_tail_init();
+                let init = cfg.side_and_tail_init(kv == 0);
                 gpu.queue.write_buffer(buf, at, bytemuck::cast_slice(&init));
             }
         }
@@ -430,7 +450,7 @@ impl StreamRead {
             let [k, v] = cache.layer(l)?;
             groups.push(pagedattn::gpu::bind_buffers(gpu, &pipe, &[k, v, &sink]));
         }
-        let bytes = 2 * cache.config().layer_bytes();
+        let bytes = cache.config().layer_bytes() + cache.config().v_layer_bytes();
         // Enough threads that each does at most ~256 iterations.
         let workgroups = (bytes / 16 / 64 / 256).clamp(1, 65535) as u32;
         Ok(Self {
@@ -703,6 +723,12 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, GpuError> {
     let mut decode = Vec::new();
     let mut skipped = Vec::new();
     let mut tuner = Vec::new();
+    for section in SECTIONS {
+        if !cfg.runs(section) {
+            skipped.push(format!("{section}: not selected (--only)"));
+        }
+    }
+    let dtypes = if cfg.runs("decode") { dtypes } else { &[] };
     for &dtype in dtypes {
         let dname = if dtype == KvDtype::F32 { "f32" } else { "f16" };
         progress(cfg, &format!("tuning the decode kernel ({dname})"));
@@ -804,7 +830,9 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, GpuError> {
         }
     }
     progress(cfg, "decode per KV dtype");
-    let dtypes = if over_budget(0.8) {
+    let dtypes = if !cfg.runs("dtypes") {
+        Vec::new()
+    } else if over_budget(0.8) {
         skipped.push(format!(
             "decode per dtype: over the {} s time budget",
             cfg.max_seconds
@@ -820,7 +848,9 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, GpuError> {
         )?
     };
     progress(cfg, "cascade: sequences sharing a prompt");
-    let cells: &[(u32, u32)] = if cfg.quick {
+    let cells: &[(u32, u32)] = if !cfg.runs("cascade") {
+        &[]
+    } else if cfg.quick {
         &[(1, 4096), (8, 512), (8, 4096)]
     } else {
         &[
@@ -855,7 +885,9 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, GpuError> {
         }
     }
     let mut split = Vec::new();
-    let split_grid: &[(u32, u32)] = if cfg.quick {
+    let split_grid: &[(u32, u32)] = if !cfg.runs("split") {
+        &[]
+    } else if cfg.quick {
         &[(1, 4096)]
     } else {
         &[
@@ -910,16 +942,29 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, GpuError> {
             auto_partition,
         });
     }
-    progress(cfg, "host bookkeeping");
-    let host = host_bookkeeping_us_per_seq(if cfg.quick { 50 } else { 400 });
-    let host_prefix = host_bookkeeping_us_per_seq_prefix_cache(if cfg.quick { 50 } else { 400 });
-    let sched_us = scheduler_us_per_seq(if cfg.quick { 50 } else { 400 });
-    progress(cfg, "host side of a planned 32-layer step");
-    let host_step = host_step(gpu, if cfg.quick { 20 } else { 100 })?;
-    progress(cfg, "write_kv / copy_blocks");
-    let (wk_tps, wk_gbs, cb_ps, cb_gbs) = write_and_copy(gpu, &timer, &mut rng)?;
-    progress(cfg, "swap out / in");
-    let (swap_out_gbs, swap_in_gbs) = swap_rates(gpu)?;
+    let (mut host, mut host_prefix, mut sched_us) = (0.0, 0.0, 0.0);
+    let mut host_step_row = HostStep::default();
+    if cfg.runs("host") {
+        progress(cfg, "host bookkeeping");
+        host = host_bookkeeping_us_per_seq(if cfg.quick { 50 } else { 400 });
+        host_prefix = host_bookkeeping_us_per_seq_prefix_cache(if cfg.quick { 50 } else { 400 });
+        sched_us = scheduler_us_per_seq(if cfg.quick { 50 } else { 400 });
+        progress(cfg, "host side of a planned 32-layer step");
+        host_step_row = host_step(gpu, if cfg.quick { 20 } else { 100 })?;
+    }
+    let host_step = host_step_row;
+    let (wk_tps, wk_gbs, cb_ps, cb_gbs) = if cfg.runs("copy") {
+        progress(cfg, "write_kv / copy_blocks");
+        write_and_copy(gpu, &timer, &mut rng)?
+    } else {
+        (0.0, 0.0, 0.0, 0.0)
+    };
+    let (swap_out_gbs, swap_in_gbs) = if cfg.runs("swap") {
+        progress(cfg, "swap out / in");
+        swap_rates(gpu)?
+    } else {
+        (0.0, 0.0)
+    };
     if cfg.progress {
         use std::io::Write as _;
         let _ = writeln!(std::io::stderr(), "\r\x1b[2K[bench] done");
@@ -1107,7 +1152,7 @@ fn dtype_rows(
                 context,
                 kernel: attn.kernel().name(),
                 ms,
-                kv_bytes: 2 * (batch * context / BLOCK) as u64 * c.block_bytes(),
+                kv_bytes: (batch * context / BLOCK) as u64 * c.block_bytes(),
                 block_bytes_over_f16: c.block_bytes() as f64 / f16_block,
                 time_over_f16: 0.0,
             }
@@ -1162,7 +1207,8 @@ fn write_and_copy(
     if let Some(e) = err {
         return Err(e);
     }
-    let block_bytes = cache.config().block_bytes() as f64 * 2.0;
+    // K and V of every layer.
+    let block_bytes = cache.config().block_bytes() as f64 * cache.config().num_layers as f64;
     Ok((
         wk_tps,
         wk_gbs,
@@ -1299,36 +1345,45 @@ pub fn render(r: &BenchReport) -> String {
             }
         );
     }
-    let _ = writeln!(
-        s,
-        "\nhost bookkeeping at batch 256: {:.3} us per sequence per step ({:.3} with prefix caching)",
-        r.host_us_per_seq, r.host_us_per_seq_prefix_cache
-    );
-    let h = &r.host_step;
-    let _ = writeln!(
-        s,
-        "plan + record a {}-layer decode step at batch {} (context {}): {:.0} us; {} buffers and {} bind groups created per steady step",
-        h.layers, h.batch, h.context, h.us_per_step, h.buffers_created, h.bind_groups_created
-    );
-    let _ = writeln!(
-        s,
-        "write_kv: {:.0} tokens/s ({:.2} GB/s)",
-        r.write_kv_tokens_per_s, r.write_kv_gbs
-    );
-    let _ = writeln!(
-        s,
-        "copy_blocks: {:.0} blocks/s ({:.2} GB/s)",
-        r.copy_blocks_per_s, r.copy_blocks_gbs
-    );
-    let _ = writeln!(
-        s,
-        "swap (128 scattered blocks, 4 layers, wall clock): out {:.2} GB/s, in {:.2} GB/s (copy_buffer_to_buffer {:.2} GB/s)",
-        r.swap_out_gbs, r.swap_in_gbs, r.memcpy_gbs
-    );
-    let _ = writeln!(
-        s,
-        "scheduler (schedule + commit) at batch 256: {:.2} us per sequence per step",
-        r.scheduler_us_per_seq
-    );
+    // Sections left out by --only have figures of 0: not printed.
+    if r.host_us_per_seq > 0.0 {
+        let _ = writeln!(
+            s,
+            "\nhost bookkeeping at batch 256: {:.3} us per sequence per step ({:.3} with prefix caching)",
+            r.host_us_per_seq, r.host_us_per_seq_prefix_cache
+        );
+        let h = &r.host_step;
+        let _ = writeln!(
+            s,
+            "plan + record a {}-layer decode step at batch {} (context {}): {:.0} us; {} buffers and {} bind groups created per steady step",
+            h.layers, h.batch, h.context, h.us_per_step, h.buffers_created, h.bind_groups_created
+        );
+    }
+    if r.write_kv_tokens_per_s > 0.0 {
+        let _ = writeln!(
+            s,
+            "write_kv: {:.0} tokens/s ({:.2} GB/s)",
+            r.write_kv_tokens_per_s, r.write_kv_gbs
+        );
+        let _ = writeln!(
+            s,
+            "copy_blocks: {:.0} blocks/s ({:.2} GB/s)",
+            r.copy_blocks_per_s, r.copy_blocks_gbs
+        );
+    }
+    if r.swap_out_gbs > 0.0 {
+        let _ = writeln!(
+            s,
+            "swap (128 scattered blocks, 4 layers, wall clock): out {:.2} GB/s, in {:.2} GB/s (copy_buffer_to_buffer {:.2} GB/s)",
+            r.swap_out_gbs, r.swap_in_gbs, r.memcpy_gbs
+        );
+    }
+    if r.scheduler_us_per_seq > 0.0 {
+        let _ = writeln!(
+            s,
+            "scheduler (schedule + commit) at batch 256: {:.2} us per sequence per step",
+            r.scheduler_us_per_seq
+        );
+    }
     s
 }

@@ -271,14 +271,19 @@ pub struct SimConfig {
     pub cost: CostModel,
 }
 
-/// Bytes one token takes per KV head and per K or V, for `head_dim`:
-/// what `KvCacheConfig::block_bytes` charges per token.
+/// Bytes one token takes per KV head, K and V together, for `head_dim`:
+/// what `KvCacheConfig::block_bytes` charges per token (blocks of 16: int8
+/// V scales are two per word from 2 tokens per block on).
 pub fn kv_bytes_per_token(dtype: pagedattn::gpu::KvDtype, head_dim: usize) -> usize {
-    use pagedattn::gpu::KvDtype;
-    match dtype {
-        KvDtype::Int8 => head_dim + 4,
-        d => head_dim * d.bytes() as usize,
-    }
+    let cfg = pagedattn::gpu::KvCacheConfig {
+        num_layers: 1,
+        num_blocks: 1,
+        block_size: 16,
+        num_kv_heads: 1,
+        head_dim: head_dim.min(256) as u32,
+        dtype,
+    };
+    (cfg.block_bytes() / 16) as usize
 }
 
 /// Most requests a simulation may have (`--requests`).
@@ -575,10 +580,8 @@ pub fn simulate(cfg: &SimConfig) -> Result<Report, SimError> {
                                     PolicyReport::from_log("paged", label, Some(bs), cap, log);
                                 // The cost model, per K/V byte of this dtype.
                                 let c = &cfg.cost;
-                                let token_bytes = 2
-                                    * c.layers
-                                    * c.kv_heads
-                                    * kv_bytes_per_token(dtype, cfg.head_dim);
+                                let token_bytes =
+                                    c.layers * c.kv_heads * kv_bytes_per_token(dtype, cfg.head_dim);
                                 let moved = st.blocks_swapped_out + st.blocks_swapped_in;
                                 let bytes = moved as f64 * (bs as usize * token_bytes) as f64;
                                 let copies = moved as f64 * (2 * c.layers) as f64;
