@@ -398,7 +398,7 @@ fn gpu_pool_larger_than_the_adapter_allows() {
         head_dim: 256,
         dtype: KvDtype::F32,
     };
-    let block = cfg.block_bytes(); // 2 MiB
+    let block = cfg.buffer_block_bytes(true); // 2 MiB
     let fit = cfg.max_blocks_for(limit);
     assert!(fit > 0 && fit as u64 * block <= limit);
     for nb in [fit + 1, u32::MAX] {
@@ -1128,10 +1128,10 @@ fn gpu_inputs_over_the_device_limits() {
     let web = open(|a| wgpu::Limits::default().using_resolution(a));
     assert_eq!(web.max_binding_bytes(), 128 << 20);
     let cfg = KvCacheConfig {
-        num_blocks: 1 + (128 << 20) / kv_config(1, 16).block_bytes() as u32,
+        num_blocks: 1 + (128 << 20) / kv_config(1, 16).buffer_block_bytes(true) as u32,
         ..kv_config(1, 16)
     };
-    let fit = ((128 << 20) / cfg.block_bytes()) as u32;
+    let fit = ((128 << 20) / cfg.buffer_block_bytes(true)) as u32;
     match KvCache::new(&web, cfg) {
         Err(GpuError::CacheTooLarge { max_blocks, .. }) => assert_eq!(max_blocks, fit),
         other => panic!("{:?}", other.map(|_| ())),

@@ -254,7 +254,7 @@ fn config(c: &mut Cursor, r: &mut Reached) {
     // are exact and the block count they allow keeps every offset in u32.
     let limit = [0, 1 << 20, 128 << 20, u64::MAX][c.byte() as usize % 4];
     let max = cfg.max_blocks_for(limit);
-    let (bytes, elems4) = (cfg.block_bytes(), cfg.block_elems4());
+    let (bytes, elems4) = (cfg.buffer_block_bytes(true), cfg.block_elems4());
     if want {
         let exact = cfg.num_kv_heads as u64 * cfg.block_size as u64 * cfg.head_dim as u64 / 4;
         assert_eq!(elems4 as u64, exact, "{cfg:?}");
