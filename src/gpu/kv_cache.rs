@@ -69,6 +69,8 @@ pub(super) fn write_kv_kernel(dtype: KvDtype) -> &'static str {
 
 /// One E4M3 byte as f32 (no infinities; 0x7f / 0xff, the format's NaN, is
 /// never written and reads as 480).
+// Host dequantization serves read_layer, which the browser build lacks.
+#[cfg_attr(target_arch = "wasm32", allow(dead_code))]
 pub fn fp8_e4m3_to_f32(b: u8) -> f32 {
     let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
     let e = (b >> 3) & 0xf;
@@ -83,6 +85,7 @@ pub fn fp8_e4m3_to_f32(b: u8) -> f32 {
 /// A layer buffer's bytes as f32 values in the pool layout (quantized
 /// pools dequantized with their scales): `raw` is the K (`is_k`) or V
 /// buffer, `k_raw` the K buffer (which holds the layer's tail).
+#[cfg_attr(target_arch = "wasm32", allow(dead_code))]
 pub(super) fn dequantize(cfg: &KvCacheConfig, raw: &[u8], k_raw: &[u8], is_k: bool) -> Vec<f32> {
     match cfg.dtype {
         KvDtype::F32 => bytemuck::cast_slice(raw).to_vec(),
@@ -172,17 +175,20 @@ pub const K_OUTLIERS: u32 = 4;
 
 /// An int8 row's scale: the bf16 in the low half of `side` (the row's
 /// largest |x|, rounded up; the step is scale / 127).
+#[cfg_attr(target_arch = "wasm32", allow(dead_code))]
 pub fn bf16_scale(side: u32) -> f32 {
     f32::from_bits(side << 16)
 }
 
 /// The 4-bit two's-complement nibble `j` of the high half of a K side word.
+#[cfg_attr(target_arch = "wasm32", allow(dead_code))]
 fn nibble(side: u32, j: usize) -> f32 {
     (((side >> (16 + 4 * j)) as i32) << 28 >> 28) as f32
 }
 
 /// Int8 outlier channel `j`'s residual in units of the row scale: the
 /// nibble counts fifteenths of a step (1 / 127).
+#[cfg_attr(target_arch = "wasm32", allow(dead_code))]
 fn int8_residual(side: u32, j: usize) -> f32 {
     nibble(side, j) / (127.0 * 15.0)
 }
@@ -190,6 +196,7 @@ fn int8_residual(side: u32, j: usize) -> f32 {
 /// Fp8 outlier channel `j`'s residual before the head scale: the nibble in
 /// bits 4j.. counts fifteenths of the ulp of the stored byte, whose
 /// exponent field is in bits 16 + 4j..
+#[cfg_attr(target_arch = "wasm32", allow(dead_code))]
 fn fp8_residual(side: u32, j: usize) -> f32 {
     let n = (((side >> (4 * j)) as i32) << 28 >> 28) as f32;
     let e = ((side >> (16 + 4 * j)) & 0xf).max(1) as i32;
