@@ -38,8 +38,10 @@ var<private> acc: array<vec4<f32>, HT * HEAD_DIM4>;
 var<private> slope: array<f32, HT>;
 var<private> m: array<f32, HT>;
 var<private> l: array<f32, HT>;
-// Quantized pools: each row at its KV head's outlier channels (q_res).
+// Quantized pools: each row at its KV head's outlier channels (q_res), and
+// whether any is set (else the residuals are not read).
 var<private> qf: array<vec4<f32>, HT>;
+var<private> has_res: bool;
 
 @compute @workgroup_size(64)
 fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {

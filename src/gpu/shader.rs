@@ -299,7 +299,8 @@ fn scale_helpers(dtype: KvDtype) -> &'static str {
                  let iw = bitcast<i32>(w);\n\
                  let n = vec4<f32>(f32(extractBits(iw, 0u, 4u)), f32(extractBits(iw, 4u, 4u)), f32(extractBits(iw, 8u, 4u)), f32(extractBits(iw, 12u, 4u)));\n\
                  let e = max(vec4<u32>(extractBits(w, 16u, 4u), extractBits(w, 20u, 4u), extractBits(w, 24u, 4u), extractBits(w, 28u, 4u)), vec4<u32>(1u));\n\
-                 return n * exp2(vec4<f32>(e) - 10.0) * (1.0 / 15.0);\n\
+                 // 2^(e - 10) built from its exponent bits (no exp2 per token).\n\
+                 return n * bitcast<vec4<f32>>((e + vec4<u32>(117u)) << vec4<u32>(23u)) * (1.0 / 15.0);\n\
              }\n",
             q_res!()
         ),
@@ -447,7 +448,11 @@ fn serial_helpers(ht: u32, d4: u32, quant: bool) -> String {
             );
         }
         if quant {
-            let _ = writeln!(o, "        qf[{r}u] = q_res(qbase + {}u, kvh);", r * d4);
+            let _ = writeln!(
+                o,
+                "        qf[{r}u] = q_res(qbase + {}u, kvh);\n        has_res = has_res || any(qf[{r}u] != vec4<f32>(0.0));",
+                r * d4
+            );
         }
         let _ = writeln!(o, "    }}");
     }
@@ -472,10 +477,13 @@ fn serial_helpers(ht: u32, d4: u32, quant: bool) -> String {
         }
     }
     if quant {
-        let _ = writeln!(o, "    let kr = k_res(row, kvh);");
+        // Only where the head has outlier channels: one branch per token,
+        // the same way for the whole invocation.
+        let _ = writeln!(o, "    if has_res {{\n        let kr = k_res(row, kvh);");
         for r in 0..ht {
-            let _ = writeln!(o, "    s{r} += dot(qf[{r}u], kr);");
+            let _ = writeln!(o, "        s{r} += dot(qf[{r}u], kr);");
         }
+        let _ = writeln!(o, "    }}");
     }
     // Branch-free: every row rescales by f (1 unless its max grew), so the
     // code is one basic block (a branch per row made the compile several

@@ -119,7 +119,9 @@ pub struct VariantCell {
 /// timed interleaved.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct DtypeRow {
-    /// "f32", "f16", "int8" or "fp8".
+    /// "f32", "f16", "int8" or "fp8"; "int8+outliers" and "fp8+outliers"
+    /// with K_OUTLIERS outlier channels set per KV head (the residuals read
+    /// and added per token).
     pub dtype: &'static str,
     /// Sequences.
     pub batch: u32,
@@ -1115,16 +1117,34 @@ fn dtype_rows(
     batch: u32,
     context: u32,
 ) -> Result<Vec<DtypeRow>, GpuError> {
-    let all = [KvDtype::F32, KvDtype::F16, KvDtype::Int8, KvDtype::Fp8E4M3];
+    let all = [
+        (KvDtype::F32, false),
+        (KvDtype::F16, false),
+        (KvDtype::Int8, false),
+        (KvDtype::Fp8E4M3, false),
+        (KvDtype::Int8, true),
+        (KvDtype::Fp8E4M3, true),
+    ];
     let mut rigs = Vec::new();
-    for dtype in all {
+    for (dtype, outliers) in all {
         let Some(r) = rig(gpu, batch, context, dtype, rng)? else {
             continue;
+        };
+        if outliers {
+            let chans: Vec<u32> = (0..KV_HEADS).flat_map(|_| [5, 42, 79, 116]).collect();
+            for l in 0..r.layers {
+                r.cache.set_k_outlier_channels(gpu, l, &chans)?;
+            }
+        }
+        let name = match (dtype, outliers) {
+            (KvDtype::Int8, true) => "int8+outliers",
+            (KvDtype::Fp8E4M3, true) => "fp8+outliers",
+            _ => dtype.name(),
         };
         let attn = PagedAttention::new(gpu, &r.cache, HEADS)?;
         let (ip, ix, ln) = tables(batch, context, true, rng);
         let t = BatchTables::upload(gpu, &ip, &ix, &ln, None)?;
-        rigs.push((dtype, r, attn, t));
+        rigs.push((name, r, attn, t));
     }
     let opts = AttnOptions::default();
     let ms = interleaved_medians(timer, rigs.len(), &mut |i, run, enc| {
@@ -1147,7 +1167,7 @@ fn dtype_rows(
         .map(|((dtype, r, attn, _), &ms)| {
             let c = r.cache.config();
             DtypeRow {
-                dtype: dtype.name(),
+                dtype,
                 batch,
                 context,
                 kernel: attn.kernel().name(),
