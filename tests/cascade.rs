@@ -377,3 +377,74 @@ fn encode_decode_runs_the_cascade() {
         }
     }
 }
+
+/// The cascade over quantized pools (int8, fp8, with outlier channels set so
+/// the residuals are read too) gives plain decode's output on every decode
+/// kernel: the segment pass dequantizes as every kernel does.
+#[test]
+fn cascade_over_quantized_pools_matches_plain_decode() {
+    let Some(gpu) = gpu() else { return };
+    for dtype in [KvDtype::Int8, KvDtype::Fp8E4M3] {
+        let s = seed(&format!("cascade {}", dtype.name()));
+        let mut rng = SplitMix64::new(s);
+        let (indptr, indices, lens, nb) = random_tree(&mut rng, 10, 2);
+        let cfg = KvCacheConfig {
+            num_layers: 1,
+            num_blocks: nb,
+            block_size: BS,
+            num_kv_heads: KVH,
+            head_dim: HD,
+            dtype,
+        };
+        let cache = KvCache::new(&gpu, cfg).unwrap();
+        let m = u32::MAX;
+        cache
+            .set_k_outlier_channels(&gpu, 0, &[3, 17, m, m, 40, m, m, m])
+            .unwrap();
+        let slots: Vec<u32> = (0..nb * BS).collect();
+        let row = (KVH * HD) as usize;
+        let k = rng.signed_vec(slots.len() * row);
+        let v = rng.signed_vec(slots.len() * row);
+        cache.write_kv(&gpu, 0, &k, &v, &slots).unwrap();
+        let mut host = HostPool::new(nb as usize, KVH as usize, BS as usize, HD as usize);
+        host.write(&slots, &k, &v, dtype);
+        let b = Batch {
+            cache,
+            host,
+            indptr,
+            indices,
+            lens,
+        };
+        let heads = KVH * GROUP;
+        let q = rng.signed_vec(b.lens.len() * (heads * HD) as usize);
+        let p = AttnParams::new(heads as usize, HD as usize);
+        let want = reference::decode(&b.host.view(), &p, &q, &b.indptr, &b.indices, &b.lens);
+        let bound = if dtype == KvDtype::Int8 { 1e-2 } else { 5e-2 };
+        for kernel in PagedAttention::eligible_kernels(&gpu, &b.cache, heads) {
+            let off = AttnOptions {
+                cascade: Cascade::Off,
+                ..Default::default()
+            };
+            let on = AttnOptions {
+                cascade: Cascade::On,
+                ..Default::default()
+            };
+            let (plain, _) = run(&gpu, &b, kernel, &q, &off);
+            let (cas, report) = run(&gpu, &b, kernel, &q, &on);
+            assert!(report.is_some(), "[{kernel}] the cascade did not run");
+            let plain64: Vec<f64> = plain.iter().map(|&x| x as f64).collect();
+            let same = rel_l2(&cas, &plain64);
+            let e = rel_l2(&cas, &want);
+            eprintln!(
+                "{} [{kernel}]: cascade vs plain {same:.2e}, vs reference {e:.2e}",
+                dtype.name()
+            );
+            assert!(
+                same < 1e-5,
+                "{} [{kernel}]: {same:.3e} (seed {s})",
+                dtype.name()
+            );
+            assert!(e < bound, "{} [{kernel}]: {e:.3e} (seed {s})", dtype.name());
+        }
+    }
+}
