@@ -565,8 +565,7 @@ impl Scheduler {
         // take (one step never writes a pool block twice by swapping).
         let mut back: Vec<RequestId> = Vec::new();
         let mut reserved = 0usize;
-        while !preempted {
-            let Some(g) = self.swapped.front() else { break };
+        while let (false, Some(g)) = (preempted, self.swapped.front()) {
             let grow = g.children.iter().filter(|c| !c.finished).count();
             let need = self.blocks.swap_in_blocks(&g.seqs)? + grow;
             let idle = self.running.is_empty();
