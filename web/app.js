@@ -232,10 +232,10 @@ function drawNumbers() {
     ['time per step (avg)', state.stepMs === null ? '–'
       : `${state.stepMs.toFixed(1)} ms (${(state.stepMsTotal / Math.max(1, state.steps)).toFixed(1)})`],
     ['block accounting', c.consistent ? 'consistent' : 'INCONSISTENT', c.consistent ? 'ok' : 'bad'],
+    ['shared segments read once (gold)', s && s.decoded
+      ? (s.cascade_segments ? `${s.cascade_segments}` : 'none (plain decode)') : '–'],
     ['K/V read per layer, this step: cascade / plain', s && s.decoded
-      ? `${(s.kv_bytes / 1e3).toFixed(1)} / ${(s.kv_bytes_plain / 1e3).toFixed(1)} KB`
-        + (s.cascade_segments ? ` (${s.cascade_segments} shared segments read once, marked gold)` : ' (plain decode)')
-      : '–'],
+      ? `${(s.kv_bytes / 1e3).toFixed(1)} / ${(s.kv_bytes_plain / 1e3).toFixed(1)} KB` : '–'],
     ['K/V read so far: cascade / plain', state.kvPlain
       ? `${(state.kvRead / 1e6).toFixed(2)} / ${(state.kvPlain / 1e6).toFixed(2)} MB (${state.cascadeSteps} cascade steps)` : '–'],
     ['decode time, layer 0, this step: cascade / plain', s && s.cascade_segments
