@@ -760,11 +760,9 @@ impl PagedAttention {
                 segments: t.num_segments(),
             });
         }
-        let elem = self.cache_cfg.dtype.bytes();
-        plan.kv_bytes = seq_lens
-            .iter()
-            .map(|&l| 2 * l as u64 * self.num_kv_heads as u64 * self.head_dim as u64 * elem)
-            .sum();
+        // K and V of every token, side words (quantized scales) included:
+        // the same count the cascade's figures use.
+        plan.kv_bytes = seq_lens.iter().map(|&l| l as u64 * bytes_per_token).sum();
         plan.splits = splits;
         plan.variants = variants.len();
         plan.meta = meta;
