@@ -17,10 +17,10 @@ use std::collections::HashMap;
 /// When decode reads shared prefixes once (`AttnOptions::cascade`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Cascade {
-    /// When the plan's cost model says it reads fewer bytes by a margin
-    /// (see [`CascadeTables::pays`]), on adapters where bytes are the
-    /// bottleneck: not on software adapters (`Gpu::is_software`), where
-    /// decode is bound by arithmetic and the cascade measured slower.
+    /// Plain decode for now (see `CASCADE_AUTO`: the cascade measured
+    /// slower than plain decode on lavapipe and on an H200). The cost model
+    /// it will use, [`CascadeTables::pays`] (fewer bytes by a margin, on
+    /// adapters that are not software rasterisers), is kept and reported.
     #[default]
     Auto,
     /// Whenever the batch shares at least one segment.

@@ -287,8 +287,20 @@ pub struct AttentionPlan {
 
 /// Longest shared segment one cascade pass walks (longer shared prefixes
 /// are cut into several segments, which also spreads them over more
-/// workgroups).
-pub const CASCADE_CHUNK_TOKENS: u32 = 2048;
+/// workgroups: on an H200, 2048-token segments left most of the GPU idle
+/// and made the cascade 6.7x slower than plain decode at 8 sequences over
+/// 4096 shared tokens; 256 gives split-K's parallelism).
+pub const CASCADE_CHUNK_TOKENS: u32 = 256;
+
+/// Whether `Cascade::Auto` may take the cascade (where the byte model
+/// `CascadeTables::pays` says so, on adapters that are not software
+/// rasterisers). Off: measured slower than plain decode on every adapter
+/// tried (2026-11-30, `bench --only cascade`, the full grid): on lavapipe
+/// 0.76-1.21x of plain's speed; on an NVIDIA H200 0.39-0.88x, even at 0.037
+/// of plain's bytes, since the tiled segment pass is far from the
+/// bandwidth bound there and the cascade adds two dispatches. Until a
+/// segment pass beats plain decode, Auto is plain decode; `On` forces it.
+pub const CASCADE_AUTO: bool = false;
 
 /// Longest shared segment of a cascade pass on the `serial` kernel (one
 /// invocation per query, head tile and segment): shorter, so a few shared
@@ -550,7 +562,8 @@ impl PagedAttention {
         let c = &self.cache_cfg;
         let bytes_per_token = c.block_bytes() / c.block_size as u64;
         let forced = variants.iter().any(|o| o.cascade == Cascade::On);
-        // Auto never takes the cascade on a software adapter: skip the search.
+        // Auto takes the cascade only where CASCADE_AUTO allows: skip the
+        // search otherwise.
         // The segment pass runs on the decode kernel's family: the serial
         // kernel where that is the decode kernel (software adapters), else
         // the tiled kernel in its multi-query (prefill) shape.
@@ -558,7 +571,7 @@ impl PagedAttention {
         let cascade = if qo_indptr.is_none()
             && n >= 2
             && !variants.iter().any(|o| o.cascade == Cascade::Off)
-            && (forced || !gpu.is_software())
+            && (forced || (CASCADE_AUTO && !gpu.is_software()))
         {
             let chunk_tokens = if seg_serial {
                 kernel::pass_cap(gpu, self.kernel, &self.decode_shape)
@@ -579,11 +592,11 @@ impl PagedAttention {
             );
             let partial = 2 * (self.head_dim as u64 * 4 + 8);
             let heads = self.num_heads as u64;
-            // On software adapters decode is bound by arithmetic, not bytes,
-            // and the segment pass (the tiled kernel) is slower there than
-            // the serial kernel: Auto keeps plain decode (measured in
-            // `pagedattn bench`); On still runs the cascade.
-            let auto = !gpu.is_software() && t.pays(bytes_per_token, n as u64 * heads, partial);
+            // See CASCADE_AUTO: Auto keeps plain decode; On still runs the
+            // cascade.
+            let auto = CASCADE_AUTO
+                && !gpu.is_software()
+                && t.pays(bytes_per_token, n as u64 * heads, partial);
             (t.num_segments() > 0 && (forced || auto)).then_some(t)
         } else {
             None
