@@ -120,9 +120,30 @@ pub fn backends_from_env() -> Result<(wgpu::Backends, Option<String>), GpuError>
 }
 
 fn instance(backends: wgpu::Backends) -> wgpu::Instance {
-    let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
-    desc.backends = backends;
-    wgpu::Instance::new(desc)
+    let make = || {
+        let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
+        desc.backends = backends;
+        wgpu::Instance::new(desc)
+    };
+    // Native: one instance per set of backends for the whole process. When
+    // the last instance goes, the Vulkan loader unloads the driver, and
+    // NVIDIA's (580) cannot be loaded again many times in one process: on
+    // an H200 the fifth `Gpu` of a test binary found no adapter ("cannot
+    // allocate memory in static TLS block" from libnvidia-tls).
+    #[cfg(not(target_arch = "wasm32"))]
+    {
+        static CACHE: std::sync::Mutex<Vec<(wgpu::Backends, wgpu::Instance)>> =
+            std::sync::Mutex::new(Vec::new());
+        let mut cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, i)) = cache.iter().find(|(b, _)| *b == backends) {
+            return i.clone();
+        }
+        let i = make();
+        cache.push((backends, i.clone()));
+        i
+    }
+    #[cfg(target_arch = "wasm32")]
+    make()
 }
 
 impl Gpu {
