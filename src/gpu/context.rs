@@ -120,30 +120,28 @@ pub fn backends_from_env() -> Result<(wgpu::Backends, Option<String>), GpuError>
 }
 
 fn instance(backends: wgpu::Backends) -> wgpu::Instance {
-    let make = || {
+    let make = |backends| {
         let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
         desc.backends = backends;
         wgpu::Instance::new(desc)
     };
-    // Native: one instance per set of backends for the whole process. When
-    // the last instance goes, the Vulkan loader unloads the driver, and
-    // NVIDIA's (580) cannot be loaded again many times in one process: on
-    // an H200 the fifth `Gpu` of a test binary found no adapter ("cannot
-    // allocate memory in static TLS block" from libnvidia-tls).
+    // Native, with Vulkan: the process keeps one Vulkan instance alive, so
+    // the Vulkan loader never unloads the driver. NVIDIA's (580) cannot be
+    // loaded again many times in one process: on an H200 the fifth `Gpu` of
+    // a test binary found no adapter ("cannot allocate memory in static TLS
+    // block" from libnvidia-tls). Vulkan alone (`PAGEDATTN_BACKEND=vulkan`)
+    // shares that instance (checked on the H200: every suite passes); with
+    // other backends each `Gpu` still gets its own instance, since an
+    // instance shared across threads trips GL's EGL context (BadAccess).
     #[cfg(not(target_arch = "wasm32"))]
-    {
-        static CACHE: std::sync::Mutex<Vec<(wgpu::Backends, wgpu::Instance)>> =
-            std::sync::Mutex::new(Vec::new());
-        let mut cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((_, i)) = cache.iter().find(|(b, _)| *b == backends) {
-            return i.clone();
+    if backends.contains(wgpu::Backends::VULKAN) {
+        static VULKAN: std::sync::OnceLock<wgpu::Instance> = std::sync::OnceLock::new();
+        let vk = VULKAN.get_or_init(|| make(wgpu::Backends::VULKAN));
+        if backends == wgpu::Backends::VULKAN {
+            return vk.clone();
         }
-        let i = make();
-        cache.push((backends, i.clone()));
-        i
     }
-    #[cfg(target_arch = "wasm32")]
-    make()
+    make(backends)
 }
 
 impl Gpu {
