@@ -83,6 +83,18 @@ struct Batch {
 }
 
 fn batch(gpu: &Gpu, rng: &mut SplitMix64, dtype: KvDtype, seqs: usize, roots: usize) -> Batch {
+    batch_with(gpu, rng, dtype, seqs, roots, |_| {})
+}
+
+/// [`batch`], with `prepare` run on the pool before anything is written.
+fn batch_with(
+    gpu: &Gpu,
+    rng: &mut SplitMix64,
+    dtype: KvDtype,
+    seqs: usize,
+    roots: usize,
+    prepare: impl FnOnce(&KvCache),
+) -> Batch {
     let (indptr, indices, lens, nb) = random_tree(rng, seqs, roots);
     let cfg = KvCacheConfig {
         num_layers: 1,
@@ -93,6 +105,7 @@ fn batch(gpu: &Gpu, rng: &mut SplitMix64, dtype: KvDtype, seqs: usize, roots: us
         dtype,
     };
     let cache = KvCache::new(gpu, cfg).unwrap();
+    prepare(&cache);
     let slots: Vec<u32> = (0..nb * BS).collect();
     let row = (KVH * HD) as usize;
     let k = rng.signed_vec(slots.len() * row);
@@ -392,34 +405,12 @@ fn cascade_over_quantized_pools_matches_plain_decode() {
     for dtype in [KvDtype::Int8, KvDtype::Fp8E4M3] {
         let s = seed(&format!("cascade {}", dtype.name()));
         let mut rng = SplitMix64::new(s);
-        let (indptr, indices, lens, nb) = random_tree(&mut rng, 10, 2);
-        let cfg = KvCacheConfig {
-            num_layers: 1,
-            num_blocks: nb,
-            block_size: BS,
-            num_kv_heads: KVH,
-            head_dim: HD,
-            dtype,
-        };
-        let cache = KvCache::new(&gpu, cfg).unwrap();
         let m = u32::MAX;
-        cache
-            .set_k_outlier_channels(&gpu, 0, &[3, 17, m, m, 40, m, m, m])
-            .unwrap();
-        let slots: Vec<u32> = (0..nb * BS).collect();
-        let row = (KVH * HD) as usize;
-        let k = rng.signed_vec(slots.len() * row);
-        let v = rng.signed_vec(slots.len() * row);
-        cache.write_kv(&gpu, 0, &k, &v, &slots).unwrap();
-        let mut host = HostPool::new(nb as usize, KVH as usize, BS as usize, HD as usize);
-        host.write(&slots, &k, &v, dtype);
-        let b = Batch {
-            cache,
-            host,
-            indptr,
-            indices,
-            lens,
-        };
+        let b = batch_with(&gpu, &mut rng, dtype, 10, 2, |cache| {
+            cache
+                .set_k_outlier_channels(&gpu, 0, &[3, 17, m, m, 40, m, m, m])
+                .unwrap()
+        });
         let heads = KVH * GROUP;
         let q = rng.signed_vec(b.lens.len() * (heads * HD) as usize);
         let p = AttnParams::new(heads as usize, HD as usize);

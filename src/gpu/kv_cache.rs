@@ -203,6 +203,27 @@ fn fp8_residual(side: u32, j: usize) -> f32 {
     n * 2f32.powi(e - 10) / 15.0
 }
 
+/// Per KV head of sample keys `rows` (`[n][num_kv_heads][head_dim]`): each
+/// channel's largest finite |value|, and the head's 90th-percentile channel
+/// maximum (the top of the ordinary channels when a few are outliers).
+fn channel_maxima(cfg: &KvCacheConfig, rows: &[f32]) -> Vec<(Vec<f32>, f32)> {
+    let (h, d) = (cfg.num_kv_heads as usize, cfg.head_dim as usize);
+    let mut amax = vec![0.0f32; h * d];
+    for (i, x) in rows.iter().enumerate() {
+        if x.is_finite() {
+            let c = i % (h * d);
+            amax[c] = amax[c].max(x.abs());
+        }
+    }
+    amax.chunks(d)
+        .map(|head| {
+            let mut sorted = head.to_vec();
+            sorted.sort_by(f32::total_cmp);
+            (head.to_vec(), sorted[(d * 9 / 10).min(d - 1)])
+        })
+        .collect()
+}
+
 /// Most layers one [`KvCache`] holds.
 pub const MAX_LAYERS: u32 = 4096;
 
@@ -801,27 +822,16 @@ impl KvCache {
 
     /// K smoothing factors from sample keys `rows` (`[n][num_kv_heads]
     /// [head_dim]`): per (KV head, channel), the channel's largest |value|
-    /// over the head's median channel maximum, at least 1 (channels are
-    /// only ever scaled down).
+    /// over the head's 90th-percentile channel maximum, at least 1
+    /// (channels are only ever scaled down).
     pub fn calibrate_k_smoothing(cfg: &KvCacheConfig, rows: &[f32]) -> Vec<f32> {
-        let (h, d) = (cfg.num_kv_heads as usize, cfg.head_dim as usize);
-        let mut amax = vec![0.0f32; h * d];
-        for (i, x) in rows.iter().enumerate() {
-            if x.is_finite() {
-                let c = i % (h * d);
-                amax[c] = amax[c].max(x.abs());
-            }
-        }
-        let mut out = Vec::with_capacity(h * d);
-        for head in amax.chunks(d) {
-            let mut sorted = head.to_vec();
-            sorted.sort_by(f32::total_cmp);
-            // The 90th-percentile channel: the top of the ordinary channels
-            // when a few are outliers. Bringing the outliers down to it (not
-            // lower) keeps the row scale where the ordinary channels put it,
-            // and the factor, which multiplies their rounding error back,
-            // as small as that allows.
-            let reference = sorted[(d * 9 / 10).min(d - 1)];
+        let d = cfg.head_dim as usize;
+        let mut out = Vec::with_capacity(cfg.num_kv_heads as usize * d);
+        for (head, reference) in channel_maxima(cfg, rows) {
+            // Bringing the outliers down to the top of the ordinary
+            // channels (not lower) keeps the row scale where the ordinary
+            // channels put it, and the factor, which multiplies their
+            // rounding error back, as small as that allows.
             out.extend(head.iter().map(|&a| {
                 if reference > 0.0 && a > reference {
                     a / reference
@@ -912,19 +922,9 @@ impl KvCache {
     /// over twice the head's 90th-percentile channel maximum, largest first;
     /// `u32::MAX` fills the rest.
     pub fn calibrate_k_outlier_channels(cfg: &KvCacheConfig, rows: &[f32]) -> Vec<u32> {
-        let (h, d) = (cfg.num_kv_heads as usize, cfg.head_dim as usize);
-        let mut amax = vec![0.0f32; h * d];
-        for (i, x) in rows.iter().enumerate() {
-            if x.is_finite() {
-                let c = i % (h * d);
-                amax[c] = amax[c].max(x.abs());
-            }
-        }
-        let mut out = Vec::with_capacity(h * K_OUTLIERS as usize);
-        for head in amax.chunks(d) {
-            let mut sorted = head.to_vec();
-            sorted.sort_by(f32::total_cmp);
-            let reference = sorted[(d * 9 / 10).min(d - 1)];
+        let d = cfg.head_dim as usize;
+        let mut out = Vec::with_capacity((cfg.num_kv_heads * K_OUTLIERS) as usize);
+        for (head, reference) in channel_maxima(cfg, rows) {
             let mut order: Vec<usize> = (0..d).filter(|&c| head[c] > 2.0 * reference).collect();
             order.sort_by(|&a, &b| head[b].total_cmp(&head[a]));
             order.truncate(K_OUTLIERS as usize);
