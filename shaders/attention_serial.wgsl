@@ -14,12 +14,15 @@
 // Unsplit (partition_tokens == 0) it writes the normalised output; split it
 // writes the partition's unnormalised accumulator and (max, sum), max in
 // natural-log units, for reduce.wgsl. In a cascade pass (qmap_off != 0) an
-// invocation serves one query of one shared segment (the segment's tables
-// are a prefill's, in tiles of one query) and writes its partial at the
-// segment's slot, as attention.wgsl's cascade mode does. Table entries outside the pool are
-// skipped; a row with no readable token writes zeros (or sum 0).
+// invocation serves QTILE queries of one shared segment (the segment's
+// tables are a prefill's, in tiles of QTILE queries), so each K/V load
+// serves QTILE x HT rows, and writes each query's partial at the
+// segment's slot, as attention.wgsl's cascade mode does. Decode has
+// QTILE = 1. Table entries outside the pool are skipped; a row with no
+// readable token writes zeros (or sum 0).
 
-const WGS: u32 = 64u;
+// WGS (invocations per workgroup) is generated: 64 for decode, fewer for a
+// cascade segment pass (src/gpu/shader.rs: serial_workgroup_size).
 const LOG2E: f32 = 1.4426950408889634;
 const LN2: f32 = 0.6931471805599453;
 
@@ -31,19 +34,21 @@ const LN2: f32 = 0.6931471805599453;
 @group(0) @binding(5) var<storage, read_write> out: array<OUT4>;
 @group(0) @binding(6) var<storage, read_write> out_ml: array<vec2<f32>>;
 
-// The head tile's query rows and accumulators, and per row the ALiBi
-// slope, running max (log2 units) and sum. Indexed by constants only.
-var<private> qv: array<QV4, HT * HEAD_DIM4>;
-var<private> acc: array<vec4<f32>, HT * HEAD_DIM4>;
-var<private> slope: array<f32, HT>;
-var<private> m: array<f32, HT>;
-var<private> l: array<f32, HT>;
+// The rows (QTILE query slots of HT head rows) and accumulators, and per
+// row the ALiBi slope, running max (log2 units) and sum; per slot its
+// query's position. Indexed by constants only in the token loop.
+var<private> qv: array<QV4, QTILE * HT * HEAD_DIM4>;
+var<private> acc: array<vec4<f32>, QTILE * HT * HEAD_DIM4>;
+var<private> slope: array<f32, QTILE * HT>;
+var<private> m: array<f32, QTILE * HT>;
+var<private> l: array<f32, QTILE * HT>;
+var<private> qpos: array<u32, QTILE>;
 // Quantized pools: each row at its KV head's outlier channels (q_res), and
 // whether any is set (else the residuals are not read).
-var<private> qf: array<vec4<f32>, HT>;
+var<private> qf: array<vec4<f32>, QTILE * HT>;
 var<private> has_res: bool;
 
-@compute @workgroup_size(64)
+@compute @workgroup_size(WGS)
 fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
     let p = params;
     let units = p.num_kv_heads * HTILES;
@@ -52,33 +57,44 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
     let np = p.num_partitions;
     var seq = 0u;
     var unit = 0u;
-    // The query row, its position, the tokens walked, and where the output
-    // (or the partial: slot `slot` of np) goes.
-    var q_row = 0u;
-    var q_pos = 0u;
+    // Per slot: the query row, or INVALID for an empty slot; the tokens
+    // walked; where the output (or the partial: slot `slot` of np) goes.
+    var q_rows: array<u32, QTILE>;
     var range = vec2<u32>(0u, 0u);
     var slot = 0u;
     var span: Span;
     if p.qmap_off != 0u {
-        // Cascade pass: entry e of the tile list (tiles of one query) is one
-        // query of one shared segment; the segment's tokens all precede it,
-        // positions are relative to the segment's first token. The partial
-        // goes to the segment's slot.
+        // Cascade pass: entry e of the tile list is up to QTILE queries of
+        // one shared segment; the segment's tokens all precede them,
+        // positions are relative to the segment's first token. The
+        // partials go to the segment's slot.
         let e = flat / units;
         unit = flat % units;
-        if e >= table_at(p.qo_off + p.num_seqs) {
+        // The plan packs the (row, position) map right after the tile list.
+        let tiles_off = p.qo_off + p.num_seqs + 1u;
+        if tiles_off + 2u * e + 1u >= p.qmap_off {
             return;
         }
-        let tiles_off = p.qo_off + p.num_seqs + 1u;
         seq = table_at(tiles_off + 2u * e);
-        let qi = table_at(p.qo_off + seq) + table_at(tiles_off + 2u * e + 1u);
-        q_row = table_at(p.qmap_off + 2u * qi);
-        q_pos = table_at(p.qmap_off + 2u * qi + 1u);
+        let q0 = table_at(p.qo_off + seq);
+        let nq = max(table_at(p.qo_off + seq + 1u), q0) - q0;
+        let first = table_at(tiles_off + 2u * e + 1u);
         span = seq_span(p, seq);
-        range = vec2<u32>(0u, span.len);
-        // q_pos - tok < window: tokens from q_pos + 1 - window on.
-        if p.sliding_window != 0u && q_pos + 1u > p.sliding_window {
-            range.x = min(q_pos + 1u - p.sliding_window, range.y);
+        range = vec2<u32>(span.len, span.len);
+        for (var s = 0u; s < QTILE; s++) {
+            q_rows[s] = INVALID;
+            if first + s < nq {
+                let qi = q0 + first + s;
+                q_rows[s] = table_at(p.qmap_off + 2u * qi);
+                qpos[s] = table_at(p.qmap_off + 2u * qi + 1u);
+                // q_pos - tok < window: tokens from q_pos + 1 - window on;
+                // the union over the slots is walked.
+                var begin = 0u;
+                if p.sliding_window != 0u && qpos[s] + 1u > p.sliding_window {
+                    begin = min(qpos[s] + 1u - p.sliding_window, span.len);
+                }
+                range.x = min(range.x, begin);
+            }
         }
         slot = table_at(p.slot_off + seq);
     } else {
@@ -91,8 +107,11 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
         }
         span = seq_span(p, seq);
         // Decode: the one query sits at position len - 1.
-        q_row = seq;
-        q_pos = max(span.len, 1u) - 1u;
+        for (var s = 0u; s < QTILE; s++) {
+            q_rows[s] = INVALID;
+        }
+        q_rows[0] = seq;
+        qpos[0] = max(span.len, 1u) - 1u;
         range = decode_range(p, span.len, part);
         slot = part;
     }
@@ -103,25 +122,34 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
     let live = min(GROUP - hg0, HT);
 
     let q_stride = select(p.num_heads * HEAD_DIM4, p.q_stride, p.q_stride != 0u);
-    ser_load_q(q_row * q_stride + h0 * HEAD_DIM4, live, kvh);
-    for (var r = 0u; r < HT; r++) {
-        if r < live && p.alibi != 0u {
-            slope[r] = bitcast<f32>(table_at(p.slopes_off + h0 + r));
+    for (var s = 0u; s < QTILE; s++) {
+        if q_rows[s] != INVALID {
+            ser_load_q(s, q_rows[s] * q_stride + h0 * HEAD_DIM4, live, kvh);
         }
-        m[r] = NEG_INF;
+        for (var r = 0u; r < HT; r++) {
+            if r < live && p.alibi != 0u {
+                slope[s * HT + r] = bitcast<f32>(table_at(p.slopes_off + h0 + r));
+            }
+            m[s * HT + r] = NEG_INF;
+        }
     }
 
     for (var tok = range.x; tok < range.y; tok++) {
         let row = token_row(p, span, kvh, tok);
         if row != INVALID {
-            ser_token(row, kvh, tok, q_pos);
+            ser_token(row, kvh, tok);
         }
     }
 
-    let o = q_row * p.num_heads + h0;
-    if p.partition_tokens == 0u && p.qmap_off == 0u {
-        ser_out(o * HEAD_DIM4, HEAD_DIM4, live, false, 0u, 0u);
-    } else {
-        ser_out((o * np + slot) * HEAD_DIM4, np * HEAD_DIM4, live, true, o * np + slot, np);
+    for (var s = 0u; s < QTILE; s++) {
+        if q_rows[s] == INVALID {
+            continue;
+        }
+        let o = q_rows[s] * p.num_heads + h0;
+        if p.partition_tokens == 0u && p.qmap_off == 0u {
+            ser_out(s, o * HEAD_DIM4, HEAD_DIM4, live, false, 0u, 0u);
+        } else {
+            ser_out(s, (o * np + slot) * HEAD_DIM4, np * HEAD_DIM4, live, true, o * np + slot, np);
+        }
     }
 }

@@ -264,7 +264,8 @@ fn cascade_matches_the_reference_on_random_trees() {
 
 /// The planner: one sequence runs plain decode even when forced; many
 /// samples of a long prompt read a sixth of the bytes with the cascade,
-/// which Auto picks on GPUs and not on software adapters.
+/// which Auto picks where the segment pass runs on the serial kernel (its
+/// K/V loads halve) and, on GPUs, only while CASCADE_AUTO is on.
 #[test]
 fn the_planner_uses_the_cascade_when_it_pays() {
     let Some(gpu) = gpu() else { return };
@@ -281,6 +282,12 @@ fn the_planner_uses_the_cascade_when_it_pays() {
     let lens = vec![64 * BS + 5; 8];
     let t = find_segments(72, BS, &indptr, &indices, &lens, 2048 / BS);
     assert!(t.pays(2 * (KVH * HD) as u64 * 4, 8 * 8, 2 * (HD as u64 * 4 + 8)));
+    // Token visits on the serial kernel: the 1024 shared tokens once per
+    // pair of samples (2 slots), the 5 private ones per sample.
+    assert_eq!(t.serial_visits(2), (4 * 1024 + 8 * 5, 8 * 1029));
+    assert!(t.pays_serial(2));
+    // One slot per invocation reads as much as plain decode: no gain.
+    assert!(!t.pays_serial(1));
     let cfg = KvCacheConfig {
         num_layers: 1,
         num_blocks: 72,
@@ -307,9 +314,11 @@ fn the_planner_uses_the_cascade_when_it_pays() {
         lens,
     };
     let q = rng.signed_vec(8 * (KVH * GROUP * HD) as usize);
-    // Auto: plain decode while CASCADE_AUTO is off (the cascade measured
-    // slower everywhere); where it is on, the cascade on GPUs only.
+    // Auto: the cascade on the serial kernel; on the tiled one only where
+    // CASCADE_AUTO is on and the adapter is a GPU.
     let (_, auto) = run(&gpu, &b, Kernel::Serial, &q, &AttnOptions::default());
+    assert_eq!(auto.is_some(), pagedattn::gpu::SERIAL_CASCADE_AUTO);
+    let (_, auto) = run(&gpu, &b, Kernel::Tiled, &q, &AttnOptions::default());
     assert_eq!(
         auto.is_some(),
         pagedattn::gpu::CASCADE_AUTO && !gpu.is_software(),

@@ -120,9 +120,15 @@ fn translate(kernel: &str, shape: &ShaderShape, module: &naga::Module, info: &Mo
     hlsl::Writer::new(&mut hlsl_src, &hlsl_opts, &Default::default())
         .write(module, info, None)
         .unwrap_or_else(|e| panic!("HLSL {what}: {e}"));
+    // 64 invocations, but a serial cascade pass (several query slots) runs 8.
+    let wgs = if kernel == "attention_serial" {
+        pagedattn::gpu::shader::serial_workgroup_size(shape.qtile)
+    } else {
+        64
+    };
     assert!(
-        hlsl_src.contains("[numthreads(64, 1, 1)]"),
-        "HLSL {what}: no compute entry"
+        hlsl_src.contains(&format!("[numthreads({wgs}, 1, 1)]")),
+        "HLSL {what}: no compute entry of {wgs} invocations"
     );
     // GL: GLSL ES 3.10, the compute-capable version wgpu's GL backend uses.
     // wgpu's GL backend has no subgroups, so those shapes never reach it.
@@ -154,8 +160,8 @@ fn translate(kernel: &str, shape: &ShaderShape, module: &naga::Module, info: &Mo
     .and_then(|mut w| w.write())
     .unwrap_or_else(|e| panic!("GLSL {what}: {e}"));
     assert!(
-        glsl_src.contains("local_size_x = 64"),
-        "GLSL {what}: no compute layout"
+        glsl_src.contains(&format!("local_size_x = {wgs}")),
+        "GLSL {what}: no compute layout of {wgs} invocations"
     );
 }
 

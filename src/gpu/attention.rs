@@ -570,6 +570,17 @@ impl PagedAttention {
 
     /// The decode grid of `n` sequences in `parts` partitions.
     pub(super) fn decode_grid(&self, n: u32, parts: u32) -> Result<(u32, u32, u32), GpuError> {
+        self.serial_grid(n, parts, 64)
+    }
+
+    /// `decode_grid` with `per_wg` invocations per workgroup of the
+    /// flattened (serial) kernel.
+    pub(super) fn serial_grid(
+        &self,
+        n: u32,
+        parts: u32,
+        per_wg: u32,
+    ) -> Result<(u32, u32, u32), GpuError> {
         let units = self.num_kv_heads * self.decode_shape.head_tiles();
         match self.kernel.base() {
             Kernel::Tiled | Kernel::Lanes => Ok((n, units, parts)),
@@ -581,7 +592,7 @@ impl PagedAttention {
                         u32::MAX / 2
                     )));
                 }
-                let wgs = total.div_ceil(64) as u32;
+                let wgs = total.div_ceil(per_wg.max(1) as u64) as u32;
                 let x = wgs.clamp(1, 65535);
                 Ok((x, wgs.div_ceil(x).max(1), 1))
             }

@@ -17,10 +17,12 @@ use std::collections::HashMap;
 /// When decode reads shared prefixes once (`AttnOptions::cascade`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Cascade {
-    /// Plain decode for now (see `CASCADE_AUTO`: the cascade measured
-    /// slower than plain decode on lavapipe and on an H200). The cost model
-    /// it will use, [`CascadeTables::pays`] (fewer bytes by a margin, on
-    /// adapters that are not software rasterisers), is kept and reported.
+    /// The cascade where it pays: on the `serial` kernel (software
+    /// adapters) when [`CascadeTables::pays_serial`] says so (fewer K/V
+    /// loads by a margin). On GPUs plain decode for now (see
+    /// `CASCADE_AUTO`: the tiled segment pass measured slower than plain
+    /// decode on an H200); the byte model it would use there,
+    /// [`CascadeTables::pays`], is kept and reported.
     #[default]
     Auto,
     /// Whenever the batch shares at least one segment.
@@ -76,7 +78,42 @@ impl CascadeTables {
         let plain = self.plain_tokens * bytes_per_token;
         4 * cascade <= 3 * plain
     }
+
+    /// Token visits (one K/V row load per token, KV head and head tile) of
+    /// the cascade on the `serial` kernel, whose segment pass holds `slots`
+    /// queries per invocation, and of plain decode: (cascade, plain). A
+    /// segment shared by k sequences costs ceil(k / slots) visits per
+    /// token; each suffix and each plain context one. On a software adapter
+    /// the loads are what decode pays for (a lane-varying load is a loop
+    /// over the SIMD lanes), while the arithmetic per query row is the same
+    /// both ways.
+    pub fn serial_visits(&self, slots: u32) -> (u64, u64) {
+        let qs = slots.max(1) as u64;
+        let seg: u64 = (0..self.num_segments())
+            .map(|i| {
+                let k = self.seg_qo[i + 1].saturating_sub(self.seg_qo[i]) as u64;
+                self.seg_lens[i] as u64 * k.div_ceil(qs)
+            })
+            .sum();
+        let suffix: u64 = self.suffix_lens.iter().map(|&l| l as u64).sum();
+        (seg + suffix, self.plain_tokens)
+    }
+
+    /// The cost model of `Cascade::Auto` on the `serial` kernel: at most
+    /// 3/4 of plain decode's token visits ([`serial_visits`](Self::serial_visits)),
+    /// and at least [`SERIAL_CASCADE_MIN_SAVED`] fewer.
+    pub fn pays_serial(&self, slots: u32) -> bool {
+        if self.num_segments() == 0 {
+            return false;
+        }
+        let (c, p) = self.serial_visits(slots);
+        4 * c <= 3 * p && p - c.min(p) >= SERIAL_CASCADE_MIN_SAVED
+    }
 }
+
+/// Token visits the serial segment pass must save before `Auto` takes it:
+/// about what its two extra dispatches and the merge cost on lavapipe.
+pub const SERIAL_CASCADE_MIN_SAVED: u64 = 256;
 
 /// Finds the shared segments of a decode batch. Only whole blocks are
 /// shared (a segment ends at a block edge); a block id shared at different

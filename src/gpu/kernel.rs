@@ -93,6 +93,26 @@ impl std::fmt::Display for Kernel {
 /// WebGPU's default limit, so one shape runs the same everywhere.
 pub const PORTABLE_WORKGROUP_BYTES: u32 = 16384;
 
+/// Query-row vec4s one `serial` invocation holds (and as many of
+/// accumulator): a head tile of 4 rows at head_dim 128. On llvmpipe a
+/// lane-varying load costs a loop over the SIMD lanes, so each K/V load
+/// shared by more rows pays: 128 made decode 1.6-2.5x faster than 64 did
+/// (lavapipe, bench 2026-11-30) for about 3 s more of a cold compile per
+/// shape. Larger tiles compile slowly (about 23 s cold at 256).
+pub const SERIAL_ROW_VEC4S: u32 = 128;
+
+/// Query-row vec4s one invocation of a cascade segment pass on `serial`
+/// holds: as many query slots (sequences sharing the segment) of a head
+/// tile as fit, so each K/V load serves them all (2 slots of 4 rows at
+/// head_dim 128). Larger compiles slowly on llvmpipe.
+pub const SERIAL_CASCADE_ROW_VEC4S: u32 = 256;
+
+/// Query slots of a cascade segment pass on `serial` for its decode shape.
+pub(super) fn serial_cascade_queries(s: &ShaderShape) -> u32 {
+    let per_slot = (s.head_tile() * (s.head_dim / 4)).max(1);
+    (SERIAL_CASCADE_ROW_VEC4S / per_slot).clamp(1, 8)
+}
+
 /// Most query rows the tiled kernel keeps per pass (per-thread registers).
 const TILED_MAX_ROWS: u32 = 16;
 
@@ -159,14 +179,13 @@ pub(super) fn decode_shape(gpu: &Gpu, kernel: Kernel, base: ShaderShape) -> Opti
             };
             (shader::lanes_workgroup_bytes(&s) <= limit).then_some(s)
         }
-        // At most 64 vec4 of query rows (and as many of accumulator) per
-        // invocation: the unrolled per-token code grows with rows x vec4,
-        // and so does its compile time on llvmpipe (about 23 s cold at
-        // 256 vec4; HT = 2 at head_dim 128).
+        // At most SERIAL_ROW_VEC4S vec4 of query rows (and as many of
+        // accumulator) per invocation: the unrolled per-token code grows
+        // with rows x vec4, and so does its compile time on llvmpipe.
         Kernel::Serial | Kernel::LanesF16 | Kernel::SerialF16 => Some(ShaderShape {
             htile: shader::balanced_head_tile(
                 base.group,
-                (64 / (base.head_dim / 4).max(1)).clamp(1, 8),
+                (SERIAL_ROW_VEC4S / (base.head_dim / 4).max(1)).clamp(1, 8),
             ),
             ..base
         }),

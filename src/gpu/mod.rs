@@ -18,7 +18,7 @@ pub use attention::{
     check_csr_tables, AttnOptions, BatchTables, PackedTables, PagedAttention, Split,
     AUTO_PARTITION_TOKENS, MAX_BATCH, MAX_SEQ_LEN,
 };
-pub use cascade::{find_segments, Cascade, CascadeTables};
+pub use cascade::{find_segments, Cascade, CascadeTables, SERIAL_CASCADE_MIN_SAVED};
 pub use context::{backends_from_env, Counters, Gpu};
 pub use error::GpuError;
 pub use kernel::{kernel_from_env, Kernel, PORTABLE_WORKGROUP_BYTES};
@@ -31,7 +31,7 @@ pub use kv_cache::{
 pub use kv_cache::{KvCache, KvCacheConfig, KvDtype, K_OUTLIERS, MAX_KV_HEADS, MAX_LAYERS};
 pub use plan::{
     ActDtype, AttentionPlan, DecodeTables, PrefillTables, WritePlan, CASCADE_AUTO,
-    CASCADE_CHUNK_TOKENS, SERIAL_CASCADE_CHUNK_TOKENS,
+    CASCADE_CHUNK_TOKENS, SERIAL_CASCADE_AUTO, SERIAL_CASCADE_CHUNK_TOKENS,
 };
 pub use swap::{SwapSpace, MAX_SWAP_BYTES};
 pub use tune::TuneReport;

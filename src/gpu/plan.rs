@@ -26,7 +26,7 @@ use super::attention::{pack_into, PackedMeta};
 use super::cascade::{find_segments, Cascade};
 use super::kernel::{self, Kernel};
 use super::kv_cache::{bind_ranges, dispatch, grid_1d, pipeline};
-use super::shader::ShaderShape;
+use super::shader::{self, ShaderShape};
 use super::{check_csr_tables, params, AttnOptions, Gpu, GpuError, KvCache, PagedAttention};
 
 /// A fresh id for a kernel object or plan owner.
@@ -303,9 +303,17 @@ pub const CASCADE_CHUNK_TOKENS: u32 = 256;
 pub const CASCADE_AUTO: bool = false;
 
 /// Longest shared segment of a cascade pass on the `serial` kernel (one
-/// invocation per query, head tile and segment): shorter, so a few shared
-/// prefixes still make enough invocations for every core.
+/// invocation per tile of query slots, head tile and segment): shorter, so
+/// a few shared prefixes still make enough invocations for every core.
 pub const SERIAL_CASCADE_CHUNK_TOKENS: u32 = 512;
+
+/// Whether `Cascade::Auto` takes the cascade where the segment pass runs on
+/// the `serial` kernel (the decode kernel of software adapters) and
+/// `CascadeTables::pays_serial` says so. Measured on lavapipe (2026-11-30,
+/// `bench --only cascade`, the full grid, 2 query slots per invocation):
+/// 1.12-1.37x of plain decode's speed in every cell with 4 or more
+/// sequences sharing a prompt; one sequence stays plain.
+pub const SERIAL_CASCADE_AUTO: bool = true;
 
 /// A planned cascade: shared segments attended once (the cascade mode of
 /// attention.wgsl, or of attention_serial.wgsl when that is the decode
@@ -313,8 +321,10 @@ pub const SERIAL_CASCADE_CHUNK_TOKENS: u32 = 512;
 struct CascadeStep {
     /// Query tiles of the segment pass (queries, for `serial`).
     num_tiles: u32,
-    /// The segment pass runs on the serial kernel (a flattened grid).
+    /// The segment pass runs on the serial kernel (a flattened grid of
+    /// `per_wg` invocations per workgroup).
     serial: bool,
+    per_wg: u32,
     /// The segment pass's pipeline (f32 partials): the tiled kernel's
     /// prefill shape, or the serial decode kernel's split pipeline.
     pipe: wgpu::ComputePipeline,
@@ -562,16 +572,22 @@ impl PagedAttention {
         let c = &self.cache_cfg;
         let bytes_per_token = c.block_bytes() / c.block_size as u64;
         let forced = variants.iter().any(|o| o.cascade == Cascade::On);
-        // Auto takes the cascade only where CASCADE_AUTO allows: skip the
-        // search otherwise.
         // The segment pass runs on the decode kernel's family: the serial
         // kernel where that is the decode kernel (software adapters), else
-        // the tiled kernel in its multi-query (prefill) shape.
+        // the tiled kernel in its multi-query (prefill) shape. Auto may take
+        // the cascade on the serial kernel (SERIAL_CASCADE_AUTO) and, where
+        // CASCADE_AUTO allows, on GPUs: skip the search otherwise.
         let seg_serial = self.kernel.base() == Kernel::Serial;
+        let seg_queries = kernel::serial_cascade_queries(&self.decode_shape);
+        let may_auto = if seg_serial {
+            SERIAL_CASCADE_AUTO
+        } else {
+            CASCADE_AUTO && !gpu.is_software()
+        };
         let cascade = if qo_indptr.is_none()
             && n >= 2
             && !variants.iter().any(|o| o.cascade == Cascade::Off)
-            && (forced || (CASCADE_AUTO && !gpu.is_software()))
+            && (forced || may_auto)
         {
             let chunk_tokens = if seg_serial {
                 kernel::pass_cap(gpu, self.kernel, &self.decode_shape)
@@ -592,11 +608,14 @@ impl PagedAttention {
             );
             let partial = 2 * (self.head_dim as u64 * 4 + 8);
             let heads = self.num_heads as u64;
-            // See CASCADE_AUTO: Auto keeps plain decode; On still runs the
-            // cascade.
-            let auto = CASCADE_AUTO
-                && !gpu.is_software()
-                && t.pays(bytes_per_token, n as u64 * heads, partial);
+            // The serial segment pass pays in K/V loads (token visits); the
+            // tiled one would pay in bytes, but see CASCADE_AUTO.
+            let auto = may_auto
+                && if seg_serial {
+                    t.pays_serial(seg_queries)
+                } else {
+                    t.pays(bytes_per_token, n as u64 * heads, partial)
+                };
             (t.num_segments() > 0 && (forced || auto)).then_some(t)
         } else {
             None
@@ -666,7 +685,6 @@ impl PagedAttention {
             splits.push((pt, parts));
         }
         let pipes = self.pipes_for(gpu, plan.act, qo_indptr.is_some())?;
-        let seg_pipe = pipes[1].clone();
         // GPU side: nothing above failed, so the plan can change now.
         plan.pipes = Some(pipes);
         let mut regrown = plan
@@ -711,7 +729,7 @@ impl PagedAttention {
                 &t.seg_indices,
                 &t.seg_lens,
                 None,
-                Some((&t.seg_qo, if seg_serial { 1 } else { qtile })),
+                Some((&t.seg_qo, if seg_serial { seg_queries } else { qtile })),
             )?;
             let qmap_off = plan.c_words.len() as u32;
             plan.c_words.extend_from_slice(&t.qmap);
@@ -750,7 +768,18 @@ impl PagedAttention {
                     .write_buffer(&plan.c_params[i], 0, bytemuck::bytes_of(&p));
             }
             let pipe = match plan.act {
-                _ if seg_serial => seg_pipe,
+                // The serial kernel with `seg_queries` query slots (f32
+                // partials; the split pipeline itself when that is 1).
+                _ if seg_serial => pipeline(
+                    gpu,
+                    self.kernel.shader(),
+                    &ShaderShape {
+                        qtile: seg_queries,
+                        q_f16: plan.act == ActDtype::F16,
+                        out_f16: false,
+                        ..self.decode_shape
+                    },
+                )?,
                 ActDtype::F32 => self.prefill_pipeline(gpu)?.clone(),
                 ActDtype::F16 => pipeline(
                     gpu,
@@ -765,6 +794,7 @@ impl PagedAttention {
             plan.cascade = Some(CascadeStep {
                 num_tiles: cmeta.num_tiles,
                 serial: seg_serial,
+                per_wg: shader::serial_workgroup_size(seg_queries),
                 pipe,
                 bytes: (
                     t.cascade_tokens * bytes_per_token,
@@ -945,7 +975,7 @@ impl PagedAttention {
             if c.num_tiles > 0 {
                 let bg = &plan.groups[&ckey];
                 let grid = if c.serial {
-                    self.decode_grid(c.num_tiles, 1)?
+                    self.serial_grid(c.num_tiles, 1, c.per_wg)?
                 } else {
                     let units = self.num_kv_heads * self.prefill_shape.head_tiles();
                     (c.num_tiles, units, 1)
