@@ -28,8 +28,9 @@ const LN2: f32 = 0.6931471805599453;
 
 @group(0) @binding(0) var<uniform> params: AttnParams;
 @group(0) @binding(1) var<storage, read> q: array<ACT4>;
-@group(0) @binding(2) var<storage, read> k_pool: array<KV4>;
-@group(0) @binding(3) var<storage, read> v_pool: array<KV4>;
+// SKV4 (generated): KV4, or vec4<u32> holding several KV4s of a row.
+@group(0) @binding(2) var<storage, read> k_pool: array<SKV4>;
+@group(0) @binding(3) var<storage, read> v_pool: array<SKV4>;
 @group(0) @binding(4) var<storage, read> table: array<u32>;
 @group(0) @binding(5) var<storage, read_write> out: array<OUT4>;
 @group(0) @binding(6) var<storage, read_write> out_ml: array<vec2<f32>>;

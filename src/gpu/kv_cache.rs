@@ -313,17 +313,29 @@ impl KvCacheConfig {
     }
 
     /// Bytes of one layer's K buffer (saturating), the larger of the two:
-    /// the blocks, their side words, and the layer's tail.
+    /// the blocks, their side words, and the layer's tail; quantized pools
+    /// round up to 16 bytes, so a kernel may read them as `vec4<u32>`.
     pub fn layer_bytes(&self) -> u64 {
-        self.buffer_block_bytes(true)
-            .saturating_mul(self.num_blocks as u64)
-            .saturating_add(self.tail_bytes())
+        pad16(
+            self.tail_offset().saturating_add(self.tail_bytes()),
+            self.dtype,
+        )
     }
 
     /// Bytes of one layer's V buffer (saturating): the blocks and their
-    /// side words.
+    /// side words, rounded up to 16 bytes like the K buffer's.
     pub fn v_layer_bytes(&self) -> u64 {
-        self.buffer_block_bytes(false)
+        pad16(
+            self.buffer_block_bytes(false)
+                .saturating_mul(self.num_blocks as u64),
+            self.dtype,
+        )
+    }
+
+    /// Byte offset of the tail in the K layer buffer: after every block's
+    /// data and side words.
+    pub fn tail_offset(&self) -> u64 {
+        self.buffer_block_bytes(true)
             .saturating_mul(self.num_blocks as u64)
     }
 
@@ -422,11 +434,26 @@ impl KvCacheConfig {
             .saturating_mul(self.head_dim as u64)
             / 4;
         let tail = self.tail_bytes();
-        let by_bytes = limit.saturating_sub(tail) / block;
+        // Quantized layers end on a 16-byte boundary (`layer_bytes`).
+        let room = if self.dtype.quantized() {
+            limit & !15
+        } else {
+            limit
+        };
+        let by_bytes = room.saturating_sub(tail) / block;
         // Quantized pools address data and scales as u32 words.
         let words = elems4 + self.side_words_per_block(true);
         let by_index = (u32::MAX as u64 - tail / 4) / words.max(1);
         by_bytes.min(by_index).min(u32::MAX as u64) as u32
+    }
+}
+
+/// `bytes` rounded up to a multiple of 16 for quantized pools (saturating).
+fn pad16(bytes: u64, dtype: KvDtype) -> u64 {
+    if dtype.quantized() {
+        bytes.saturating_add(15) & !15
+    } else {
+        bytes
     }
 }
 
@@ -768,7 +795,7 @@ impl KvCache {
             }
         }
         // Both in the K buffer's tail: K's scales, then V's.
-        let at = self.cfg.layer_bytes() - self.cfg.tail_bytes();
+        let at = self.cfg.tail_offset();
         gpu.queue
             .write_buffer(k, at, bytemuck::cast_slice(k_scales));
         gpu.queue.write_buffer(
@@ -815,7 +842,7 @@ impl KvCache {
                 "K smoothing factor {i} is {x}: factors must be finite and positive"
             ));
         }
-        let at = self.cfg.layer_bytes() - self.cfg.tail_bytes();
+        let at = self.cfg.tail_offset();
         gpu.queue.write_buffer(k, at, bytemuck::cast_slice(factors));
         Ok(())
     }
@@ -910,7 +937,8 @@ impl KvCache {
                 }
             }
         }
-        let at = self.cfg.layer_bytes() - (n as u64) * 4;
+        // The channel lists end the tail.
+        let at = self.cfg.tail_offset() + self.cfg.tail_bytes() - (n as u64) * 4;
         gpu.queue
             .write_buffer(k, at, bytemuck::cast_slice(channels));
         Ok(())

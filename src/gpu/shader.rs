@@ -267,21 +267,21 @@ fn scale_helpers(dtype: KvDtype) -> &'static str {
         KvDtype::Int8 => concat!(
             "fn data_words() -> u32 { return params.num_blocks * params.num_kv_heads * BLOCK_SIZE * HEAD_DIM4; }\n\
              fn layer_tail() -> u32 { return data_words() + params.num_blocks * params.num_kv_heads * BLOCK_SIZE; }\n\
-             fn k_scale(row: u32, kvh: u32) -> f32 { return bitcast<f32>(k_pool[data_words() + row / HEAD_DIM4] << 16u); }\n\
+             fn k_scale(row: u32, kvh: u32) -> f32 { return bitcast<f32>(kw(data_words() + row / HEAD_DIM4) << 16u); }\n\
              // V: bf16 scales two per word (rows 2i, 2i + 1), one at BLOCK_SIZE 1.\n\
              fn v_scale(row: u32, kvh: u32) -> f32 {\n\
                  let r = row / HEAD_DIM4;\n\
-                 if BLOCK_SIZE == 1u { return bitcast<f32>(v_pool[data_words() + r] << 16u); }\n\
-                 return bitcast<f32>(((v_pool[data_words() + r / 2u] >> ((r & 1u) * 16u)) & 0xffffu) << 16u);\n\
+                 if BLOCK_SIZE == 1u { return bitcast<f32>(vw(data_words() + r) << 16u); }\n\
+                 return bitcast<f32>(((vw(data_words() + r / 2u) >> ((r & 1u) * 16u)) & 0xffffu) << 16u);\n\
              }\n\
              fn q_smooth(kvh: u32, c: u32) -> vec4<f32> {\n\
                  let w = layer_tail() + (kvh * HEAD_DIM4 + c) * 4u;\n\
-                 return bitcast<vec4<f32>>(vec4<u32>(k_pool[w], k_pool[w + 1u], k_pool[w + 2u], k_pool[w + 3u]));\n\
+                 return bitcast<vec4<f32>>(vec4<u32>(kw(w), kw(w + 1u), kw(w + 2u), kw(w + 3u)));\n\
              }\n\
-             fn k_chan(kvh: u32, j: u32) -> u32 { return k_pool[layer_tail() + params.num_kv_heads * HEAD_DIM4 * 4u + kvh * K_OUTLIERS + j]; }\n\
+             fn k_chan(kvh: u32, j: u32) -> u32 { return kw(layer_tail() + params.num_kv_heads * HEAD_DIM4 * 4u + kvh * K_OUTLIERS + j); }\n\
              // Sixteenths of a step (1 / 127) in the side word's high half.\n\
              fn k_res(row: u32, kvh: u32) -> vec4<f32> {\n\
-                 let w = bitcast<i32>(k_pool[data_words() + row / HEAD_DIM4]);\n\
+                 let w = bitcast<i32>(kw(data_words() + row / HEAD_DIM4));\n\
                  return vec4<f32>(f32(extractBits(w, 16u, 4u)), f32(extractBits(w, 20u, 4u)), f32(extractBits(w, 24u, 4u)), f32(extractBits(w, 28u, 4u))) * (1.0 / 1905.0);\n\
              }\n",
             q_res!()
@@ -289,14 +289,14 @@ fn scale_helpers(dtype: KvDtype) -> &'static str {
         KvDtype::Fp8E4M3 => concat!(
             "fn data_words() -> u32 { return params.num_blocks * params.num_kv_heads * BLOCK_SIZE * HEAD_DIM4; }\n\
              fn layer_tail() -> u32 { return data_words() + params.num_blocks * params.num_kv_heads * BLOCK_SIZE; }\n\
-             fn k_scale(row: u32, kvh: u32) -> f32 { return bitcast<f32>(k_pool[layer_tail() + kvh]); }\n\
-             fn v_scale(row: u32, kvh: u32) -> f32 { return bitcast<f32>(k_pool[layer_tail() + params.num_kv_heads + kvh]); }\n\
+             fn k_scale(row: u32, kvh: u32) -> f32 { return bitcast<f32>(kw(layer_tail() + kvh)); }\n\
+             fn v_scale(row: u32, kvh: u32) -> f32 { return bitcast<f32>(kw(layer_tail() + params.num_kv_heads + kvh)); }\n\
              fn q_smooth(kvh: u32, c: u32) -> vec4<f32> { return vec4<f32>(1.0); }\n\
-             fn k_chan(kvh: u32, j: u32) -> u32 { return k_pool[layer_tail() + 2u * params.num_kv_heads + kvh * K_OUTLIERS + j]; }\n\
+             fn k_chan(kvh: u32, j: u32) -> u32 { return kw(layer_tail() + 2u * params.num_kv_heads + kvh * K_OUTLIERS + j); }\n\
              // Sixteenths of the stored byte's ulp (bits 4j..), whose exponent\n\
              // field is at bits 16 + 4j.\n\
              fn k_res(row: u32, kvh: u32) -> vec4<f32> {\n\
-                 let w = k_pool[data_words() + row / HEAD_DIM4];\n\
+                 let w = kw(data_words() + row / HEAD_DIM4);\n\
                  let iw = bitcast<i32>(w);\n\
                  let n = vec4<f32>(f32(extractBits(iw, 0u, 4u)), f32(extractBits(iw, 4u, 4u)), f32(extractBits(iw, 8u, 4u)), f32(extractBits(iw, 12u, 4u)));\n\
                  let e = max(vec4<u32>(extractBits(w, 16u, 4u), extractBits(w, 20u, 4u), extractBits(w, 24u, 4u), extractBits(w, 28u, 4u)), vec4<u32>(1u));\n\
@@ -425,6 +425,20 @@ fn row_helpers(ht: u32, stride: &str, shuffle: bool) -> String {
     out
 }
 
+/// KV4s per load in `attention_serial.wgsl` (it reads its pools as
+/// `vec4<u32>` where that holds whole KV4s of a row): 4 for int8 and fp8
+/// when head_dim is a multiple of 16, 2 for f16 (packed) when it is a
+/// multiple of 8, else 1. Quantized layer buffers are padded to 16 bytes
+/// (`KvCacheConfig::layer_bytes`) so the view reaches their tails.
+pub fn serial_wide(s: &ShaderShape) -> u32 {
+    let d4 = s.head_dim / 4;
+    match s.dtype {
+        KvDtype::Int8 | KvDtype::Fp8E4M3 if d4 % 4 == 0 => 4,
+        KvDtype::F16 if !s.f16_math && d4 % 2 == 0 => 2,
+        _ => 1,
+    }
+}
+
 /// Invocations per workgroup of `attention_serial.wgsl` with `qs` query
 /// slots: 64 for decode; 8 (one SIMD chunk on llvmpipe) for a cascade
 /// segment pass, whose few invocations (a segment's sharers / `qs`, per
@@ -450,12 +464,39 @@ pub fn serial_workgroup_size(qs: u32) -> u32 {
 /// query's sliding window (the token range walked is their union).
 /// With `quant`, each row also holds `qf`, its values at the KV head's
 /// outlier channels, and each token adds `dot(qf, k_res)` to its scores.
-fn serial_helpers(ht: u32, qs: u32, d4: u32, quant: bool) -> String {
+fn serial_helpers(ht: u32, qs: u32, d4: u32, quant: bool, wide: u32) -> String {
     use std::fmt::Write;
     let qs = qs.max(1);
     let rows = ht * qs;
+    let wide = wide.max(1);
     let mut o = String::from("// generated by src/gpu/shader.rs: the serial kernel's rows\n");
     let _ = writeln!(o, "const WGS: u32 = {}u;", serial_workgroup_size(qs));
+    // The pools' element: `wide` KV4s per vec4<u32> load (fewer, wider
+    // loads: on llvmpipe each lane-varying load is a loop over the lanes).
+    if wide > 1 {
+        let _ = writeln!(o, "alias SKV4 = vec4<u32>;");
+    } else {
+        let _ = writeln!(o, "alias SKV4 = KV4;");
+    }
+    // KV4 `d` of the row at `row` (in KV4s) of `pool`, from the loads `{pool}w{j}`.
+    let part = |pool: &str, d: u32| -> String {
+        match wide {
+            4 => format!(
+                "{pool}w{}.{}",
+                d / 4,
+                ["x", "y", "z", "w"][(d % 4) as usize]
+            ),
+            2 => format!("{pool}w{}.{}", d / 2, ["xy", "zw"][(d % 2) as usize]),
+            _ => format!("{pool}_pool[row + {d}u]"),
+        }
+    };
+    let loads = |o: &mut String, pool: &str| {
+        if wide > 1 {
+            for j in 0..d4 / wide {
+                let _ = writeln!(o, "    let {pool}w{j} = {pool}_pool[row / {wide}u + {j}u];");
+            }
+        }
+    };
     // Query rows of slot `s`; rows at or past `live` are zero.
     let _ = writeln!(
         o,
@@ -496,8 +537,9 @@ fn serial_helpers(ht: u32, qs: u32, d4: u32, quant: bool) -> String {
     for r in 0..rows {
         let _ = writeln!(o, "    var s{r} = 0.0;");
     }
+    loads(&mut o, "k");
     for d in 0..d4 {
-        let _ = writeln!(o, "    let k{d} = k_pool[row + {d}u];");
+        let _ = writeln!(o, "    let k{d} = {};", part("k", d));
         for r in 0..rows {
             let _ = writeln!(o, "    s{r} += k_dot(qv[{}u], k{d});", r * d4 + d);
         }
@@ -549,8 +591,9 @@ fn serial_helpers(ht: u32, qs: u32, d4: u32, quant: bool) -> String {
             "    l[{r}u] = l[{r}u] * f{r} + w{r};\n    m[{r}u] = mn{r};\n    let wv{r} = w{r} * vs;"
         );
     }
+    loads(&mut o, "v");
     for d in 0..d4 {
-        let _ = writeln!(o, "    let v{d} = kv_load(v_pool[row + {d}u]);");
+        let _ = writeln!(o, "    let v{d} = kv_load({});", part("v", d));
         for r in 0..rows {
             let i = r * d4 + d;
             let _ = writeln!(o, "    acc[{i}u] = acc[{i}u] * f{r} + wv{r} * v{d};");
@@ -626,11 +669,22 @@ pub fn source(kernel: &str, shape: &ShaderShape) -> Option<String> {
             shape.qtile.max(1),
             shape.head_dim / 4,
             shape.dtype.quantized(),
+            serial_wide(&shape),
         ),
         _ => String::new(),
     };
+    // Quantized pools' u32 words for the scale helpers: through the
+    // serial kernel's vec4<u32> view where it has one.
+    let words = if !kernel.starts_with("attention") || !shape.dtype.quantized() {
+        ""
+    } else if kernel == "attention_serial" && serial_wide(&shape) == 4 {
+        "fn kw(i: u32) -> u32 { return k_pool[i >> 2u][i & 3u]; }\n\
+         fn vw(i: u32) -> u32 { return v_pool[i >> 2u][i & 3u]; }\n"
+    } else {
+        "fn kw(i: u32) -> u32 { return k_pool[i]; }\nfn vw(i: u32) -> u32 { return v_pool[i]; }\n"
+    };
     Some(format!(
-        "{}{COMMON}\n{span}{scales}{rows}{body}",
+        "{}{COMMON}\n{span}{words}{scales}{rows}{body}",
         prelude(&shape)
     ))
 }
