@@ -285,9 +285,12 @@ fn the_planner_uses_the_cascade_when_it_pays() {
     // Token visits on the serial kernel: the 1024 shared tokens once per
     // pair of samples (2 slots), the 5 private ones per sample.
     assert_eq!(t.serial_visits(2), (4 * 1024 + 8 * 5, 8 * 1029));
-    assert!(t.pays_serial(2));
+    let bpt = 2 * (KVH * HD) as u64 * 4;
+    assert!(t.pays_serial(2, bpt));
     // One slot per invocation reads as much as plain decode: no gain.
-    assert!(!t.pays_serial(1));
+    assert!(!t.pays_serial(1, bpt));
+    // Saving too little to cover the extra dispatches: plain.
+    assert!(!t.pays_serial(2, 16));
     let cfg = KvCacheConfig {
         num_layers: 1,
         num_blocks: 72,

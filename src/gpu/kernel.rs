@@ -103,14 +103,21 @@ pub const SERIAL_ROW_VEC4S: u32 = 128;
 
 /// Query-row vec4s one invocation of a cascade segment pass on `serial`
 /// holds: as many query slots (sequences sharing the segment) of a head
-/// tile as fit, so each K/V load serves them all (2 slots of 4 rows at
-/// head_dim 128). Larger compiles slowly on llvmpipe.
+/// tile as fit, at most [`SERIAL_CASCADE_MAX_SLOTS`], so each K/V load
+/// serves them all (2 slots of 4 rows at head_dim 128).
 pub const SERIAL_CASCADE_ROW_VEC4S: u32 = 256;
+
+/// Most query slots per invocation of the serial segment pass. Measured on
+/// lavapipe at n = 8 over 4096 shared tokens, head_dim 128: 2 slots 1.37x
+/// of plain decode, 4 slots 1.50x, but 4 slots (512 vec4 of rows) took
+/// about 110 s more to compile cold, and 256 vec4 took 17 s in the browser
+/// (SwiftShader) where 128 compile in about as long as plain decode's.
+pub const SERIAL_CASCADE_MAX_SLOTS: u32 = 2;
 
 /// Query slots of a cascade segment pass on `serial` for its decode shape.
 pub(super) fn serial_cascade_queries(s: &ShaderShape) -> u32 {
     let per_slot = (s.head_tile() * (s.head_dim / 4)).max(1);
-    (SERIAL_CASCADE_ROW_VEC4S / per_slot).clamp(1, 8)
+    (SERIAL_CASCADE_ROW_VEC4S / per_slot).clamp(1, SERIAL_CASCADE_MAX_SLOTS)
 }
 
 /// Most query rows the tiled kernel keeps per pass (per-thread registers).

@@ -612,7 +612,7 @@ impl PagedAttention {
             // tiled one would pay in bytes, but see CASCADE_AUTO.
             let auto = may_auto
                 && if seg_serial {
-                    t.pays_serial(seg_queries)
+                    t.pays_serial(seg_queries, bytes_per_token)
                 } else {
                     t.pays(bytes_per_token, n as u64 * heads, partial)
                 };
