@@ -292,14 +292,16 @@ pub struct AttentionPlan {
 /// 4096 shared tokens; 256 gives split-K's parallelism).
 pub const CASCADE_CHUNK_TOKENS: u32 = 256;
 
-/// Whether `Cascade::Auto` may take the cascade (where the byte model
+/// Whether `Cascade::Auto` may take the cascade where its segment pass
+/// runs on the tiled kernel (GPUs; where the byte model
 /// `CascadeTables::pays` says so, on adapters that are not software
-/// rasterisers). Off: measured slower than plain decode on every adapter
-/// tried (2026-11-30, `bench --only cascade`, the full grid): on lavapipe
-/// 0.76-1.21x of plain's speed; on an NVIDIA H200 0.39-0.88x, even at 0.037
-/// of plain's bytes, since the tiled segment pass is far from the
-/// bandwidth bound there and the cascade adds two dispatches. Until a
-/// segment pass beats plain decode, Auto is plain decode; `On` forces it.
+/// rasterisers). Off: measured slower than plain decode on an NVIDIA H200
+/// (2026-11-30, `bench --only cascade`, the full grid): 0.39-0.88x of
+/// plain's speed, even at 0.037 of plain's bytes, since the tiled segment
+/// pass is far from the bandwidth bound there and the cascade adds two
+/// dispatches. Until a GPU segment pass beats plain decode, Auto is plain
+/// decode there; `On` forces it. The serial kernel has its own rule
+/// (`SERIAL_CASCADE_AUTO`).
 pub const CASCADE_AUTO: bool = false;
 
 /// Longest shared segment of a cascade pass on the `serial` kernel (one
@@ -311,8 +313,9 @@ pub const SERIAL_CASCADE_CHUNK_TOKENS: u32 = 512;
 /// the `serial` kernel (the decode kernel of software adapters) and
 /// `CascadeTables::pays_serial` says so. Measured on lavapipe (2026-11-30,
 /// `bench --only cascade`, the full grid, 2 query slots per invocation):
-/// 1.12-1.37x of plain decode's speed in every cell with 4 or more
-/// sequences sharing a prompt; one sequence stays plain.
+/// 0.98-1.54x of plain decode's speed in the cells with 4 or more
+/// sequences sharing a prompt (10 of 12 cells faster); one sequence stays
+/// plain.
 pub const SERIAL_CASCADE_AUTO: bool = true;
 
 /// A planned cascade: shared segments attended once (the cascade mode of
