@@ -13,7 +13,7 @@ mod common;
 
 use common::*;
 use pagedattn::gpu::{
-    AttnOptions, Gpu, GpuError, KvCache, KvCacheConfig, KvDtype, PagedAttention, Split,
+    AttnOptions, Gpu, GpuError, Kernel, KvCache, KvCacheConfig, KvDtype, PagedAttention, Split,
 };
 use pagedattn::reference::{self, rel_l2, AttnParams};
 use pagedattn::rng::SplitMix64;
@@ -599,4 +599,121 @@ fn outlier_channels_round_trip_and_refuse_bad_lists() {
         Err(GpuError::InvalidArgument(m)) => assert!(m.contains("int8 and fp8 pools only"), "{m}"),
         other => panic!("{other:?}"),
     }
+}
+
+/// The serial kernel reads its pools as `vec4<u32>` where a load holds
+/// whole KV4s of a row (int8/fp8 at head_dim % 16 == 0, f16 at % 8), and
+/// quantized layer buffers are padded to 16 bytes so that view reaches the
+/// tail (scales, outlier channels). Small shapes whose tails end inside
+/// the padding, head dims with and without wide loads, block size 1 (int8
+/// V: one scale per word), fp8 scales other than 1 and outlier channels
+/// set: serial decode equals the f64 reference over what the pool holds
+/// (`read_layer`, residuals and scales applied), as the tiled kernel
+/// (plain word loads) does. The padding itself is asserted: lavapipe
+/// bounds-checks each word of a load, so a vec4 straddling an unpadded
+/// end still reads right there (tried), where a stricter driver may not.
+#[test]
+fn serial_wide_loads_reach_every_word_of_the_pool() {
+    let Some(gpu) = gpu() else { return };
+    // Quantized shapes whose K buffer needed the padding (its unpadded
+    // end off a 16-byte boundary): there the tail's last words lie past
+    // the last whole vec4 of an unpadded buffer.
+    let mut padded = 0;
+    for dtype in [KvDtype::Int8, KvDtype::Fp8E4M3, KvDtype::F16] {
+        let shapes: [(u32, u32, u32, &[usize]); 4] = [
+            (16, 1, 1, &[1, 2]),
+            (48, 1, 2, &[3, 5, 1]),
+            (24, 3, 4, &[5, 4, 9]),
+            (20, 1, 16, &[17, 3]),
+        ];
+        for (hd, kvh, bs, lens) in shapes {
+            let nb = blocks_for(lens, bs, 1);
+            let name = format!("wide {} hd {hd} kvh {kvh} bs {bs}", dtype.name());
+            let s = seed(&name);
+            let mut rng = SplitMix64::new(s);
+            let cfg = KvCacheConfig {
+                num_layers: 1,
+                num_blocks: nb,
+                block_size: bs,
+                num_kv_heads: kvh,
+                head_dim: hd,
+                dtype,
+            };
+            if dtype.quantized() {
+                padded += ((cfg.tail_offset() + cfg.tail_bytes()) % 16 != 0) as u32;
+                assert_eq!(cfg.layer_bytes() % 16, 0, "{name}");
+                assert_eq!(cfg.v_layer_bytes() % 16, 0, "{name}");
+                assert!(cfg.tail_offset() + cfg.tail_bytes() <= cfg.layer_bytes());
+            }
+            let cache = KvCache::new(&gpu, cfg).unwrap();
+            // Tables over shuffled blocks, and the slot of every token.
+            let mut free: Vec<u32> = (0..nb).collect();
+            rng.shuffle(&mut free);
+            let (mut indptr, mut indices, mut slots) = (vec![0u32], Vec::new(), Vec::new());
+            for &l in lens {
+                let blocks: Vec<u32> = free.drain(..l.div_ceil(bs as usize)).collect();
+                slots.extend(
+                    (0..l).map(|t| blocks[t / bs as usize] * bs + (t % bs as usize) as u32),
+                );
+                indices.extend_from_slice(&blocks);
+                indptr.push(indices.len() as u32);
+            }
+            let seq_lens: Vec<u32> = lens.iter().map(|&l| l as u32).collect();
+            let row = (kvh * hd) as usize;
+            let ntok = slots.len();
+            let k = normal(&mut rng, ntok * row);
+            let v = normal(&mut rng, ntok * row);
+            if dtype.quantized() {
+                // Scales other than 1 and an outlier channel per head, all
+                // in the tail.
+                if dtype == KvDtype::Fp8E4M3 {
+                    let ks: Vec<f32> = (0..kvh).map(|h| 0.01 + 0.004 * h as f32).collect();
+                    let vs: Vec<f32> = (0..kvh).map(|h| 0.02 + 0.003 * h as f32).collect();
+                    cache.set_fp8_scales(&gpu, 0, &ks, &vs).unwrap();
+                }
+                let chans: Vec<u32> = (0..kvh)
+                    .flat_map(|h| [(3 + 5 * h) % hd, u32::MAX, hd - 1 - h, u32::MAX])
+                    .collect();
+                cache.set_k_outlier_channels(&gpu, 0, &chans).unwrap();
+            }
+            cache.write_kv(&gpu, 0, &k, &v, &slots).unwrap();
+            let (gk, gv) = cache.read_layer(&gpu, 0).unwrap();
+            let host = HostPool {
+                k: gk,
+                v: gv,
+                num_kv_heads: kvh as usize,
+                block_size: bs as usize,
+                head_dim: hd as usize,
+            };
+            let heads = kvh * 2;
+            let q = normal(&mut rng, lens.len() * (heads * hd) as usize);
+            let want = reference::decode(
+                &host.view(),
+                &AttnParams::new(heads as usize, hd as usize),
+                &q,
+                &indptr,
+                &indices,
+                &seq_lens,
+            );
+            for kernel in [Kernel::Serial, Kernel::Tiled] {
+                let attn = PagedAttention::with_kernel(&gpu, &cache, heads, kernel).unwrap();
+                let out = attn
+                    .decode(
+                        &gpu,
+                        &cache,
+                        0,
+                        &q,
+                        &indptr,
+                        &indices,
+                        &seq_lens,
+                        &AttnOptions::default(),
+                    )
+                    .unwrap();
+                let e = rel_l2(&out, &want);
+                eprintln!("{name} [{kernel}]: rel L2 {e:.3e}");
+                assert!(e < 1e-5, "{name} [{kernel}]: {e:.3e} (seed {s})");
+            }
+        }
+    }
+    assert!(padded >= 2, "{padded} shapes needed the padding");
 }
