@@ -570,7 +570,11 @@ impl PagedAttention {
 
     /// The decode grid of `n` sequences in `parts` partitions.
     pub(super) fn decode_grid(&self, n: u32, parts: u32) -> Result<(u32, u32, u32), GpuError> {
-        self.serial_grid(n, parts, 64)
+        self.serial_grid(
+            n,
+            parts,
+            shader::serial_workgroup_size(self.decode_shape.qtile),
+        )
     }
 
     /// `decode_grid` with `per_wg` invocations per workgroup of the

@@ -322,14 +322,13 @@ pub const SERIAL_CASCADE_AUTO: bool = true;
 /// attention.wgsl, or of attention_serial.wgsl when that is the decode
 /// kernel), suffixes split, all merged by reduce.
 struct CascadeStep {
-    /// Query tiles of the segment pass (queries, for `serial`).
+    /// Query tiles of the segment pass (tiles of query slots, for `serial`).
     num_tiles: u32,
-    /// The segment pass runs on the serial kernel (a flattened grid of
-    /// `per_wg` invocations per workgroup).
-    serial: bool,
-    per_wg: u32,
+    /// Where the segment pass runs on the serial kernel: its invocations
+    /// per workgroup (a flattened grid); `None` on the tiled kernel.
+    serial_wg: Option<u32>,
     /// The segment pass's pipeline (f32 partials): the tiled kernel's
-    /// prefill shape, or the serial decode kernel's split pipeline.
+    /// prefill shape, or the serial kernel with its query slots.
     pipe: wgpu::ComputePipeline,
     /// K/V bytes one layer reads with the cascade, and plain decode would.
     bytes: (u64, u64),
@@ -796,8 +795,7 @@ impl PagedAttention {
             };
             plan.cascade = Some(CascadeStep {
                 num_tiles: cmeta.num_tiles,
-                serial: seg_serial,
-                per_wg: shader::serial_workgroup_size(seg_queries),
+                serial_wg: seg_serial.then(|| shader::serial_workgroup_size(seg_queries)),
                 pipe,
                 bytes: (
                     t.cascade_tokens * bytes_per_token,
@@ -977,8 +975,8 @@ impl PagedAttention {
             }
             if c.num_tiles > 0 {
                 let bg = &plan.groups[&ckey];
-                let grid = if c.serial {
-                    self.serial_grid(c.num_tiles, 1, c.per_wg)?
+                let grid = if let Some(wg) = c.serial_wg {
+                    self.serial_grid(c.num_tiles, 1, wg)?
                 } else {
                     let units = self.num_kv_heads * self.prefill_shape.head_tiles();
                     (c.num_tiles, units, 1)

@@ -662,6 +662,12 @@ pub fn source(kernel: &str, shape: &ShaderShape) -> Option<String> {
     } else {
         ("", "")
     };
+    // KV4s per pool load: wide only in the serial kernel.
+    let wide = if kernel == "attention_serial" {
+        serial_wide(&shape)
+    } else {
+        1
+    };
     let rows = match kernel {
         "attention_lanes" => row_helpers(shape.head_tile(), "JN", shape.subgroups),
         "attention_serial" => serial_helpers(
@@ -669,7 +675,7 @@ pub fn source(kernel: &str, shape: &ShaderShape) -> Option<String> {
             shape.qtile.max(1),
             shape.head_dim / 4,
             shape.dtype.quantized(),
-            serial_wide(&shape),
+            wide,
         ),
         _ => String::new(),
     };
@@ -677,7 +683,7 @@ pub fn source(kernel: &str, shape: &ShaderShape) -> Option<String> {
     // serial kernel's vec4<u32> view where it has one.
     let words = if !kernel.starts_with("attention") || !shape.dtype.quantized() {
         ""
-    } else if kernel == "attention_serial" && serial_wide(&shape) == 4 {
+    } else if wide == 4 {
         "fn kw(i: u32) -> u32 { return k_pool[i >> 2u][i & 3u]; }\n\
          fn vw(i: u32) -> u32 { return v_pool[i >> 2u][i & 3u]; }\n"
     } else {
