@@ -80,6 +80,8 @@ struct Batch {
     indptr: Vec<u32>,
     indices: Vec<u32>,
     lens: Vec<u32>,
+    /// Query heads.
+    heads: u32,
 }
 
 fn batch(gpu: &Gpu, rng: &mut SplitMix64, dtype: KvDtype, seqs: usize, roots: usize) -> Batch {
@@ -95,23 +97,36 @@ fn batch_with(
     roots: usize,
     prepare: impl FnOnce(&KvCache),
 ) -> Batch {
+    batch_shaped(gpu, rng, dtype, seqs, roots, (KVH, GROUP, HD), prepare)
+}
+
+/// [`batch_with`] for a head shape (KV heads, GQA group, head_dim).
+fn batch_shaped(
+    gpu: &Gpu,
+    rng: &mut SplitMix64,
+    dtype: KvDtype,
+    seqs: usize,
+    roots: usize,
+    (kvh, group, hd): (u32, u32, u32),
+    prepare: impl FnOnce(&KvCache),
+) -> Batch {
     let (indptr, indices, lens, nb) = random_tree(rng, seqs, roots);
     let cfg = KvCacheConfig {
         num_layers: 1,
         num_blocks: nb,
         block_size: BS,
-        num_kv_heads: KVH,
-        head_dim: HD,
+        num_kv_heads: kvh,
+        head_dim: hd,
         dtype,
     };
     let cache = KvCache::new(gpu, cfg).unwrap();
     prepare(&cache);
     let slots: Vec<u32> = (0..nb * BS).collect();
-    let row = (KVH * HD) as usize;
+    let row = (kvh * hd) as usize;
     let k = rng.signed_vec(slots.len() * row);
     let v = rng.signed_vec(slots.len() * row);
     cache.write_kv(gpu, 0, &k, &v, &slots).unwrap();
-    let mut host = HostPool::new(nb as usize, KVH as usize, BS as usize, HD as usize);
+    let mut host = HostPool::new(nb as usize, kvh as usize, BS as usize, hd as usize);
     host.write(&slots, &k, &v, dtype);
     Batch {
         cache,
@@ -119,6 +134,7 @@ fn batch_with(
         indptr,
         indices,
         lens,
+        heads: kvh * group,
     }
 }
 
@@ -130,8 +146,7 @@ fn run(
     q: &[f32],
     o: &AttnOptions,
 ) -> (Vec<f32>, Option<(u64, u64, usize)>) {
-    let heads = KVH * GROUP;
-    let attn = PagedAttention::with_kernel(gpu, &b.cache, heads, kernel).unwrap();
+    let attn = PagedAttention::with_kernel(gpu, &b.cache, b.heads, kernel).unwrap();
     let mut plan = attn.plan();
     plan.set_activations(ActDtype::F32);
     let t = DecodeTables {
@@ -315,6 +330,7 @@ fn the_planner_uses_the_cascade_when_it_pays() {
         indptr,
         indices,
         lens,
+        heads: KVH * GROUP,
     };
     let q = rng.signed_vec(8 * (KVH * GROUP * HD) as usize);
     // Auto: the cascade on the serial kernel; on the tiled one only where
@@ -453,6 +469,51 @@ fn cascade_over_quantized_pools_matches_plain_decode() {
                 dtype.name()
             );
             assert!(e < bound, "{} [{kernel}]: {e:.3e} (seed {s})", dtype.name());
+        }
+    }
+}
+
+/// The GPU segment pass (`attention_rows.wgsl`, the cascade of the `lanes`
+/// kernel) over head shapes that change its layout: lanes per row 1, 2, 4
+/// and 8 (head_dim 32, 64, 80, 128, 256), head tiles that do not divide its
+/// rows (groups of 3 and 20), MHA, and more sequences than a tile holds;
+/// f32 against the f64 reference with ALiBi and a sliding window, and f16.
+#[test]
+fn rows_segment_pass_matches_the_reference_over_head_shapes() {
+    let Some(gpu) = gpu() else { return };
+    for (kvh, group, hd) in [
+        (2, 8, 32),
+        (1, 3, 80),
+        (2, 1, 128),
+        (1, 20, 48),
+        (1, 2, 256),
+    ] {
+        let heads = kvh * group;
+        let slopes: Vec<f32> = (0..heads)
+            .map(|h| 2f32.powf(-(h as f32 + 1.0) / 2.0))
+            .collect();
+        for dtype in [KvDtype::F32, KvDtype::F16] {
+            let name = format!("rows kvh {kvh} group {group} d{hd} {dtype:?}");
+            let s = seed(&name);
+            let mut rng = SplitMix64::new(s);
+            let b = batch_shaped(&gpu, &mut rng, dtype, 19, 2, (kvh, group, hd), |_| {});
+            let q = rng.signed_vec(b.lens.len() * (heads * hd) as usize);
+            let o = AttnOptions {
+                cascade: Cascade::On,
+                alibi_slopes: Some(slopes.clone()),
+                sliding_window: (dtype == KvDtype::F32).then_some(90),
+                ..Default::default()
+            };
+            let mut p = AttnParams::new(heads as usize, hd as usize);
+            p.alibi_slopes = o.alibi_slopes.clone();
+            p.sliding_window = o.sliding_window;
+            let want = reference::decode(&b.host.view(), &p, &q, &b.indptr, &b.indices, &b.lens);
+            let (out, rep) = run(&gpu, &b, Kernel::Lanes, &q, &o);
+            assert!(rep.is_some(), "{name}: the cascade did not run");
+            let e = rel_l2(&out, &want);
+            eprintln!("{name}: rel L2 {e:.3e}");
+            let tol = if dtype == KvDtype::F32 { 1e-5 } else { 2e-3 };
+            assert!(e < tol, "{name}: rel L2 {e:.3e} (seed {s})");
         }
     }
 }

@@ -120,11 +120,12 @@ fn translate(kernel: &str, shape: &ShaderShape, module: &naga::Module, info: &Mo
     hlsl::Writer::new(&mut hlsl_src, &hlsl_opts, &Default::default())
         .write(module, info, None)
         .unwrap_or_else(|e| panic!("HLSL {what}: {e}"));
-    // 64 invocations, but a serial cascade pass (several query slots) runs 8.
-    let wgs = if kernel == "attention_serial" {
-        pagedattn::gpu::shader::serial_workgroup_size(shape.qtile)
-    } else {
-        64
+    // 64 invocations, but a serial cascade pass (several query slots) runs
+    // 8, and the rows kernel rows x lanes per row x token groups.
+    let wgs = match kernel {
+        "attention_serial" => pagedattn::gpu::shader::serial_workgroup_size(shape.qtile),
+        "attention_rows" => pagedattn::gpu::shader::rows_workgroup_size(shape),
+        _ => 64,
     };
     assert!(
         hlsl_src.contains(&format!("[numthreads({wgs}, 1, 1)]")),
@@ -133,7 +134,7 @@ fn translate(kernel: &str, shape: &ShaderShape, module: &naga::Module, info: &Mo
     // GL: GLSL ES 3.10, the compute-capable version wgpu's GL backend uses.
     // wgpu's GL backend has no subgroups, so those shapes never reach it.
     // Nor f16 arithmetic.
-    if (shape.subgroups && kernel == "attention_lanes") || f16 {
+    if (shape.subgroups && (kernel == "attention_lanes" || kernel == "attention_rows")) || f16 {
         return;
     }
     let glsl_opts = glsl::Options {

@@ -199,6 +199,71 @@ pub(super) fn decode_shape(gpu: &Gpu, kernel: Kernel, base: ShaderShape) -> Opti
     }
 }
 
+/// Most vec4 columns of a row one lane of `attention_rows.wgsl` keeps (and
+/// as many of accumulator): with at most 64 lanes of rows per token group,
+/// the end-of-pass merge buffer stays within 16 KiB.
+const ROWS_MAX_COLUMNS: u32 = 8;
+
+/// The shape of the cascade segment pass on GPUs (`attention_rows.wgsl`)
+/// for a cache shape (`base`: head_dim, group, block size, dtype): the
+/// fewest lanes per row (`lpt`, a power of two dividing head_dim / 4) that
+/// keep at most 8 vec4 columns per lane, 64 lanes of rows per token group
+/// (head tile x `qtile` queries), and subgroup sums where the device's
+/// subgroups hold a row's lanes. `None` where its workgroup memory does not
+/// fit the device (then the tiled kernel runs the pass).
+pub(super) fn rows_shape(gpu: &Gpu, base: &ShaderShape) -> Option<ShaderShape> {
+    let limit = gpu
+        .limits
+        .max_compute_workgroup_storage_size
+        .min(PORTABLE_WORKGROUP_BYTES);
+    let sub_min = if gpu.features.contains(wgpu::Features::SUBGROUP) {
+        gpu.info.subgroup_min_size
+    } else {
+        0
+    };
+    let s = rows_shape_for(base, sub_min);
+    (shader::rows_workgroup_bytes(&s) <= limit
+        && shader::rows_workgroup_size(&s) <= gpu.limits.max_compute_invocations_per_workgroup)
+        .then_some(s)
+}
+
+/// [`rows_shape`] for a device whose subgroups hold at least `sub_min`
+/// lanes (0: no subgroups).
+pub(super) fn rows_shape_for(base: &ShaderShape, sub_min: u32) -> ShaderShape {
+    let d4 = (base.head_dim / 4).max(1);
+    // Lanes per row: powers of two dividing d4, up to 16, until a lane
+    // keeps at most ROWS_MAX_COLUMNS columns.
+    let mut lpr = 1;
+    while lpr < 16 && d4 / lpr > ROWS_MAX_COLUMNS && d4 % (lpr * 2) == 0 {
+        lpr *= 2;
+    }
+    let rows = (64 / lpr).max(1);
+    let ht = shader::balanced_head_tile(base.group, rows);
+    ShaderShape {
+        htile: ht,
+        qtile: (rows / ht).max(1),
+        lpt: lpr,
+        subgroups: lpr > 1 && sub_min >= lpr,
+        f16_math: false,
+        q_f16: false,
+        out_f16: false,
+        ..*base
+    }
+}
+
+/// On an adapter that ends loops early, the most tokens one pass of the
+/// rows kernel may walk; `None` elsewhere.
+pub(super) fn rows_pass_cap(gpu: &Gpu, s: &ShaderShape) -> Option<u32> {
+    let tiled = gpu.max_tokens_per_pass(s.head_dim)?;
+    let lpr = s.lpt.max(1);
+    let jn = (s.head_dim / 4 / lpr).max(1);
+    let red = if s.subgroups { 4 } else { lpr };
+    let tg = shader::rows_token_groups();
+    let ipt = (2 * jn + red + 2).div_ceil(tg) + 1;
+    let t = (65535 * 3 / 4) / ipt;
+    Some((t / 64 * 64).clamp(64, tiled))
+}
+
 /// Loop iterations one invocation of `kernel` runs per token of context
 /// (an upper bound), for adapters that end loops after 65535 iterations.
 fn iterations_per_token(kernel: Kernel, s: &ShaderShape) -> u32 {

@@ -318,6 +318,17 @@ pub const SERIAL_CASCADE_CHUNK_TOKENS: u32 = 512;
 /// plain.
 pub const SERIAL_CASCADE_AUTO: bool = true;
 
+/// Which kernel runs a cascade's segment pass: the decode kernel's family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum SegPass {
+    /// `attention_serial.wgsl` with query slots (software adapters).
+    Serial,
+    /// `attention_rows.wgsl` in this shape (GPUs, where decode runs `lanes`).
+    Rows(ShaderShape),
+    /// `attention.wgsl` in its prefill shape.
+    Tiled,
+}
+
 /// A planned cascade: shared segments attended once (the cascade mode of
 /// attention.wgsl, or of attention_serial.wgsl when that is the decode
 /// kernel), suffixes split, all merged by reduce.
@@ -327,6 +338,8 @@ struct CascadeStep {
     /// Where the segment pass runs on the serial kernel: its invocations
     /// per workgroup (a flattened grid); `None` on the tiled kernel.
     serial_wg: Option<u32>,
+    /// Head tiles per KV head of the rows or tiled segment pass.
+    head_tiles: u32,
     /// The segment pass's pipeline (f32 partials): the tiled kernel's
     /// prefill shape, or the serial kernel with its query slots.
     pipe: wgpu::ComputePipeline,
@@ -575,30 +588,46 @@ impl PagedAttention {
         let bytes_per_token = c.block_bytes() / c.block_size as u64;
         let forced = variants.iter().any(|o| o.cascade == Cascade::On);
         // The segment pass runs on the decode kernel's family: the serial
-        // kernel where that is the decode kernel (software adapters), else
-        // the tiled kernel in its multi-query (prefill) shape. Auto may take
-        // the cascade on the serial kernel (SERIAL_CASCADE_AUTO) and, where
-        // CASCADE_AUTO allows, on GPUs: skip the search otherwise.
-        let seg_serial = self.kernel.base() == Kernel::Serial;
+        // kernel where that is the decode kernel (software adapters), the
+        // rows kernel where it is `lanes` (GPUs), else the tiled kernel in
+        // its multi-query (prefill) shape. Auto may take the cascade on the
+        // serial kernel (SERIAL_CASCADE_AUTO) and, where CASCADE_AUTO
+        // allows, on the rows kernel: skip the search otherwise.
         let seg_queries = kernel::serial_cascade_queries(&self.decode_shape);
-        let may_auto = if seg_serial {
-            SERIAL_CASCADE_AUTO
-        } else {
-            CASCADE_AUTO && !gpu.is_software()
+        let seg = match self.kernel.base() {
+            Kernel::Serial => SegPass::Serial,
+            Kernel::Lanes => {
+                kernel::rows_shape(gpu, &self.decode_shape).map_or(SegPass::Tiled, SegPass::Rows)
+            }
+            _ => SegPass::Tiled,
+        };
+        let seg_serial = seg == SegPass::Serial;
+        // Queries per tile of the segment pass.
+        let seg_qtile = match seg {
+            SegPass::Serial => seg_queries,
+            SegPass::Rows(rs) => rs.qtile,
+            SegPass::Tiled => qtile,
+        };
+        let may_auto = match seg {
+            SegPass::Serial => SERIAL_CASCADE_AUTO,
+            SegPass::Rows(_) => CASCADE_AUTO && !gpu.is_software(),
+            SegPass::Tiled => false,
         };
         let cascade = if qo_indptr.is_none()
             && n >= 2
             && !variants.iter().any(|o| o.cascade == Cascade::Off)
             && (forced || may_auto)
         {
-            let chunk_tokens = if seg_serial {
-                kernel::pass_cap(gpu, self.kernel, &self.decode_shape)
+            let chunk_tokens = match seg {
+                SegPass::Serial => kernel::pass_cap(gpu, self.kernel, &self.decode_shape)
                     .unwrap_or(u32::MAX)
-                    .min(SERIAL_CASCADE_CHUNK_TOKENS)
-            } else {
-                kernel::pass_cap(gpu, Kernel::Tiled, &self.prefill_shape)
+                    .min(SERIAL_CASCADE_CHUNK_TOKENS),
+                SegPass::Rows(rs) => kernel::rows_pass_cap(gpu, &rs)
                     .unwrap_or(u32::MAX)
-                    .min(CASCADE_CHUNK_TOKENS)
+                    .min(CASCADE_CHUNK_TOKENS),
+                SegPass::Tiled => kernel::pass_cap(gpu, Kernel::Tiled, &self.prefill_shape)
+                    .unwrap_or(u32::MAX)
+                    .min(CASCADE_CHUNK_TOKENS),
             };
             let t = find_segments(
                 self.num_blocks,
@@ -618,7 +647,20 @@ impl PagedAttention {
                 } else {
                     t.pays(bytes_per_token, n as u64 * heads, partial)
                 };
-            (t.num_segments() > 0 && (forced || auto)).then_some(t)
+            // The rows and tiled passes take a workgroup per query tile in x.
+            let tiles: u64 = (0..t.num_segments())
+                .map(|i| (t.seg_qo[i + 1] - t.seg_qo[i]).div_ceil(seg_qtile) as u64)
+                .sum();
+            if !seg_serial && tiles > 65535 && t.num_segments() > 0 {
+                if forced {
+                    return bad(format!(
+                        "a cascade of {tiles} query tiles (at most 65535): use Cascade::Auto or Off"
+                    ));
+                }
+                None
+            } else {
+                (t.num_segments() > 0 && (forced || auto)).then_some(t)
+            }
         } else {
             None
         };
@@ -731,7 +773,7 @@ impl PagedAttention {
                 &t.seg_indices,
                 &t.seg_lens,
                 None,
-                Some((&t.seg_qo, if seg_serial { seg_queries } else { qtile })),
+                Some((&t.seg_qo, seg_qtile)),
             )?;
             let qmap_off = plan.c_words.len() as u32;
             plan.c_words.extend_from_slice(&t.qmap);
@@ -769,10 +811,19 @@ impl PagedAttention {
                 gpu.queue
                     .write_buffer(&plan.c_params[i], 0, bytemuck::bytes_of(&p));
             }
-            let pipe = match plan.act {
+            let pipe = match (seg, plan.act) {
+                // The rows kernel (f32 partials).
+                (SegPass::Rows(rs), act) => pipeline(
+                    gpu,
+                    "attention_rows",
+                    &ShaderShape {
+                        q_f16: act == ActDtype::F16,
+                        ..rs
+                    },
+                )?,
                 // The serial kernel with `seg_queries` query slots (f32
                 // partials; the split pipeline itself when that is 1).
-                _ if seg_serial => pipeline(
+                (SegPass::Serial, _) => pipeline(
                     gpu,
                     self.kernel.shader(),
                     &ShaderShape {
@@ -782,8 +833,8 @@ impl PagedAttention {
                         ..self.decode_shape
                     },
                 )?,
-                ActDtype::F32 => self.prefill_pipeline(gpu)?.clone(),
-                ActDtype::F16 => pipeline(
+                (SegPass::Tiled, ActDtype::F32) => self.prefill_pipeline(gpu)?.clone(),
+                (SegPass::Tiled, ActDtype::F16) => pipeline(
                     gpu,
                     "attention",
                     &ShaderShape {
@@ -796,6 +847,10 @@ impl PagedAttention {
             plan.cascade = Some(CascadeStep {
                 num_tiles: cmeta.num_tiles,
                 serial_wg: seg_serial.then(|| shader::serial_workgroup_size(seg_queries)),
+                head_tiles: match seg {
+                    SegPass::Rows(rs) => rs.head_tiles(),
+                    _ => self.prefill_shape.head_tiles(),
+                },
                 pipe,
                 bytes: (
                     t.cascade_tokens * bytes_per_token,
@@ -978,7 +1033,7 @@ impl PagedAttention {
                 let grid = if let Some(wg) = c.serial_wg {
                     self.serial_grid(c.num_tiles, 1, wg)?
                 } else {
-                    let units = self.num_kv_heads * self.prefill_shape.head_tiles();
+                    let units = self.num_kv_heads * c.head_tiles;
                     (c.num_tiles, units, 1)
                 };
                 dispatch(enc, "cascade", &c.pipe, bg, grid);
