@@ -122,19 +122,13 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     var m = NEG_INF;
     var l = 0.0;
 
-    // The table lookup of a group's next tokens is issued a step ahead.
-    var row_next = INVALID;
-    if g * U < t_end {
-        row_next = token_row(p, span, kvh, g * U);
-    }
     for (var base = 0u; base < t_end; base += TG * U) {
         // This group's U consecutive tokens: one block (U divides
         // BLOCK_SIZE, tok0 is a multiple of U), so one table lookup.
         let tok0 = base + g * U;
-        let row0 = row_next;
-        row_next = INVALID;
-        if tok0 + TG * U < t_end {
-            row_next = token_row(p, span, kvh, tok0 + TG * U);
+        var row0 = INVALID;
+        if tok0 < t_end {
+            row0 = token_row(p, span, kvh, tok0);
         }
         // Every K and V load of the U tokens is issued before any is used
         // (the latency of one round trip for all of them); a token past the
