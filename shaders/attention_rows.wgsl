@@ -14,12 +14,10 @@
 // row's LPR lanes by subgroup shuffles (SUBGROUPS), else through workgroup
 // memory (one barrier pair per token).
 //
-// TG token groups of ROWS x LPR lanes split the segment's tokens: group g
-// takes U consecutive tokens (one block) of every TG x U from g x U, issues
-// all their K and V loads before using any (GPUs spend a decode pass waiting
-// on memory: this makes one round trip serve U tokens), and keeps its own
-// online softmax; the groups are merged once at the end by log-sum-exp
-// through workgroup memory. Scores are in log2 units (exp2).
+// TG token groups of ROWS x LPR lanes split the segment's tokens (group g
+// takes every TG-th token from g), each with its own online softmax, merged
+// once at the end by log-sum-exp through workgroup memory. Scores are in
+// log2 units (exp2).
 //
 // The segment's tables are a prefill's (qo_off: per segment its queries,
 // then the tile list of (segment, first query) pairs); qmap_off holds each
@@ -30,14 +28,14 @@
 // outside its own query's sliding window. Table entries outside the pool
 // are skipped; a row with no readable token writes sum 0.
 //
-// Generated (src/gpu/shader.rs, rows_consts): ROWS, TG, U, WGS = ROWS x LPR
-// x TG, and lane_sum (the subgroup sum of a row's lanes).
+// Generated (src/gpu/shader.rs, rows_consts): ROWS, TG, WGS = ROWS x LPR x
+// TG, and lane_sum (the subgroup sum of a row's lanes).
 
 const LOG2E: f32 = 1.4426950408889634;
 const LN2: f32 = 0.6931471805599453;
 const LPR: u32 = LPT;
 // Workgroup memory of the lane sums without subgroups (1 when unused).
-const RED_LEN: u32 = select(WGS * U, 1u, SUBGROUPS);
+const RED_LEN: u32 = select(WGS, 1u, SUBGROUPS);
 
 @group(0) @binding(0) var<uniform> params: AttnParams;
 @group(0) @binding(1) var<storage, read> q: array<ACT4>;
@@ -47,12 +45,9 @@ const RED_LEN: u32 = select(WGS * U, 1u, SUBGROUPS);
 @group(0) @binding(5) var<storage, read_write> out: array<OUT4>;
 @group(0) @binding(6) var<storage, read_write> out_ml: array<vec2<f32>>;
 
-// This lane's columns of its row's query and accumulator, and of the K and
-// V rows of the U tokens in flight.
+// This lane's columns of its row's query and accumulator.
 var<private> qv: array<vec4<f32>, JN>;
 var<private> acc: array<vec4<f32>, JN>;
-var<private> kr: array<KV4, U * JN>;
-var<private> vr: array<KV4, U * JN>;
 
 var<workgroup> red: array<f32, RED_LEN>;
 // End of pass: one token group's accumulators and (max, sum), per lane.
@@ -122,86 +117,47 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     var m = NEG_INF;
     var l = 0.0;
 
-    for (var base = 0u; base < t_end; base += TG * U) {
-        // This group's U consecutive tokens: one block (U divides
-        // BLOCK_SIZE, tok0 is a multiple of U), so one table lookup.
-        let tok0 = base + g * U;
-        var row0 = INVALID;
-        if tok0 < t_end {
-            row0 = token_row(p, span, kvh, tok0);
+    for (var base = 0u; base < t_end; base += TG) {
+        let tok = base + g;
+        var row = INVALID;
+        if tok < t_end {
+            row = token_row(p, span, kvh, tok);
         }
-        // Every K and V load of the U tokens is issued before any is used
-        // (the latency of one round trip for all of them); a token past the
-        // end reads its block's row, one of a missing block row 0 of the
-        // pool (in bounds either way), and neither is counted.
-        let rb = select(0u, row0, row0 != INVALID);
-        for (var u = 0u; u < U; u++) {
+        var s = 0.0;
+        if row != INVALID {
             for (var j = 0u; j < JN; j++) {
-                kr[u * JN + j] = k_pool[rb + u * HEAD_DIM4 + c + j * LPR];
-                vr[u * JN + j] = v_pool[rb + u * HEAD_DIM4 + c + j * LPR];
+                s += dot(qv[j], kv_load(k_pool[row + c + j * LPR]));
+            }
+            if K_RES && c == 0u {
+                s += dot(qf, k_res(row, kvh));
             }
         }
-        var s = array<f32, U>();
-        for (var u = 0u; u < U; u++) {
-            var t = 0.0;
-            for (var j = 0u; j < JN; j++) {
-                t += dot(qv[j], kv_load(kr[u * JN + j]));
-            }
-            if K_RES && c == 0u && row0 != INVALID {
-                t += dot(qf, k_res(rb + u * HEAD_DIM4, kvh));
-            }
-            s[u] = t;
-        }
-        // Sum the row's LPR partial dots: every lane of the row gets them.
+        // Sum the row's LPR partial dots: every lane of the row gets it.
         if SUBGROUPS {
-            for (var u = 0u; u < U; u++) {
-                s[u] = lane_sum(s[u]);
-            }
+            s = lane_sum(s);
         } else if LPR > 1u {
-            for (var u = 0u; u < U; u++) {
-                red[lid * U + u] = s[u];
-            }
+            red[lid] = s;
             workgroupBarrier();
-            for (var u = 0u; u < U; u++) {
-                var t = 0.0;
-                for (var i = 0u; i < LPR; i++) {
-                    t += red[(lid - c + i) * U + u];
-                }
-                s[u] = t;
+            var t = 0.0;
+            for (var i = 0u; i < LPR; i++) {
+                t += red[lid - c + i];
             }
+            s = t;
             workgroupBarrier();
         }
-        if live && row0 != INVALID {
-            // Scores of the tokens this row sees (before the end, in its
-            // query's window: q_pos - tok < window, exact for any u32
-            // window), then one rescale for all U.
-            var x = array<f32, U>();
-            var seen = array<bool, U>();
-            var m_new = m;
-            for (var u = 0u; u < U; u++) {
-                let tok = tok0 + u;
-                seen[u] = tok < t_end && (p.sliding_window == 0u || qpos - tok < p.sliding_window);
-                x[u] = logit(p, s[u] * k_scale(rb + u * HEAD_DIM4, kvh), slope, qpos, tok) * LOG2E;
-                if seen[u] {
-                    m_new = max(m_new, x[u]);
-                }
-            }
+        // q_pos - tok < window: exact for any u32 window.
+        let in_window = p.sliding_window == 0u || qpos - tok < p.sliding_window;
+        if row != INVALID && live && in_window {
+            let x = logit(p, s * k_scale(row, kvh), slope, qpos, tok) * LOG2E;
+            let m_new = max(m, x);
             let alpha = exp2(m - m_new);
-            l *= alpha;
-            for (var j = 0u; j < JN; j++) {
-                acc[j] *= alpha;
-            }
-            for (var u = 0u; u < U; u++) {
-                if seen[u] {
-                    let w = exp2(x[u] - m_new);
-                    l += w;
-                    let wv = w * v_scale(rb + u * HEAD_DIM4, kvh);
-                    for (var j = 0u; j < JN; j++) {
-                        acc[j] += wv * kv_load(vr[u * JN + j]);
-                    }
-                }
-            }
+            let w = exp2(x - m_new);
+            l = l * alpha + w;
             m = m_new;
+            let wv = w * v_scale(row, kvh);
+            for (var j = 0u; j < JN; j++) {
+                acc[j] = acc[j] * alpha + wv * kv_load(v_pool[row + c + j * LPR]);
+            }
         }
     }
 

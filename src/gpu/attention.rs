@@ -523,31 +523,17 @@ impl PagedAttention {
     /// `max_len` tokens under `split`, for this kernel and adapter: `0` for
     /// one pass per sequence.
     pub(super) fn decode_partition(&self, gpu: &Gpu, split: Split, n: u32, max_len: u32) -> u32 {
-        self.decode_partition_min(gpu, split, n, max_len, None)
-    }
-
-    /// [`decode_partition`](Self::decode_partition) whose `Auto` may cut
-    /// partitions down to `min_part` tokens (the cascade's suffixes).
-    pub(super) fn decode_partition_min(
-        &self,
-        gpu: &Gpu,
-        split: Split,
-        n: u32,
-        max_len: u32,
-        min_part: Option<u32>,
-    ) -> u32 {
         match split {
             Split::Never => 0,
             Split::Tokens(t) => t,
             Split::Auto => {
                 let passes =
                     n as u64 * self.num_kv_heads as u64 * self.decode_shape.head_tiles() as u64;
-                kernel::auto_partition_min(
+                kernel::auto_partition(
                     self.kernel,
                     passes,
                     max_len,
                     kernel::pass_cap(gpu, self.kernel, &self.decode_shape),
-                    min_part,
                 )
             }
         }
@@ -814,20 +800,7 @@ impl PagedAttention {
         n: u32,
         max_len: u32,
     ) -> Result<(u32, u32), GpuError> {
-        self.decode_split_min(gpu, split, n, max_len, None)
-    }
-
-    /// [`decode_split`](Self::decode_split) with `Auto` partitions down to
-    /// `min_part` tokens where given.
-    pub(super) fn decode_split_min(
-        &self,
-        gpu: &Gpu,
-        split: Split,
-        n: u32,
-        max_len: u32,
-        min_part: Option<u32>,
-    ) -> Result<(u32, u32), GpuError> {
-        let pt = self.decode_partition_min(gpu, split, n, max_len, min_part);
+        let pt = self.decode_partition(gpu, split, n, max_len);
         self.checked_split(gpu, pt, max_len, "decode", self.decode_pass_cap(gpu))
     }
 

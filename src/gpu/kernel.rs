@@ -304,25 +304,12 @@ pub(super) fn pass_cap(gpu: &Gpu, kernel: Kernel, s: &ShaderShape) -> Option<u32
 /// known through wgpu, so the batch decides), never shorter than a minimum,
 /// and never longer than the adapter's loop cap where it has one.
 pub(super) fn auto_partition(kernel: Kernel, passes: u64, max_len: u32, cap: Option<u32>) -> u32 {
-    auto_partition_min(kernel, passes, max_len, cap, None)
-}
-
-/// [`auto_partition`] with partitions as short as `min_part` tokens where
-/// given (else the kernel's own minimum).
-pub(super) fn auto_partition_min(
-    kernel: Kernel,
-    passes: u64,
-    max_len: u32,
-    cap: Option<u32>,
-    min_part: Option<u32>,
-) -> u32 {
-    let (target, kernel_min) = match kernel.base() {
+    let (target, min_part) = match kernel.base() {
         Kernel::Tiled => (256u64, 512u32),
         Kernel::Lanes => (1024, 256),
         // Invocations, not workgroups: 16 workgroups of 64.
         _ => (1024, 64),
     };
-    let min_part = min_part.unwrap_or(kernel_min).max(1);
     let mut pt = 0;
     if passes < target && max_len >= 2 * min_part {
         let parts = target

@@ -31,8 +31,7 @@ pub use kv_cache::{
 pub use kv_cache::{KvCache, KvCacheConfig, KvDtype, K_OUTLIERS, MAX_KV_HEADS, MAX_LAYERS};
 pub use plan::{
     ActDtype, AttentionPlan, DecodeTables, PrefillTables, WritePlan, CASCADE_AUTO,
-    CASCADE_CHUNK_TOKENS, CASCADE_SUFFIX_MIN_TOKENS, SERIAL_CASCADE_AUTO,
-    SERIAL_CASCADE_CHUNK_TOKENS,
+    CASCADE_CHUNK_TOKENS, SERIAL_CASCADE_AUTO, SERIAL_CASCADE_CHUNK_TOKENS,
 };
 pub use swap::{SwapSpace, MAX_SWAP_BYTES};
 pub use tune::TuneReport;

@@ -292,11 +292,6 @@ pub struct AttentionPlan {
 /// 4096 shared tokens; 256 gives split-K's parallelism).
 pub const CASCADE_CHUNK_TOKENS: u32 = 256;
 
-/// Shortest partition `Split::Auto` gives a cascade's suffix pass where the
-/// segment pass runs on the rows kernel (GPUs); plain decode's minimum on
-/// `lanes` is 256.
-pub const CASCADE_SUFFIX_MIN_TOKENS: u32 = 64;
-
 /// Whether `Cascade::Auto` may take the cascade where its segment pass
 /// runs on the tiled kernel (GPUs; where the byte model
 /// `CascadeTables::pays` says so, on adapters that are not software
@@ -705,14 +700,8 @@ impl PagedAttention {
                     meta.max_len,
                 )?,
                 None => {
-                    // A cascade's suffixes are short: on GPUs, where a pass
-                    // waits on memory at every step, shorter partitions
-                    // (CASCADE_SUFFIX_MIN_TOKENS) keep the suffix pass from
-                    // outlasting the segment pass.
-                    let min_part = (cascade.is_some() && matches!(seg, SegPass::Rows(_)))
-                        .then_some(CASCADE_SUFFIX_MIN_TOKENS);
                     let (pt, parts) =
-                        self.decode_split_min(gpu, o.split, meta.num_seqs, meta.max_len, min_part)?;
+                        self.decode_split(gpu, o.split, meta.num_seqs, meta.max_len)?;
                     match &cascade {
                         None => (pt, parts),
                         // Always partials (one partition when unsplit), and
