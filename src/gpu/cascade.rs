@@ -19,10 +19,11 @@ use std::collections::HashMap;
 pub enum Cascade {
     /// The cascade where it pays: on the `serial` kernel (software
     /// adapters) when [`CascadeTables::pays_serial`] says so (fewer K/V
-    /// loads by a margin). On GPUs plain decode for now (see
-    /// `CASCADE_AUTO`: the tiled segment pass measured slower than plain
-    /// decode on an H200); the byte model it would use there,
-    /// [`CascadeTables::pays`], is kept and reported.
+    /// loads by a margin); on GPUs, where decode runs `lanes` and the
+    /// segment pass the rows kernel, when [`CascadeTables::pays_gpu`] says
+    /// so (at most 3/4 of plain decode's bytes, and at least
+    /// [`CASCADE_MIN_SAVED_BYTES`] saved). On the `tiled` kernel, plain
+    /// decode.
     #[default]
     Auto,
     /// Whenever the batch shares at least one segment.
@@ -79,6 +80,14 @@ impl CascadeTables {
         4 * cascade <= 3 * plain
     }
 
+    /// The cost model of `Cascade::Auto` on GPUs (the rows segment pass):
+    /// [`pays`](Self::pays), and at least [`CASCADE_MIN_SAVED_BYTES`] of
+    /// K/V reads saved in the layer.
+    pub fn pays_gpu(&self, bytes_per_token: u64, num_seqs: u64, partial_bytes: u64) -> bool {
+        let saved = self.plain_tokens.saturating_sub(self.cascade_tokens) * bytes_per_token;
+        self.pays(bytes_per_token, num_seqs, partial_bytes) && saved >= CASCADE_MIN_SAVED_BYTES
+    }
+
     /// Token visits (one K/V row load per token, KV head and head tile) of
     /// the cascade on the `serial` kernel, whose segment pass holds `slots`
     /// queries per invocation, and of plain decode: (cascade, plain). A
@@ -120,6 +129,16 @@ impl CascadeTables {
 /// with the cascade (0.69 vs 0.48 ms a step); the bench's smallest shared
 /// cell (4 over 512 tokens) saves 4 MiB and measured 1.25x.
 pub const SERIAL_CASCADE_MIN_SAVED_BYTES: u64 = 1 << 20;
+
+/// K/V bytes a layer's cascade must save before `Auto` takes it on a GPU
+/// (the rows segment pass). Measured on an NVIDIA H200 (Vulkan, 2026-11-30,
+/// `bench --only cascade`, f16, 8 KV heads of 128): the cascade was 1.13x
+/// of plain decode's speed at 32 sequences over 16384 shared tokens (2.1
+/// GB saved), but 0.93x at 32 over 4096 (0.52 GB) and 0.90x at 8 over
+/// 16384 (0.47 GB), and slower still below: plain decode there reads
+/// shared blocks from cache, and the segment pass pays per query row in
+/// arithmetic what it saves in bytes.
+pub const CASCADE_MIN_SAVED_BYTES: u64 = 1 << 30;
 
 /// Finds the shared segments of a decode batch. Only whole blocks are
 /// shared (a segment ends at a block edge); a block id shared at different

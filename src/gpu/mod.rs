@@ -18,7 +18,9 @@ pub use attention::{
     check_csr_tables, AttnOptions, BatchTables, PackedTables, PagedAttention, Split,
     AUTO_PARTITION_TOKENS, MAX_BATCH, MAX_SEQ_LEN,
 };
-pub use cascade::{find_segments, Cascade, CascadeTables, SERIAL_CASCADE_MIN_SAVED_BYTES};
+pub use cascade::{
+    find_segments, Cascade, CascadeTables, CASCADE_MIN_SAVED_BYTES, SERIAL_CASCADE_MIN_SAVED_BYTES,
+};
 pub use context::{backends_from_env, Counters, Gpu};
 pub use error::GpuError;
 pub use kernel::{kernel_from_env, Kernel, PORTABLE_WORKGROUP_BYTES};

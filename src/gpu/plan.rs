@@ -292,17 +292,32 @@ pub struct AttentionPlan {
 /// 4096 shared tokens; 256 gives split-K's parallelism).
 pub const CASCADE_CHUNK_TOKENS: u32 = 256;
 
+/// Longest shared segment of a cascade pass on the rows kernel:
+/// [`CASCADE_CHUNK_TOKENS`], or `PAGEDATTN_CASCADE_CHUNK` (a multiple of 16
+/// from 16 to 4096), read once, for bench probes.
+fn rows_chunk_tokens() -> u32 {
+    static CHUNK: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *CHUNK.get_or_init(|| {
+        std::env::var("PAGEDATTN_CASCADE_CHUNK")
+            .ok()
+            .and_then(|v| v.trim().parse::<u32>().ok())
+            .filter(|&c| (16..=4096).contains(&c) && c % 16 == 0)
+            .unwrap_or(CASCADE_CHUNK_TOKENS)
+    })
+}
+
 /// Whether `Cascade::Auto` may take the cascade where its segment pass
-/// runs on the tiled kernel (GPUs; where the byte model
-/// `CascadeTables::pays` says so, on adapters that are not software
-/// rasterisers). Off: measured slower than plain decode on an NVIDIA H200
-/// (2026-11-30, `bench --only cascade`, the full grid): 0.39-0.88x of
-/// plain's speed, even at 0.037 of plain's bytes, since the tiled segment
-/// pass is far from the bandwidth bound there and the cascade adds two
-/// dispatches. Until a GPU segment pass beats plain decode, Auto is plain
-/// decode there; `On` forces it. The serial kernel has its own rule
+/// runs on the rows kernel (GPUs, where decode runs `lanes`), when
+/// `CascadeTables::pays_gpu` says so: at most 3/4 of plain decode's K/V
+/// bytes and at least `CASCADE_MIN_SAVED_BYTES` (1 GiB) saved per layer.
+/// Measured on an NVIDIA H200 (Vulkan, 2026-11-30, `bench --only cascade`,
+/// the full grid): the rows pass was 1.13x of plain decode's speed at 32
+/// sequences over 16384 shared tokens and 0.36-0.93x in the other shared
+/// cells, all of which save less than 1 GiB (the tiled pass had been
+/// 0.39-0.88x everywhere). Where the segment pass runs on the tiled
+/// kernel, `Auto` is plain decode. The serial kernel has its own rule
 /// (`SERIAL_CASCADE_AUTO`).
-pub const CASCADE_AUTO: bool = false;
+pub const CASCADE_AUTO: bool = true;
 
 /// Longest shared segment of a cascade pass on the `serial` kernel (one
 /// invocation per tile of query slots, head tile and segment): shorter, so
@@ -624,7 +639,7 @@ impl PagedAttention {
                     .min(SERIAL_CASCADE_CHUNK_TOKENS),
                 SegPass::Rows(rs) => kernel::rows_pass_cap(gpu, &rs)
                     .unwrap_or(u32::MAX)
-                    .min(CASCADE_CHUNK_TOKENS),
+                    .min(rows_chunk_tokens()),
                 SegPass::Tiled => kernel::pass_cap(gpu, Kernel::Tiled, &self.prefill_shape)
                     .unwrap_or(u32::MAX)
                     .min(CASCADE_CHUNK_TOKENS),
@@ -639,13 +654,13 @@ impl PagedAttention {
             );
             let partial = 2 * (self.head_dim as u64 * 4 + 8);
             let heads = self.num_heads as u64;
-            // The serial segment pass pays in K/V loads (token visits); the
-            // tiled one would pay in bytes, but see CASCADE_AUTO.
+            // The serial segment pass pays in K/V loads (token visits), the
+            // rows pass in bytes saved (see CASCADE_AUTO).
             let auto = may_auto
                 && if seg_serial {
                     t.pays_serial(seg_queries, bytes_per_token)
                 } else {
-                    t.pays(bytes_per_token, n as u64 * heads, partial)
+                    t.pays_gpu(bytes_per_token, n as u64 * heads, partial)
                 };
             // The rows and tiled passes take a workgroup per query tile in x.
             let tiles: u64 = (0..t.num_segments())
