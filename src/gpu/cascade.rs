@@ -2,8 +2,9 @@
 //! them. Found from the block tables alone (no hints): a prefix tree over
 //! physical block ids at equal logical positions. Each run of tree nodes
 //! shared by the same sequences, cut into chunks of at most `chunk_blocks`
-//! blocks, becomes one segment: one pass (attention.wgsl in its cascade
-//! mode) scores every query row of every sharing sequence against it and
+//! blocks, becomes one segment: one pass (attention_rows.wgsl on GPUs,
+//! the cascade mode of attention_serial.wgsl or attention.wgsl where decode
+//! runs those) scores every query row of every sharing sequence against it and
 //! writes (max, sum, acc) partials at the segment's depth. Each sequence's
 //! private suffix is a normal split decode; reduce.wgsl merges the slots.
 //!

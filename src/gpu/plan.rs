@@ -344,19 +344,21 @@ enum SegPass {
     Tiled,
 }
 
-/// A planned cascade: shared segments attended once (the cascade mode of
-/// attention.wgsl, or of attention_serial.wgsl when that is the decode
-/// kernel), suffixes split, all merged by reduce.
+/// A planned cascade: shared segments attended once (attention_rows.wgsl
+/// where decode runs `lanes`, the cascade mode of attention_serial.wgsl
+/// where it runs `serial`, else of attention.wgsl), suffixes split, all
+/// merged by reduce.
 struct CascadeStep {
     /// Query tiles of the segment pass (tiles of query slots, for `serial`).
     num_tiles: u32,
     /// Where the segment pass runs on the serial kernel: its invocations
-    /// per workgroup (a flattened grid); `None` on the tiled kernel.
+    /// per workgroup (a flattened grid); `None` on the rows and tiled ones.
     serial_wg: Option<u32>,
     /// Head tiles per KV head of the rows or tiled segment pass.
     head_tiles: u32,
-    /// The segment pass's pipeline (f32 partials): the tiled kernel's
-    /// prefill shape, or the serial kernel with its query slots.
+    /// The segment pass's pipeline (f32 partials): the rows kernel's
+    /// shape, the serial kernel with its query slots, or the tiled
+    /// kernel's prefill shape.
     pipe: wgpu::ComputePipeline,
     /// K/V bytes one layer reads with the cascade, and plain decode would.
     bytes: (u64, u64),

@@ -642,17 +642,21 @@ fn serial_helpers(ht: u32, qs: u32, d4: u32, quant: bool, wide: u32) -> String {
 /// Token groups of `attention_rows.wgsl` (each of `ROWS x LPR` lanes walks
 /// every TG-th token of the segment; merged once at the end): 4, so a
 /// workgroup of 64-lane groups has 256 invocations and 4 tokens in flight.
-/// `PAGEDATTN_ROWS_TG` (1, 2 or 4) overrides it, for bench probes.
+/// `PAGEDATTN_ROWS_TG` (1, 2 or 4) overrides it, for bench probes; read
+/// once per process, as pipelines are cached by shape.
 pub fn rows_token_groups() -> u32 {
-    match std::env::var("PAGEDATTN_ROWS_TG")
-        .ok()
-        .as_deref()
-        .map(str::trim)
-    {
-        Some("1") => 1,
-        Some("2") => 2,
-        _ => 4,
-    }
+    static TG: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *TG.get_or_init(|| {
+        match std::env::var("PAGEDATTN_ROWS_TG")
+            .ok()
+            .as_deref()
+            .map(str::trim)
+        {
+            Some("1") => 1,
+            Some("2") => 2,
+            _ => 4,
+        }
+    })
 }
 
 /// Invocations per workgroup of `attention_rows.wgsl` for `s`: its rows
