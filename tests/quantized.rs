@@ -647,18 +647,8 @@ fn serial_wide_loads_reach_every_word_of_the_pool() {
             }
             let cache = KvCache::new(&gpu, cfg).unwrap();
             // Tables over shuffled blocks, and the slot of every token.
-            let mut free: Vec<u32> = (0..nb).collect();
-            rng.shuffle(&mut free);
-            let (mut indptr, mut indices, mut slots) = (vec![0u32], Vec::new(), Vec::new());
-            for &l in lens {
-                let blocks: Vec<u32> = free.drain(..l.div_ceil(bs as usize)).collect();
-                slots.extend(
-                    (0..l).map(|t| blocks[t / bs as usize] * bs + (t % bs as usize) as u32),
-                );
-                indices.extend_from_slice(&blocks);
-                indptr.push(indices.len() as u32);
-            }
-            let seq_lens: Vec<u32> = lens.iter().map(|&l| l as u32).collect();
+            let (_m, _ids, view) = shuffled_batch(&mut rng, nb, bs, lens);
+            let slots = &view.slot_mapping;
             let row = (kvh * hd) as usize;
             let ntok = slots.len();
             let k = normal(&mut rng, ntok * row);
@@ -676,7 +666,7 @@ fn serial_wide_loads_reach_every_word_of_the_pool() {
                     .collect();
                 cache.set_k_outlier_channels(&gpu, 0, &chans).unwrap();
             }
-            cache.write_kv(&gpu, 0, &k, &v, &slots).unwrap();
+            cache.write_kv(&gpu, 0, &k, &v, slots).unwrap();
             let (gk, gv) = cache.read_layer(&gpu, 0).unwrap();
             let host = HostPool {
                 k: gk,
@@ -691,9 +681,9 @@ fn serial_wide_loads_reach_every_word_of_the_pool() {
                 &host.view(),
                 &AttnParams::new(heads as usize, hd as usize),
                 &q,
-                &indptr,
-                &indices,
-                &seq_lens,
+                &view.kv_indptr,
+                &view.kv_indices,
+                &view.seq_lens,
             );
             for kernel in [Kernel::Serial, Kernel::Tiled] {
                 let attn = PagedAttention::with_kernel(&gpu, &cache, heads, kernel).unwrap();
@@ -703,9 +693,9 @@ fn serial_wide_loads_reach_every_word_of_the_pool() {
                         &cache,
                         0,
                         &q,
-                        &indptr,
-                        &indices,
-                        &seq_lens,
+                        &view.kv_indptr,
+                        &view.kv_indices,
+                        &view.seq_lens,
                         &AttnOptions::default(),
                     )
                     .unwrap();

@@ -221,15 +221,6 @@ pub(super) fn rows_shape(gpu: &Gpu, base: &ShaderShape) -> Option<ShaderShape> {
     } else {
         0
     };
-    let s = rows_shape_for(base, sub_min);
-    (shader::rows_workgroup_bytes(&s) <= limit
-        && shader::rows_workgroup_size(&s) <= gpu.limits.max_compute_invocations_per_workgroup)
-        .then_some(s)
-}
-
-/// [`rows_shape`] for a device whose subgroups hold at least `sub_min`
-/// lanes (0: no subgroups).
-pub(super) fn rows_shape_for(base: &ShaderShape, sub_min: u32) -> ShaderShape {
     let d4 = (base.head_dim / 4).max(1);
     // Lanes per row: powers of two dividing d4, up to 16, until a lane
     // keeps at most ROWS_MAX_COLUMNS columns.
@@ -239,7 +230,7 @@ pub(super) fn rows_shape_for(base: &ShaderShape, sub_min: u32) -> ShaderShape {
     }
     let rows = (64 / lpr).max(1);
     let ht = shader::balanced_head_tile(base.group, rows);
-    ShaderShape {
+    let s = ShaderShape {
         htile: ht,
         qtile: (rows / ht).max(1),
         lpt: lpr,
@@ -248,18 +239,30 @@ pub(super) fn rows_shape_for(base: &ShaderShape, sub_min: u32) -> ShaderShape {
         q_f16: false,
         out_f16: false,
         ..*base
-    }
+    };
+    (shader::rows_workgroup_bytes(&s) <= limit
+        && shader::rows_workgroup_size(&s) <= gpu.limits.max_compute_invocations_per_workgroup)
+        .then_some(s)
 }
 
 /// On an adapter that ends loops early, the most tokens one pass of the
 /// rows kernel may walk; `None` elsewhere.
 pub(super) fn rows_pass_cap(gpu: &Gpu, s: &ShaderShape) -> Option<u32> {
-    let tiled = gpu.max_tokens_per_pass(s.head_dim)?;
     let lpr = s.lpt.max(1);
     let jn = (s.head_dim / 4 / lpr).max(1);
     let red = if s.subgroups { 4 } else { lpr };
     let tg = shader::rows_token_groups();
-    let ipt = (2 * jn + red + 2).div_ceil(tg) + 1;
+    cap_for(gpu, s.head_dim, (2 * jn + red + 2).div_ceil(tg) + 1)
+}
+
+/// The loop cap's tokens per pass for a kernel that runs `ipt` loop
+/// iterations per token (0: the tiled kernel's own cap): three quarters of
+/// the cap, in whole tiles of 64; `None` on adapters without one.
+fn cap_for(gpu: &Gpu, head_dim: u32, ipt: u32) -> Option<u32> {
+    let tiled = gpu.max_tokens_per_pass(head_dim)?;
+    if ipt == 0 {
+        return Some(tiled);
+    }
     let t = (65535 * 3 / 4) / ipt;
     Some((t / 64 * 64).clamp(64, tiled))
 }
@@ -288,14 +291,7 @@ fn iterations_per_token(kernel: Kernel, s: &ShaderShape) -> u32 {
 /// On an adapter that ends loops early, the most tokens one pass of
 /// `kernel` may walk; `None` elsewhere.
 pub(super) fn pass_cap(gpu: &Gpu, kernel: Kernel, s: &ShaderShape) -> Option<u32> {
-    let tiled = gpu.max_tokens_per_pass(s.head_dim)?;
-    let ipt = iterations_per_token(kernel, s);
-    if ipt == 0 {
-        return Some(tiled);
-    }
-    // Three quarters of the cap, in whole tiles of 64.
-    let t = (65535 * 3 / 4) / ipt;
-    Some((t / 64 * 64).clamp(64, tiled))
+    cap_for(gpu, s.head_dim, iterations_per_token(kernel, s))
 }
 
 /// Split-K rule of `Split::Auto` for `kernel`: partitions so that a batch of
