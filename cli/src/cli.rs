@@ -39,6 +39,55 @@ pub enum Command {
     Simulate(SimulateArgs),
     /// Decode, bandwidth, split, bookkeeping and copy benchmarks on the adapter.
     Bench(BenchArgs),
+    /// Text from a real model (SmolLM2-135M-Instruct, fetched by
+    /// `bash scripts/fetch-model.sh`) through the paged KV cache.
+    Generate(GenerateArgs),
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct GenerateArgs {
+    /// The user message (wrapped in the model's chat template).
+    #[arg(long, default_value = "Tell me a story")]
+    pub prompt: String,
+    /// Serve every line of this file as a prompt, all at once (continuous batching).
+    #[arg(long)]
+    pub prompts: Option<std::path::PathBuf>,
+    /// Tokens to generate per sequence (1 to 8192).
+    #[arg(long, default_value_t = 128)]
+    pub max_tokens: usize,
+    /// Parallel samples sharing the prompt (1 to 32).
+    #[arg(long, default_value_t = 1)]
+    pub samples: usize,
+    /// Beam search of this width (1 to 32) instead of sampling.
+    #[arg(long)]
+    pub beams: Option<usize>,
+    /// Sampling temperature (0 = greedy, up to 100).
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
+    pub temperature: f32,
+    /// Nucleus sampling: keep this share of the probability mass (0 < p <= 1).
+    #[arg(long, default_value_t = 1.0, allow_hyphen_values = true)]
+    pub top_p: f32,
+    /// Keep the k most likely tokens (0 = all).
+    #[arg(long, default_value_t = 40)]
+    pub top_k: usize,
+    /// Sampling seed.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// The GGUF file (default: $PAGEDATTN_MODEL or models/SmolLM2-135M-Instruct.Q4_1.gguf).
+    #[arg(long)]
+    pub model: Option<std::path::PathBuf>,
+    /// KV pool element type: f16, f32, int8 or fp8.
+    #[arg(long, default_value = "f16")]
+    pub kv_dtype: String,
+    /// Blocks of 16 tokens in the pool (16 to 65536).
+    #[arg(long, default_value_t = 512)]
+    pub num_blocks: u32,
+    /// Send the prompt as it is, without the chat template.
+    #[arg(long)]
+    pub raw: bool,
+    /// The chat template's system prompt (default: the model's own).
+    #[arg(long)]
+    pub system: Option<String>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -128,6 +177,11 @@ pub enum Checked {
         cfg: BenchConfig,
         /// Print JSON instead of the table.
         json: bool,
+    },
+    /// Text generation.
+    Generate {
+        /// Validated options (the prompts file read).
+        opts: pagedattn_cli::model::generate::GenerateOptions,
     },
 }
 
@@ -237,7 +291,91 @@ pub fn check(cli: Cli) -> Result<Checked, String> {
             cfg.validate().map_err(|e| e.to_string())?;
             Ok(Checked::Bench { cfg, json: a.json })
         }
+        Some(Command::Generate(a)) => generate(&a),
     }
+}
+
+/// Most prompts one `--prompts` file may hold.
+pub const MAX_PROMPTS: usize = 1024;
+
+fn generate(a: &GenerateArgs) -> Result<Checked, String> {
+    use pagedattn_cli::model::generate::{default_model_path, GenerateOptions};
+    use pagedattn_cli::model::sample::SamplingParams;
+    if !(1..=8192).contains(&a.max_tokens) {
+        return Err(format!("--max-tokens {} is not in 1..=8192", a.max_tokens));
+    }
+    if !(1..=32).contains(&a.samples) {
+        return Err(format!("--samples {} is not in 1..=32", a.samples));
+    }
+    if let Some(b) = a.beams {
+        if !(1..=32).contains(&b) {
+            return Err(format!("--beams {b} is not in 1..=32"));
+        }
+        if a.samples > 1 {
+            return Err("--beams and --samples: choose one".into());
+        }
+    }
+    if !(16..=65536).contains(&a.num_blocks) {
+        return Err(format!("--num-blocks {} is not in 16..=65536", a.num_blocks));
+    }
+    let kv_dtype = pagedattn_cli::demo::parse_kv_dtype(&a.kv_dtype)?;
+    let params = SamplingParams {
+        temperature: a.temperature,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        seed: a.seed,
+    };
+    // The vocabulary is known once the model is read; 2^20 bounds top-k here.
+    params
+        .validate(1 << 20)
+        .map_err(|e| format!("--temperature/--top-p/--top-k: {e}"))?;
+    let prompts = match &a.prompts {
+        None => vec![a.prompt.clone()],
+        Some(path) => {
+            let meta = std::fs::metadata(path)
+                .map_err(|e| format!("--prompts {}: {e}", path.display()))?;
+            if !meta.is_file() || meta.len() > 1 << 20 {
+                return Err(format!(
+                    "--prompts {}: not a regular file of at most 1 MiB",
+                    path.display()
+                ));
+            }
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| format!("--prompts {}: {e}", path.display()))?;
+            let p: Vec<String> = text
+                .lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty())
+                .map(String::from)
+                .collect();
+            if p.is_empty() || p.len() > MAX_PROMPTS {
+                return Err(format!(
+                    "--prompts {}: {} prompts, expected 1..={MAX_PROMPTS}",
+                    path.display(),
+                    p.len()
+                ));
+            }
+            p
+        }
+    };
+    if prompts.iter().any(|p| p.is_empty()) {
+        return Err("--prompt is empty".into());
+    }
+    let opts = GenerateOptions {
+        prompts,
+        chat: !a.raw,
+        system: a.system.clone(),
+        max_tokens: a.max_tokens,
+        samples: a.samples,
+        beams: a.beams.unwrap_or(0),
+        params,
+        model: a.model.clone().unwrap_or_else(default_model_path),
+        kv_dtype,
+        num_blocks: a.num_blocks,
+        ..GenerateOptions::default()
+    };
+    pagedattn_cli::model::generate::check(&opts).map_err(|e| e.to_string())?;
+    Ok(Checked::Generate { opts })
 }
 
 fn demo(a: &DemoArgs) -> Result<Checked, String> {

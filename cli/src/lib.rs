@@ -6,3 +6,6 @@
 pub mod bench;
 pub mod demo;
 pub mod sim;
+
+/// The real model behind `pagedattn generate` (SmolLM2-135M through the paged cache).
+pub use pagedattn_model as model;

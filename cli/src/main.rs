@@ -220,6 +220,9 @@ fn run(checked: Checked) -> Res {
         Checked::Demo { cfg, verbose } => run_demo(&mut out, cfg, verbose)?,
         Checked::Simulate { cfg, args } => pagedattn_cli::sim::run_cli_to(&cfg, &args, &mut out)?,
         Checked::Bench { cfg, json } => run_bench(&mut out, &cfg, json)?,
+        Checked::Generate { opts } => {
+            pagedattn_cli::model::generate::run(&opts, &mut out)?;
+        }
     }
     out.flush()?;
     Ok(())

@@ -1159,7 +1159,12 @@ impl KvCache {
             return bad("this plan was made by another KvCache".into());
         }
         let cap = self.cfg.num_blocks as u64 * self.cfg.block_size as u64;
-        if let Some(&s) = slots.iter().find(|&&s| s as u64 >= cap) {
+        // SKIP_WRITE (u32::MAX): a token whose K/V is in the pool already
+        // (a prompt cached to its end); the kernels skip it.
+        if let Some(&s) = slots
+            .iter()
+            .find(|&&s| s as u64 >= cap && s != crate::blocks::SKIP_WRITE)
+        {
             return bad(format!("slot {s} outside the pool of {cap} slots"));
         }
         if let Some(c) = copies

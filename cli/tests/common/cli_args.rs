@@ -33,6 +33,7 @@ pub struct Outcome {
     pub check_errors: u64,
     pub demo: u64,
     pub bench: u64,
+    pub generate: u64,
     pub sim_runs: u64,
     pub sim_too_small: u64,
 }
@@ -132,6 +133,12 @@ pub fn run(data: &[u8]) -> Outcome {
                 .unwrap_or_else(|e| panic!("{argv:?}: checked bench fails validate: {e}"));
             assert!(cfg.max_seconds.is_finite() && cfg.max_seconds >= 0.0);
             o.bench += 1;
+        }
+        Ok(Checked::Generate { opts }) => {
+            // Needs the model and an adapter: checked, not run.
+            pagedattn_cli::model::generate::check(&opts)
+                .unwrap_or_else(|e| panic!("{argv:?}: checked generate fails check: {e}"));
+            o.generate += 1;
         }
         Ok(Checked::Simulate { cfg, args }) => {
             assert!(args.requests >= 1);

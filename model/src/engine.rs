@@ -1,0 +1,979 @@
+//! The model on the GPU: the engine's own kernels (`model/shaders/`) around
+//! pagedattn's paged KV cache and attention.
+//!
+//! One step, one encoder, one submit, one readback:
+//! `embed -> 30 x [RMSNorm -> fused QKV matmul -> RoPE -> write_kv ->
+//! paged attention -> output matmul + residual -> RMSNorm -> gate/up matmul
+//! with SiLU gate -> down matmul + residual] -> final RMSNorm of the rows
+//! whose logits are needed -> tied LM head`. Weights stay in GPU memory in
+//! their GGUF format (Q4_1, Q8_0 or F32) and are dequantized inside the
+//! matmul, with f32 accumulation. Q, K and V are read by pagedattn straight
+//! from the fused projection rows through its row strides.
+
+use std::collections::HashMap;
+
+use pagedattn::blocks::BatchView;
+use pagedattn::gpu::{
+    AttentionPlan, AttnOptions, DecodeTables, Gpu, Kernel, KvCache, KvCacheConfig, KvDtype,
+    PagedAttention, PrefillTables, WritePlan,
+};
+use wgpu::{BindGroup, BindGroupLayout, Buffer, BufferUsages as U, ComputePipeline, PipelineLayout};
+
+use crate::ModelError;
+
+/// A weight matrix's format on the GPU (the GGUF type it came in).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum WeightFormat {
+    /// 32 elements per block: f16 scale and minimum, 4-bit values.
+    Q4_1,
+    /// 32 elements per block: f16 scale, 8-bit signed values.
+    Q8_0,
+    /// Plain f32.
+    F32,
+}
+
+impl WeightFormat {
+    /// GGUF bytes of one 32-element block.
+    pub fn gguf_block_bytes(self) -> usize {
+        match self {
+            WeightFormat::Q4_1 => 20,
+            WeightFormat::Q8_0 => 34,
+            WeightFormat::F32 => 128,
+        }
+    }
+
+    /// u32 words of one block on the GPU (quant.wgsl).
+    pub fn gpu_block_words(self) -> usize {
+        match self {
+            WeightFormat::Q4_1 => 5,
+            WeightFormat::Q8_0 => 9,
+            WeightFormat::F32 => 32,
+        }
+    }
+
+    fn shader_id(self) -> u32 {
+        match self {
+            WeightFormat::Q4_1 => 0,
+            WeightFormat::Q8_0 => 1,
+            WeightFormat::F32 => 2,
+        }
+    }
+}
+
+/// A weight matrix as the GGUF file holds it: `rows` rows (output
+/// features) of `cols` elements, in `fmt`'s blocks, row after row.
+#[derive(Clone, Debug)]
+pub struct HostMatrix {
+    pub fmt: WeightFormat,
+    pub rows: usize,
+    pub cols: usize,
+    pub data: Vec<u8>,
+}
+
+impl HostMatrix {
+    /// Checks the byte count against the shape.
+    pub fn check(&self, name: &str) -> Result<(), ModelError> {
+        let want = self.rows * (self.cols / 32) * self.fmt.gguf_block_bytes();
+        if self.cols % 32 != 0 || self.data.len() != want {
+            return Err(ModelError::Shape(format!(
+                "{name}: {} x {} {:?} needs {want} bytes (columns a multiple of 32), found {}",
+                self.rows,
+                self.cols,
+                self.fmt,
+                self.data.len()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Rows of several matrices of one format and width, stacked (the fused
+    /// projections), with `pad` zero rows after each part as asked.
+    pub fn stack(name: &str, parts: &[(&HostMatrix, usize)]) -> Result<HostMatrix, ModelError> {
+        let (first, _) = parts[0];
+        let mut data = Vec::new();
+        let mut rows = 0;
+        for (m, pad) in parts {
+            if m.fmt != first.fmt || m.cols != first.cols {
+                return Err(ModelError::Shape(format!(
+                    "{name}: fused parts must share format and width ({:?} x {} vs {:?} x {})",
+                    first.fmt, first.cols, m.fmt, m.cols
+                )));
+            }
+            data.extend_from_slice(&m.data);
+            // A zero block is zero in every format (scale 0, minimum 0).
+            data.resize(data.len() + pad * (m.cols / 32) * m.fmt.gguf_block_bytes(), 0);
+            rows += m.rows + pad;
+        }
+        Ok(HostMatrix {
+            fmt: first.fmt,
+            rows,
+            cols: first.cols,
+            data,
+        })
+    }
+
+    /// The GPU words (quant.wgsl): Q4_1 as it is, Q8_0 with its scale
+    /// widened to f32 (exactly) so that blocks are whole words.
+    pub fn gpu_words(&self) -> Vec<u32> {
+        let bb = self.fmt.gguf_block_bytes();
+        let blocks = self.data.len() / bb;
+        let mut out = Vec::with_capacity(blocks * self.fmt.gpu_block_words());
+        let word = |b: &[u8]| u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        for blk in self.data.chunks_exact(bb) {
+            match self.fmt {
+                WeightFormat::Q4_1 | WeightFormat::F32 => {
+                    out.extend(blk.chunks_exact(4).map(word));
+                }
+                WeightFormat::Q8_0 => {
+                    let d = half::f16::from_le_bytes([blk[0], blk[1]]).to_f32();
+                    out.push(d.to_bits());
+                    out.extend(blk[2..].chunks_exact(4).map(word));
+                }
+            }
+        }
+        out
+    }
+
+    /// Row `r` dequantized (host side, for checks).
+    pub fn row_f32(&self, r: usize) -> Vec<f32> {
+        let bb = self.fmt.gguf_block_bytes();
+        let nb = self.cols / 32;
+        let row = &self.data[r * nb * bb..(r + 1) * nb * bb];
+        let mut out = Vec::with_capacity(self.cols);
+        for blk in row.chunks_exact(bb) {
+            match self.fmt {
+                WeightFormat::Q4_1 => {
+                    let d = half::f16::from_le_bytes([blk[0], blk[1]]).to_f32();
+                    let m = half::f16::from_le_bytes([blk[2], blk[3]]).to_f32();
+                    let qs = &blk[4..20];
+                    out.extend(qs.iter().map(|&b| (b & 15) as f32 * d + m));
+                    out.extend(qs.iter().map(|&b| (b >> 4) as f32 * d + m));
+                }
+                WeightFormat::Q8_0 => {
+                    let d = half::f16::from_le_bytes([blk[0], blk[1]]).to_f32();
+                    out.extend(blk[2..].iter().map(|&b| b as i8 as f32 * d));
+                }
+                WeightFormat::F32 => {
+                    out.extend(
+                        blk.chunks_exact(4)
+                            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+                    );
+                }
+            }
+        }
+        out
+    }
+}
+
+/// One decoder layer's weights.
+#[derive(Clone, Debug)]
+pub struct HostLayer {
+    pub attn_norm: Vec<f32>,
+    pub q: HostMatrix,
+    pub k: HostMatrix,
+    pub v: HostMatrix,
+    pub o: HostMatrix,
+    pub ffn_norm: Vec<f32>,
+    pub gate: HostMatrix,
+    pub up: HostMatrix,
+    pub down: HostMatrix,
+}
+
+/// The model's shape.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Shape {
+    pub layers: usize,
+    pub d_model: usize,
+    pub ffn: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab: usize,
+    pub rope_base: f32,
+    pub rms_eps: f32,
+    pub context: usize,
+}
+
+/// Everything the GPU model needs from the file.
+#[derive(Clone, Debug)]
+pub struct HostWeights {
+    pub shape: Shape,
+    pub embed: HostMatrix,
+    /// `None`: tied to the embedding.
+    pub output: Option<HostMatrix>,
+    pub output_norm: Vec<f32>,
+    pub layers: Vec<HostLayer>,
+}
+
+/// How the engine sizes its cache and batches.
+#[derive(Clone, Copy, Debug)]
+pub struct EngineConfig {
+    /// Blocks in the pool (every layer).
+    pub num_blocks: u32,
+    /// Tokens per block.
+    pub block_size: u32,
+    /// Pool dtype.
+    pub kv_dtype: KvDtype,
+    /// Token rows one step may carry (the scheduler's `max_batch_tokens`).
+    pub max_rows: usize,
+    /// Rows whose logits one step may ask for (at least `max_seqs`).
+    pub max_logit_rows: usize,
+    /// The decode kernel; `None`: pagedattn's default for the adapter.
+    pub kernel: Option<Kernel>,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            num_blocks: 256,
+            block_size: 16,
+            kv_dtype: KvDtype::F32,
+            max_rows: 256,
+            max_logit_rows: 32,
+            kernel: None,
+        }
+    }
+}
+
+/// One step's input: the scheduler's view (tables, slots, copies), the
+/// token and position of every row, and the rows whose logits are wanted.
+#[derive(Clone, Copy, Debug)]
+pub struct StepInput<'a> {
+    pub view: &'a BatchView,
+    pub tokens: &'a [u32],
+    pub positions: &'a [u32],
+    pub logit_rows: &'a [u32],
+}
+
+const MATMUL_TILES: [u32; 5] = [1, 2, 4, 8, 16];
+const WG: usize = 64;
+
+struct Mat {
+    buf: Buffer,
+    fmt: WeightFormat,
+}
+
+struct LayerGpu {
+    attn_norm: Buffer,
+    qkv: Mat,
+    o: Mat,
+    ffn_norm: Buffer,
+    gate_up: Mat,
+    down: Mat,
+}
+
+/// Bind groups of one layer: norm 1, QKV, RoPE, output, norm 2, gate/up, down.
+struct LayerGroups {
+    norm1: BindGroup,
+    qkv: BindGroup,
+    o: BindGroup,
+    norm2: BindGroup,
+    gate_up: BindGroup,
+    down: BindGroup,
+}
+
+/// The uniforms written each step.
+struct Uniforms {
+    embed: Buffer,
+    norm: Buffer,
+    final_norm: Buffer,
+    rope: Buffer,
+    qkv: Buffer,
+    o: Buffer,
+    gate_up: Buffer,
+    down: Buffer,
+    head: Buffer,
+}
+
+/// The GPU model. Everything is allocated in [`Model::new`]; a step
+/// creates no buffer and no bind group.
+pub struct Model {
+    pub gpu: Gpu,
+    pub cache: KvCache,
+    pub attn: PagedAttention,
+    wplan: WritePlan,
+    aplan: AttentionPlan,
+    variants: [AttnOptions; 1],
+    pub shape: Shape,
+    pub cfg: EngineConfig,
+    /// Floats per fused QKV row and the K and V offsets in it (256-byte
+    /// aligned, as bound buffer offsets must be).
+    qkv_row: usize,
+    k_off: usize,
+    v_off: usize,
+    layout4: BindGroupLayout,
+    layout5: BindGroupLayout,
+    playout4: PipelineLayout,
+    pipe_embed: ComputePipeline,
+    pipe_norm: ComputePipeline,
+    pipe_rope: ComputePipeline,
+    matmuls: HashMap<(WeightFormat, u32), ComputePipeline>,
+    layers: Vec<LayerGpu>,
+    groups: Vec<LayerGroups>,
+    embed_mat: Mat,
+    head_fmt: WeightFormat,
+    g_embed: BindGroup,
+    g_rope: BindGroup,
+    g_final: BindGroup,
+    g_head: BindGroup,
+    u: Uniforms,
+    ids: Buffer,
+    pos: Buffer,
+    logit_idx: Buffer,
+    qkv: Buffer,
+    attn_out: Buffer,
+    logits: Buffer,
+    staging: Buffer,
+    /// Skip the attention kernels (profiling only: the output is then wrong).
+    pub skip_attention: bool,
+    // Kept alive for their bind groups.
+    _keep: Vec<Buffer>,
+}
+
+fn storage(dev: &wgpu::Device, label: &str, bytes: usize, extra: U) -> Buffer {
+    dev.create_buffer(&wgpu::BufferDescriptor {
+        label: Some(label),
+        size: bytes.max(16) as u64,
+        usage: U::STORAGE | U::COPY_DST | extra,
+        mapped_at_creation: false,
+    })
+}
+
+fn upload<T: bytemuck::Pod>(gpu: &Gpu, label: &str, data: &[T]) -> Buffer {
+    let bytes: &[u8] = bytemuck::cast_slice(data);
+    let b = storage(&gpu.device, label, bytes.len(), U::empty());
+    gpu.queue.write_buffer(&b, 0, bytes);
+    b
+}
+
+fn uniform(dev: &wgpu::Device, label: &str) -> Buffer {
+    dev.create_buffer(&wgpu::BufferDescriptor {
+        label: Some(label),
+        size: 32,
+        usage: U::UNIFORM | U::COPY_DST,
+        mapped_at_creation: false,
+    })
+}
+
+fn layout(dev: &wgpu::Device, n_read: u32) -> BindGroupLayout {
+    let entry = |binding, ty| wgpu::BindGroupLayoutEntry {
+        binding,
+        visibility: wgpu::ShaderStages::COMPUTE,
+        ty,
+        count: None,
+    };
+    let st = |read_only| wgpu::BindingType::Buffer {
+        ty: wgpu::BufferBindingType::Storage { read_only },
+        has_dynamic_offset: false,
+        min_binding_size: None,
+    };
+    let mut entries = vec![entry(
+        0,
+        wgpu::BindingType::Buffer {
+            ty: wgpu::BufferBindingType::Uniform,
+            has_dynamic_offset: false,
+            min_binding_size: None,
+        },
+    )];
+    for i in 0..n_read {
+        entries.push(entry(1 + i, st(true)));
+    }
+    entries.push(entry(1 + n_read, st(false)));
+    dev.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+        label: Some("model layout"),
+        entries: &entries,
+    })
+}
+
+fn bind(dev: &wgpu::Device, layout: &BindGroupLayout, bufs: &[&Buffer]) -> BindGroup {
+    let entries: Vec<_> = (0u32..)
+        .zip(bufs)
+        .map(|(i, b)| wgpu::BindGroupEntry {
+            binding: i,
+            resource: b.as_entire_binding(),
+        })
+        .collect();
+    dev.create_bind_group(&wgpu::BindGroupDescriptor {
+        label: None,
+        layout,
+        entries: &entries,
+    })
+}
+
+/// The WGSL source of a kernel as compiled: the prelude of constants, the
+/// shared quant helpers, the kernel file.
+pub fn shader_source(kernel: &str, fmt: WeightFormat, rt: u32) -> Result<String, ModelError> {
+    let body = match kernel {
+        "matmul" => include_str!("../shaders/matmul.wgsl"),
+        "embed" => include_str!("../shaders/embed.wgsl"),
+        "rmsnorm" => include_str!("../shaders/rmsnorm.wgsl"),
+        "rope" => include_str!("../shaders/rope.wgsl"),
+        other => return Err(ModelError::Shape(format!("no kernel named {other}"))),
+    };
+    Ok(format!(
+        "// prelude (generated)\nconst FMT: u32 = {}u;\nconst BLOCK_WORDS: u32 = {}u;\nconst RT: u32 = {rt}u;\n\n{}\n{body}",
+        fmt.shader_id(),
+        fmt.gpu_block_words(),
+        include_str!("../shaders/quant.wgsl"),
+    ))
+}
+
+/// The kernels' names, for a tool that prints every shader.
+pub const KERNELS: [&str; 4] = ["matmul", "embed", "rmsnorm", "rope"];
+
+fn pipeline(
+    gpu: &Gpu,
+    layout: &PipelineLayout,
+    kernel: &str,
+    fmt: WeightFormat,
+    rt: u32,
+) -> Result<ComputePipeline, ModelError> {
+    let src = shader_source(kernel, fmt, rt)?;
+    let module = gpu
+        .device
+        .create_shader_module(wgpu::ShaderModuleDescriptor {
+            label: Some(kernel),
+            source: wgpu::ShaderSource::Wgsl(src.into()),
+        });
+    Ok(gpu
+        .device
+        .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+            label: Some(kernel),
+            layout: Some(layout),
+            module: &module,
+            entry_point: Some("main"),
+            compilation_options: Default::default(),
+            cache: None,
+        }))
+}
+
+fn words(v: &[u32; 8]) -> &[u8] {
+    bytemuck::cast_slice(v)
+}
+
+fn f(x: f32) -> u32 {
+    x.to_bits()
+}
+
+/// The cos/sin table of RoPE, as llama.cpp computes it: theta_i = pos *
+/// base^(-2i/d) with the power taken in f32 step by step, then cos and sin.
+pub fn rope_table(max_pos: usize, head_dim: usize, base: f32) -> Vec<[f32; 2]> {
+    let half = head_dim / 2;
+    let scale = base.powf(-2.0 / head_dim as f32);
+    let mut t = Vec::with_capacity(max_pos * half);
+    for p in 0..max_pos {
+        let mut theta = p as f32;
+        for _ in 0..half {
+            let th = theta as f64;
+            t.push([th.cos() as f32, th.sin() as f32]);
+            theta *= scale;
+        }
+    }
+    t
+}
+
+impl Model {
+    /// Uploads the weights, makes the cache, the attention and every
+    /// pipeline and bind group. Checks the shapes first: nothing is put on
+    /// the device for a model this engine cannot run.
+    pub fn new(
+        device: &wgpu::Device,
+        queue: &wgpu::Queue,
+        w: &HostWeights,
+        cfg: EngineConfig,
+    ) -> Result<Self, ModelError> {
+        let s = w.shape;
+        Self::check(w, &cfg)?;
+        let gpu = Gpu::from_device(device, queue);
+        let dev = &gpu.device;
+        let scope = dev.push_error_scope(wgpu::ErrorFilter::Validation);
+        let oom = dev.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+        let cache = KvCache::new(
+            &gpu,
+            KvCacheConfig {
+                num_layers: s.layers as u32,
+                num_blocks: cfg.num_blocks,
+                block_size: cfg.block_size,
+                num_kv_heads: s.kv_heads as u32,
+                head_dim: s.head_dim as u32,
+                dtype: cfg.kv_dtype,
+            },
+        )?;
+        let attn = match cfg.kernel {
+            Some(k) => PagedAttention::with_kernel(&gpu, &cache, s.heads as u32, k)?,
+            None => PagedAttention::new(&gpu, &cache, s.heads as u32)?,
+        };
+        attn.warm_up(&gpu)?;
+
+        // The fused QKV row: Q, then K and V each on a 256-byte boundary.
+        let (qw, kw) = (s.heads * s.head_dim, s.kv_heads * s.head_dim);
+        let align = |x: usize| x.div_ceil(64) * 64;
+        let k_off = align(qw);
+        let v_off = align(k_off + kw);
+        let qkv_row = (v_off + kw).div_ceil(4) * 4;
+        let (mut wplan, mut aplan) = (cache.plan(), attn.plan());
+        wplan.set_kv_stride(Some(qkv_row as u32));
+        aplan.set_q_stride(Some(qkv_row as u32));
+
+        let layout4 = layout(dev, 2);
+        let layout5 = layout(dev, 3);
+        let pl = |l: &BindGroupLayout| {
+            dev.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+                label: Some("model"),
+                bind_group_layouts: &[Some(l)],
+                immediate_size: 0,
+            })
+        };
+        let (playout4, playout5) = (pl(&layout4), pl(&layout5));
+        let embed_fmt = w.embed.fmt;
+        let head = w.output.as_ref().unwrap_or(&w.embed);
+        let pipe_embed = pipeline(&gpu, &playout4, "embed", embed_fmt, 1)?;
+        let pipe_norm = pipeline(&gpu, &playout5, "rmsnorm", WeightFormat::F32, 1)?;
+        let pipe_rope = pipeline(&gpu, &playout4, "rope", WeightFormat::F32, 1)?;
+        let mut matmuls = HashMap::new();
+        let mut fmts = vec![head.fmt];
+        for l in &w.layers {
+            fmts.extend([l.q.fmt, l.o.fmt, l.gate.fmt, l.down.fmt]);
+        }
+        fmts.sort_by_key(|f| f.shader_id());
+        fmts.dedup();
+        for &fm in &fmts {
+            for rt in MATMUL_TILES {
+                matmuls.insert((fm, rt), pipeline(&gpu, &playout4, "matmul", fm, rt)?);
+            }
+        }
+
+        let mat = |label: &str, m: &HostMatrix| Mat {
+            buf: upload(&gpu, label, &m.gpu_words()),
+            fmt: m.fmt,
+        };
+        let mut layers = Vec::with_capacity(s.layers);
+        for (i, l) in w.layers.iter().enumerate() {
+            let qkv = HostMatrix::stack(
+                &format!("blk.{i} qkv"),
+                &[
+                    (&l.q, k_off - qw),
+                    (&l.k, v_off - k_off - kw),
+                    (&l.v, qkv_row - v_off - kw),
+                ],
+            )?;
+            let gate_up = HostMatrix::stack(&format!("blk.{i} gate/up"), &[(&l.gate, 0), (&l.up, 0)])?;
+            layers.push(LayerGpu {
+                attn_norm: upload(&gpu, "attn norm", &l.attn_norm),
+                qkv: mat("qkv", &qkv),
+                o: mat("attn output", &l.o),
+                ffn_norm: upload(&gpu, "ffn norm", &l.ffn_norm),
+                gate_up: mat("gate/up", &gate_up),
+                down: mat("down", &l.down),
+            });
+        }
+        let embed_mat = mat("embedding", &w.embed);
+        let head_mat = w.output.as_ref().map(|m| mat("output", m));
+        let out_norm = upload(&gpu, "output norm", &w.output_norm);
+        let rope = upload(&gpu, "rope table", &rope_table(s.context, s.head_dim, s.rope_base));
+
+        let (r, lr) = (cfg.max_rows, cfg.max_logit_rows);
+        let ids = storage(dev, "ids", r * 4, U::empty());
+        let pos = storage(dev, "positions", r * 4, U::empty());
+        let logit_idx = storage(dev, "logit rows", lr * 4, U::empty());
+        let x = storage(dev, "x", r * s.d_model * 4, U::empty());
+        let xn = storage(dev, "x normed", r * s.d_model * 4, U::empty());
+        let qkv = storage(dev, "qkv", r * qkv_row * 4, U::empty());
+        let attn_out = storage(dev, "attn out", r * qw * 4, U::empty());
+        let h = storage(dev, "ffn hidden", r * s.ffn * 4, U::empty());
+        let xl = storage(dev, "x last", lr * s.d_model * 4, U::empty());
+        let logits = storage(dev, "logits", lr * s.vocab * 4, U::COPY_SRC);
+        let staging = dev.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("logits readback"),
+            size: (lr * s.vocab * 4) as u64,
+            usage: U::MAP_READ | U::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let u = Uniforms {
+            embed: uniform(dev, "embed params"),
+            norm: uniform(dev, "norm params"),
+            final_norm: uniform(dev, "final norm params"),
+            rope: uniform(dev, "rope params"),
+            qkv: uniform(dev, "qkv params"),
+            o: uniform(dev, "o params"),
+            gate_up: uniform(dev, "gate/up params"),
+            down: uniform(dev, "down params"),
+            head: uniform(dev, "head params"),
+        };
+        let groups = layers
+            .iter()
+            .map(|l| LayerGroups {
+                norm1: bind(dev, &layout5, &[&u.norm, &x, &l.attn_norm, &logit_idx, &xn]),
+                qkv: bind(dev, &layout4, &[&u.qkv, &xn, &l.qkv.buf, &qkv]),
+                o: bind(dev, &layout4, &[&u.o, &attn_out, &l.o.buf, &x]),
+                norm2: bind(dev, &layout5, &[&u.norm, &x, &l.ffn_norm, &logit_idx, &xn]),
+                gate_up: bind(dev, &layout4, &[&u.gate_up, &xn, &l.gate_up.buf, &h]),
+                down: bind(dev, &layout4, &[&u.down, &h, &l.down.buf, &x]),
+            })
+            .collect();
+        let g_embed = bind(dev, &layout4, &[&u.embed, &ids, &embed_mat.buf, &x]);
+        let g_rope = bind(dev, &layout4, &[&u.rope, &pos, &rope, &qkv]);
+        let g_final = bind(dev, &layout5, &[&u.final_norm, &x, &out_norm, &logit_idx, &xl]);
+        let head_buf = head_mat.as_ref().map(|m| &m.buf).unwrap_or(&embed_mat.buf);
+        let g_head = bind(dev, &layout4, &[&u.head, &xl, head_buf, &logits]);
+        let keep = [x, xn, h, xl, rope, out_norm]
+            .into_iter()
+            .chain(head_mat.map(|m| m.buf))
+            .collect();
+        if let Some(e) = pollster::block_on(oom.pop()) {
+            return Err(ModelError::Gpu(e.into()));
+        }
+        if let Some(e) = pollster::block_on(scope.pop()) {
+            return Err(ModelError::Gpu(e.into()));
+        }
+        Ok(Self {
+            gpu,
+            cache,
+            attn,
+            wplan,
+            aplan,
+            variants: [AttnOptions::default()],
+            shape: s,
+            cfg,
+            qkv_row,
+            k_off,
+            v_off,
+            layout4,
+            layout5,
+            playout4,
+            pipe_embed,
+            pipe_norm,
+            pipe_rope,
+            matmuls,
+            layers,
+            groups,
+            embed_mat,
+            head_fmt: head.fmt,
+            g_embed,
+            g_rope,
+            g_final,
+            g_head,
+            u,
+            ids,
+            pos,
+            logit_idx,
+            qkv,
+            attn_out,
+            logits,
+            staging,
+            skip_attention: false,
+            _keep: keep,
+        })
+    }
+
+    fn check(w: &HostWeights, cfg: &EngineConfig) -> Result<(), ModelError> {
+        let s = w.shape;
+        let bad = |m: String| Err(ModelError::Shape(m));
+        if s.layers != w.layers.len() || s.layers == 0 {
+            return bad(format!("{} layers in the shape, {} loaded", s.layers, w.layers.len()));
+        }
+        if s.d_model % 32 != 0 || s.ffn % 32 != 0 || s.head_dim % 4 != 0 || s.head_dim == 0 {
+            return bad(format!(
+                "d_model {} and ffn {} must be multiples of 32, head_dim {} of 4",
+                s.d_model, s.ffn, s.head_dim
+            ));
+        }
+        if s.kv_heads == 0 || s.heads % s.kv_heads != 0 {
+            return bad(format!("{} heads over {} KV heads", s.heads, s.kv_heads));
+        }
+        if s.context == 0 || s.context > 1 << 20 {
+            return bad(format!("context {} outside 1..=2^20", s.context));
+        }
+        if cfg.max_rows == 0 || cfg.max_logit_rows == 0 || cfg.max_logit_rows > cfg.max_rows {
+            return bad(format!(
+                "max_rows {} and max_logit_rows {} must be positive, logit rows at most the rows",
+                cfg.max_rows, cfg.max_logit_rows
+            ));
+        }
+        let (d, qw, kw) = (s.d_model, s.heads * s.head_dim, s.kv_heads * s.head_dim);
+        let want = |name: String, m: &HostMatrix, rows: usize, cols: usize| {
+            m.check(&name)?;
+            if m.rows != rows || m.cols != cols {
+                return Err(ModelError::Shape(format!(
+                    "{name}: {} x {}, expected {rows} x {cols}",
+                    m.rows, m.cols
+                )));
+            }
+            Ok(())
+        };
+        want("token_embd".into(), &w.embed, s.vocab, d)?;
+        if let Some(o) = &w.output {
+            want("output".into(), o, s.vocab, d)?;
+        }
+        if w.output_norm.len() != d {
+            return bad(format!("output_norm has {} values, expected {d}", w.output_norm.len()));
+        }
+        for (i, l) in w.layers.iter().enumerate() {
+            want(format!("blk.{i}.attn_q"), &l.q, qw, d)?;
+            want(format!("blk.{i}.attn_k"), &l.k, kw, d)?;
+            want(format!("blk.{i}.attn_v"), &l.v, kw, d)?;
+            want(format!("blk.{i}.attn_output"), &l.o, d, qw)?;
+            want(format!("blk.{i}.ffn_gate"), &l.gate, s.ffn, d)?;
+            want(format!("blk.{i}.ffn_up"), &l.up, s.ffn, d)?;
+            want(format!("blk.{i}.ffn_down"), &l.down, d, s.ffn)?;
+            if l.attn_norm.len() != d || l.ffn_norm.len() != d {
+                return bad(format!("blk.{i}: norms must have {d} values"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Rebuilds the pool and the attention for another KV dtype, block
+    /// count or decode kernel, keeping the weights, kernels and activations.
+    /// The pool starts empty: serve no sequence across this call.
+    pub fn reconfigure(
+        &mut self,
+        num_blocks: u32,
+        kv_dtype: KvDtype,
+        kernel: Option<Kernel>,
+    ) -> Result<(), ModelError> {
+        let s = self.shape;
+        let cache = KvCache::new(
+            &self.gpu,
+            KvCacheConfig {
+                num_layers: s.layers as u32,
+                num_blocks,
+                block_size: self.cfg.block_size,
+                num_kv_heads: s.kv_heads as u32,
+                head_dim: s.head_dim as u32,
+                dtype: kv_dtype,
+            },
+        )?;
+        let attn = match kernel {
+            Some(k) => PagedAttention::with_kernel(&self.gpu, &cache, s.heads as u32, k)?,
+            None => PagedAttention::new(&self.gpu, &cache, s.heads as u32)?,
+        };
+        attn.warm_up(&self.gpu)?;
+        let (mut wplan, mut aplan) = (cache.plan(), attn.plan());
+        wplan.set_kv_stride(Some(self.qkv_row as u32));
+        aplan.set_q_stride(Some(self.qkv_row as u32));
+        (self.cache, self.attn, self.wplan, self.aplan) = (cache, attn, wplan, aplan);
+        self.cfg.num_blocks = num_blocks;
+        self.cfg.kv_dtype = kv_dtype;
+        self.cfg.kernel = kernel;
+        Ok(())
+    }
+
+    /// The pipeline layout kernels of four bindings use (for tools).
+    pub fn pipeline_layout(&self) -> &PipelineLayout {
+        &self.playout4
+    }
+
+    /// Floats per fused QKV row, and K's and V's offsets in it.
+    pub fn qkv_layout(&self) -> (usize, usize, usize) {
+        (self.qkv_row, self.k_off, self.v_off)
+    }
+
+    fn matmul(&self, fmt: WeightFormat, m: usize) -> (&ComputePipeline, u32) {
+        let rt = MATMUL_TILES
+            .iter()
+            .copied()
+            .find(|&t| t as usize >= m)
+            .unwrap_or(16);
+        (&self.matmuls[&(fmt, rt)], rt)
+    }
+
+    /// Checks a step against the engine's limits and the view.
+    fn check_step(&self, s: &StepInput) -> Result<(), ModelError> {
+        let m = s.tokens.len();
+        let bad = |m: String| Err(ModelError::Step(m));
+        if m == 0 {
+            return bad("a step with no rows".into());
+        }
+        if m > self.cfg.max_rows {
+            return bad(format!("{m} rows, over the engine's max_rows {}", self.cfg.max_rows));
+        }
+        if s.positions.len() != m || s.view.slot_mapping.len() != m {
+            return bad(format!(
+                "{m} tokens, {} positions, {} slots: they must match",
+                s.positions.len(),
+                s.view.slot_mapping.len()
+            ));
+        }
+        if let Some(t) = s.tokens.iter().find(|&&t| t as usize >= self.shape.vocab) {
+            return bad(format!("token {t} outside the vocabulary of {}", self.shape.vocab));
+        }
+        if let Some(p) = s.positions.iter().find(|&&p| p as usize >= self.shape.context) {
+            return bad(format!("position {p} past the context of {}", self.shape.context));
+        }
+        let l = s.logit_rows.len();
+        if l == 0 || l > self.cfg.max_logit_rows {
+            return bad(format!(
+                "{l} logit rows: between 1 and max_logit_rows {}",
+                self.cfg.max_logit_rows
+            ));
+        }
+        if let Some(r) = s.logit_rows.iter().find(|&&r| r as usize >= m) {
+            return bad(format!("logit row {r} outside the step's {m} rows"));
+        }
+        Ok(())
+    }
+
+    /// Runs one step; returns the logits of `logit_rows`, `[rows][vocab]`.
+    pub fn forward(&mut self, s: &StepInput) -> Result<Vec<f32>, ModelError> {
+        self.check_step(s)?;
+        let sh = self.shape;
+        let (m, l) = (s.tokens.len(), s.logit_rows.len());
+        let gpu = &self.gpu;
+        // 1. Plans (host work, validated), then the step's uniforms and rows.
+        self.cache
+            .plan_write(gpu, &mut self.wplan, &s.view.slot_mapping, &s.view.copies)?;
+        let prefill = s.view.new_indptr.windows(2).any(|w| w[1] - w[0] != 1);
+        if prefill {
+            let t = PrefillTables::from_view(s.view);
+            self.attn.plan_prefill(gpu, &mut self.aplan, &t, &self.variants)?;
+        } else {
+            let t = DecodeTables::from_view(s.view);
+            self.attn.plan_decode(gpu, &mut self.aplan, &t, &self.variants)?;
+        }
+        let q = &gpu.queue;
+        q.write_buffer(&self.ids, 0, bytemuck::cast_slice(s.tokens));
+        q.write_buffer(&self.pos, 0, bytemuck::cast_slice(s.positions));
+        q.write_buffer(&self.logit_idx, 0, bytemuck::cast_slice(s.logit_rows));
+        let (m32, l32) = (m as u32, l as u32);
+        let (d, qw) = (sh.d_model as u32, (sh.heads * sh.head_dim) as u32);
+        let (ffn, vocab, row) = (sh.ffn as u32, sh.vocab as u32, self.qkv_row as u32);
+        let eps = f(sh.rms_eps);
+        let rope_heads = (sh.heads + sh.kv_heads) as u32;
+        let half = (sh.head_dim / 2) as u32;
+        let ctx = sh.context as u32;
+        let u = &self.u;
+        q.write_buffer(&u.embed, 0, words(&[m32, d, vocab, 0, 0, 0, 0, 0]));
+        q.write_buffer(&u.norm, 0, words(&[m32, d, eps, 0, 0, 0, 0, 0]));
+        q.write_buffer(&u.final_norm, 0, words(&[l32, d, eps, 1, 0, 0, 0, 0]));
+        q.write_buffer(&u.rope, 0, words(&[m32, rope_heads, half, row, ctx, 0, 0, 0]));
+        q.write_buffer(&u.qkv, 0, words(&[m32, d, row, 0, d, row, 0, 0]));
+        q.write_buffer(&u.o, 0, words(&[m32, qw, d, 1, qw, d, 0, 0]));
+        q.write_buffer(&u.gate_up, 0, words(&[m32, d, ffn, 2, d, ffn, 0, 0]));
+        q.write_buffer(&u.down, 0, words(&[m32, ffn, d, 1, ffn, d, 0, 0]));
+        q.write_buffer(&u.head, 0, words(&[l32, d, vocab, 0, d, vocab, 0, 0]));
+
+        // 2. One encoder for the whole step.
+        let scope = gpu.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let mut enc = gpu.device.create_command_encoder(&Default::default());
+        let grid = |n: u32, rt: u32, rows: u32| (n.div_ceil(WG as u32), rows.div_ceil(rt));
+        {
+            let mut pass = enc.begin_compute_pass(&Default::default());
+            pass.set_pipeline(&self.pipe_embed);
+            pass.set_bind_group(0, &self.g_embed, &[]);
+            pass.dispatch_workgroups((m32 * d / 4).div_ceil(WG as u32), 1, 1);
+        }
+        self.cache.run_copy_blocks(gpu, &mut enc, &mut self.wplan)?;
+        let (k_bind, v_bind) = (
+            wgpu::BufferBinding {
+                buffer: &self.qkv,
+                offset: (self.k_off * 4) as u64,
+                size: None,
+            },
+            wgpu::BufferBinding {
+                buffer: &self.qkv,
+                offset: (self.v_off * 4) as u64,
+                size: None,
+            },
+        );
+        for (i, (lw, g)) in self.layers.iter().zip(&self.groups).enumerate() {
+            {
+                let mut pass = enc.begin_compute_pass(&Default::default());
+                pass.set_pipeline(&self.pipe_norm);
+                pass.set_bind_group(0, &g.norm1, &[]);
+                pass.dispatch_workgroups(m32, 1, 1);
+                let (p, rt) = self.matmul(lw.qkv.fmt, m);
+                pass.set_pipeline(p);
+                pass.set_bind_group(0, &g.qkv, &[]);
+                let (gx, gy) = grid(row, rt, m32);
+                pass.dispatch_workgroups(gx, gy, 1);
+                pass.set_pipeline(&self.pipe_rope);
+                pass.set_bind_group(0, &self.g_rope, &[]);
+                pass.dispatch_workgroups((m32 * rope_heads * half).div_ceil(WG as u32), 1, 1);
+            }
+            let layer = i as u32;
+            self.cache
+                .run_write_kv(gpu, &mut enc, &mut self.wplan, layer, &k_bind, &v_bind)?;
+            if !self.skip_attention {
+                let qb = self.qkv.as_entire_buffer_binding();
+                let ob = self.attn_out.as_entire_buffer_binding();
+                self.attn.run(
+                    gpu,
+                    &mut enc,
+                    &mut self.aplan,
+                    &self.cache,
+                    layer,
+                    0,
+                    &qb,
+                    &ob,
+                )?;
+            }
+            let mut pass = enc.begin_compute_pass(&Default::default());
+            let (p, rt) = self.matmul(lw.o.fmt, m);
+            pass.set_pipeline(p);
+            pass.set_bind_group(0, &g.o, &[]);
+            let (gx, gy) = grid(d, rt, m32);
+            pass.dispatch_workgroups(gx, gy, 1);
+            pass.set_pipeline(&self.pipe_norm);
+            pass.set_bind_group(0, &g.norm2, &[]);
+            pass.dispatch_workgroups(m32, 1, 1);
+            let (p, rt) = self.matmul(lw.gate_up.fmt, m);
+            pass.set_pipeline(p);
+            pass.set_bind_group(0, &g.gate_up, &[]);
+            let (gx, gy) = grid(ffn, rt, m32);
+            pass.dispatch_workgroups(gx, gy, 1);
+            let (p, rt) = self.matmul(lw.down.fmt, m);
+            pass.set_pipeline(p);
+            pass.set_bind_group(0, &g.down, &[]);
+            let (gx, gy) = grid(d, rt, m32);
+            pass.dispatch_workgroups(gx, gy, 1);
+        }
+        {
+            let mut pass = enc.begin_compute_pass(&Default::default());
+            pass.set_pipeline(&self.pipe_norm);
+            pass.set_bind_group(0, &self.g_final, &[]);
+            pass.dispatch_workgroups(l32, 1, 1);
+            let (p, rt) = self.matmul(self.head_fmt, l);
+            pass.set_pipeline(p);
+            pass.set_bind_group(0, &self.g_head, &[]);
+            let (gx, gy) = grid(vocab, rt, l32);
+            pass.dispatch_workgroups(gx, gy, 1);
+        }
+        let bytes = (l * sh.vocab * 4) as u64;
+        enc.copy_buffer_to_buffer(&self.logits, 0, &self.staging, 0, bytes);
+        q.submit([enc.finish()]);
+        if let Some(e) = pollster::block_on(scope.pop()) {
+            return Err(ModelError::Gpu(e.into()));
+        }
+
+        // 3. One readback.
+        let (tx, rx) = std::sync::mpsc::channel();
+        self.staging
+            .map_async(wgpu::MapMode::Read, 0..bytes, move |r| drop(tx.send(r)));
+        gpu.device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map_err(|e| ModelError::Gpu(pagedattn::gpu::GpuError::Device(e.to_string())))?;
+        rx.recv()
+            .map_err(|e| ModelError::Gpu(pagedattn::gpu::GpuError::Device(e.to_string())))?
+            .map_err(|e| ModelError::Gpu(pagedattn::gpu::GpuError::Device(e.to_string())))?;
+        let out = {
+            let view = self
+                .staging
+                .get_mapped_range(0..bytes)
+                .map_err(|e| ModelError::Gpu(pagedattn::gpu::GpuError::Device(e.to_string())))?;
+            bytemuck::cast_slice::<u8, f32>(&view).to_vec()
+        };
+        self.staging.unmap();
+        Ok(out)
+    }
+
+    /// The embedding table's format (for reports).
+    pub fn embed_format(&self) -> WeightFormat {
+        self.embed_mat.fmt
+    }
+
+    /// Layouts, for tools that build more pipelines on this model's buffers.
+    pub fn layouts(&self) -> (&BindGroupLayout, &BindGroupLayout) {
+        (&self.layout4, &self.layout5)
+    }
+}

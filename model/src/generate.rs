@@ -1,0 +1,334 @@
+//! `pagedattn generate`: text in, text out, on the default adapter, with a
+//! report of speed and of what paging saved.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use pagedattn::blocks::Preemption;
+use pagedattn::gpu::KvDtype;
+
+use crate::engine::{EngineConfig, Model};
+use crate::load::{load, Loaded};
+use crate::sample::SamplingParams;
+use crate::serve::{Completion, Decoding, Request, ServeStats, Server, ServerConfig};
+use crate::tokenizer::StreamDecoder;
+use crate::ModelError;
+
+/// What to generate, and on what.
+#[derive(Clone, Debug)]
+pub struct GenerateOptions {
+    /// One prompt, or many (`--prompts FILE`), served together.
+    pub prompts: Vec<String>,
+    /// Wrap each prompt in the chat template (the Instruct model's).
+    pub chat: bool,
+    /// The chat template's system prompt (`None`: the model's default).
+    pub system: Option<String>,
+    pub max_tokens: usize,
+    /// Parallel samples per prompt (1: one sequence).
+    pub samples: usize,
+    /// Beam width (0: no beam search).
+    pub beams: usize,
+    pub params: SamplingParams,
+    pub model: PathBuf,
+    pub kv_dtype: KvDtype,
+    pub num_blocks: u32,
+    pub max_batch_tokens: usize,
+    pub max_seqs: usize,
+    /// Stream the first sequence of the first prompt as it is generated.
+    pub stream: bool,
+}
+
+impl Default for GenerateOptions {
+    fn default() -> Self {
+        Self {
+            prompts: vec!["Tell me a story".into()],
+            chat: true,
+            system: None,
+            max_tokens: 128,
+            samples: 1,
+            beams: 0,
+            params: SamplingParams::default(),
+            model: default_model_path(),
+            kv_dtype: KvDtype::F16,
+            num_blocks: 512,
+            max_batch_tokens: 256,
+            max_seqs: 32,
+            stream: true,
+        }
+    }
+}
+
+/// `$PAGEDATTN_MODEL`, else `models/SmolLM2-135M-Instruct.Q4_1.gguf` under
+/// the current directory (where `scripts/fetch-model.sh` puts it).
+pub fn default_model_path() -> PathBuf {
+    match std::env::var_os("PAGEDATTN_MODEL") {
+        Some(p) if !p.is_empty() => PathBuf::from(p),
+        _ => PathBuf::from("models").join(crate::config::MODEL_FILE),
+    }
+}
+
+/// The engine's device on the default adapter of the backends
+/// `PAGEDATTN_BACKEND` allows.
+pub fn open_device() -> Result<(wgpu::Device, wgpu::Queue, String), ModelError> {
+    let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
+    desc.backends = pagedattn::gpu::backends_from_env()
+        .map_err(ModelError::Gpu)?
+        .0;
+    let instance = wgpu::Instance::new(desc);
+    let adapter = pollster::block_on(instance.request_adapter(&wgpu::RequestAdapterOptions {
+        power_preference: wgpu::PowerPreference::HighPerformance,
+        ..Default::default()
+    }))
+    .map_err(|e| {
+        ModelError::Device(format!(
+            "no GPU adapter ({e}); on Linux without a GPU, install mesa-vulkan-drivers (lavapipe)"
+        ))
+    })?;
+    let info = adapter.get_info();
+    let name = format!("{} ({:?})", info.name, info.backend);
+    let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+        label: Some("pagedattn-model"),
+        required_limits: adapter.limits(),
+        ..Default::default()
+    }))
+    .map_err(|e| ModelError::Device(format!("could not open a device on {name}: {e}")))?;
+    Ok((device, queue, name))
+}
+
+/// Everything a run reports.
+#[derive(Clone, Debug)]
+pub struct Report {
+    pub adapter: String,
+    pub completions: Vec<Completion>,
+    pub texts: Vec<Vec<String>>,
+    pub prompt_tokens: Vec<usize>,
+    pub stats: ServeStats,
+    pub block_size: u32,
+    pub load_secs: f64,
+    pub seconds: f64,
+}
+
+/// Checks the options that need no file or device.
+pub fn check(o: &GenerateOptions) -> Result<(), ModelError> {
+    let bad = |m: String| Err(ModelError::Request(m));
+    if o.prompts.is_empty() || o.prompts.iter().any(|p| p.is_empty()) {
+        return bad("an empty prompt".into());
+    }
+    if o.max_tokens == 0 || o.max_tokens > 1 << 20 {
+        return bad(format!("--max-tokens {} outside 1..=1048576", o.max_tokens));
+    }
+    if o.samples == 0 || o.samples > o.max_seqs {
+        return bad(format!("--samples {} outside 1..={}", o.samples, o.max_seqs));
+    }
+    if o.beams > o.max_seqs {
+        return bad(format!("--beams {} outside 0..={}", o.beams, o.max_seqs));
+    }
+    if o.beams > 0 && o.samples > 1 {
+        return bad("--beams and --samples together: choose one".into());
+    }
+    o.params.validate(usize::MAX)?;
+    if o.num_blocks == 0 || o.num_blocks > 1 << 20 {
+        return bad(format!("--num-blocks {} outside 1..=1048576", o.num_blocks));
+    }
+    Ok(())
+}
+
+/// Loads the model, serves the prompts, streams the first to `out` and
+/// writes the report.
+pub fn run(o: &GenerateOptions, out: &mut dyn Write) -> Result<Report, ModelError> {
+    check(o)?;
+    let t0 = Instant::now();
+    let Loaded {
+        weights, tokenizer, ..
+    } = load(&o.model)?;
+    let mut requests = Vec::new();
+    for p in &o.prompts {
+        let text = if o.chat {
+            tokenizer.chat_prompt(p, o.system.as_deref())
+        } else {
+            p.clone()
+        };
+        let ids = tokenizer.encode(&text, o.chat);
+        let decoding = if o.beams > 0 {
+            Decoding::Beam { width: o.beams }
+        } else {
+            Decoding::Sample {
+                params: o.params,
+                n: o.samples,
+            }
+        };
+        requests.push(Request {
+            prompt: ids,
+            max_tokens: o.max_tokens,
+            decoding,
+            stop: Some(tokenizer.eos_id()),
+            record_top: 0,
+            salt: Vec::new(),
+        });
+    }
+    let (device, queue, adapter) = open_device()?;
+    let ecfg = EngineConfig {
+        num_blocks: o.num_blocks,
+        block_size: 16,
+        kv_dtype: o.kv_dtype,
+        max_rows: o.max_batch_tokens,
+        max_logit_rows: o.max_seqs,
+        kernel: None,
+    };
+    let model = Model::new(&device, &queue, &weights, ecfg)?;
+    drop(weights);
+    let load_secs = t0.elapsed().as_secs_f64();
+    let scfg = ServerConfig {
+        max_seqs: o.max_seqs,
+        max_batch_tokens: o.max_batch_tokens,
+        preemption: Preemption::Auto,
+        swap_blocks: o.num_blocks,
+        prefix_caching: true,
+        num_blocks: None,
+    };
+    let mut server = Server::new(model, scfg)?;
+    server.profile = Some(1);
+    let mut ids = Vec::new();
+    let mut prompt_tokens = Vec::new();
+    for r in requests {
+        prompt_tokens.push(r.prompt.len());
+        ids.push(server.add(r)?);
+    }
+    let say = |out: &mut dyn Write, s: &str| {
+        let _ = out.write_all(s.as_bytes());
+        let _ = out.flush();
+    };
+    say(
+        out,
+        &format!(
+            "{adapter}: {} prompt(s), {} tokens of prompt; model loaded in {load_secs:.1} s\n",
+            ids.len(),
+            prompt_tokens.iter().sum::<usize>()
+        ),
+    );
+    let first = ids[0];
+    let streaming = o.stream && o.beams == 0;
+    let mut dec = StreamDecoder::new();
+    let mut completions = Vec::new();
+    let many = ids.len() > 1;
+    let mut last_note = Instant::now();
+    while server.has_work() {
+        let mut on_token = |r, seq: usize, t: u32| {
+            if streaming && r == first && seq == 0 && Some(t) != Some(tokenizer.eos_id()) {
+                let s = dec.push(&tokenizer, t);
+                let _ = out.write_all(s.as_bytes());
+                let _ = out.flush();
+            }
+        };
+        let done = server.step(&mut on_token)?;
+        if many && (last_note.elapsed().as_secs_f64() > 2.0 || !done.is_empty()) {
+            let (w, r, s) = server.sched.queue_lengths();
+            let st = server.sched.blocks().stats();
+            say(
+                out,
+                &format!(
+                    "\n[step {}: {w} waiting, {r} running, {s} swapped; {} blocks used, {} shared; {} finished]",
+                    server.stats.steps,
+                    st.used,
+                    st.shared,
+                    completions.len() + done.len()
+                ),
+            );
+            last_note = Instant::now();
+        }
+        completions.extend(done);
+    }
+    if streaming {
+        say(out, "\n");
+    }
+    let texts: Vec<Vec<String>> = ids
+        .iter()
+        .map(|id| {
+            completions
+                .iter()
+                .find(|c| c.request == *id)
+                .map(|c| {
+                    c.sequences
+                        .iter()
+                        .map(|g| {
+                            let toks: Vec<u32> = g
+                                .tokens
+                                .iter()
+                                .copied()
+                                .filter(|&t| t != tokenizer.eos_id())
+                                .collect();
+                            tokenizer.decode(&toks)
+                        })
+                        .collect()
+                })
+                .unwrap_or_default()
+        })
+        .collect();
+    let report = Report {
+        adapter,
+        completions,
+        texts,
+        prompt_tokens,
+        stats: server.stats,
+        block_size: 16,
+        load_secs,
+        seconds: t0.elapsed().as_secs_f64(),
+    };
+    say(out, &render(o, &report));
+    Ok(report)
+}
+
+/// The report after the text.
+pub fn render(o: &GenerateOptions, r: &Report) -> String {
+    let mut s = String::new();
+    let shown_first = o.stream && o.beams == 0;
+    for (i, texts) in r.texts.iter().enumerate() {
+        for (j, t) in texts.iter().enumerate() {
+            if shown_first && i == 0 && j == 0 {
+                continue;
+            }
+            let what = if o.beams > 0 {
+                let score = r.completions.iter().find(|c| c.request == r.completions[0].request);
+                let _ = score;
+                format!("beam {j}")
+            } else {
+                format!("sample {j}")
+            };
+            s += &format!("--- prompt {i}, {what}:\n{}\n", t.trim_end());
+        }
+    }
+    let st = &r.stats;
+    let rate = |n: usize, t: f64| if t > 0.0 { n as f64 / t } else { 0.0 };
+    s += &format!(
+        "\nprefill: {} tokens, {:.1} tokens/s | decode: {} tokens, {:.1} tokens/s (peak batch {})\n",
+        st.prefill_tokens,
+        rate(st.prefill_tokens, st.prefill_secs),
+        st.decode_tokens,
+        rate(st.decode_tokens, st.decode_secs),
+        st.peak_batch
+    );
+    match st.attention_share {
+        Some(a) => {
+            s += &format!(
+                "attention kernels: {:.1} % of a decode step ({} rows)\n",
+                a * 100.0,
+                st.profiled_rows
+            )
+        }
+        None => s += "attention share: not measured (no decode step)\n",
+    }
+    let saved = st.contiguous_blocks.saturating_sub(st.peak_blocks_used);
+    s += &format!(
+        "KV blocks ({} tokens each): peak {} used, {} shared; contiguous reservation (prompt + max tokens per sequence) would hold {} ({:.1} % saved); {} copy-on-write copies, {} preemptions\n",
+        r.block_size,
+        st.peak_blocks_used,
+        st.peak_blocks_shared,
+        st.contiguous_blocks,
+        if st.contiguous_blocks > 0 { 100.0 * saved as f64 / st.contiguous_blocks as f64 } else { 0.0 },
+        st.copies,
+        st.preempted,
+    );
+    s += &format!("{:.1} s in all ({:.1} s loading)\n", r.seconds, r.load_secs);
+    s
+}

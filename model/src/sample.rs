@@ -1,0 +1,264 @@
+//! Choosing tokens from logits: greedy, temperature / top-k / top-p with a
+//! seed, and the step of beam search. Everything is computed in f64 from
+//! the f32 logits, with ties broken by the lower token id, so a run is
+//! reproducible from its seed. `scripts/make-fixture.py` implements the
+//! same rules over the reference runtime's logprobs.
+
+use pagedattn::rng::SplitMix64;
+
+use crate::ModelError;
+
+/// Temperature / top-k / top-p sampling with a seed.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SamplingParams {
+    /// Divides the logits; 0 means greedy.
+    pub temperature: f32,
+    /// Keep the `top_k` most likely tokens (0: all of them).
+    pub top_k: usize,
+    /// Then keep the smallest prefix holding `top_p` of their mass.
+    pub top_p: f32,
+    /// Branch `b` of a request draws from `SplitMix64(seed + b)`.
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 0,
+        }
+    }
+}
+
+/// Highest temperature accepted (above it the distribution is uniform to
+/// within f32 anyway).
+pub const MAX_TEMPERATURE: f32 = 100.0;
+
+impl SamplingParams {
+    /// Checks the ranges: temperature in 0..=100, top_p in (0, 1], top_k
+    /// at most the vocabulary.
+    pub fn validate(&self, vocab: usize) -> Result<(), ModelError> {
+        let t = self.temperature;
+        if !(t.is_finite() && (0.0..=MAX_TEMPERATURE).contains(&t)) {
+            return Err(ModelError::Request(format!(
+                "temperature {t} outside 0..={MAX_TEMPERATURE} (0 is greedy)"
+            )));
+        }
+        let p = self.top_p;
+        if !(p.is_finite() && p > 0.0 && p <= 1.0) {
+            return Err(ModelError::Request(format!(
+                "top-p {p} outside (0, 1]"
+            )));
+        }
+        if self.top_k > vocab {
+            return Err(ModelError::Request(format!(
+                "top-k {} over the vocabulary of {vocab}",
+                self.top_k
+            )));
+        }
+        Ok(())
+    }
+
+    /// Whether this is greedy decoding.
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0
+    }
+}
+
+/// The most likely token (the lowest id among equals). NaN never wins.
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0usize;
+    for (i, &x) in logits.iter().enumerate() {
+        if x > logits[best] || logits[best].is_nan() && !x.is_nan() {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// log-softmax in f64.
+pub fn log_softmax(logits: &[f32]) -> Vec<f64> {
+    let max = logits
+        .iter()
+        .fold(f64::NEG_INFINITY, |a, &b| a.max(b as f64));
+    let sum: f64 = logits.iter().map(|&x| (x as f64 - max).exp()).sum();
+    let lse = max + sum.ln();
+    logits.iter().map(|&x| x as f64 - lse).collect()
+}
+
+/// The `k` largest `(token, value)` pairs, largest first, ties by lower id.
+pub fn top_k(values: &[f64], k: usize) -> Vec<(u32, f64)> {
+    let k = k.min(values.len());
+    let mut idx: Vec<u32> = (0..values.len() as u32).collect();
+    let cmp = |a: &u32, b: &u32| {
+        values[*b as usize]
+            .total_cmp(&values[*a as usize])
+            .then(a.cmp(b))
+    };
+    if k < idx.len() && k > 0 {
+        idx.select_nth_unstable_by(k - 1, cmp);
+        idx.truncate(k);
+    }
+    idx.sort_by(cmp);
+    idx.into_iter()
+        .take(k)
+        .map(|i| (i, values[i as usize]))
+        .collect()
+}
+
+/// One branch's sampler: its parameters and its own random stream.
+#[derive(Clone, Debug)]
+pub struct Sampler {
+    params: SamplingParams,
+    rng: SplitMix64,
+}
+
+impl Sampler {
+    /// The sampler of branch `branch` (`SplitMix64(seed + branch)`).
+    pub fn new(params: SamplingParams, branch: u64) -> Self {
+        Self {
+            params,
+            rng: SplitMix64::new(params.seed.wrapping_add(branch)),
+        }
+    }
+
+    /// The next token from a row of logits. Greedy draws nothing.
+    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        if self.params.is_greedy() {
+            return argmax(logits);
+        }
+        let lp = log_softmax(logits);
+        let k = match self.params.top_k {
+            0 => lp.len(),
+            k => k,
+        };
+        let cand = top_k(&lp, k);
+        let t = self.params.temperature as f64;
+        let zmax = cand[0].1 / t;
+        let w: Vec<f64> = cand.iter().map(|c| (c.1 / t - zmax).exp()).collect();
+        let total: f64 = w.iter().sum();
+        let cut = self.params.top_p as f64 * total;
+        let mut kept = 0;
+        let mut acc = 0.0;
+        while kept < w.len() {
+            acc += w[kept];
+            kept += 1;
+            if acc >= cut {
+                break;
+            }
+        }
+        let kept_total: f64 = w[..kept].iter().sum();
+        let u = self.rng.next_f64() * kept_total;
+        let mut cum = 0.0;
+        for i in 0..kept {
+            cum += w[i];
+            if cum > u {
+                return cand[i].0;
+            }
+        }
+        cand[kept - 1].0
+    }
+}
+
+/// One beam of a beam search: its tokens so far and their summed logprob.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Beam {
+    pub tokens: Vec<u32>,
+    pub score: f64,
+}
+
+/// One step of beam search over `width` beams: `rows[i]` are beam `i`'s
+/// logits. Each beam proposes its `2 * width` best tokens; the `width`
+/// best candidates by total score survive (ties: lower beam, then lower
+/// token). Returns `(parent, token, score)` in rank order.
+pub fn beam_step(scores: &[f64], rows: &[&[f32]], width: usize) -> Vec<(usize, u32, f64)> {
+    let mut cand = Vec::with_capacity(rows.len() * 2 * width);
+    for (b, row) in rows.iter().enumerate() {
+        let lp = log_softmax(row);
+        for (t, l) in top_k(&lp, 2 * width) {
+            cand.push((b, t, scores[b] + l));
+        }
+    }
+    cand.sort_by(|a, b| b.2.total_cmp(&a.2).then(a.0.cmp(&b.0)).then(a.1.cmp(&b.1)));
+    cand.truncate(width);
+    cand
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn greedy_takes_the_lowest_id_among_equals_and_never_nan() {
+        assert_eq!(argmax(&[1.0, 3.0, 3.0, -1.0]), 1);
+        assert_eq!(argmax(&[f32::NAN, 0.5, 2.0]), 2);
+    }
+
+    #[test]
+    fn top_k_orders_by_value_then_id() {
+        let v = [0.5, 2.0, 2.0, -1.0, 1.0];
+        assert_eq!(top_k(&v, 3), vec![(1, 2.0), (2, 2.0), (4, 1.0)]);
+        assert_eq!(top_k(&v, 9).len(), 5);
+    }
+
+    #[test]
+    fn log_softmax_sums_to_one() {
+        let lp = log_softmax(&[1.0, 2.0, 3.0, 1000.0]);
+        let s: f64 = lp.iter().map(|x| x.exp()).sum();
+        assert!((s - 1.0).abs() < 1e-12 && lp[3] > -1e-12);
+    }
+
+    #[test]
+    fn sampling_follows_the_distribution_and_the_seed() {
+        // Two tokens at 3:1 odds; top_p 1 keeps both.
+        let logits = [(3.0f32).ln(), 0.0, -1e30];
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 7,
+        };
+        let mut s = Sampler::new(p, 0);
+        let n = 20000;
+        let zeros = (0..n).filter(|_| s.sample(&logits) == 0).count();
+        let frac = zeros as f64 / n as f64;
+        assert!((frac - 0.75).abs() < 0.02, "{frac}");
+        let a: Vec<u32> = (0..50).map(|_| Sampler::new(p, 3).sample(&logits)).collect();
+        assert!(a.iter().all(|&t| t == a[0]), "same seed and branch, same draw");
+        // top_p 0.5 keeps only the likelier token; top_k 1 likewise.
+        let mut s = Sampler::new(SamplingParams { top_p: 0.5, ..p }, 1);
+        assert!((0..200).all(|_| s.sample(&logits) == 0));
+        let mut s = Sampler::new(SamplingParams { top_k: 1, ..p }, 1);
+        assert!((0..200).all(|_| s.sample(&logits) == 0));
+    }
+
+    #[test]
+    fn parameters_out_of_range_are_refused() {
+        let ok = SamplingParams::default();
+        assert!(ok.validate(10).is_ok());
+        for bad in [
+            SamplingParams { temperature: -0.1, ..ok },
+            SamplingParams { temperature: f32::NAN, ..ok },
+            SamplingParams { temperature: 1e9, ..ok },
+            SamplingParams { top_p: 0.0, ..ok },
+            SamplingParams { top_p: 1.5, ..ok },
+            SamplingParams { top_k: 11, ..ok },
+        ] {
+            let e = bad.validate(10).unwrap_err().to_string();
+            assert!(e.contains("outside") || e.contains("over"), "{e}");
+        }
+    }
+
+    #[test]
+    fn beam_step_keeps_the_best_candidates_across_beams() {
+        let a = [0.0f32, 1.0, 2.0];
+        let b = [5.0f32, 0.0, 0.0];
+        let out = beam_step(&[0.0, -10.0], &[&a, &b], 2);
+        assert_eq!(out.len(), 2);
+        assert_eq!((out[0].0, out[0].1), (0, 2));
+        assert_eq!((out[1].0, out[1].1), (0, 1));
+        assert!(out[0].2 > out[1].2);
+    }
+}

@@ -1,0 +1,530 @@
+//! Serving requests through the library [`Scheduler`]: continuous batching
+//! with chunked prefill, parallel sampling and beam search whose sequences
+//! share their prompt (fork and copy-on-write), prefix caching, preemption
+//! by recompute or swap.
+//!
+//! Each [`Server::step`] is one scheduler step: swap-out, swap-in, then the
+//! model over the step's rows (copy-on-write and the K/V writes inside its
+//! one encoder), then the sampled tokens back to the scheduler's commit.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use pagedattn::blocks::{
+    BlockManagerConfig, Child, GroupOutput, Preemption, RequestId, Scheduler, SchedulerConfig,
+};
+use pagedattn::gpu::SwapSpace;
+
+use crate::engine::{Model, StepInput};
+use crate::sample::{beam_step, log_softmax, top_k, Sampler, SamplingParams};
+use crate::ModelError;
+
+/// How a request chooses its tokens.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Decoding {
+    /// `n` independent samples (greedy at temperature 0), sharing the prompt.
+    Sample { params: SamplingParams, n: usize },
+    /// Beam search of `width` beams.
+    Beam { width: usize },
+}
+
+/// A request: its prompt, how long it may grow, how it decodes.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Request {
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    pub decoding: Decoding,
+    /// A sequence that emits this token ends there (`None`: always
+    /// `max_tokens` tokens).
+    pub stop: Option<u32>,
+    /// Record the top-N logprobs of every step (0: none).
+    pub record_top: usize,
+    /// Prefix-cache salt (requests share cached blocks only with equal salts).
+    pub salt: Vec<u8>,
+}
+
+impl Request {
+    /// Greedy decoding of up to `max_tokens` tokens.
+    pub fn greedy(prompt: Vec<u32>, max_tokens: usize) -> Self {
+        Self {
+            prompt,
+            max_tokens,
+            decoding: Decoding::Sample {
+                params: SamplingParams::default(),
+                n: 1,
+            },
+            stop: None,
+            record_top: 0,
+            salt: Vec::new(),
+        }
+    }
+
+    /// Sequences the request runs at once.
+    pub fn width(&self) -> usize {
+        match self.decoding {
+            Decoding::Sample { n, .. } => n,
+            Decoding::Beam { width } => width,
+        }
+    }
+}
+
+/// One generated sequence.
+#[derive(Clone, Debug, PartialEq, Default)]
+pub struct Generated {
+    /// Its tokens after the prompt.
+    pub tokens: Vec<u32>,
+    /// Sum of the tokens' logprobs.
+    pub score: f64,
+    /// Sample branch (0 for greedy and beams).
+    pub branch: usize,
+    /// Top-N `(token, logprob)` of every step, when asked for.
+    pub top: Vec<Vec<(u32, f64)>>,
+}
+
+/// A finished request: samples in branch order, beams best first.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Completion {
+    pub request: RequestId,
+    pub sequences: Vec<Generated>,
+    /// Dropped by the scheduler: it could not fit even with the pool to itself.
+    pub aborted: bool,
+}
+
+/// Counters of a server's run.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ServeStats {
+    pub steps: usize,
+    /// Tokens run in steps with prompt work, and those steps' seconds.
+    pub prefill_tokens: usize,
+    pub prefill_secs: f64,
+    /// Tokens of pure decode steps, and their seconds.
+    pub decode_tokens: usize,
+    pub decode_secs: f64,
+    /// Largest number of sequences in one step.
+    pub peak_batch: usize,
+    pub peak_blocks_used: usize,
+    pub peak_blocks_shared: usize,
+    /// Blocks a contiguous reservation (prompt + max_tokens per sequence,
+    /// nothing shared) would hold for the requests admitted.
+    pub contiguous_blocks: usize,
+    pub copies: usize,
+    pub preempted: usize,
+    pub swapped_out_blocks: usize,
+    pub aborted: usize,
+    /// Share of a decode step's time spent in attention (write_kv and the
+    /// attention kernels), measured once when [`Server::profile`] is set:
+    /// the step timed again as it is and without its attention kernels.
+    pub attention_share: Option<f64>,
+    /// Rows of the step that share was measured on.
+    pub profiled_rows: usize,
+}
+
+/// How a [`Server`] schedules.
+#[derive(Clone, Copy, Debug)]
+pub struct ServerConfig {
+    /// Sequences in one step (at most the engine's `max_logit_rows`).
+    pub max_seqs: usize,
+    /// Tokens in one step, which is also the prefill chunk (at most the
+    /// engine's `max_rows`).
+    pub max_batch_tokens: usize,
+    pub preemption: Preemption,
+    /// Host swap blocks (0: none; swap falls back to recompute).
+    pub swap_blocks: u32,
+    pub prefix_caching: bool,
+    /// Pool blocks the scheduler may use (`None`: all of the model's).
+    pub num_blocks: Option<u32>,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            max_seqs: 32,
+            max_batch_tokens: 256,
+            preemption: Preemption::Auto,
+            swap_blocks: 0,
+            prefix_caching: true,
+            num_blocks: None,
+        }
+    }
+}
+
+struct Live {
+    gen: Generated,
+    sampler: Option<Sampler>,
+}
+
+struct State {
+    req: Request,
+    started: bool,
+    live: Vec<Live>,
+    done: Vec<Generated>,
+}
+
+/// A model and the scheduler that feeds it.
+pub struct Server {
+    pub model: Model,
+    pub sched: Scheduler,
+    cfg: ServerConfig,
+    swap: Option<SwapSpace>,
+    reqs: HashMap<RequestId, State>,
+    pub stats: ServeStats,
+    /// Measure the attention share on the first decode step of at least
+    /// this many rows (then cleared).
+    pub profile: Option<usize>,
+}
+
+fn blocks_for(tokens: usize, bs: usize) -> usize {
+    tokens.div_ceil(bs)
+}
+
+impl Server {
+    /// A server over `model`'s pool.
+    pub fn new(model: Model, cfg: ServerConfig) -> Result<Self, ModelError> {
+        let ec = model.cfg;
+        if cfg.max_seqs == 0 || cfg.max_seqs > ec.max_logit_rows {
+            return Err(ModelError::Request(format!(
+                "max_seqs {} outside 1..={} (the engine's max_logit_rows)",
+                cfg.max_seqs, ec.max_logit_rows
+            )));
+        }
+        if cfg.max_batch_tokens == 0 || cfg.max_batch_tokens > ec.max_rows {
+            return Err(ModelError::Request(format!(
+                "max_batch_tokens {} outside 1..={} (the engine's max_rows)",
+                cfg.max_batch_tokens, ec.max_rows
+            )));
+        }
+        let blocks = cfg.num_blocks.unwrap_or(ec.num_blocks);
+        if blocks == 0 || blocks > ec.num_blocks {
+            return Err(ModelError::Request(format!(
+                "num_blocks {blocks} outside 1..={} (the model's pool)",
+                ec.num_blocks
+            )));
+        }
+        let mut bc = BlockManagerConfig::new(blocks, ec.block_size)
+            .with_prefix_caching(cfg.prefix_caching)
+            .with_swap_space(cfg.swap_blocks);
+        bc.max_seq_len = model.shape.context;
+        let mut sc = SchedulerConfig::new(cfg.max_batch_tokens, cfg.max_seqs);
+        sc.preemption = cfg.preemption;
+        let sched = Scheduler::new(bc, sc)?;
+        let swap = match cfg.swap_blocks {
+            0 => None,
+            n => Some(model.cache.swap_space(n)?),
+        };
+        Ok(Self {
+            model,
+            sched,
+            cfg,
+            swap,
+            reqs: HashMap::new(),
+            stats: ServeStats::default(),
+            profile: None,
+        })
+    }
+
+    /// Gives the model back (its pool is then free to reconfigure).
+    pub fn into_model(self) -> Model {
+        self.model
+    }
+
+    /// The scheduling configuration.
+    pub fn config(&self) -> &ServerConfig {
+        &self.cfg
+    }
+
+    /// Queues a request, after checking it against the model and the pool.
+    pub fn add(&mut self, req: Request) -> Result<RequestId, ModelError> {
+        let shape = self.model.shape;
+        let bad = |m: String| Err(ModelError::Request(m));
+        let (p, n) = (req.prompt.len(), req.max_tokens);
+        if p == 0 {
+            return bad("an empty prompt".into());
+        }
+        if n == 0 {
+            return bad("max_tokens 0: nothing to generate".into());
+        }
+        if let Some(t) = req.prompt.iter().find(|&&t| t as usize >= shape.vocab) {
+            return bad(format!("prompt token {t} outside the vocabulary of {}", shape.vocab));
+        }
+        if p + n > shape.context {
+            return bad(format!(
+                "prompt of {p} tokens + max_tokens {n} = {} is past the model's context of {}",
+                p + n,
+                shape.context
+            ));
+        }
+        let w = req.width();
+        match req.decoding {
+            Decoding::Sample { params, n } => {
+                params.validate(shape.vocab)?;
+                if n == 0 || n > self.cfg.max_seqs {
+                    return bad(format!("{n} samples outside 1..={} (max_seqs)", self.cfg.max_seqs));
+                }
+            }
+            Decoding::Beam { width } => {
+                if width == 0 || width > self.cfg.max_seqs {
+                    return bad(format!(
+                        "beam width {width} outside 1..={} (max_seqs)",
+                        self.cfg.max_seqs
+                    ));
+                }
+            }
+        }
+        let bs = self.model.cfg.block_size as usize;
+        let pool = self.sched.blocks().config().num_blocks as usize;
+        // The whole request alone: its prompt, then each sequence's growth.
+        let need = blocks_for(p + n, bs) + (w - 1) * (blocks_for(n, bs) + 1);
+        if need > pool {
+            return bad(format!(
+                "prompt of {p} tokens, {w} sequences of up to {n} more need up to {need} blocks of {bs}; the pool holds {pool}"
+            ));
+        }
+        let id = self.sched.add_request(&req.prompt, w, &req.salt)?;
+        self.stats.contiguous_blocks += w * blocks_for(p + n, bs);
+        self.reqs.insert(
+            id,
+            State {
+                req,
+                started: false,
+                live: Vec::new(),
+                done: Vec::new(),
+            },
+        );
+        Ok(id)
+    }
+
+    /// Whether any request is still queued, running or swapped.
+    pub fn has_work(&self) -> bool {
+        self.sched.has_work()
+    }
+
+    /// Runs every request to its end; `on_token(request, sequence, token)`
+    /// sees each token as it is chosen.
+    pub fn run(
+        &mut self,
+        on_token: &mut dyn FnMut(RequestId, usize, u32),
+    ) -> Result<Vec<Completion>, ModelError> {
+        let mut out = Vec::new();
+        while self.has_work() {
+            out.extend(self.step(on_token)?);
+        }
+        Ok(out)
+    }
+
+    /// One scheduler step; returns the requests that ended in it.
+    pub fn step(
+        &mut self,
+        on_token: &mut dyn FnMut(RequestId, usize, u32),
+    ) -> Result<Vec<Completion>, ModelError> {
+        let t0 = Instant::now();
+        let step = self.sched.schedule()?;
+        let mut ended = Vec::new();
+        for &r in &step.aborted {
+            self.reqs.remove(&r);
+            self.stats.aborted += 1;
+            ended.push(Completion {
+                request: r,
+                sequences: Vec::new(),
+                aborted: true,
+            });
+        }
+        self.stats.preempted += step.preempted.len();
+        let gpu = &self.model.gpu;
+        if !step.swap_out.is_empty() || !step.swap_in.is_empty() {
+            let space = self.swap.as_mut().ok_or_else(|| {
+                ModelError::Request("the scheduler swapped without swap space".into())
+            })?;
+            if !step.swap_out.is_empty() {
+                self.model.cache.swap_out(gpu, &step.swap_out, space)?;
+                self.stats.swapped_out_blocks += step.swap_out.len();
+            }
+            if !step.swap_in.is_empty() {
+                self.model.cache.swap_in(gpu, &step.swap_in, space)?;
+            }
+        }
+        if step.rows.is_empty() {
+            for f in self.sched.commit(&step, &[])? {
+                ended.push(self.finish(f.request));
+            }
+            return Ok(ended);
+        }
+        let mut positions = Vec::with_capacity(step.tokens.len());
+        let mut logit_rows = Vec::new();
+        let mut row_of = HashMap::new();
+        let mut prompt_work = false;
+        for row in &step.rows {
+            positions.extend(row.positions.clone().map(|p| p as u32));
+            if row.logits {
+                row_of.insert((row.request, row.index), logit_rows.len());
+                logit_rows.push(positions.len() as u32 - 1);
+            }
+            let started = self.reqs.get(&row.request).is_some_and(|s| s.started);
+            prompt_work |= row.positions.len() > 1 || !started;
+        }
+        let logits = self.model.forward(&StepInput {
+            view: &step.plan.view,
+            tokens: &step.tokens,
+            positions: &positions,
+            logit_rows: &logit_rows,
+        })?;
+        let mut profile_secs = 0.0;
+        if !prompt_work && self.profile.is_some_and(|r| step.rows.len() >= r) {
+            self.profile = None;
+            let tp = Instant::now();
+            let input = StepInput {
+                view: &step.plan.view,
+                tokens: &step.tokens,
+                positions: &positions,
+                logit_rows: &logit_rows,
+            };
+            // Rerunning the step rewrites the same K/V into the same slots.
+            let time = |m: &mut Model, skip: bool| -> Result<f64, ModelError> {
+                m.skip_attention = skip;
+                let mut best = f64::INFINITY;
+                for _ in 0..3 {
+                    let t = Instant::now();
+                    let r = m.forward(&input);
+                    best = best.min(t.elapsed().as_secs_f64());
+                    r?;
+                }
+                m.skip_attention = false;
+                Ok(best)
+            };
+            let full = time(&mut self.model, false)?;
+            let without = time(&mut self.model, true)?;
+            self.stats.attention_share = Some((1.0 - without / full).clamp(0.0, 1.0));
+            self.stats.profiled_rows = step.rows.len();
+            profile_secs = tp.elapsed().as_secs_f64();
+        }
+        let vocab = self.model.shape.vocab;
+        let row = |i: usize| &logits[i * vocab..(i + 1) * vocab];
+
+        let mut outputs = Vec::with_capacity(step.sample.len());
+        for &request in &step.sample {
+            let st = self
+                .reqs
+                .get_mut(&request)
+                .ok_or(ModelError::Request(format!("unknown request {request}")))?;
+            let rows_of = |i: usize| -> Result<&[f32], ModelError> {
+                row_of
+                    .get(&(request, i))
+                    .map(|&r| row(r))
+                    .ok_or_else(|| ModelError::Step(format!("no logits for {request} sequence {i}")))
+            };
+            let width = st.req.width();
+            let rec = st.req.record_top;
+            // (parent, token, logprob)
+            let mut picks: Vec<(usize, u32, f64, Option<Sampler>)> = Vec::new();
+            if !st.started {
+                let lg = rows_of(0)?;
+                let lp = log_softmax(lg);
+                match st.req.decoding {
+                    Decoding::Sample { params, n } => {
+                        for b in 0..n {
+                            let mut s = Sampler::new(params, b as u64);
+                            let t = s.sample(lg);
+                            picks.push((0, t, lp[t as usize], Some(s)));
+                        }
+                    }
+                    Decoding::Beam { width } => {
+                        for (t, l) in top_k(&lp, width) {
+                            picks.push((0, t, l, None));
+                        }
+                    }
+                }
+                st.live = vec![Live {
+                    gen: Generated::default(),
+                    sampler: None,
+                }];
+                st.started = true;
+            } else {
+                match st.req.decoding {
+                    Decoding::Sample { .. } => {
+                        for i in 0..st.live.len() {
+                            let lg = rows_of(i)?;
+                            let mut s = st.live[i].sampler.take().expect("samples carry samplers");
+                            let t = s.sample(lg);
+                            let lp = log_softmax(lg)[t as usize];
+                            picks.push((i, t, lp, Some(s)));
+                        }
+                    }
+                    Decoding::Beam { .. } => {
+                        let keep = width - st.done.len();
+                        let rows: Vec<&[f32]> =
+                            (0..st.live.len()).map(rows_of).collect::<Result<_, _>>()?;
+                        let scores: Vec<f64> = st.live.iter().map(|l| l.gen.score).collect();
+                        for (b, t, s) in beam_step(&scores, &rows, keep) {
+                            picks.push((b, t, s - scores[b], None));
+                        }
+                    }
+                }
+            }
+            let mut children = Vec::with_capacity(picks.len());
+            let mut next = Vec::with_capacity(picks.len());
+            for (k, (parent, token, lp, sampler)) in picks.into_iter().enumerate() {
+                let mut gen = st.live[parent].gen.clone();
+                if !st.started || gen.tokens.is_empty() {
+                    gen.branch = k;
+                }
+                gen.tokens.push(token);
+                gen.score += lp;
+                if rec > 0 {
+                    let lg = rows_of(parent)?;
+                    gen.top.push(top_k(&log_softmax(lg), rec));
+                }
+                let finished =
+                    gen.tokens.len() >= st.req.max_tokens || st.req.stop == Some(token);
+                on_token(request, k, token);
+                children.push(Child {
+                    parent,
+                    token,
+                    finished,
+                });
+                if finished {
+                    st.done.push(gen);
+                } else {
+                    next.push(Live { gen, sampler });
+                }
+            }
+            st.live = next;
+            outputs.push(GroupOutput { request, children });
+        }
+        let st = self.sched.blocks().stats();
+        let finished = self.sched.commit(&step, &outputs)?;
+        for f in finished {
+            ended.push(self.finish(f.request));
+        }
+        let secs = t0.elapsed().as_secs_f64() - profile_secs;
+        let s = &mut self.stats;
+        s.steps += 1;
+        s.copies += step.plan.view.copies.len();
+        s.peak_batch = s.peak_batch.max(step.rows.len());
+        s.peak_blocks_used = s.peak_blocks_used.max(st.used);
+        s.peak_blocks_shared = s.peak_blocks_shared.max(st.shared);
+        if prompt_work {
+            s.prefill_tokens += step.tokens.len();
+            s.prefill_secs += secs;
+        } else {
+            s.decode_tokens += step.tokens.len();
+            s.decode_secs += secs;
+        }
+        Ok(ended)
+    }
+
+    fn finish(&mut self, request: RequestId) -> Completion {
+        let (mut sequences, beams) = match self.reqs.remove(&request) {
+            Some(s) => (s.done, matches!(s.req.decoding, Decoding::Beam { .. })),
+            None => (Vec::new(), false),
+        };
+        if beams {
+            sequences.sort_by(|a, b| b.score.total_cmp(&a.score));
+        } else {
+            sequences.sort_by_key(|g| g.branch);
+        }
+        Completion {
+            request,
+            sequences,
+            aborted: false,
+        }
+    }
+}
