@@ -316,7 +316,10 @@ fn generate(a: &GenerateArgs) -> Result<Checked, String> {
         }
     }
     if !(16..=65536).contains(&a.num_blocks) {
-        return Err(format!("--num-blocks {} is not in 16..=65536", a.num_blocks));
+        return Err(format!(
+            "--num-blocks {} is not in 16..=65536",
+            a.num_blocks
+        ));
     }
     let kv_dtype = pagedattn_cli::demo::parse_kv_dtype(&a.kv_dtype)?;
     let params = SamplingParams {

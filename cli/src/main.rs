@@ -22,6 +22,26 @@ const DEMO_MAX_STEPS: u64 = 1_000_000;
 type Res = Result<(), Box<dyn Error>>;
 
 fn run_bench(out: &mut dyn Write, cfg: &pagedattn_cli::bench::BenchConfig, json: bool) -> Res {
+    let model = if cfg.runs("model") {
+        let path = pagedattn_cli::model::generate::default_model_path();
+        let b = pagedattn_cli::model::bench::run(&path, cfg.quick)?;
+        if !json {
+            write!(out, "{}", pagedattn_cli::model::bench::render(&b))?;
+        }
+        Some(b)
+    } else {
+        None
+    };
+    if !cfg.runs_library() {
+        if json {
+            writeln!(
+                out,
+                "{}",
+                serde_json::to_string_pretty(&serde_json::json!({ "model": model }))?
+            )?;
+        }
+        return Ok(());
+    }
     let gpu = Gpu::new()?;
     let report = pagedattn_cli::bench::run(&gpu, cfg)?;
     #[cfg(feature = "cuda")]
@@ -31,6 +51,7 @@ fn run_bench(out: &mut dyn Write, cfg: &pagedattn_cli::bench::BenchConfig, json:
     if json {
         let mut v = serde_json::to_value(&report)?;
         v["cuda"] = serde_json::to_value(&cuda)?;
+        v["model"] = serde_json::to_value(&model)?;
         writeln!(out, "{}", serde_json::to_string_pretty(&v)?)?;
     } else {
         write!(out, "{}", pagedattn_cli::bench::render(&report))?;

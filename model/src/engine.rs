@@ -17,7 +17,9 @@ use pagedattn::gpu::{
     AttentionPlan, AttnOptions, DecodeTables, Gpu, Kernel, KvCache, KvCacheConfig, KvDtype,
     PagedAttention, PrefillTables, WritePlan,
 };
-use wgpu::{BindGroup, BindGroupLayout, Buffer, BufferUsages as U, ComputePipeline, PipelineLayout};
+use wgpu::{
+    BindGroup, BindGroupLayout, Buffer, BufferUsages as U, ComputePipeline, PipelineLayout,
+};
 
 use crate::ModelError;
 
@@ -101,7 +103,10 @@ impl HostMatrix {
             }
             data.extend_from_slice(&m.data);
             // A zero block is zero in every format (scale 0, minimum 0).
-            data.resize(data.len() + pad * (m.cols / 32) * m.fmt.gguf_block_bytes(), 0);
+            data.resize(
+                data.len() + pad * (m.cols / 32) * m.fmt.gguf_block_bytes(),
+                0,
+            );
             rows += m.rows + pad;
         }
         Ok(HostMatrix {
@@ -557,7 +562,8 @@ impl Model {
                     (&l.v, qkv_row - v_off - kw),
                 ],
             )?;
-            let gate_up = HostMatrix::stack(&format!("blk.{i} gate/up"), &[(&l.gate, 0), (&l.up, 0)])?;
+            let gate_up =
+                HostMatrix::stack(&format!("blk.{i} gate/up"), &[(&l.gate, 0), (&l.up, 0)])?;
             layers.push(LayerGpu {
                 attn_norm: upload(&gpu, "attn norm", &l.attn_norm),
                 qkv: mat("qkv", &qkv),
@@ -570,7 +576,11 @@ impl Model {
         let embed_mat = mat("embedding", &w.embed);
         let head_mat = w.output.as_ref().map(|m| mat("output", m));
         let out_norm = upload(&gpu, "output norm", &w.output_norm);
-        let rope = upload(&gpu, "rope table", &rope_table(s.context, s.head_dim, s.rope_base));
+        let rope = upload(
+            &gpu,
+            "rope table",
+            &rope_table(s.context, s.head_dim, s.rope_base),
+        );
 
         let (r, lr) = (cfg.max_rows, cfg.max_logit_rows);
         let ids = storage(dev, "ids", r * 4, U::empty());
@@ -613,7 +623,11 @@ impl Model {
             .collect();
         let g_embed = bind(dev, &layout4, &[&u.embed, &ids, &embed_mat.buf, &x]);
         let g_rope = bind(dev, &layout4, &[&u.rope, &pos, &rope, &qkv]);
-        let g_final = bind(dev, &layout5, &[&u.final_norm, &x, &out_norm, &logit_idx, &xl]);
+        let g_final = bind(
+            dev,
+            &layout5,
+            &[&u.final_norm, &x, &out_norm, &logit_idx, &xl],
+        );
         let head_buf = head_mat.as_ref().map(|m| &m.buf).unwrap_or(&embed_mat.buf);
         let g_head = bind(dev, &layout4, &[&u.head, &xl, head_buf, &logits]);
         let keep = [x, xn, h, xl, rope, out_norm]
@@ -670,7 +684,11 @@ impl Model {
         let s = w.shape;
         let bad = |m: String| Err(ModelError::Shape(m));
         if s.layers != w.layers.len() || s.layers == 0 {
-            return bad(format!("{} layers in the shape, {} loaded", s.layers, w.layers.len()));
+            return bad(format!(
+                "{} layers in the shape, {} loaded",
+                s.layers,
+                w.layers.len()
+            ));
         }
         if s.d_model % 32 != 0 || s.ffn % 32 != 0 || s.head_dim % 4 != 0 || s.head_dim == 0 {
             return bad(format!(
@@ -706,7 +724,10 @@ impl Model {
             want("output".into(), o, s.vocab, d)?;
         }
         if w.output_norm.len() != d {
-            return bad(format!("output_norm has {} values, expected {d}", w.output_norm.len()));
+            return bad(format!(
+                "output_norm has {} values, expected {d}",
+                w.output_norm.len()
+            ));
         }
         for (i, l) in w.layers.iter().enumerate() {
             want(format!("blk.{i}.attn_q"), &l.q, qw, d)?;
@@ -786,7 +807,10 @@ impl Model {
             return bad("a step with no rows".into());
         }
         if m > self.cfg.max_rows {
-            return bad(format!("{m} rows, over the engine's max_rows {}", self.cfg.max_rows));
+            return bad(format!(
+                "{m} rows, over the engine's max_rows {}",
+                self.cfg.max_rows
+            ));
         }
         if s.positions.len() != m || s.view.slot_mapping.len() != m {
             return bad(format!(
@@ -796,10 +820,20 @@ impl Model {
             ));
         }
         if let Some(t) = s.tokens.iter().find(|&&t| t as usize >= self.shape.vocab) {
-            return bad(format!("token {t} outside the vocabulary of {}", self.shape.vocab));
+            return bad(format!(
+                "token {t} outside the vocabulary of {}",
+                self.shape.vocab
+            ));
         }
-        if let Some(p) = s.positions.iter().find(|&&p| p as usize >= self.shape.context) {
-            return bad(format!("position {p} past the context of {}", self.shape.context));
+        if let Some(p) = s
+            .positions
+            .iter()
+            .find(|&&p| p as usize >= self.shape.context)
+        {
+            return bad(format!(
+                "position {p} past the context of {}",
+                self.shape.context
+            ));
         }
         let l = s.logit_rows.len();
         if l == 0 || l > self.cfg.max_logit_rows {
@@ -826,10 +860,12 @@ impl Model {
         let prefill = s.view.new_indptr.windows(2).any(|w| w[1] - w[0] != 1);
         if prefill {
             let t = PrefillTables::from_view(s.view);
-            self.attn.plan_prefill(gpu, &mut self.aplan, &t, &self.variants)?;
+            self.attn
+                .plan_prefill(gpu, &mut self.aplan, &t, &self.variants)?;
         } else {
             let t = DecodeTables::from_view(s.view);
-            self.attn.plan_decode(gpu, &mut self.aplan, &t, &self.variants)?;
+            self.attn
+                .plan_decode(gpu, &mut self.aplan, &t, &self.variants)?;
         }
         let q = &gpu.queue;
         q.write_buffer(&self.ids, 0, bytemuck::cast_slice(s.tokens));
@@ -846,7 +882,11 @@ impl Model {
         q.write_buffer(&u.embed, 0, words(&[m32, d, vocab, 0, 0, 0, 0, 0]));
         q.write_buffer(&u.norm, 0, words(&[m32, d, eps, 0, 0, 0, 0, 0]));
         q.write_buffer(&u.final_norm, 0, words(&[l32, d, eps, 1, 0, 0, 0, 0]));
-        q.write_buffer(&u.rope, 0, words(&[m32, rope_heads, half, row, ctx, 0, 0, 0]));
+        q.write_buffer(
+            &u.rope,
+            0,
+            words(&[m32, rope_heads, half, row, ctx, 0, 0, 0]),
+        );
         q.write_buffer(&u.qkv, 0, words(&[m32, d, row, 0, d, row, 0, 0]));
         q.write_buffer(&u.o, 0, words(&[m32, qw, d, 1, qw, d, 0, 0]));
         q.write_buffer(&u.gate_up, 0, words(&[m32, d, ffn, 2, d, ffn, 0, 0]));

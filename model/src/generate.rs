@@ -119,7 +119,10 @@ pub fn check(o: &GenerateOptions) -> Result<(), ModelError> {
         return bad(format!("--max-tokens {} outside 1..=1048576", o.max_tokens));
     }
     if o.samples == 0 || o.samples > o.max_seqs {
-        return bad(format!("--samples {} outside 1..={}", o.samples, o.max_seqs));
+        return bad(format!(
+            "--samples {} outside 1..={}",
+            o.samples, o.max_seqs
+        ));
     }
     if o.beams > o.max_seqs {
         return bad(format!("--beams {} outside 0..={}", o.beams, o.max_seqs));
@@ -289,7 +292,10 @@ pub fn render(o: &GenerateOptions, r: &Report) -> String {
                 continue;
             }
             let what = if o.beams > 0 {
-                let score = r.completions.iter().find(|c| c.request == r.completions[0].request);
+                let score = r
+                    .completions
+                    .iter()
+                    .find(|c| c.request == r.completions[0].request);
                 let _ = score;
                 format!("beam {j}")
             } else {

@@ -18,6 +18,7 @@
 //! The `pagedattn` library itself stays model-agnostic: this crate uses
 //! only its public API.
 
+pub mod bench;
 pub mod config;
 pub mod engine;
 mod error;

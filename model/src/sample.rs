@@ -48,9 +48,7 @@ impl SamplingParams {
         }
         let p = self.top_p;
         if !(p.is_finite() && p > 0.0 && p <= 1.0) {
-            return Err(ModelError::Request(format!(
-                "top-p {p} outside (0, 1]"
-            )));
+            return Err(ModelError::Request(format!("top-p {p} outside (0, 1]")));
         }
         if self.top_k > vocab {
             return Err(ModelError::Request(format!(
@@ -225,8 +223,13 @@ mod tests {
         let zeros = (0..n).filter(|_| s.sample(&logits) == 0).count();
         let frac = zeros as f64 / n as f64;
         assert!((frac - 0.75).abs() < 0.02, "{frac}");
-        let a: Vec<u32> = (0..50).map(|_| Sampler::new(p, 3).sample(&logits)).collect();
-        assert!(a.iter().all(|&t| t == a[0]), "same seed and branch, same draw");
+        let a: Vec<u32> = (0..50)
+            .map(|_| Sampler::new(p, 3).sample(&logits))
+            .collect();
+        assert!(
+            a.iter().all(|&t| t == a[0]),
+            "same seed and branch, same draw"
+        );
         // top_p 0.5 keeps only the likelier token; top_k 1 likewise.
         let mut s = Sampler::new(SamplingParams { top_p: 0.5, ..p }, 1);
         assert!((0..200).all(|_| s.sample(&logits) == 0));
@@ -239,9 +242,18 @@ mod tests {
         let ok = SamplingParams::default();
         assert!(ok.validate(10).is_ok());
         for bad in [
-            SamplingParams { temperature: -0.1, ..ok },
-            SamplingParams { temperature: f32::NAN, ..ok },
-            SamplingParams { temperature: 1e9, ..ok },
+            SamplingParams {
+                temperature: -0.1,
+                ..ok
+            },
+            SamplingParams {
+                temperature: f32::NAN,
+                ..ok
+            },
+            SamplingParams {
+                temperature: 1e9,
+                ..ok
+            },
             SamplingParams { top_p: 0.0, ..ok },
             SamplingParams { top_p: 1.5, ..ok },
             SamplingParams { top_k: 11, ..ok },

@@ -244,7 +244,10 @@ impl Server {
             return bad("max_tokens 0: nothing to generate".into());
         }
         if let Some(t) = req.prompt.iter().find(|&&t| t as usize >= shape.vocab) {
-            return bad(format!("prompt token {t} outside the vocabulary of {}", shape.vocab));
+            return bad(format!(
+                "prompt token {t} outside the vocabulary of {}",
+                shape.vocab
+            ));
         }
         if p + n > shape.context {
             return bad(format!(
@@ -258,7 +261,10 @@ impl Server {
             Decoding::Sample { params, n } => {
                 params.validate(shape.vocab)?;
                 if n == 0 || n > self.cfg.max_seqs {
-                    return bad(format!("{n} samples outside 1..={} (max_seqs)", self.cfg.max_seqs));
+                    return bad(format!(
+                        "{n} samples outside 1..={} (max_seqs)",
+                        self.cfg.max_seqs
+                    ));
                 }
             }
             Decoding::Beam { width } => {
@@ -406,10 +412,9 @@ impl Server {
                 .get_mut(&request)
                 .ok_or(ModelError::Request(format!("unknown request {request}")))?;
             let rows_of = |i: usize| -> Result<&[f32], ModelError> {
-                row_of
-                    .get(&(request, i))
-                    .map(|&r| row(r))
-                    .ok_or_else(|| ModelError::Step(format!("no logits for {request} sequence {i}")))
+                row_of.get(&(request, i)).map(|&r| row(r)).ok_or_else(|| {
+                    ModelError::Step(format!("no logits for {request} sequence {i}"))
+                })
             };
             let width = st.req.width();
             let rec = st.req.record_top;
@@ -472,8 +477,7 @@ impl Server {
                     let lg = rows_of(parent)?;
                     gen.top.push(top_k(&log_softmax(lg), rec));
                 }
-                let finished =
-                    gen.tokens.len() >= st.req.max_tokens || st.req.stop == Some(token);
+                let finished = gen.tokens.len() >= st.req.max_tokens || st.req.stop == Some(token);
                 on_token(request, k, token);
                 children.push(Child {
                     parent,

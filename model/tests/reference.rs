@@ -64,7 +64,10 @@ fn greedy_matches_the_reference_token_for_token_with_its_logprobs() {
         for (step, (want, got)) in g.top5.iter().zip(ours).enumerate() {
             for &(id, lp) in want {
                 let mine = got.iter().find(|x| x.0 == id).unwrap_or_else(|| {
-                    panic!("{:?} step {step}: reference top-5 token {id} not in our top-10", g.user)
+                    panic!(
+                        "{:?} step {step}: reference top-5 token {id} not in our top-10",
+                        g.user
+                    )
                 });
                 let d = (mine.1 - lp).abs();
                 assert!(d.is_finite());
@@ -107,7 +110,10 @@ fn beam_search_finds_the_reference_beams() {
                 w.score
             );
         }
-        assert!(stats.copies > 0, "beams that fork copy their shared last block");
+        assert!(
+            stats.copies > 0,
+            "beams that fork copy their shared last block"
+        );
         eprintln!(
             "beam {:?}: {} beams identical, scores {:?}; peak {} blocks, {} shared",
             b.user,
@@ -121,7 +127,9 @@ fn beam_search_finds_the_reference_beams() {
 
 #[test]
 fn parallel_samples_match_the_reference_and_share_the_prompt_blocks() {
-    let Some(mut slot) = model("samples") else { return };
+    let Some(mut slot) = model("samples") else {
+        return;
+    };
     for s in &fixture().sample {
         let params = SamplingParams {
             temperature: s.temperature,
@@ -170,13 +178,18 @@ fn parallel_samples_match_the_reference_and_share_the_prompt_blocks() {
         for (b, (g, w)) in got.iter().zip(&s.branches).enumerate() {
             assert_eq!(&g.tokens, w, "{:?} branch {b}", s.user);
         }
-        eprintln!("samples {:?}: {} branches identical; prompt's {full} full blocks held once", s.user, s.n);
+        eprintln!(
+            "samples {:?}: {} branches identical; prompt's {full} full blocks held once",
+            s.user, s.n
+        );
     }
 }
 
 #[test]
 fn chunked_and_mixed_prefill_give_the_one_shot_tokens() {
-    let Some(mut m) = model("chunked") else { return };
+    let Some(mut m) = model("chunked") else {
+        return;
+    };
     let f = fixture();
     let n = 12;
     for chunk in [16, 64] {
@@ -236,7 +249,11 @@ fn a_prefix_cache_hit_gives_identical_tokens() {
     *m = Some(server.into_model());
     assert_eq!(hits0, 0);
     let full = (g.prompt_ids.len() / 16 * 16) as u64;
-    assert!(hits2 - hits1 >= full, "the repeat hit its {full} cached prompt tokens ({})", hits2 - hits1);
+    assert!(
+        hits2 - hits1 >= full,
+        "the repeat hit its {full} cached prompt tokens ({})",
+        hits2 - hits1
+    );
     let shared_system = g
         .prompt_ids
         .iter()
@@ -256,7 +273,9 @@ fn a_prefix_cache_hit_gives_identical_tokens() {
 
 #[test]
 fn preemption_by_recompute_and_by_swap_keeps_the_tokens() {
-    let Some(mut m) = model("preempt") else { return };
+    let Some(mut m) = model("preempt") else {
+        return;
+    };
     let f = fixture();
     let n = 40;
     // Each sequence needs about 4 blocks at its end; 8 of them need 32+.
@@ -270,18 +289,26 @@ fn preemption_by_recompute_and_by_swap_keeps_the_tokens() {
         };
         let reqs = f.greedy.iter().map(|g| greedy_request(g, n, 0)).collect();
         let (done, stats, _) = serve(&mut m, c, reqs);
-        assert!(stats.preempted > 0, "{preemption:?}: the pool was too small");
+        assert!(
+            stats.preempted > 0,
+            "{preemption:?}: the pool was too small"
+        );
         if swap > 0 {
             assert!(stats.swapped_out_blocks > 0, "swap preemption swapped");
         }
         assert_greedy(&done, n, &format!("{preemption:?}"));
-        eprintln!("{preemption:?}: {} preemptions, identical tokens", stats.preempted);
+        eprintln!(
+            "{preemption:?}: {} preemptions, identical tokens",
+            stats.preempted
+        );
     }
 }
 
 #[test]
 fn every_decode_kernel_gives_the_same_greedy_tokens() {
-    let Some(mut m) = model("kernels") else { return };
+    let Some(mut m) = model("kernels") else {
+        return;
+    };
     let f = fixture();
     let n = 10;
     let kernels = {
@@ -307,7 +334,9 @@ fn every_decode_kernel_gives_the_same_greedy_tokens() {
 
 #[test]
 fn narrower_kv_pools_stay_close_to_f32() {
-    let Some(mut m) = model("kv dtypes") else { return };
+    let Some(mut m) = model("kv dtypes") else {
+        return;
+    };
     let f = fixture();
     let n = 32;
     // Agreement of the greedy tokens with f32's (the first divergence ends

@@ -36,7 +36,7 @@ pub struct BenchConfig {
 
 /// The bench's sections, as `--only` names them.
 pub const SECTIONS: &[&str] = &[
-    "decode", "dtypes", "cascade", "split", "host", "copy", "swap",
+    "decode", "dtypes", "cascade", "split", "host", "copy", "swap", "model",
 ];
 
 impl BenchConfig {
@@ -59,7 +59,13 @@ impl BenchConfig {
 
     /// Whether `section` runs.
     pub fn runs(&self, section: &str) -> bool {
-        self.only.is_empty() || self.only.iter().any(|o| o == section)
+        // The real model needs its file: only when named.
+        (self.only.is_empty() && section != "model") || self.only.iter().any(|o| o == section)
+    }
+
+    /// Whether any of the library's own sections (all but "model") runs.
+    pub fn runs_library(&self) -> bool {
+        SECTIONS.iter().any(|s| *s != "model" && self.runs(s))
     }
 }
 
@@ -727,7 +733,12 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, GpuError> {
     let mut tuner = Vec::new();
     for section in SECTIONS {
         if !cfg.runs(section) {
-            skipped.push(format!("{section}: not selected (--only)"));
+            skipped.push(match *section {
+                "model" => {
+                    "model: not selected (--only model; needs scripts/fetch-model.sh)".into()
+                }
+                _ => format!("{section}: not selected (--only)"),
+            });
         }
     }
     let dtypes = if cfg.runs("decode") { dtypes } else { &[] };

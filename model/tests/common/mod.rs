@@ -95,7 +95,9 @@ pub fn model(test: &str) -> Option<MutexGuard<'static, Option<Model>>> {
             max_logit_rows: MAX_SEQS,
             ..EngineConfig::default()
         };
-        Mutex::new(Some(Model::new(&device, &queue, &l.weights, cfg).expect("model")))
+        Mutex::new(Some(
+            Model::new(&device, &queue, &l.weights, cfg).expect("model"),
+        ))
     });
     Some(m.lock().unwrap_or_else(|p| p.into_inner()))
 }
@@ -120,11 +122,7 @@ pub fn serve(
     let stats = server.stats;
     *slot = Some(server.into_model());
     let mut done = result.expect("serving");
-    assert_eq!(
-        st.free + st.evictable,
-        st.total,
-        "blocks leaked: {st:?}"
-    );
+    assert_eq!(st.free + st.evictable, st.total, "blocks leaked: {st:?}");
     done.sort_by_key(|c| ids.iter().position(|i| *i == c.request));
     (done, stats, hits)
 }

@@ -1,0 +1,198 @@
+//! `pagedattn bench --only model`: the real model's speed and memory on
+//! the default adapter. Figures, not assertions: this runs where the
+//! machine is what it is.
+
+use std::time::Instant;
+
+use pagedattn::gpu::KvDtype;
+use serde::Serialize;
+
+use crate::engine::{EngineConfig, Model};
+use crate::generate::open_device;
+use crate::load::load;
+use crate::sample::SamplingParams;
+use crate::serve::{Decoding, Request, Server, ServerConfig};
+use crate::ModelError;
+
+/// Decode at one batch size.
+#[derive(Clone, Debug, Serialize)]
+pub struct DecodeRow {
+    pub batch: usize,
+    pub tokens_per_s: f64,
+    pub ms_per_step: f64,
+    /// Share of a step spent in the attention kernels.
+    pub attention_share: f64,
+}
+
+/// Memory of one request that shares its prompt.
+#[derive(Clone, Debug, Serialize)]
+pub struct SharingRow {
+    pub what: String,
+    /// Peak pool blocks with sharing.
+    pub blocks_shared: usize,
+    /// The same sequences, each holding its own blocks.
+    pub blocks_unshared: usize,
+    pub saved: f64,
+}
+
+/// The model section of the bench.
+#[derive(Clone, Debug, Serialize)]
+pub struct ModelBench {
+    pub adapter: String,
+    pub prompt_tokens: usize,
+    pub prefill_tokens_per_s: f64,
+    pub decode: Vec<DecodeRow>,
+    pub sharing: Vec<SharingRow>,
+}
+
+fn prompt(tok: &crate::tokenizer::Tokenizer, i: usize) -> Vec<u32> {
+    let text = tok.chat_prompt(
+        &format!("Write a long story about a lighthouse keeper number {i} who finds a map."),
+        None,
+    );
+    tok.encode(&text, true)
+}
+
+/// Runs the section; `quick` measures fewer steps.
+pub fn run(model_path: &std::path::Path, quick: bool) -> Result<ModelBench, ModelError> {
+    let l = load(model_path)?;
+    let (device, queue, adapter) = open_device()?;
+    let cfg = EngineConfig {
+        num_blocks: 512,
+        kv_dtype: KvDtype::F16,
+        max_rows: 256,
+        max_logit_rows: 32,
+        ..EngineConfig::default()
+    };
+    let mut model = Some(Model::new(&device, &queue, &l.weights, cfg)?);
+    let scfg = ServerConfig {
+        max_seqs: 32,
+        max_batch_tokens: 256,
+        ..ServerConfig::default()
+    };
+    let steps = if quick { 4 } else { 16 };
+
+    // Prefill: one prompt, timed alone (after a warm-up request that
+    // compiles every pipeline).
+    let mut server = Server::new(model.take().expect("model"), scfg)?;
+    server.add(Request::greedy(prompt(&l.tokenizer, 99), 2))?;
+    server.run(&mut |_, _, _| {})?;
+    let p = prompt(&l.tokenizer, 0);
+    let prompt_tokens = p.len();
+    server.add(Request::greedy(p, 1))?;
+    let t = Instant::now();
+    server.run(&mut |_, _, _| {})?;
+    let prefill_tokens_per_s = prompt_tokens as f64 / t.elapsed().as_secs_f64();
+    model = Some(server.into_model());
+
+    let mut decode = Vec::new();
+    for batch in [1usize, 8, 32] {
+        let mut server = Server::new(model.take().expect("model"), scfg)?;
+        server.profile = Some(batch);
+        for i in 0..batch {
+            server.add(Request::greedy(prompt(&l.tokenizer, i + 1), steps + 1))?;
+        }
+        server.run(&mut |_, _, _| {})?;
+        let st = server.stats;
+        decode.push(DecodeRow {
+            batch,
+            tokens_per_s: st.decode_tokens as f64 / st.decode_secs.max(1e-9),
+            ms_per_step: st.decode_secs * 1e3 / (st.decode_tokens as f64 / batch as f64).max(1.0),
+            attention_share: st.attention_share.unwrap_or(f64::NAN),
+        });
+        model = Some(server.into_model());
+    }
+
+    // Sharing: 4 beams and 4 samples of one prompt, pool blocks at their
+    // peak against every sequence holding its own blocks.
+    let mut sharing = Vec::new();
+    let sample = SamplingParams {
+        temperature: 0.8,
+        top_k: 40,
+        top_p: 0.95,
+        seed: 1,
+    };
+    let gen = if quick { 32 } else { 96 };
+    for (what, decoding) in [
+        ("beam search, width 4", Decoding::Beam { width: 4 }),
+        (
+            "parallel sampling, n = 4",
+            Decoding::Sample {
+                params: sample,
+                n: 4,
+            },
+        ),
+    ] {
+        let mut server = Server::new(
+            model.take().expect("model"),
+            ServerConfig {
+                prefix_caching: false,
+                ..scfg
+            },
+        )?;
+        let id = server.add(Request {
+            decoding,
+            ..Request::greedy(prompt(&l.tokenizer, 7), gen)
+        })?;
+        let bs = server.sched.blocks().block_size() as usize;
+        let (mut peak_shared, mut peak_unshared) = (0usize, 0usize);
+        while server.has_work() {
+            server.step(&mut |_, _, _| {})?;
+            let Ok(seqs) = server.sched.sequences(id) else {
+                continue;
+            };
+            let own: usize = seqs
+                .iter()
+                .filter_map(|&s| server.sched.blocks().seq_len(s).ok())
+                .map(|n| n.div_ceil(bs))
+                .sum();
+            let used = server.sched.blocks().stats().used;
+            if own > peak_unshared {
+                peak_unshared = own;
+            }
+            peak_shared = peak_shared.max(used);
+        }
+        sharing.push(SharingRow {
+            what: what.into(),
+            blocks_shared: peak_shared,
+            blocks_unshared: peak_unshared,
+            saved: 1.0 - peak_shared as f64 / peak_unshared.max(1) as f64,
+        });
+        model = Some(server.into_model());
+    }
+    Ok(ModelBench {
+        adapter,
+        prompt_tokens,
+        prefill_tokens_per_s,
+        decode,
+        sharing,
+    })
+}
+
+/// The section as text.
+pub fn render(b: &ModelBench) -> String {
+    let mut s = format!(
+        "\nmodel: SmolLM2-135M-Instruct (Q4_1 weights, f16 KV) on {}\n prefill ({} tokens): {:.1} tokens/s\n batch  tokens/s  ms/step  attention share\n",
+        b.adapter, b.prompt_tokens, b.prefill_tokens_per_s
+    );
+    for d in &b.decode {
+        s += &format!(
+            " {:>5}  {:>8.1}  {:>7.1}  {:>14.1} %\n",
+            d.batch,
+            d.tokens_per_s,
+            d.ms_per_step,
+            d.attention_share * 100.0
+        );
+    }
+    s += " sharing                    blocks (shared)  blocks (each its own)  saved\n";
+    for r in &b.sharing {
+        s += &format!(
+            " {:<26} {:>15}  {:>21}  {:>4.1} %\n",
+            r.what,
+            r.blocks_shared,
+            r.blocks_unshared,
+            r.saved * 100.0
+        );
+    }
+    s
+}
