@@ -1007,6 +1007,19 @@ impl Model {
         Ok(out)
     }
 
+    /// Fills every activation buffer and the logits with NaN (tests: a
+    /// value a kernel failed to write shows).
+    pub fn poison(&self) {
+        let q = &self.gpu.queue;
+        for b in [&self.qkv, &self.attn_out, &self.logits]
+            .into_iter()
+            .chain(self._keep.iter().take(4))
+        {
+            let words = vec![f32::NAN.to_bits(); (b.size() / 4) as usize];
+            q.write_buffer(b, 0, bytemuck::cast_slice(&words));
+        }
+    }
+
     /// The embedding table's format (for reports).
     pub fn embed_format(&self) -> WeightFormat {
         self.embed_mat.fmt

@@ -346,7 +346,7 @@ fn narrower_kv_pools_stay_close_to_f32() {
     for (dtype, min_agree, max_drift) in [
         (KvDtype::F16, 0.9, 0.05),
         (KvDtype::Int8, 0.5, 0.5),
-        (KvDtype::Fp8, 0.3, 1.0),
+        (KvDtype::Fp8E4M3, 0.3, 1.0),
     ] {
         m.as_mut()
             .expect("model")
