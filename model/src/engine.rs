@@ -250,7 +250,7 @@ pub struct StepInput<'a> {
     pub logit_rows: &'a [u32],
 }
 
-const MATMUL_TILES: [u32; 5] = [1, 2, 4, 8, 16];
+const MATMUL_TILES: [u32; 4] = [1, 4, 8, 16];
 const WG: usize = 64;
 
 struct Mat {
@@ -416,7 +416,7 @@ pub fn shader_source(kernel: &str, fmt: WeightFormat, rt: u32) -> Result<String,
         other => return Err(ModelError::Shape(format!("no kernel named {other}"))),
     };
     Ok(format!(
-        "// prelude (generated)\nconst FMT: u32 = {}u;\nconst BLOCK_WORDS: u32 = {}u;\nconst RT: u32 = {rt}u;\n\n{}\n{body}",
+        "// prelude (generated)\nconst FMT: u32 = {}u;\nconst BLOCK_WORDS: u32 = {}u;\nconst R: u32 = {rt}u;\n\n{}\n{body}",
         fmt.shader_id(),
         fmt.gpu_block_words(),
         include_str!("../shaders/quant.wgsl"),

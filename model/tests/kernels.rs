@@ -35,7 +35,13 @@ fn f16_bytes(x: f32) -> [u8; 2] {
 }
 
 /// A random matrix in `fmt` whose values are about `scale` in size.
-fn random(rng: &mut SplitMix64, fmt: WeightFormat, rows: usize, cols: usize, scale: f32) -> HostMatrix {
+fn random(
+    rng: &mut SplitMix64,
+    fmt: WeightFormat,
+    rows: usize,
+    cols: usize,
+    scale: f32,
+) -> HostMatrix {
     let mut data = Vec::new();
     for _ in 0..rows * cols / 32 {
         match fmt {
@@ -105,7 +111,13 @@ fn model_weights(seed: u64, embed_fmt: WeightFormat, tied: bool) -> HostWeights 
 
 fn matvec(m: &HostMatrix, x: &[f64]) -> Vec<f64> {
     (0..m.rows)
-        .map(|r| m.row_f32(r).iter().zip(x).map(|(&w, &v)| w as f64 * v).sum())
+        .map(|r| {
+            m.row_f32(r)
+                .iter()
+                .zip(x)
+                .map(|(&w, &v)| w as f64 * v)
+                .sum()
+        })
         .collect()
 }
 
@@ -136,7 +148,12 @@ fn host_logits(w: &HostWeights, tokens: &[u32]) -> Vec<Vec<f64>> {
     let mut vs: Vec<Vec<Vec<f64>>> = vec![Vec::new(); s.layers];
     let mut out = Vec::new();
     for (pos, &t) in tokens.iter().enumerate() {
-        let mut x: Vec<f64> = w.embed.row_f32(t as usize).iter().map(|&v| v as f64).collect();
+        let mut x: Vec<f64> = w
+            .embed
+            .row_f32(t as usize)
+            .iter()
+            .map(|&v| v as f64)
+            .collect();
         for (l, lw) in w.layers.iter().enumerate() {
             let xn = rmsnorm(&x, &lw.attn_norm, s.rms_eps);
             let mut q = matvec(&lw.q, &xn);
@@ -171,7 +188,11 @@ fn host_logits(w: &HostWeights, tokens: &[u32]) -> Vec<Vec<f64>> {
             let xn = rmsnorm(&x, &lw.ffn_norm, s.rms_eps);
             let gt = matvec(&lw.gate, &xn);
             let up = matvec(&lw.up, &xn);
-            let hdn: Vec<f64> = gt.iter().zip(&up).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect();
+            let hdn: Vec<f64> = gt
+                .iter()
+                .zip(&up)
+                .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+                .collect();
             for (xi, di) in x.iter_mut().zip(matvec(&lw.down, &hdn)) {
                 *xi += di;
             }
@@ -197,7 +218,9 @@ fn rel_l2(got: &[f32], want: &[f64]) -> f64 {
 /// Two sequences through a prefill step (every row's logits, some tiles
 /// partly filled) and three decode steps, against the host model.
 fn check(embed_fmt: WeightFormat, tied: bool, seed: u64) {
-    let Some((device, queue, adapter)) = device() else { return };
+    let Some((device, queue, adapter)) = device() else {
+        return;
+    };
     let w = model_weights(seed, embed_fmt, tied);
     let cfg = EngineConfig {
         num_blocks: 16,
@@ -210,10 +233,17 @@ fn check(embed_fmt: WeightFormat, tied: bool, seed: u64) {
     // Lengths 13 and 19: prefill tiles of 16 rows, one full and one partial.
     let mut toks: Vec<Vec<u32>> = [13usize, 19]
         .iter()
-        .map(|&n| (0..n).map(|_| rng.below(w.shape.vocab as u64) as u32).collect())
+        .map(|&n| {
+            (0..n)
+                .map(|_| rng.below(w.shape.vocab as u64) as u32)
+                .collect()
+        })
         .collect();
     let mut bm = BlockManager::new(BlockManagerConfig::new(16, 16)).expect("manager");
-    let ids: Vec<_> = toks.iter().map(|t| bm.add_sequence(t).expect("seq")).collect();
+    let ids: Vec<_> = toks
+        .iter()
+        .map(|t| bm.add_sequence(t).expect("seq"))
+        .collect();
     let mut worst: f64 = 0.0;
     for step in 0..4 {
         let view = bm.batch_view(&ids).expect("view");
@@ -275,7 +305,9 @@ fn q4_embedding_tied_head_matches_the_f64_model() {
 
 #[test]
 fn bad_steps_and_shapes_are_refused() {
-    let Some((device, queue, _)) = device() else { return };
+    let Some((device, queue, _)) = device() else {
+        return;
+    };
     let mut w = model_weights(4, WeightFormat::Q8_0, true);
     let cfg = EngineConfig {
         num_blocks: 16,
@@ -294,12 +326,48 @@ fn bad_steps_and_shapes_are_refused() {
         logit_rows: &[2],
     };
     for (bad, what) in [
-        (StepInput { tokens: &[1, 2, 500], ..ok }, "vocabulary"),
-        (StepInput { positions: &[0, 1, 64], ..ok }, "context"),
-        (StepInput { positions: &[0, 1], ..ok }, "match"),
-        (StepInput { logit_rows: &[3], ..ok }, "outside"),
-        (StepInput { logit_rows: &[0, 1, 2, 2, 2], ..ok }, "logit rows"),
-        (StepInput { logit_rows: &[], ..ok }, "logit rows"),
+        (
+            StepInput {
+                tokens: &[1, 2, 500],
+                ..ok
+            },
+            "vocabulary",
+        ),
+        (
+            StepInput {
+                positions: &[0, 1, 64],
+                ..ok
+            },
+            "context",
+        ),
+        (
+            StepInput {
+                positions: &[0, 1],
+                ..ok
+            },
+            "match",
+        ),
+        (
+            StepInput {
+                logit_rows: &[3],
+                ..ok
+            },
+            "outside",
+        ),
+        (
+            StepInput {
+                logit_rows: &[0, 1, 2, 2, 2],
+                ..ok
+            },
+            "logit rows",
+        ),
+        (
+            StepInput {
+                logit_rows: &[],
+                ..ok
+            },
+            "logit rows",
+        ),
     ] {
         let e = model.forward(&bad).expect_err(what).to_string();
         assert!(e.contains(what), "{what}: {e}");
@@ -307,6 +375,9 @@ fn bad_steps_and_shapes_are_refused() {
     assert!(model.forward(&ok).is_ok());
     // A weight of the wrong shape is refused before anything is made.
     w.layers[1].k.rows -= 1;
-    let e = Model::new(&device, &queue, &w, cfg).err().expect("refused").to_string();
+    let e = Model::new(&device, &queue, &w, cfg)
+        .err()
+        .expect("refused")
+        .to_string();
     assert!(e.contains("blk.1.attn_k"), "{e}");
 }
