@@ -35,13 +35,20 @@ const WG: u32 = 64u;
 // The tile's R rows of the current block: R x 8 vec4s (rows past m are 0).
 var<workgroup> tile: array<vec4<f32>, R * 8u>;
 
-fn dots4(wv: vec4<f32>, r0: u32, j: u32) -> vec4<f32> {
-    return vec4<f32>(
-        dot(wv, tile[r0 * 8u + j]),
-        dot(wv, tile[(r0 + 1u) * 8u + j]),
-        dot(wv, tile[(r0 + 2u) * 8u + j]),
-        dot(wv, tile[(r0 + 3u) * 8u + j]),
-    );
+// The tile's rows r0..r0+3 at vec4 column j.
+struct T4 {
+    a: vec4<f32>,
+    b: vec4<f32>,
+    c: vec4<f32>,
+    d: vec4<f32>,
+}
+
+fn rows4(r0: u32, j: u32) -> T4 {
+    return T4(tile[r0 * 8u + j], tile[(r0 + 1u) * 8u + j], tile[(r0 + 2u) * 8u + j], tile[(r0 + 3u) * 8u + j]);
+}
+
+fn dots(wv: vec4<f32>, t: T4) -> vec4<f32> {
+    return vec4<f32>(dot(wv, t.a), dot(wv, t.b), dot(wv, t.c), dot(wv, t.d));
 }
 
 struct Acc {
@@ -51,50 +58,59 @@ struct Acc {
     d: vec4<f32>, // rows 12-15 (R == 16)
 }
 
-fn accumulate(acc: ptr<function, Acc>, wv: vec4<f32>, j: u32) {
+// Two weight vec4s (of two rows) against the tile: each tile load serves both.
+fn accumulate(acc: ptr<function, Acc>, acc2: ptr<function, Acc>, wv: vec4<f32>, wv2: vec4<f32>, j: u32) {
     if R == 1u {
-        (*acc).a.x += dot(wv, tile[j]);
+        let t = tile[j];
+        (*acc).a.x += dot(wv, t);
+        (*acc2).a.x += dot(wv2, t);
     } else {
-        (*acc).a += dots4(wv, 0u, j);
+        let t = rows4(0u, j);
+        (*acc).a += dots(wv, t);
+        (*acc2).a += dots(wv2, t);
         if R >= 8u {
-            (*acc).b += dots4(wv, 4u, j);
+            let t = rows4(4u, j);
+            (*acc).b += dots(wv, t);
+            (*acc2).b += dots(wv2, t);
         }
         if R == 16u {
-            (*acc).c += dots4(wv, 8u, j);
-            (*acc).d += dots4(wv, 12u, j);
+            let t = rows4(8u, j);
+            (*acc).c += dots(wv, t);
+            (*acc2).c += dots(wv2, t);
+            let u = rows4(12u, j);
+            (*acc).d += dots(wv, u);
+            (*acc2).d += dots(wv2, u);
         }
     }
 }
 
-// Weight row c's block kb against the tile.
-fn block(acc: ptr<function, Acc>, c: u32, kb: u32, nb: u32) {
+// Vec4 q (0..8) of block kb of weight row c.
+fn wvec(c: u32, kb: u32, nb: u32, q: u32) -> vec4<f32> {
     let base = (c * nb + kb) * BLOCK_WORDS;
     if FMT == FMT_Q4_1 {
         let dm = unpack2x16float(w[base]);
-        let w0 = w[base + 1u];
-        let w1 = w[base + 2u];
-        let w2 = w[base + 3u];
-        let w3 = w[base + 4u];
-        accumulate(acc, nibbles_lo(w0) * dm.x + dm.y, 0u);
-        accumulate(acc, nibbles_lo(w1) * dm.x + dm.y, 1u);
-        accumulate(acc, nibbles_lo(w2) * dm.x + dm.y, 2u);
-        accumulate(acc, nibbles_lo(w3) * dm.x + dm.y, 3u);
-        accumulate(acc, nibbles_hi(w0) * dm.x + dm.y, 4u);
-        accumulate(acc, nibbles_hi(w1) * dm.x + dm.y, 5u);
-        accumulate(acc, nibbles_hi(w2) * dm.x + dm.y, 6u);
-        accumulate(acc, nibbles_hi(w3) * dm.x + dm.y, 7u);
+        let word = w[base + 1u + q % 4u];
+        if q < 4u {
+            return nibbles_lo(word) * dm.x + dm.y;
+        }
+        return nibbles_hi(word) * dm.x + dm.y;
     } else if FMT == FMT_Q8_0 {
-        let d = bitcast<f32>(w[base]);
-        for (var q = 0u; q < 8u; q++) {
-            accumulate(acc, bytes_signed(w[base + 1u + q]) * d, q);
-        }
-    } else {
-        for (var q = 0u; q < 8u; q++) {
-            let o = base + 4u * q;
-            let wv = bitcast<vec4<f32>>(vec4<u32>(w[o], w[o + 1u], w[o + 2u], w[o + 3u]));
-            accumulate(acc, wv, q);
-        }
+        return bytes_signed(w[base + 1u + q]) * bitcast<f32>(w[base]);
     }
+    let o = base + 4u * q;
+    return bitcast<vec4<f32>>(vec4<u32>(w[o], w[o + 1u], w[o + 2u], w[o + 3u]));
+}
+
+// Block kb of weight rows c and c2 against the tile.
+fn block(acc: ptr<function, Acc>, acc2: ptr<function, Acc>, c: u32, c2: u32, kb: u32, nb: u32) {
+    accumulate(acc, acc2, wvec(c, kb, nb, 0u), wvec(c2, kb, nb, 0u), 0u);
+    accumulate(acc, acc2, wvec(c, kb, nb, 1u), wvec(c2, kb, nb, 1u), 1u);
+    accumulate(acc, acc2, wvec(c, kb, nb, 2u), wvec(c2, kb, nb, 2u), 2u);
+    accumulate(acc, acc2, wvec(c, kb, nb, 3u), wvec(c2, kb, nb, 3u), 3u);
+    accumulate(acc, acc2, wvec(c, kb, nb, 4u), wvec(c2, kb, nb, 4u), 4u);
+    accumulate(acc, acc2, wvec(c, kb, nb, 5u), wvec(c2, kb, nb, 5u), 5u);
+    accumulate(acc, acc2, wvec(c, kb, nb, 6u), wvec(c2, kb, nb, 6u), 6u);
+    accumulate(acc, acc2, wvec(c, kb, nb, 7u), wvec(c2, kb, nb, 7u), 7u);
 }
 
 fn store(row: u32, c: u32, g: f32, u: f32) {
@@ -123,14 +139,22 @@ fn store4(r0: u32, c: u32, g: vec4<f32>, u: vec4<f32>, n: u32) {
 
 @compute @workgroup_size(64)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
-    let c = wid.x * WG + lid.x;
+    let gated = p.mode == 2u;
+    // Gated: columns c of the gate and of the up rows; else columns c and
+    // c + 64 of a workgroup's 128.
+    var c = wid.x * WG + lid.x;
+    var c2 = c + p.n_out;
+    if !gated {
+        c = wid.x * 2u * WG + lid.x;
+        c2 = c + WG;
+    }
     let live = c < p.n_out;
+    let live2 = gated || c2 < p.n_out;
     let t0 = wid.y * R;
     let nb = p.k / 32u;
-    let gated = p.mode == 2u;
     let z = vec4<f32>(0.0);
     var acc = Acc(z, z, z, z);
-    var up = Acc(z, z, z, z);
+    var acc2 = Acc(z, z, z, z);
     for (var kb = 0u; kb < nb; kb++) {
         for (var i = lid.x; i < R * 8u; i += WG) {
             let r = t0 + i / 8u;
@@ -142,22 +166,44 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid
         }
         workgroupBarrier();
         if live {
-            block(&acc, c, kb, nb);
-            if gated {
-                block(&up, c + p.n_out, kb, nb);
-            }
+            // A second column past the matrix reads the first's row again.
+            block(&acc, &acc2, c, select(c, c2, live2), kb, nb);
         }
         workgroupBarrier();
     }
     if !live {
         return;
     }
-    store4(t0, c, acc.a, up.a, select(4u, 1u, R == 1u));
+    let n = select(4u, 1u, R == 1u);
+    if gated {
+        store4(t0, c, acc.a, acc2.a, n);
+    } else {
+        store4(t0, c, acc.a, z, n);
+        if live2 {
+            store4(t0, c2, acc2.a, z, n);
+        }
+    }
     if R >= 8u {
-        store4(t0 + 4u, c, acc.b, up.b, 4u);
+        if gated {
+            store4(t0 + 4u, c, acc.b, acc2.b, 4u);
+        } else {
+            store4(t0 + 4u, c, acc.b, z, 4u);
+            if live2 {
+                store4(t0 + 4u, c2, acc2.b, z, 4u);
+            }
+        }
     }
     if R == 16u {
-        store4(t0 + 8u, c, acc.c, up.c, 4u);
-        store4(t0 + 12u, c, acc.d, up.d, 4u);
+        if gated {
+            store4(t0 + 8u, c, acc.c, acc2.c, 4u);
+            store4(t0 + 12u, c, acc.d, acc2.d, 4u);
+        } else {
+            store4(t0 + 8u, c, acc.c, z, 4u);
+            store4(t0 + 12u, c, acc.d, z, 4u);
+            if live2 {
+                store4(t0 + 8u, c2, acc2.c, z, 4u);
+                store4(t0 + 12u, c2, acc2.d, z, 4u);
+            }
+        }
     }
 }

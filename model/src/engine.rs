@@ -896,7 +896,10 @@ impl Model {
         // 2. One encoder for the whole step.
         let scope = gpu.device.push_error_scope(wgpu::ErrorFilter::Validation);
         let mut enc = gpu.device.create_command_encoder(&Default::default());
-        let grid = |n: u32, rt: u32, rows: u32| (n.div_ceil(WG as u32), rows.div_ceil(rt));
+        // A matmul invocation computes two output columns: a workgroup
+        // covers 128 columns, or 64 gated ones (a gate and an up row each).
+        let grid = |n: u32, rt: u32, rows: u32| (n.div_ceil(2 * WG as u32), rows.div_ceil(rt));
+        let grid_gated = |n: u32, rt: u32, rows: u32| (n.div_ceil(WG as u32), rows.div_ceil(rt));
         {
             let mut pass = enc.begin_compute_pass(&Default::default());
             pass.set_pipeline(&self.pipe_embed);
@@ -960,7 +963,7 @@ impl Model {
             let (p, rt) = self.matmul(lw.gate_up.fmt, m);
             pass.set_pipeline(p);
             pass.set_bind_group(0, &g.gate_up, &[]);
-            let (gx, gy) = grid(ffn, rt, m32);
+            let (gx, gy) = grid_gated(ffn, rt, m32);
             pass.dispatch_workgroups(gx, gy, 1);
             let (p, rt) = self.matmul(lw.down.fmt, m);
             pass.set_pipeline(p);
