@@ -65,12 +65,26 @@ const INVALID: u32 = 0xffffffffu;
 // pools (src/gpu/kv_cache.rs: K_OUTLIERS).
 const K_OUTLIERS: u32 = 4u;
 
+// cap * tanh(s / cap), accurate to f32 at any finite cap: a cap far above
+// the scores makes s / cap tiny, where tanh from exponentials cancels
+// (relative error 0.8 at cap 1e8) and s / cap may be subnormal. There the
+// odd series to the 7th power is exact to f32 (|s / cap| < 1/8: the next
+// term is under 2e-9 relative), and s itself carries the magnitude.
+fn soft_capped(s: f32, cap: f32) -> f32 {
+    let r = s / cap;
+    if abs(r) < 0.125 {
+        let r2 = r * r;
+        return s * (1.0 - r2 * (1.0 / 3.0 - r2 * (2.0 / 15.0 - r2 * (17.0 / 315.0))));
+    }
+    return cap * tanh(r);
+}
+
 // The logit of a score after the variant rules (custom scale, soft-cap,
 // ALiBi). Masking (causal, window) is decided by the caller.
 fn logit(p: AttnParams, dot_qk: f32, slope: f32, q_pos: u32, k_pos: u32) -> f32 {
     var s = dot_qk * p.scale;
     if p.soft_cap > 0.0 {
-        s = p.soft_cap * tanh(s / p.soft_cap);
+        s = soft_capped(s, p.soft_cap);
     }
     if p.alibi != 0u {
         s += slope * (f32(k_pos) - f32(q_pos));

@@ -8,4 +8,5 @@ pub mod demo;
 pub mod sim;
 
 /// The real model behind `pagedattn generate` (SmolLM2-135M through the paged cache).
+#[cfg(not(target_arch = "wasm32"))]
 pub use pagedattn_model as model;

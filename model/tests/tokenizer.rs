@@ -116,13 +116,21 @@ fn every_chat_prompt_encodes_to_the_reference_ids() {
         return;
     };
     let fx = fixture();
-    // The system message the reference used is the template's default.
-    for s in [&fx["system"], &fx["meta"]["default_system"]] {
-        if let Some(s) = s.as_str() {
-            assert_eq!(s, DEFAULT_SYSTEM);
-        }
-    }
+    // The system message the reference used is the template's default,
+    // and the template is the GGUF's.
+    let system = fx["system"]
+        .as_str()
+        .or(fx["meta"]["default_system"].as_str())
+        .expect("the fixture names its system message");
+    assert_eq!(system, DEFAULT_SYSTEM);
     assert_eq!(t.template_default_system(), Some(DEFAULT_SYSTEM));
+    if let Some(tpl) = fx["meta"]["chat_template"].as_str() {
+        assert_eq!(t.chat_template(), Some(tpl));
+    }
+    if let Some(format) = fx["meta"]["prompt_format"].as_str() {
+        let want = format.replace("{SYSTEM}", system).replace("{USER}", "Hi");
+        assert_eq!(t.chat_prompt("Hi", None), want);
+    }
     let chats = chat_cases(&fx);
     assert!(
         !chats.is_empty(),
