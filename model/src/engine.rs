@@ -836,9 +836,9 @@ impl Model {
             ));
         }
         let l = s.logit_rows.len();
-        if l == 0 || l > self.cfg.max_logit_rows {
+        if l > self.cfg.max_logit_rows {
             return bad(format!(
-                "{l} logit rows: between 1 and max_logit_rows {}",
+                "{l} logit rows: at most max_logit_rows {}",
                 self.cfg.max_logit_rows
             ));
         }
@@ -971,7 +971,8 @@ impl Model {
             let (gx, gy) = grid(d, rt, m32);
             pass.dispatch_workgroups(gx, gy, 1);
         }
-        {
+        // A step of prompt chunks only (none reaching its end) needs no logits.
+        if l > 0 {
             let mut pass = enc.begin_compute_pass(&Default::default());
             pass.set_pipeline(&self.pipe_norm);
             pass.set_bind_group(0, &self.g_final, &[]);
@@ -983,10 +984,19 @@ impl Model {
             pass.dispatch_workgroups(gx, gy, 1);
         }
         let bytes = (l * sh.vocab * 4) as u64;
-        enc.copy_buffer_to_buffer(&self.logits, 0, &self.staging, 0, bytes);
+        if l > 0 {
+            enc.copy_buffer_to_buffer(&self.logits, 0, &self.staging, 0, bytes);
+        }
         q.submit([enc.finish()]);
         if let Some(e) = pollster::block_on(scope.pop()) {
             return Err(ModelError::Gpu(e.into()));
+        }
+        if l == 0 {
+            // Wait for the step, so that a failure is this call's.
+            gpu.device
+                .poll(wgpu::PollType::wait_indefinitely())
+                .map_err(|e| ModelError::Gpu(pagedattn::gpu::GpuError::Device(e.to_string())))?;
+            return Ok(Vec::new());
         }
 
         // 3. One readback.

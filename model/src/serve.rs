@@ -97,6 +97,8 @@ pub struct ServeStats {
     /// Tokens run in steps with prompt work, and those steps' seconds.
     pub prefill_tokens: usize,
     pub prefill_secs: f64,
+    /// Steps with prompt work (prompt chunks, maybe with decodes).
+    pub prefill_steps: usize,
     /// Tokens of pure decode steps, and their seconds.
     pub decode_tokens: usize,
     pub decode_secs: f64,
@@ -508,6 +510,7 @@ impl Server {
         if prompt_work {
             s.prefill_tokens += step.tokens.len();
             s.prefill_secs += secs;
+            s.prefill_steps += 1;
         } else {
             s.decode_tokens += step.tokens.len();
             s.decode_secs += secs;

@@ -33,10 +33,11 @@ fn greedy_request(g: &Greedy, n: usize, top: usize) -> Request {
     r
 }
 
-/// Identical greedy tokens for the first `n` tokens of each fixture prompt.
+/// Identical greedy tokens for the first `n` tokens of the first
+/// `done.len()` fixture prompts.
 fn assert_greedy(done: &[pagedattn_model::serve::Completion], n: usize, what: &str) {
     let f = fixture();
-    assert_eq!(done.len(), f.greedy.len(), "{what}");
+    assert!(!done.is_empty() && done.len() <= f.greedy.len(), "{what}");
     for (c, g) in done.iter().zip(&f.greedy) {
         assert!(!c.aborted, "{what}: {:?} aborted", g.user);
         assert_eq!(c.sequences.len(), 1);
@@ -191,16 +192,28 @@ fn chunked_and_mixed_prefill_give_the_one_shot_tokens() {
         return;
     };
     let f = fixture();
-    let n = 12;
+    let (n, k) = (8, 4);
     for chunk in [16, 64] {
-        let reqs = f.greedy.iter().map(|g| greedy_request(g, n, 0)).collect();
+        let reqs = f.greedy[..k]
+            .iter()
+            .map(|g| greedy_request(g, n, 0))
+            .collect();
         let c = ServerConfig {
             max_batch_tokens: chunk,
             ..cfg()
         };
         let (done, stats, _) = serve(&mut m, c, reqs);
         assert_greedy(&done, n, &format!("chunks of {chunk}"));
-        assert!(stats.steps > f.greedy.len(), "prompts were chunked");
+        // At most `chunk` tokens a step: the prompt tokens computed (net of
+        // prefix-cache hits) took at least that many steps; at 16, every
+        // prompt (37 to 45 tokens) was split.
+        let least = stats.prefill_tokens.div_ceil(chunk);
+        assert!(
+            stats.prefill_steps >= least && (chunk > 16 || stats.prefill_steps > k),
+            "{} prompt tokens in chunks of {chunk}: {} steps with prompt work",
+            stats.prefill_tokens,
+            stats.prefill_steps
+        );
     }
     // Mixed steps: prompts arrive while others decode.
     let model = m.take().expect("model");
@@ -208,7 +221,7 @@ fn chunked_and_mixed_prefill_give_the_one_shot_tokens() {
     let mut ids = Vec::new();
     let mut done = Vec::new();
     let mut mixed = 0;
-    for g in &f.greedy {
+    for g in &f.greedy[..k] {
         ids.push(server.add(greedy_request(g, n, 0)).expect("request"));
         let before = server.stats.prefill_tokens;
         done.extend(server.step(&mut |_, _, _| {}).expect("step"));
@@ -219,7 +232,10 @@ fn chunked_and_mixed_prefill_give_the_one_shot_tokens() {
     assert_eq!(st.free + st.evictable, st.total, "no block leaked");
     *m = Some(server.into_model());
     done.sort_by_key(|c| ids.iter().position(|i| *i == c.request));
-    assert!(mixed >= 4, "steps mixing a prompt with decodes: {mixed}");
+    assert!(
+        mixed >= k - 1,
+        "steps mixing a prompt with decodes: {mixed}"
+    );
     assert_greedy(&done, n, "mixed prefill + decode");
 }
 
@@ -231,7 +247,6 @@ fn a_prefix_cache_hit_gives_identical_tokens() {
     let g = &f.greedy[0];
     // The same prompt twice (the second entirely cached: its last token's
     // write is skipped), then another prompt with the same system prompt.
-    let (first, _, hits0) = serve(&mut m, cfg(), vec![greedy_request(g, n, 0)]);
     let model = m.take().expect("model");
     let mut server = pagedattn_model::serve::Server::new(model, cfg()).expect("server");
     let a = server.add(greedy_request(g, n, 0)).expect("a");
@@ -247,7 +262,7 @@ fn a_prefix_cache_hit_gives_identical_tokens() {
     let st = server.sched.blocks().stats();
     assert_eq!(st.free + st.evictable, st.total, "no block leaked");
     *m = Some(server.into_model());
-    assert_eq!(hits0, 0);
+    assert_eq!(hits1, 0, "a fresh pool has nothing cached");
     let full = (g.prompt_ids.len() / 16 * 16) as u64;
     assert!(
         hits2 - hits1 >= full,
@@ -268,7 +283,6 @@ fn a_prefix_cache_hit_gives_identical_tokens() {
         let got = done.iter().find(|x| x.request == id).expect("finished");
         assert_eq!(got.sequences[0].tokens, want[..n]);
     }
-    assert_eq!(first[0].sequences[0].tokens, g.tokens[..n]);
 }
 
 #[test]
@@ -277,17 +291,20 @@ fn preemption_by_recompute_and_by_swap_keeps_the_tokens() {
         return;
     };
     let f = fixture();
-    let n = 40;
-    // Each sequence needs about 4 blocks at its end; 8 of them need 32+.
+    let (n, k) = (32, 4);
+    // Each sequence needs 5 blocks at its end; 4 of them need 20.
     for (preemption, swap) in [(Preemption::Recompute, 0), (Preemption::Swap, 64)] {
         let c = ServerConfig {
-            num_blocks: Some(22),
+            num_blocks: Some(12),
             preemption,
             swap_blocks: swap,
             prefix_caching: false,
             ..cfg()
         };
-        let reqs = f.greedy.iter().map(|g| greedy_request(g, n, 0)).collect();
+        let reqs = f.greedy[..k]
+            .iter()
+            .map(|g| greedy_request(g, n, 0))
+            .collect();
         let (done, stats, _) = serve(&mut m, c, reqs);
         assert!(
             stats.preempted > 0,
@@ -310,20 +327,23 @@ fn every_decode_kernel_gives_the_same_greedy_tokens() {
         return;
     };
     let f = fixture();
-    let n = 10;
+    let (n, k) = (8, 3);
     let kernels = {
         let model = m.as_ref().expect("model");
         PagedAttention::eligible_kernels(&model.gpu, &model.cache, model.shape.heads as u32)
     };
     assert!(kernels.len() >= 2, "{kernels:?}");
-    for &k in &kernels {
+    for &kernel in &kernels {
         m.as_mut()
             .expect("model")
-            .reconfigure(POOL_BLOCKS, KvDtype::F32, Some(k))
+            .reconfigure(POOL_BLOCKS, KvDtype::F32, Some(kernel))
             .expect("kernel");
-        let reqs = f.greedy.iter().map(|g| greedy_request(g, n, 0)).collect();
+        let reqs = f.greedy[..k]
+            .iter()
+            .map(|g| greedy_request(g, n, 0))
+            .collect();
         let (done, _, _) = serve(&mut m, cfg(), reqs);
-        assert_greedy(&done, n, &format!("kernel {k}"));
+        assert_greedy(&done, n, &format!("kernel {kernel}"));
     }
     m.as_mut()
         .expect("model")
@@ -338,7 +358,7 @@ fn narrower_kv_pools_stay_close_to_f32() {
         return;
     };
     let f = fixture();
-    let n = 32;
+    let (n, k) = (24, 4);
     // Agreement of the greedy tokens with f32's (the first divergence ends
     // the comparison of a prompt) and the logprob drift of the tokens the
     // f32 run chose, over the steps before any divergence. Bounds set from
@@ -352,7 +372,10 @@ fn narrower_kv_pools_stay_close_to_f32() {
             .expect("model")
             .reconfigure(POOL_BLOCKS, dtype, None)
             .expect("dtype");
-        let reqs = f.greedy.iter().map(|g| greedy_request(g, n, 10)).collect();
+        let reqs = f.greedy[..k]
+            .iter()
+            .map(|g| greedy_request(g, n, 10))
+            .collect();
         let (done, _, _) = serve(&mut m, cfg(), reqs);
         let (mut agree, mut total, mut drift): (usize, usize, f64) = (0, 0, 0.0);
         for (c, g) in done.iter().zip(&f.greedy) {
