@@ -40,6 +40,8 @@ pub struct SharingRow {
 pub struct ModelBench {
     pub adapter: String,
     pub prompt_tokens: usize,
+    /// Context of the decode rows (tokens).
+    pub decode_context: usize,
     pub prefill_tokens_per_s: f64,
     pub decode: Vec<DecodeRow>,
     pub sharing: Vec<SharingRow>,
@@ -85,12 +87,21 @@ pub fn run(model_path: &std::path::Path, quick: bool) -> Result<ModelBench, Mode
     let prefill_tokens_per_s = prompt_tokens as f64 / t.elapsed().as_secs_f64();
     model = Some(server.into_model());
 
+    // Decode: `batch` sequences of a context of `ctx` tokens (prompts cut
+    // from one text, each its own, so nothing is shared).
+    let ctx = if quick { 24 } else { 128 };
+    let text: String = (0..64)
+        .map(|i| format!("Chapter {i}. The keeper climbed the stairs and lit the lamp again. "))
+        .collect();
+    let long = l.tokenizer.encode(&text, false);
     let mut decode = Vec::new();
     for batch in [1usize, 8, 32] {
         let mut server = Server::new(model.take().expect("model"), scfg)?;
         server.profile = Some(batch);
         for i in 0..batch {
-            server.add(Request::greedy(prompt(&l.tokenizer, i + 1), steps + 1))?;
+            let mut p = long[..ctx.min(long.len())].to_vec();
+            p[0] = 100 + i as u32; // distinct prompts
+            server.add(Request::greedy(p, steps + 1))?;
         }
         server.run(&mut |_, _, _| {})?;
         let st = server.stats;
@@ -112,7 +123,7 @@ pub fn run(model_path: &std::path::Path, quick: bool) -> Result<ModelBench, Mode
         top_p: 0.95,
         seed: 1,
     };
-    let gen = if quick { 32 } else { 96 };
+    let gen = if quick { 24 } else { 96 };
     for (what, decoding) in [
         ("beam search, width 4", Decoding::Beam { width: 4 }),
         (
@@ -163,6 +174,7 @@ pub fn run(model_path: &std::path::Path, quick: bool) -> Result<ModelBench, Mode
     Ok(ModelBench {
         adapter,
         prompt_tokens,
+        decode_context: ctx,
         prefill_tokens_per_s,
         decode,
         sharing,
@@ -175,6 +187,7 @@ pub fn render(b: &ModelBench) -> String {
         "\nmodel: SmolLM2-135M-Instruct (Q4_1 weights, f16 KV) on {}\n prefill ({} tokens): {:.1} tokens/s\n batch  tokens/s  ms/step  attention share\n",
         b.adapter, b.prompt_tokens, b.prefill_tokens_per_s
     );
+    s += &format!(" decode rows at a context of {} tokens\n", b.decode_context);
     for d in &b.decode {
         s += &format!(
             " {:>5}  {:>8.1}  {:>7.1}  {:>14.1} %\n",
