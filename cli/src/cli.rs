@@ -61,11 +61,12 @@ pub struct GenerateArgs {
     /// Beam search of this width (1 to 32) instead of sampling.
     #[arg(long)]
     pub beams: Option<usize>,
-    /// Sampling temperature (0 = greedy, up to 100).
-    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
+    /// Sampling temperature (0 = greedy, up to 100). A 135M model repeats
+    /// itself under greedy decoding; the default samples.
+    #[arg(long, default_value_t = 0.7, allow_hyphen_values = true)]
     pub temperature: f32,
     /// Nucleus sampling: keep this share of the probability mass (0 < p <= 1).
-    #[arg(long, default_value_t = 1.0, allow_hyphen_values = true)]
+    #[arg(long, default_value_t = 0.9, allow_hyphen_values = true)]
     pub top_p: f32,
     /// Keep the k most likely tokens (0 = all).
     #[arg(long, default_value_t = 40)]
