@@ -430,3 +430,30 @@ fn demo_on_a_pool_too_small_preempts_and_finishes() {
     assert!(so.contains("no leak: true"), "{so}");
     println!("finished after {:?}", t0.elapsed());
 }
+
+#[test]
+fn generate_arguments_are_checked_before_the_model_is_read() {
+    assert_usage_error(&["generate", "--top-p", "1.5"], &["top-p 1.5", "(0, 1]"]);
+    assert_usage_error(&["generate", "--temperature", "-1"], &["temperature -1"]);
+    assert_usage_error(
+        &["generate", "--max-tokens", "0"],
+        &["--max-tokens 0", "1..=8192"],
+    );
+    assert_usage_error(&["generate", "--samples", "99"], &["--samples 99"]);
+    assert_usage_error(
+        &["generate", "--beams", "2", "--samples", "2"],
+        &["choose one"],
+    );
+    assert_usage_error(&["generate", "--kv-dtype", "f12"], &["f12"]);
+    assert_usage_error(&["generate", "--prompt", ""], &["empty"]);
+    assert_usage_error(
+        &["generate", "--prompts", "/nonexistent/prompts.txt"],
+        &["--prompts /nonexistent/prompts.txt"],
+    );
+    // A missing model is a failure while running that names the fetch command.
+    assert_error(
+        &["generate", "--model", "/nonexistent/model.gguf"],
+        1,
+        &["/nonexistent/model.gguf", "scripts/fetch-model.sh"],
+    );
+}
