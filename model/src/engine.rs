@@ -452,6 +452,11 @@ fn pipeline(
         }))
 }
 
+/// A readback or poll failure, as the library reports its own.
+fn device_err(e: impl std::fmt::Display) -> ModelError {
+    ModelError::Gpu(pagedattn::gpu::GpuError::Device(e.to_string()))
+}
+
 fn words(v: &[u32; 8]) -> &[u8] {
     bytemuck::cast_slice(v)
 }
@@ -995,7 +1000,7 @@ impl Model {
             // Wait for the step, so that a failure is this call's.
             gpu.device
                 .poll(wgpu::PollType::wait_indefinitely())
-                .map_err(|e| ModelError::Gpu(pagedattn::gpu::GpuError::Device(e.to_string())))?;
+                .map_err(device_err)?;
             return Ok(Vec::new());
         }
 
@@ -1005,15 +1010,13 @@ impl Model {
             .map_async(wgpu::MapMode::Read, 0..bytes, move |r| drop(tx.send(r)));
         gpu.device
             .poll(wgpu::PollType::wait_indefinitely())
-            .map_err(|e| ModelError::Gpu(pagedattn::gpu::GpuError::Device(e.to_string())))?;
-        rx.recv()
-            .map_err(|e| ModelError::Gpu(pagedattn::gpu::GpuError::Device(e.to_string())))?
-            .map_err(|e| ModelError::Gpu(pagedattn::gpu::GpuError::Device(e.to_string())))?;
+            .map_err(device_err)?;
+        rx.recv().map_err(device_err)?.map_err(device_err)?;
         let out = {
             let view = self
                 .staging
                 .get_mapped_range(0..bytes)
-                .map_err(|e| ModelError::Gpu(pagedattn::gpu::GpuError::Device(e.to_string())))?;
+                .map_err(device_err)?;
             bytemuck::cast_slice::<u8, f32>(&view).to_vec()
         };
         self.staging.unmap();

@@ -292,11 +292,6 @@ pub fn render(o: &GenerateOptions, r: &Report) -> String {
                 continue;
             }
             let what = if o.beams > 0 {
-                let score = r
-                    .completions
-                    .iter()
-                    .find(|c| c.request == r.completions[0].request);
-                let _ = score;
                 format!("beam {j}")
             } else {
                 format!("sample {j}")

@@ -122,17 +122,17 @@ impl Sampler {
         }
     }
 
-    /// The next token from a row of logits. Greedy draws nothing.
-    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+    /// The next token from a row of log-probabilities ([`log_softmax`] of
+    /// the logits, computed once per row by the caller). Greedy draws nothing.
+    pub fn sample(&mut self, lp: &[f64]) -> u32 {
         if self.params.is_greedy() {
-            return argmax(logits);
+            return top_k(lp, 1)[0].0;
         }
-        let lp = log_softmax(logits);
         let k = match self.params.top_k {
             0 => lp.len(),
             k => k,
         };
-        let cand = top_k(&lp, k);
+        let cand = top_k(lp, k);
         let t = self.params.temperature as f64;
         let zmax = cand[0].1 / t;
         let w: Vec<f64> = cand.iter().map(|c| (c.1 / t - zmax).exp()).collect();
@@ -168,14 +168,13 @@ pub struct Beam {
 }
 
 /// One step of beam search over `width` beams: `rows[i]` are beam `i`'s
-/// logits. Each beam proposes its `2 * width` best tokens; the `width`
+/// log-probabilities. Each beam proposes its `2 * width` best tokens; the `width`
 /// best candidates by total score survive (ties: lower beam, then lower
 /// token). Returns `(parent, token, score)` in rank order.
-pub fn beam_step(scores: &[f64], rows: &[&[f32]], width: usize) -> Vec<(usize, u32, f64)> {
+pub fn beam_step(scores: &[f64], rows: &[&[f64]], width: usize) -> Vec<(usize, u32, f64)> {
     let mut cand = Vec::with_capacity(rows.len() * 2 * width);
-    for (b, row) in rows.iter().enumerate() {
-        let lp = log_softmax(row);
-        for (t, l) in top_k(&lp, 2 * width) {
+    for (b, lp) in rows.iter().enumerate() {
+        for (t, l) in top_k(lp, 2 * width) {
             cand.push((b, t, scores[b] + l));
         }
     }
@@ -211,7 +210,7 @@ mod tests {
     #[test]
     fn sampling_follows_the_distribution_and_the_seed() {
         // Two tokens at 3:1 odds; top_p 1 keeps both.
-        let logits = [(3.0f32).ln(), 0.0, -1e30];
+        let logits = log_softmax(&[(3.0f32).ln(), 0.0, -1e30]);
         let p = SamplingParams {
             temperature: 1.0,
             top_k: 0,
@@ -265,8 +264,8 @@ mod tests {
 
     #[test]
     fn beam_step_keeps_the_best_candidates_across_beams() {
-        let a = [0.0f32, 1.0, 2.0];
-        let b = [5.0f32, 0.0, 0.0];
+        let a = log_softmax(&[0.0, 1.0, 2.0]);
+        let b = log_softmax(&[5.0, 0.0, 0.0]);
         let out = beam_step(&[0.0, -10.0], &[&a, &b], 2);
         assert_eq!(out.len(), 2);
         assert_eq!((out[0].0, out[0].1), (0, 2));

@@ -404,8 +404,10 @@ impl Server {
             self.stats.profiled_rows = step.rows.len();
             profile_secs = tp.elapsed().as_secs_f64();
         }
+        // Each logit row's log-probabilities, once: sampling, beam scores
+        // and the recorded top-N all read them.
         let vocab = self.model.shape.vocab;
-        let row = |i: usize| &logits[i * vocab..(i + 1) * vocab];
+        let lps: Vec<Vec<f64>> = logits.chunks_exact(vocab).map(log_softmax).collect();
 
         let mut outputs = Vec::with_capacity(step.sample.len());
         for &request in &step.sample {
@@ -413,28 +415,30 @@ impl Server {
                 .reqs
                 .get_mut(&request)
                 .ok_or(ModelError::Request(format!("unknown request {request}")))?;
-            let rows_of = |i: usize| -> Result<&[f32], ModelError> {
-                row_of.get(&(request, i)).map(|&r| row(r)).ok_or_else(|| {
-                    ModelError::Step(format!("no logits for {request} sequence {i}"))
-                })
+            let rows_of = |i: usize| -> Result<&[f64], ModelError> {
+                row_of
+                    .get(&(request, i))
+                    .map(|&r| &lps[r][..])
+                    .ok_or_else(|| {
+                        ModelError::Step(format!("no logits for {request} sequence {i}"))
+                    })
             };
             let width = st.req.width();
             let rec = st.req.record_top;
             // (parent, token, logprob)
             let mut picks: Vec<(usize, u32, f64, Option<Sampler>)> = Vec::new();
             if !st.started {
-                let lg = rows_of(0)?;
-                let lp = log_softmax(lg);
+                let lp = rows_of(0)?;
                 match st.req.decoding {
                     Decoding::Sample { params, n } => {
                         for b in 0..n {
                             let mut s = Sampler::new(params, b as u64);
-                            let t = s.sample(lg);
+                            let t = s.sample(lp);
                             picks.push((0, t, lp[t as usize], Some(s)));
                         }
                     }
                     Decoding::Beam { width } => {
-                        for (t, l) in top_k(&lp, width) {
+                        for (t, l) in top_k(lp, width) {
                             picks.push((0, t, l, None));
                         }
                     }
@@ -448,16 +452,15 @@ impl Server {
                 match st.req.decoding {
                     Decoding::Sample { .. } => {
                         for i in 0..st.live.len() {
-                            let lg = rows_of(i)?;
+                            let lp = rows_of(i)?;
                             let mut s = st.live[i].sampler.take().expect("samples carry samplers");
-                            let t = s.sample(lg);
-                            let lp = log_softmax(lg)[t as usize];
-                            picks.push((i, t, lp, Some(s)));
+                            let t = s.sample(lp);
+                            picks.push((i, t, lp[t as usize], Some(s)));
                         }
                     }
                     Decoding::Beam { .. } => {
                         let keep = width - st.done.len();
-                        let rows: Vec<&[f32]> =
+                        let rows: Vec<&[f64]> =
                             (0..st.live.len()).map(rows_of).collect::<Result<_, _>>()?;
                         let scores: Vec<f64> = st.live.iter().map(|l| l.gen.score).collect();
                         for (b, t, s) in beam_step(&scores, &rows, keep) {
@@ -470,14 +473,13 @@ impl Server {
             let mut next = Vec::with_capacity(picks.len());
             for (k, (parent, token, lp, sampler)) in picks.into_iter().enumerate() {
                 let mut gen = st.live[parent].gen.clone();
-                if !st.started || gen.tokens.is_empty() {
-                    gen.branch = k;
+                if gen.tokens.is_empty() {
+                    gen.branch = k; // a first token: the request's k-th branch
                 }
                 gen.tokens.push(token);
                 gen.score += lp;
                 if rec > 0 {
-                    let lg = rows_of(parent)?;
-                    gen.top.push(top_k(&log_softmax(lg), rec));
+                    gen.top.push(top_k(rows_of(parent)?, rec));
                 }
                 let finished = gen.tokens.len() >= st.req.max_tokens || st.req.stop == Some(token);
                 on_token(request, k, token);

@@ -361,12 +361,13 @@ fn narrower_kv_pools_stay_close_to_f32() {
     let (n, k) = (24, 4);
     // Agreement of the greedy tokens with f32's (the first divergence ends
     // the comparison of a prompt) and the logprob drift of the tokens the
-    // f32 run chose, over the steps before any divergence. Bounds set from
-    // measured values with room (stated in the README).
+    // f32 run chose, over the steps before any divergence. Bounds: about
+    // twice the values measured on lavapipe (f16 1.00 / 2.8e-3, int8 1.00 /
+    // 0.15, fp8 1.00 / 0.38), stated in the README.
     for (dtype, min_agree, max_drift) in [
-        (KvDtype::F16, 0.9, 0.05),
-        (KvDtype::Int8, 0.5, 0.5),
-        (KvDtype::Fp8E4M3, 0.3, 1.0),
+        (KvDtype::F16, 0.95, 0.01),
+        (KvDtype::Int8, 0.9, 0.3),
+        (KvDtype::Fp8E4M3, 0.7, 0.6),
     ] {
         m.as_mut()
             .expect("model")
