@@ -614,10 +614,10 @@ pub fn run_on(device: &Device, queue: &Queue, quiet: bool) -> Res<Summary> {
         // The step: rows (prompt chunks and decodes), token ids, tables,
         // slots of the new tokens, pending copies.
         let step = sched.schedule()?;
-        let view = &step.plan.view;
-        let positions = step.rows.iter().flat_map(|r| r.positions.clone());
+        let view = step.view();
+        let positions = step.rows().iter().flat_map(|r| r.positions.clone());
         let rows: Vec<[u32; 2]> = step
-            .tokens
+            .tokens()
             .iter()
             .zip(positions)
             .map(|(&t, p)| [t, p as u32])
@@ -630,7 +630,7 @@ pub fn run_on(device: &Device, queue: &Queue, quiet: bool) -> Res<Summary> {
         // model runs its whole prompt: the GPU ran only what the prefix
         // cache did not hold, so this also checks the shared blocks.)
         let mut want = Vec::with_capacity(logits.len());
-        for row in &step.rows {
+        for row in step.rows() {
             let group = &mut live
                 .iter_mut()
                 .find(|g| g.0 == row.request)
@@ -658,13 +658,13 @@ pub fn run_on(device: &Device, queue: &Queue, quiet: bool) -> Res<Summary> {
         // their first writes copy the shared, partly filled last block).
         let mut last_row = std::collections::HashMap::new();
         let mut at = 0usize;
-        for row in &step.rows {
+        for row in step.rows() {
             at += row.positions.len();
             last_row.insert((row.request, row.index), at - 1);
         }
         let mut line = Vec::new();
         let mut outputs = Vec::new();
-        for &request in &step.sample {
+        for &request in step.sample() {
             let group = &mut live.iter_mut().find(|g| g.0 == request).expect("tracked").1;
             let starting = request == a && group.len() == 1 && group[0].out.is_empty();
             let parents: Vec<(usize, usize)> = if starting {

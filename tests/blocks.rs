@@ -429,9 +429,9 @@ fn prefix_cache_matches_blocks_filled_by_appends() {
     );
     assert_eq!(m.prefix_hit_tokens(), 7);
     let plan = m.plan_step(&[(b, usize::MAX)]).unwrap();
-    assert_eq!(plan.view.slot_mapping, vec![SKIP_WRITE]);
-    assert_eq!(plan.view.seq_lens, vec![8]);
-    assert!(plan.completes[0]);
+    assert_eq!(plan.view().slot_mapping, vec![SKIP_WRITE]);
+    assert_eq!(plan.view().seq_lens, vec![8]);
+    assert!(plan.completes()[0]);
     m.commit_step(&plan).unwrap();
     assert_eq!(m.block_table(b).unwrap(), &m.block_table(a).unwrap()[..2]);
     // Its last block is full and shared: appending takes a new block, no copy.

@@ -22,14 +22,14 @@ fn chunked_prefill_registers_blocks_as_chunks_are_written() {
         BlockManager::new(BlockManagerConfig::new(32, 4).with_prefix_caching(true)).unwrap();
     let a = m.add_sequence(&toks(0, 10)).unwrap();
     let plan = m.plan_step(&[(a, 4)]).unwrap();
-    assert_eq!(plan.chunks, vec![4]);
-    assert_eq!(plan.view.seq_lens, vec![4]);
+    assert_eq!(plan.chunks(), vec![4]);
+    assert_eq!(plan.view().seq_lens, vec![4]);
     assert_eq!(
-        plan.view.kv_indptr,
+        plan.view().kv_indptr,
         vec![0, 1],
         "only the blocks the chunk reads"
     );
-    assert!(!plan.completes[0]);
+    assert!(!plan.completes()[0]);
     // Planning changes nothing.
     assert_eq!(m.pending_tokens(a).unwrap(), 10);
     m.commit_step(&plan).unwrap();
@@ -39,11 +39,11 @@ fn chunked_prefill_registers_blocks_as_chunks_are_written() {
     assert_eq!(m.prefix_hit_tokens(), 4);
     m.free(b).unwrap();
     let plan = m.plan_step(&[(a, 5)]).unwrap();
-    assert_eq!(plan.view.seq_lens, vec![9]);
-    assert_eq!(plan.view.slot_mapping.len(), 5);
+    assert_eq!(plan.view().seq_lens, vec![9]);
+    assert_eq!(plan.view().slot_mapping.len(), 5);
     m.commit_step(&plan).unwrap();
     let plan = m.plan_step(&[(a, 5)]).unwrap();
-    assert_eq!((plan.chunks[0], plan.completes[0]), (1, true));
+    assert_eq!((plan.chunks()[0], plan.completes()[0]), (1, true));
     m.commit_step(&plan).unwrap();
     assert_eq!(m.pending_tokens(a).unwrap(), 0);
 }
@@ -149,25 +149,25 @@ struct Sim {
 impl Sim {
     fn run_step(&mut self, step: &Step) {
         let bs = self.bs;
-        for &[b, h] in &step.swap_out {
+        for &[b, h] in step.swap_out() {
             for o in 0..bs {
                 self.swap[h as usize * bs + o] = self.pool[b as usize * bs + o];
             }
         }
-        for &[h, b] in &step.swap_in {
+        for &[h, b] in step.swap_in() {
             for o in 0..bs {
                 self.pool[b as usize * bs + o] = self.swap[h as usize * bs + o];
             }
         }
-        for &[s, d] in &step.plan.view.copies {
+        for &[s, d] in &step.view().copies {
             for o in 0..bs {
                 self.pool[d as usize * bs + o] = self.pool[s as usize * bs + o];
             }
         }
-        let v = &step.plan.view;
-        for (i, row) in step.rows.iter().enumerate() {
+        let v = step.view();
+        for (i, row) in step.rows().iter().enumerate() {
             let new = &v.slot_mapping[v.new_indptr[i] as usize..v.new_indptr[i + 1] as usize];
-            let toks = &step.tokens[v.new_indptr[i] as usize..v.new_indptr[i + 1] as usize];
+            let toks = &step.tokens()[v.new_indptr[i] as usize..v.new_indptr[i + 1] as usize];
             assert_eq!(new.len(), row.positions.len());
             for (&slot, &t) in new.iter().zip(toks) {
                 if slot != SKIP_WRITE {
@@ -193,18 +193,30 @@ impl Sim {
     }
 }
 
-/// Runs a random workload to the end; returns every finished sequence by
-/// (request key, sample) and the scheduler's counters.
-fn workload(
+/// What a workload did: every finished sequence by (request key,
+/// sample), the keys of the requests dropped, the token positions
+/// computed, and the scheduler's counters.
+struct Outcome {
+    done: Vec<((u64, u64), Vec<u32>)>,
+    aborted: Vec<u64>,
+    computed: usize,
+    stats: pagedattn::blocks::SchedulerStats,
+}
+
+/// Runs a random workload to the end.
+fn workload(seed: u64, preemption: Preemption, swap_blocks: u32, prefix: bool) -> Outcome {
+    run_workload(seed, preemption, swap_blocks, prefix, 14, 48)
+}
+
+fn run_workload(
     seed: u64,
     preemption: Preemption,
     swap_blocks: u32,
     prefix: bool,
-) -> (
-    Vec<((u64, u64), Vec<u32>)>,
-    pagedattn::blocks::SchedulerStats,
-) {
-    let (nb, bs) = (48u32, 4usize);
+    requests: u64,
+    nb: u32,
+) -> Outcome {
+    let bs = 4usize;
     let cfg = BlockManagerConfig::new(nb, bs as u32)
         .with_prefix_caching(prefix)
         .with_swap_space(swap_blocks);
@@ -220,11 +232,13 @@ fn workload(
     let mut rng = SplitMix64::new(seed);
     let system: Vec<u32> = (0..8).map(|i| 1000 + i).collect();
     let mut done = Vec::new();
-    let mut arrivals = 14u64;
+    let mut aborted = Vec::new();
+    let mut computed = 0;
+    let mut arrivals = requests;
     let mut steps = 0;
     while arrivals > 0 || sim.sched.has_work() {
         if arrivals > 0 && rng.below(3) == 0 {
-            let key = 14 - arrivals;
+            let key = requests - arrivals;
             arrivals -= 1;
             let mut prompt = if rng.below(2) == 0 {
                 system.clone()
@@ -240,11 +254,15 @@ fn workload(
         }
         let step = sim.sched.schedule().unwrap();
         sim.run_step(&step);
+        computed += step.tokens().len();
+        for r in step.aborted() {
+            aborted.push(sim.reqs.remove(r).unwrap().0);
+        }
         let mut outputs = Vec::new();
-        for &r in &step.sample {
+        for &r in step.sample() {
             let (key, out, width, samples) = sim.reqs.get_mut(&r).unwrap();
             let len_of = |i: usize| {
-                step.rows
+                step.rows()
                     .iter()
                     .find(|x| x.request == r && x.index == i)
                     .unwrap()
@@ -305,7 +323,13 @@ fn workload(
     assert_eq!(st.free + st.evictable, st.total, "every block came back");
     assert_eq!(st.swap_used, 0);
     done.sort();
-    (done, sim.sched.stats())
+    aborted.sort();
+    Outcome {
+        done,
+        aborted,
+        computed,
+        stats: sim.sched.stats(),
+    }
 }
 
 #[test]
@@ -313,14 +337,22 @@ fn the_policy_never_changes_what_is_generated() {
     let (mut recomputed, mut swapped, mut fallbacks) = (0, 0, 0);
     for seed in 0..8u64 {
         for prefix in [false, true] {
-            let (want, plain) = workload(seed, Preemption::Recompute, 0, prefix);
+            let Outcome {
+                done: want,
+                stats: plain,
+                ..
+            } = workload(seed, Preemption::Recompute, 0, prefix);
             recomputed += plain.recomputed_groups;
             for (p, swap) in [
                 (Preemption::Swap, 64),
                 (Preemption::Auto, 64),
                 (Preemption::Swap, 3),
             ] {
-                let (got, st) = workload(seed, p, swap, prefix);
+                let Outcome {
+                    done: got,
+                    stats: st,
+                    ..
+                } = workload(seed, p, swap, prefix);
                 assert_eq!(got, want, "seed {seed} {p:?} swap {swap} prefix {prefix}");
                 assert_eq!(st.blocks_swapped_in, st.blocks_swapped_out, "{st:?}");
                 if p == Preemption::Swap {
@@ -341,6 +373,118 @@ fn the_policy_never_changes_what_is_generated() {
     );
 }
 
+/// The model checker's property: on the same pool, no preemption policy
+/// drops a request that another finishes, and all of them generate the
+/// same sequences. 100 random workloads on a tight pool, five policies.
+#[test]
+fn no_policy_drops_a_request_another_finishes() {
+    let policies = [
+        (Preemption::Recompute, 0),
+        (Preemption::Swap, 64),
+        (Preemption::Auto, 64),
+        (Preemption::Swap, 3),
+        (Preemption::Auto, 3),
+    ];
+    let (mut recomputed, mut aborted) = (0, 0);
+    for seed in 0..100u64 {
+        let prefix = seed % 2 == 1;
+        let nb = 24 + (seed % 4) as u32 * 6;
+        let runs: Vec<Outcome> = policies
+            .iter()
+            .map(|&(p, swap)| run_workload(seed, p, swap, prefix, 16, nb))
+            .collect();
+        recomputed += runs[0].stats.recomputed_groups;
+        aborted += runs[0].aborted.len();
+        for (r, &(p, swap)) in runs.iter().zip(&policies).skip(1) {
+            assert_eq!(
+                r.aborted, runs[0].aborted,
+                "seed {seed} pool {nb}: {p:?} (swap {swap}) dropped other requests than Recompute"
+            );
+            assert_eq!(r.done, runs[0].done, "seed {seed} pool {nb}: {p:?} (swap {swap})");
+        }
+    }
+    // The pools were tight: groups were recomputed, and some requests
+    // (grown past the whole pool) were dropped by every policy alike.
+    assert!(recomputed > 50, "{recomputed}");
+    eprintln!("100 workloads x 5 policies: {recomputed} recomputed groups, {aborted} requests dropped by all");
+}
+
+/// A recomputed group of parallel samples re-prefills its shared prompt
+/// once and forks again: the prompt's positions are computed once more in
+/// all, not once per sample, and its full blocks are shared again.
+#[test]
+fn recompute_reprefills_a_group_once_and_forks_it_again() {
+    let bs = 4;
+    let cfg = BlockManagerConfig::new(24, bs);
+    let mut sc = SchedulerConfig::new(64, 8);
+    sc.preemption = Preemption::Recompute;
+    let mut s = Scheduler::new(cfg, sc).unwrap();
+    // A long-lived request first; the group arrives second, so it is the
+    // newest and the one preempted when the pool runs short.
+    let other = s.add_request(&toks(500, 40), 1, b"").unwrap();
+    let prompt = toks(100, 30);
+    let r = s.add_request(&prompt, 3, b"").unwrap();
+    let mut computed_prompt = 0;
+    let mut preempted_at = None;
+    let mut step_no = 0;
+    let mut finished = Vec::new();
+    let mut regrown_steps = 0;
+    while s.has_work() {
+        step_no += 1;
+        let step = s.schedule().unwrap();
+        if step.preempted().iter().any(|&(q, _)| q == r) {
+            preempted_at = Some(step_no);
+        }
+        for row in step.rows().iter().filter(|row| row.request == r) {
+            computed_prompt += row.positions.clone().filter(|&p| p < prompt.len()).count();
+        }
+        let outputs: Vec<GroupOutput> = step
+            .sample()
+            .iter()
+            .map(|&q| {
+                let n = s.sequences(q).unwrap().len();
+                let children = if q == r && n == 1 {
+                    (0..3).map(|i| Child { parent: 0, token: i, finished: false }).collect()
+                } else {
+                    (0..n)
+                        .map(|i| Child {
+                            parent: i,
+                            token: 7 + i as u32,
+                            finished: step_no > if q == other { 16 } else { 26 },
+                        })
+                        .collect()
+                };
+                GroupOutput { request: q, children }
+            })
+            .collect();
+        finished.extend(s.commit(&step, &outputs).unwrap());
+        if preempted_at.is_some() && s.sequences(r).map_or(0, |x| x.len()) == 3 {
+            // Regrown: the three samples share the prompt's full blocks again.
+            let ids = s.sequences(r).unwrap().to_vec();
+            let tables: Vec<Vec<u32>> =
+                ids.iter().map(|&id| s.blocks().block_table(id).unwrap().to_vec()).collect();
+            let full = prompt.len() / bs as usize;
+            regrown_steps += 1;
+            for b in 0..full {
+                assert!(tables.iter().all(|t| t[b] == tables[0][b]), "block {b}: {tables:?}");
+                assert_eq!(s.blocks().ref_count(tables[0][b]), Some(3));
+            }
+        }
+        assert!(step_no < 200);
+    }
+    assert!(preempted_at.is_some(), "the group was never preempted");
+    assert_eq!(s.stats().aborted, 0);
+    assert!(regrown_steps > 3, "{regrown_steps}");
+    // Once at admission, once after the recompute: not 1 + 3.
+    assert_eq!(computed_prompt, 2 * prompt.len());
+    let f = finished.iter().find(|f| f.request == r).unwrap();
+    assert_eq!(f.sequences.len(), 3);
+    for (i, seq) in f.sequences.iter().enumerate() {
+        assert_eq!(&seq[..prompt.len()], &prompt[..]);
+        assert_eq!(seq[prompt.len()], i as u32, "the samples kept their order");
+    }
+}
+
 #[test]
 fn bad_outputs_and_out_of_order_calls_are_refused() {
     let mut s =
@@ -359,7 +503,7 @@ fn bad_outputs_and_out_of_order_calls_are_refused() {
     ));
     let r = s.add_request(&[1, 2, 3, 4, 5], 2, b"").unwrap();
     let step = s.schedule().unwrap();
-    assert_eq!(step.sample, vec![r]);
+    assert_eq!(step.sample(), vec![r]);
     assert!(matches!(s.schedule(), Err(SchedulerError::StepOrder(_))));
     for bad in [
         vec![],
@@ -405,8 +549,8 @@ fn bad_outputs_and_out_of_order_calls_are_refused() {
         Err(SchedulerError::StepOrder(_))
     ));
     let step = s.schedule().unwrap();
-    assert_eq!(step.rows.len(), 2, "two samples decode");
-    assert_eq!(step.tokens, vec![7, 7]);
+    assert_eq!(step.rows().len(), 2, "two samples decode");
+    assert_eq!(step.tokens(), vec![7, 7]);
     s.commit(
         &step,
         &[GroupOutput {
@@ -430,11 +574,11 @@ fn a_request_that_outgrows_the_whole_pool_is_dropped_not_preempted_forever() {
         let mut steps = 0;
         let aborted = loop {
             let step = s.schedule().unwrap();
-            if !step.aborted.is_empty() {
-                break step.aborted;
+            if !step.aborted().is_empty() {
+                break step.aborted().to_vec();
             }
             let out: Vec<GroupOutput> = step
-                .sample
+                .sample()
                 .iter()
                 .map(|&request| GroupOutput {
                     request,
@@ -469,7 +613,7 @@ fn the_watermark_never_starves_an_idle_pool() {
     // One prompt block and four samples' growth: the whole pool.
     let r = s.add_request(&[1, 2, 3], 4, b"").unwrap();
     let step = s.schedule().unwrap();
-    assert_eq!(step.sample, vec![r], "admitted into an idle pool");
+    assert_eq!(step.sample(), vec![r], "admitted into an idle pool");
     let children = (0..4)
         .map(|_| Child {
             parent: 0,
@@ -486,8 +630,8 @@ fn the_watermark_never_starves_an_idle_pool() {
     )
     .unwrap();
     let step = s.schedule().unwrap();
-    assert_eq!(step.rows.len(), 4);
-    assert!(step.aborted.is_empty() && step.preempted.is_empty());
+    assert_eq!(step.rows().len(), 4);
+    assert!(step.aborted().is_empty() && step.preempted().is_empty());
     s.commit(
         &step,
         &[GroupOutput {

@@ -450,10 +450,10 @@ impl Demo {
             );
         }
         let step = self.sched.schedule()?;
-        let view = &step.plan.view;
-        rep.preempted = step.preempted.len() as u32;
-        rep.swapped_out = step.swap_out.len() as u32;
-        rep.swapped_in = step.swap_in.len() as u32;
+        let view = step.view();
+        rep.preempted = step.preempted().len() as u32;
+        rep.swapped_out = step.swap_out().len() as u32;
+        rep.swapped_in = step.swap_in().len() as u32;
         rep.copied = view.copies.len() as u32;
         rep.copies = view.copies.clone();
         rep.written = view
@@ -461,9 +461,9 @@ impl Demo {
             .iter()
             .filter(|&&s| s != SKIP_WRITE)
             .count() as u32;
-        rep.decoded = step.rows.len() as u32;
+        rep.decoded = step.rows().len() as u32;
         self.total_copies += view.copies.len() as u64;
-        if step.rows.is_empty() && self.sched.has_work() {
+        if step.rows().is_empty() && self.sched.has_work() {
             self.idle += 1;
         } else {
             self.idle = 0;
@@ -484,7 +484,7 @@ impl Demo {
             cascade: pagedattn::gpu::Cascade::On,
             ..Default::default()
         }];
-        if !step.rows.is_empty() {
+        if !step.rows().is_empty() {
             self.attn.plan_decode(
                 gpu,
                 &mut self.plan,
@@ -525,23 +525,23 @@ impl Demo {
         let per_block = nkv * bs * d;
         // Swap out (pool -> host) before anything reuses those blocks, then
         // swap in, then copy-on-write (all layers, one submit each).
-        if !step.swap_out.is_empty() {
+        if !step.swap_out().is_empty() {
             self.cache
-                .swap_out_async(gpu, &step.swap_out, &mut self.swap)
+                .swap_out_async(gpu, step.swap_out(), &mut self.swap)
                 .await?;
             Self::mirror_move(
                 &self.mirror,
                 &mut self.mirror_swap,
-                &step.swap_out,
+                step.swap_out(),
                 per_block,
             );
         }
-        if !step.swap_in.is_empty() {
-            self.cache.swap_in(gpu, &step.swap_in, &self.swap)?;
+        if !step.swap_in().is_empty() {
+            self.cache.swap_in(gpu, step.swap_in(), &self.swap)?;
             Self::mirror_move(
                 &self.mirror_swap,
                 &mut self.mirror,
-                &step.swap_in,
+                step.swap_in(),
                 per_block,
             );
         }
@@ -574,12 +574,12 @@ impl Demo {
                     }
                 }
             }
-            if step.rows.is_empty() {
+            if step.rows().is_empty() {
                 continue;
             }
             let q = self
                 .rng
-                .signed_vec(step.rows.len() * self.cfg.num_heads as usize * d);
+                .signed_vec(step.rows().len() * self.cfg.num_heads as usize * d);
             let bytes = (q.len() * 4) as u64;
             let qb = gpu.storage_init("q", &q)?;
             // Layer 0 of a cascade step also runs plain decode, timed the
@@ -648,8 +648,8 @@ impl Demo {
 
         // Sampling: the prompt's first token starts `samples` sequences,
         // each with its own output length; then one token per sequence.
-        let mut outputs = Vec::with_capacity(step.sample.len());
-        for &rid in &step.sample {
+        let mut outputs = Vec::with_capacity(step.sample().len());
+        for &rid in step.sample() {
             let st = self
                 .reqs
                 .get_mut(&rid)

@@ -233,7 +233,7 @@ impl<'a> Soak<'a> {
         // Sampling: the prompt's first token starts every sample; then one
         // token per sample until its output length.
         let mut outputs = Vec::new();
-        for &rid in &step.sample {
+        for &rid in step.sample() {
             let (req, left) = self.live.get_mut(&rid).unwrap();
             let mut children = Vec::new();
             let mut next = Vec::new();
@@ -274,7 +274,7 @@ impl<'a> Soak<'a> {
     /// copy_blocks, then write_kv and decode for every layer, each decode
     /// compared to the reference over the mirror.
     fn run_gpu(&mut self, step: &Step) {
-        let view = &step.plan.view;
+        let view = step.view();
         let (kvh, d, bs) = (
             self.cfg.num_kv_heads as usize,
             self.cfg.head_dim as usize,
@@ -293,32 +293,32 @@ impl<'a> Soak<'a> {
                     }
                 }
             };
-        if !step.swap_out.is_empty() {
+        if !step.swap_out().is_empty() {
             self.kv
-                .swap_out(self.gpu, &step.swap_out, &mut self.swap)
+                .swap_out(self.gpu, step.swap_out(), &mut self.swap)
                 .unwrap();
-            moves(&self.mirror, &mut self.mirror_swap, &step.swap_out);
+            moves(&self.mirror, &mut self.mirror_swap, step.swap_out());
             self.rep.swapped_groups += step
-                .preempted
+                .preempted()
                 .iter()
                 .filter(|p| p.1 == Preemption::Swap)
                 .count() as u64;
-            self.rep.blocks_swapped += step.swap_out.len() as u64;
+            self.rep.blocks_swapped += step.swap_out().len() as u64;
         }
-        if !step.swap_in.is_empty() {
+        if !step.swap_in().is_empty() {
             self.kv
-                .swap_in(self.gpu, &step.swap_in, &self.swap)
+                .swap_in(self.gpu, step.swap_in(), &self.swap)
                 .unwrap();
-            moves(&self.mirror_swap, &mut self.mirror, &step.swap_in);
+            moves(&self.mirror_swap, &mut self.mirror, step.swap_in());
         }
         self.rep.copies += view.copies.len() as u64;
         self.kv.copy_blocks(self.gpu, &view.copies).unwrap();
         // Token id and position of every new slot, in slot_mapping order.
         let mut new_tokens = Vec::with_capacity(view.slot_mapping.len());
-        for r in &step.rows {
+        for r in step.rows() {
             new_tokens.extend(r.positions.clone().map(|p| (0u32, p)));
         }
-        for (nt, &t) in new_tokens.iter_mut().zip(&step.tokens) {
+        for (nt, &t) in new_tokens.iter_mut().zip(step.tokens()) {
             nt.0 = t;
         }
         let params = AttnParams::new(self.cfg.num_heads as usize, d);
@@ -353,12 +353,12 @@ impl<'a> Soak<'a> {
                     }
                 }
             }
-            if step.rows.is_empty() {
+            if step.rows().is_empty() {
                 continue;
             }
             let q = self
                 .rng
-                .signed_vec(step.rows.len() * self.cfg.num_heads as usize * d);
+                .signed_vec(step.rows().len() * self.cfg.num_heads as usize * d);
             let out = self
                 .attn
                 .decode(

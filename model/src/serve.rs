@@ -327,7 +327,7 @@ impl Server {
         let t0 = Instant::now();
         let step = self.sched.schedule()?;
         let mut ended = Vec::new();
-        for &r in &step.aborted {
+        for &r in step.aborted() {
             self.reqs.remove(&r);
             self.stats.aborted += 1;
             ended.push(Completion {
@@ -336,31 +336,31 @@ impl Server {
                 aborted: true,
             });
         }
-        self.stats.preempted += step.preempted.len();
+        self.stats.preempted += step.preempted().len();
         let gpu = &self.model.gpu;
-        if !step.swap_out.is_empty() || !step.swap_in.is_empty() {
+        if !step.swap_out().is_empty() || !step.swap_in().is_empty() {
             let space = self.swap.as_mut().ok_or_else(|| {
                 ModelError::Request("the scheduler swapped without swap space".into())
             })?;
-            if !step.swap_out.is_empty() {
-                self.model.cache.swap_out(gpu, &step.swap_out, space)?;
-                self.stats.swapped_out_blocks += step.swap_out.len();
+            if !step.swap_out().is_empty() {
+                self.model.cache.swap_out(gpu, step.swap_out(), space)?;
+                self.stats.swapped_out_blocks += step.swap_out().len();
             }
-            if !step.swap_in.is_empty() {
-                self.model.cache.swap_in(gpu, &step.swap_in, space)?;
+            if !step.swap_in().is_empty() {
+                self.model.cache.swap_in(gpu, step.swap_in(), space)?;
             }
         }
-        if step.rows.is_empty() {
+        if step.rows().is_empty() {
             for f in self.sched.commit(&step, &[])? {
                 ended.push(self.finish(f.request));
             }
             return Ok(ended);
         }
-        let mut positions = Vec::with_capacity(step.tokens.len());
+        let mut positions = Vec::with_capacity(step.tokens().len());
         let mut logit_rows = Vec::new();
         let mut row_of = HashMap::new();
         let mut prompt_work = false;
-        for row in &step.rows {
+        for row in step.rows() {
             positions.extend(row.positions.clone().map(|p| p as u32));
             if row.logits {
                 row_of.insert((row.request, row.index), logit_rows.len());
@@ -370,18 +370,18 @@ impl Server {
             prompt_work |= row.positions.len() > 1 || !started;
         }
         let logits = self.model.forward(&StepInput {
-            view: &step.plan.view,
-            tokens: &step.tokens,
+            view: step.view(),
+            tokens: step.tokens(),
             positions: &positions,
             logit_rows: &logit_rows,
         })?;
         let mut profile_secs = 0.0;
-        if !prompt_work && self.profile.is_some_and(|r| step.rows.len() >= r) {
+        if !prompt_work && self.profile.is_some_and(|r| step.rows().len() >= r) {
             self.profile = None;
             let tp = Instant::now();
             let input = StepInput {
-                view: &step.plan.view,
-                tokens: &step.tokens,
+                view: step.view(),
+                tokens: step.tokens(),
                 positions: &positions,
                 logit_rows: &logit_rows,
             };
@@ -401,7 +401,7 @@ impl Server {
             let full = time(&mut self.model, false)?;
             let without = time(&mut self.model, true)?;
             self.stats.attention_share = Some((1.0 - without / full).clamp(0.0, 1.0));
-            self.stats.profiled_rows = step.rows.len();
+            self.stats.profiled_rows = step.rows().len();
             profile_secs = tp.elapsed().as_secs_f64();
         }
         // Each logit row's log-probabilities, once: sampling, beam scores
@@ -409,8 +409,8 @@ impl Server {
         let vocab = self.model.shape.vocab;
         let lps: Vec<Vec<f64>> = logits.chunks_exact(vocab).map(log_softmax).collect();
 
-        let mut outputs = Vec::with_capacity(step.sample.len());
-        for &request in &step.sample {
+        let mut outputs = Vec::with_capacity(step.sample().len());
+        for &request in step.sample() {
             let st = self
                 .reqs
                 .get_mut(&request)
@@ -505,16 +505,16 @@ impl Server {
         let secs = t0.elapsed().as_secs_f64() - profile_secs;
         let s = &mut self.stats;
         s.steps += 1;
-        s.copies += step.plan.view.copies.len();
-        s.peak_batch = s.peak_batch.max(step.rows.len());
+        s.copies += step.view().copies.len();
+        s.peak_batch = s.peak_batch.max(step.rows().len());
         s.peak_blocks_used = s.peak_blocks_used.max(st.used);
         s.peak_blocks_shared = s.peak_blocks_shared.max(st.shared);
         if prompt_work {
-            s.prefill_tokens += step.tokens.len();
+            s.prefill_tokens += step.tokens().len();
             s.prefill_secs += secs;
             s.prefill_steps += 1;
         } else {
-            s.decode_tokens += step.tokens.len();
+            s.decode_tokens += step.tokens().len();
             s.decode_secs += secs;
         }
         Ok(ended)

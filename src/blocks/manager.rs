@@ -145,20 +145,57 @@ struct SeqSlot {
 
 /// One step's work, planned by [`BlockManager::plan_step`] without changing
 /// anything, and applied by [`BlockManager::commit_step`] once the GPU work
-/// is encoded. `view` is what the GPU needs.
+/// is encoded. [`view`](Self::view) is what the GPU needs.
+///
+/// Its contents are read-only: a plan can only come from the manager, and
+/// [`commit_step`](BlockManager::commit_step) applies exactly what it
+/// planned. An edited plan cannot be written:
+///
+/// ```compile_fail
+/// # use pagedattn::blocks::{BlockManager, BlockManagerConfig};
+/// let mut m = BlockManager::new(BlockManagerConfig::new(8, 4)).unwrap();
+/// let a = m.add_sequence(&[1, 2, 3]).unwrap();
+/// let mut plan = m.plan_step(&[(a, 8)]).unwrap();
+/// plan.chunks[0] += 1; // private: does not compile
+/// ```
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct StepPlan {
-    /// Tables, lengths (up to the end of each chunk), the chunk tokens'
-    /// slots and the pending copy-on-write pairs, in the order asked for.
-    pub view: BatchView,
-    /// Tokens of each sequence in this step (its chunk).
-    pub chunks: Vec<usize>,
-    /// Whether each sequence's chunk reaches its newest token, so that the
-    /// step computes its next-token logits.
-    pub completes: Vec<bool>,
+    view: BatchView,
+    chunks: Vec<usize>,
+    completes: Vec<bool>,
     ids: Vec<SeqId>,
     epoch: u64,
     owner: u32,
+}
+
+impl StepPlan {
+    /// Tables, lengths (up to the end of each chunk), the chunk tokens'
+    /// slots and the pending copy-on-write pairs, in the order asked for.
+    pub fn view(&self) -> &BatchView {
+        &self.view
+    }
+
+    /// Tokens of each sequence in this step (its chunk).
+    pub fn chunks(&self) -> &[usize] {
+        &self.chunks
+    }
+
+    /// Whether each sequence's chunk reaches its newest token, so that the
+    /// step computes its next-token logits.
+    pub fn completes(&self) -> &[bool] {
+        &self.completes
+    }
+
+    /// The sequences of the step, in the order asked for.
+    pub fn seqs(&self) -> &[SeqId] {
+        &self.ids
+    }
+
+    /// Takes the view out (the plan keeps empty vectors and can no longer
+    /// be committed).
+    pub fn into_view(self) -> BatchView {
+        self.view
+    }
 }
 
 /// Root of a digest chain: the cache salt (namespace), domain-separated.
@@ -231,6 +268,11 @@ impl BlockManager {
     /// The configuration this manager was built with.
     pub fn config(&self) -> &BlockManagerConfig {
         &self.cfg
+    }
+
+    /// Id of this manager: what its handles carry.
+    pub(crate) fn owner(&self) -> u32 {
+        self.owner
     }
 
     /// Tokens per block.
@@ -829,6 +871,19 @@ impl BlockManager {
     pub fn commit_step(&mut self, plan: &StepPlan) -> Result<(), BlockError> {
         if plan.epoch != self.epoch || plan.owner != self.owner {
             return Err(BlockError::StalePlan);
+        }
+        // A plan comes only from `plan_step` on this state (its fields are
+        // private, and the epoch moved on otherwise), so what follows holds
+        // by construction; it is checked anyway, before anything changes,
+        // so that no plan can ever wrap a count.
+        if plan.ids.len() != plan.chunks.len() {
+            return Err(BlockError::StalePlan);
+        }
+        for (&id, &chunk) in plan.ids.iter().zip(&plan.chunks) {
+            match self.resident(id) {
+                Ok(s) if chunk <= s.pending => {}
+                _ => return Err(BlockError::StalePlan),
+            }
         }
         self.epoch += 1;
         let mut sink = Vec::new();

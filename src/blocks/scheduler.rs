@@ -18,13 +18,26 @@ use std::ops::Range;
 
 use super::{BlockError, BlockManager, BlockManagerConfig, SeqId, StepPlan};
 
-/// Handle of a request in a [`Scheduler`]; never reused.
+/// Handle of a request in a [`Scheduler`]; never reused. Like [`SeqId`]
+/// it carries the scheduler that issued it, so a handle from another
+/// scheduler is refused (`SchedulerError::UnknownRequest`) rather than
+/// naming that scheduler's request of the same number.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct RequestId(u64);
+pub struct RequestId {
+    number: u64,
+    owner: u32,
+}
+
+impl RequestId {
+    /// Arrival number in its scheduler (0 for the first request).
+    pub fn number(self) -> u64 {
+        self.number
+    }
+}
 
 impl std::fmt::Display for RequestId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "r{}", self.0)
+        write!(f, "r{}", self.number)
     }
 }
 
@@ -141,33 +154,93 @@ pub struct Row {
     pub logits: bool,
 }
 
-/// One scheduled step. Run, in order: `swap_out` (pool block to host
-/// block), `swap_in` (host block to pool block), `plan.view.copies`
-/// (copy-on-write), then the model over `tokens` with `plan.view`'s tables
-/// and slots, and hand the sampled tokens of the groups in `sample` to
-/// [`Scheduler::commit`].
+/// One scheduled step. Run, in order: [`swap_out`](Self::swap_out) (pool
+/// block to host block), [`swap_in`](Self::swap_in) (host block to pool
+/// block), the view's `copies` (copy-on-write), then the model over
+/// [`tokens`](Self::tokens) with the [`view`](Self::view)'s tables and
+/// slots, and hand the sampled tokens of the groups in
+/// [`sample`](Self::sample) to [`Scheduler::commit`].
+///
+/// A step is read-only: only [`Scheduler::schedule`] makes one, and
+/// [`Scheduler::commit`] takes only the step in flight of its own
+/// scheduler, so no edited or foreign step can be committed:
+///
+/// ```compile_fail
+/// # use pagedattn::blocks::{BlockManagerConfig, Scheduler, SchedulerConfig};
+/// let mut s = Scheduler::new(BlockManagerConfig::new(8, 4), SchedulerConfig::new(8, 2)).unwrap();
+/// s.add_request(&[1, 2, 3], 1, b"").unwrap();
+/// let mut step = s.schedule().unwrap();
+/// step.sample.clear(); // private: does not compile
+/// ```
 #[derive(Clone, Debug, Default)]
 pub struct Step {
-    /// The batch, row by row (the order of `plan.view`).
-    pub rows: Vec<Row>,
-    /// Token ids of every row's positions, row after row (aligned with
-    /// `plan.view.slot_mapping`).
-    pub tokens: Vec<u32>,
+    rows: Vec<Row>,
+    tokens: Vec<u32>,
+    plan: StepPlan,
+    swap_out: Vec<[u32; 2]>,
+    swap_in: Vec<[u32; 2]>,
+    preempted: Vec<(RequestId, Preemption)>,
+    sample: Vec<RequestId>,
+    aborted: Vec<RequestId>,
+    number: u64,
+    owner: u32,
+}
+
+impl Step {
+    /// The batch, row by row (the order of the view).
+    pub fn rows(&self) -> &[Row] {
+        &self.rows
+    }
+
+    /// Token ids of every row's positions, row after row (aligned with the
+    /// view's `slot_mapping`).
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
     /// The block manager's plan: tables, lengths, slots, copies.
-    pub plan: StepPlan,
+    pub fn plan(&self) -> &StepPlan {
+        &self.plan
+    }
+
+    /// The plan's view: what the GPU needs (tables, lengths, slots,
+    /// copy-on-write pairs).
+    pub fn view(&self) -> &super::BatchView {
+        self.plan.view()
+    }
+
     /// Copies `(pool block, host block)` of groups swapped out this step.
-    pub swap_out: Vec<[u32; 2]>,
+    pub fn swap_out(&self) -> &[[u32; 2]] {
+        &self.swap_out
+    }
+
     /// Copies `(host block, pool block)` of groups swapped in this step.
-    pub swap_in: Vec<[u32; 2]>,
+    pub fn swap_in(&self) -> &[[u32; 2]] {
+        &self.swap_in
+    }
+
     /// Groups preempted this step, and how.
-    pub preempted: Vec<(RequestId, Preemption)>,
+    pub fn preempted(&self) -> &[(RequestId, Preemption)] {
+        &self.preempted
+    }
+
     /// Groups whose every sequence yields logits: each needs a
     /// [`GroupOutput`] in the commit.
-    pub sample: Vec<RequestId>,
-    /// Requests dropped because they cannot grow even with the whole pool
-    /// to themselves (their blocks are freed; they will never finish).
-    pub aborted: Vec<RequestId>,
-    number: u64,
+    pub fn sample(&self) -> &[RequestId] {
+        &self.sample
+    }
+
+    /// Requests dropped because they cannot fit even with the whole pool to
+    /// themselves (their blocks are freed; they will never finish). Every
+    /// preemption policy drops the same requests on the same pool.
+    pub fn aborted(&self) -> &[RequestId] {
+        &self.aborted
+    }
+
+    /// Number of the step in its scheduler (1 for the first).
+    pub fn number(&self) -> u64 {
+        self.number
+    }
 }
 
 /// Counters since the scheduler was made.
@@ -200,12 +273,77 @@ struct Group {
     width: usize,
     /// Live sequences (running or swapped).
     seqs: Vec<SeqId>,
-    /// Waiting: the token lists to add as sequences at admission.
+    /// Waiting: the token lists to add as sequences at admission. While
+    /// the group regrows after a recompute, the sequences it regrows into.
     sources: Vec<Vec<u32>>,
+    /// Regrowing after a recompute (empty otherwise), aligned with `seqs`:
+    /// the sources each sequence still stands for. A sequence standing for
+    /// several is their shared prefix; once written, it forks where they
+    /// part, so the group's blocks are shared as they were before.
+    targets: Vec<Vec<usize>>,
     /// Children to apply at the next schedule.
     children: Vec<Child>,
     /// Sequences finished so far.
     done: Vec<Vec<u32>>,
+}
+
+/// Longest prefix the sources `members` share, short of the shortest one's
+/// last token: where they stop sharing one sequence while a recomputed
+/// group regrows (each sequence computes its own last token, for its
+/// logits).
+fn shared_len(sources: &[Vec<u32>], members: &[usize]) -> usize {
+    let first = &sources[members[0]];
+    let mut n = first.len();
+    for &j in &members[1..] {
+        let s = &sources[j];
+        n = n.min(first.iter().zip(s).take_while(|(a, b)| a == b).count());
+    }
+    let shortest = members.iter().map(|&j| sources[j].len()).min().unwrap_or(0);
+    n.min(shortest.saturating_sub(1))
+}
+
+/// How one written sequence of `len` tokens, standing for `members`,
+/// splits: per new sequence, the sources it stands for and the length it
+/// is appended to. Sources part at their first differing token; a part of
+/// several continues as their shared prefix.
+fn splits(sources: &[Vec<u32>], members: &[usize], len: usize) -> Vec<(Vec<usize>, usize)> {
+    let mut parts: Vec<(u32, Vec<usize>)> = Vec::new();
+    for &j in members {
+        let t = sources[j][len];
+        match parts.iter_mut().find(|(k, _)| *k == t) {
+            Some((_, p)) => p.push(j),
+            None => parts.push((t, vec![j])),
+        }
+    }
+    let mut out = Vec::with_capacity(members.len());
+    for (_, part) in parts {
+        if part.len() > 1 {
+            let end = shared_len(sources, &part);
+            if end > len {
+                out.push((part, end));
+                continue;
+            }
+        }
+        // Alone, or equal up to the last token: each its own sequence.
+        out.extend(part.into_iter().map(|j| (vec![j], sources[j].len())));
+    }
+    out
+}
+
+/// Blocks a group takes once regrown into `sources`: each source's
+/// blocks, less the full blocks it shares with an earlier one (the layout
+/// the regrowth builds: sources share the full blocks before the token
+/// where they part, and no more).
+fn regrown_blocks(sources: &[Vec<u32>], block_size: usize) -> usize {
+    let mut total = 0;
+    for (i, s) in sources.iter().enumerate() {
+        let shared = (0..i)
+            .map(|k| shared_len(sources, &[k, i]))
+            .max()
+            .unwrap_or(0);
+        total += s.len().div_ceil(block_size) - shared / block_size;
+    }
+    total
 }
 
 /// Continuous batching over a [`BlockManager`] it owns. See the module docs.
@@ -220,10 +358,10 @@ struct Group {
 /// let mut out = Vec::new();
 /// while s.has_work() {
 ///     let step = s.schedule().unwrap();
-///     // ... run swaps, copies and the model over step.plan.view ...
-///     let outputs: Vec<GroupOutput> = step.sample.iter().map(|&request| GroupOutput {
+///     // ... run swaps, copies and the model over step.view() ...
+///     let outputs: Vec<GroupOutput> = step.sample().iter().map(|&request| GroupOutput {
 ///         request,
-///         children: (0..2).map(|i| Child { parent: i.min(step.rows.len() - 1), token: 1, finished: true }).collect(),
+///         children: (0..2).map(|i| Child { parent: i.min(step.rows().len() - 1), token: 1, finished: true }).collect(),
 ///     }).collect();
 ///     out.extend(s.commit(&step, &outputs).unwrap());
 /// }
@@ -345,7 +483,10 @@ impl Scheduler {
                 bc.num_blocks
             )));
         }
-        let id = RequestId(self.next_request);
+        let id = RequestId {
+            number: self.next_request,
+            owner: self.blocks.owner(),
+        };
         self.next_request += 1;
         self.waiting.push_back(Group {
             id,
@@ -353,6 +494,7 @@ impl Scheduler {
             width,
             seqs: Vec::new(),
             sources: vec![prompt.to_vec()],
+            targets: Vec::new(),
             children: Vec::new(),
             done: Vec::new(),
         });
@@ -463,7 +605,10 @@ impl Scheduler {
         debug_assert_eq!(mode, Preemption::Recompute);
         let mut sources = Vec::new();
         let live: Vec<Child> = g.children.iter().filter(|c| !c.finished).copied().collect();
-        if live.is_empty() {
+        if !g.targets.is_empty() {
+            // Still regrowing from an earlier recompute: the same sources.
+            sources = std::mem::take(&mut g.sources);
+        } else if live.is_empty() {
             for &id in &g.seqs {
                 sources.push(self.blocks.tokens(id)?.to_vec());
             }
@@ -481,6 +626,7 @@ impl Scheduler {
         }
         g.seqs.clear();
         g.children.clear();
+        g.targets.clear();
         g.sources = sources;
         self.stats.recomputed_groups += 1;
         step.preempted.push((g.id, Preemption::Recompute));
@@ -500,18 +646,113 @@ impl Scheduler {
             .map(|&id| self.blocks.pending_tokens(id))
             .collect::<Result<_, _>>()?;
         let total: usize = pending.iter().sum();
-        if total <= budget {
+        if total <= budget && g.targets.is_empty() {
             return Ok(pending);
         }
+        // While regrowing, a shared prefix is written whole (it then
+        // splits), and a sequence standing for one source keeps its last
+        // token back until the group has regrown, so that every sequence
+        // reaches its logits in the same step.
         let mut left = budget;
         Ok(pending
             .iter()
-            .map(|&p| {
-                let c = p.saturating_sub(1).min(left);
+            .enumerate()
+            .map(|(i, &p)| {
+                let whole = g.targets.get(i).is_some_and(|t| t.len() > 1);
+                let c = if whole { p } else { p.saturating_sub(1) }.min(left);
                 left -= c;
                 c
             })
             .collect())
+    }
+
+    /// Pool blocks the next split of a regrowing group takes: per
+    /// sequence written up to its shared prefix, the blocks its parts'
+    /// appends take (copying the partly filled last block for all but one).
+    fn regrow_cost(&self, g: &Group) -> Result<usize, BlockError> {
+        let bs = self.blocks.block_size() as usize;
+        let mut total = 0;
+        for (i, &id) in g.seqs.iter().enumerate() {
+            let Some(members) = g.targets.get(i).filter(|t| t.len() > 1) else {
+                continue;
+            };
+            if self.blocks.pending_tokens(id)? > 0 {
+                continue;
+            }
+            let len = self.blocks.seq_len(id)?;
+            let parts = splits(&g.sources, members, len);
+            total += parts
+                .iter()
+                .map(|(_, end)| end.div_ceil(bs) - len / bs)
+                .sum::<usize>();
+            if len % bs != 0 {
+                total -= 1; // the last to append keeps the original block
+            }
+        }
+        Ok(total)
+    }
+
+    /// Splits every written shared prefix of a regrowing group (forks
+    /// first, then the appends); once each sequence stands for one source,
+    /// puts them back in the group's order and ends the regrowth. The
+    /// caller checked the blocks ([`regrow_cost`](Self::regrow_cost)).
+    fn regrow(blocks: &mut BlockManager, g: &mut Group) -> Result<(), BlockError> {
+        if g.targets.is_empty() {
+            return Ok(());
+        }
+        let mut seqs = Vec::with_capacity(g.width);
+        let mut targets = Vec::with_capacity(g.width);
+        let mut appends = Vec::new();
+        for (i, &id) in g.seqs.iter().enumerate() {
+            let members = std::mem::take(&mut g.targets[i]);
+            if members.len() == 1 || blocks.pending_tokens(id)? > 0 {
+                seqs.push(id);
+                targets.push(members);
+                continue;
+            }
+            let len = blocks.seq_len(id)?;
+            for (k, (part, end)) in splits(&g.sources, &members, len).into_iter().enumerate() {
+                let sid = if k == 0 { id } else { blocks.fork(id)? };
+                appends.push((sid, part[0], len, end));
+                seqs.push(sid);
+                targets.push(part);
+            }
+        }
+        for (sid, j, len, end) in appends {
+            blocks.append(sid, &g.sources[j][len..end])?;
+        }
+        if targets.iter().all(|t| t.len() == 1) {
+            let mut order: Vec<(usize, SeqId)> = targets.iter().map(|t| t[0]).zip(seqs).collect();
+            order.sort_unstable_by_key(|&(j, _)| j);
+            g.seqs = order.into_iter().map(|(_, id)| id).collect();
+            g.targets.clear();
+            g.sources.clear();
+        } else {
+            g.seqs = seqs;
+            g.targets = targets;
+        }
+        Ok(())
+    }
+
+    /// Blocks admitting a waiting group takes in the end (prefix-cache hits
+    /// not counted), and the length of the shared prefix it regrows from
+    /// (0: its sources are added as they are).
+    fn admission_blocks(&self, g: &Group) -> (usize, usize) {
+        let bs = self.blocks.block_size() as usize;
+        let all: Vec<usize> = (0..g.sources.len()).collect();
+        let shared = if g.sources.len() > 1 {
+            shared_len(&g.sources, &all)
+        } else {
+            0
+        };
+        if shared == 0 {
+            let n = g.sources.iter().map(|s| self.blocks.blocks_to_add(s, &g.salt)).sum();
+            return (n, 0);
+        }
+        let prefix = &g.sources[0][..shared];
+        let n = self.blocks.blocks_to_add(prefix, &g.salt) + regrown_blocks(&g.sources, bs)
+            - shared.div_ceil(bs);
+        (n, shared)
     }
 
     /// Decides the next step. See [`Step`] for what to run.
@@ -533,7 +774,7 @@ impl Scheduler {
         loop {
             let mut need = 0usize;
             for g in &self.running {
-                need += self.children_cost(g)?;
+                need += self.children_cost(g)? + self.regrow_cost(g)?;
             }
             if need <= self.blocks.available_blocks() {
                 break;
@@ -553,6 +794,7 @@ impl Scheduler {
         }
         for g in &mut self.running {
             Self::apply_children(&mut self.blocks, g)?;
+            Self::regrow(&mut self.blocks, g)?;
         }
         let preempted = !step.preempted.is_empty();
         // 2. Swapped groups back in, oldest first, when nothing was
@@ -567,7 +809,7 @@ impl Scheduler {
         let mut reserved = 0usize;
         while let (false, Some(g)) = (preempted, self.swapped.front()) {
             let grow = g.children.iter().filter(|c| !c.finished).count();
-            let need = self.blocks.swap_in_blocks(&g.seqs)? + grow;
+            let need = self.blocks.swap_in_blocks(&g.seqs)? + grow + self.regrow_cost(g)?;
             let idle = self.running.is_empty();
             let wm = if idle { 0 } else { self.cfg.watermark_blocks };
             if need + reserved + wm > self.blocks.available_blocks()
@@ -598,6 +840,7 @@ impl Scheduler {
         }
         for g in self.running.iter_mut().filter(|g| back.contains(&g.id)) {
             Self::apply_children(&mut self.blocks, g)?;
+            Self::regrow(&mut self.blocks, g)?;
         }
         // 3. The token budget: running groups in arrival order (decodes
         //    take one token a sequence), then admissions.
@@ -633,13 +876,14 @@ impl Scheduler {
             }
             // The watermark keeps room for running groups to grow; with
             // none, it would only keep the pool idle.
+            // Headroom of one block per sequence to grow; an idle pool
+            // admits without it (it would only wait for itself).
             let idle = self.running.is_empty();
-            let mut need = g.width + if idle { 0 } else { self.cfg.watermark_blocks };
-            for s in &g.sources {
-                need += self.blocks.blocks_to_add(s, &g.salt);
-            }
-            if need > self.blocks.available_blocks() {
-                if idle {
+            let (blocks, shared) = self.admission_blocks(g);
+            let need = blocks + g.width + if idle { 0 } else { self.cfg.watermark_blocks };
+            let available = self.blocks.available_blocks();
+            if need > available {
+                if idle && blocks > available {
                     // Nothing runs or is swapped out: every block is free or
                     // evictable, and it still does not fit (a recompute of a
                     // group grown past the pool). It never will: drop it.
@@ -648,13 +892,23 @@ impl Scheduler {
                     step.aborted.push(g.id);
                     continue;
                 }
-                break;
+                if !idle {
+                    break;
+                }
             }
             let mut g = self.waiting.pop_front().expect("front exists");
             width += g.width;
-            for s in std::mem::take(&mut g.sources) {
-                let id = self.blocks.add_sequence_salted(&s, &g.salt)?;
+            if shared > 0 {
+                // A recomputed group of several sequences: its shared
+                // prefix once; it forks where they part (`regrow`).
+                let id = self.blocks.add_sequence_salted(&g.sources[0][..shared], &g.salt)?;
                 g.seqs.push(id);
+                g.targets.push((0..g.sources.len()).collect());
+            } else {
+                for s in std::mem::take(&mut g.sources) {
+                    let id = self.blocks.add_sequence_salted(&s, &g.salt)?;
+                    g.seqs.push(id);
+                }
             }
             let chunks = self.chunks(&g, budget)?;
             let sum: usize = chunks.iter().sum();
@@ -684,15 +938,17 @@ impl Scheduler {
             let g = &self.running[gi];
             let id = g.seqs[si];
             let tokens = self.blocks.tokens(id)?;
-            let end = step.plan.view.seq_lens[i] as usize;
-            let start = end - step.plan.chunks[i];
+            let end = step.plan.view().seq_lens[i] as usize;
+            let start = end - step.plan.chunks()[i];
             step.tokens.extend_from_slice(&tokens[start..end]);
             step.rows.push(Row {
                 request: g.id,
                 index: si,
                 seq: id,
                 positions: start..end,
-                logits: step.plan.completes[i] && step.plan.chunks[i] > 0,
+                logits: step.plan.completes()[i]
+                    && step.plan.chunks()[i] > 0
+                    && g.targets.is_empty(),
             });
             // A group's rows are adjacent: it samples when every one of its
             // sequences is in the batch and reaches its logits.
@@ -702,8 +958,8 @@ impl Scheduler {
                 let all = owners
                     .get(i..i + n)
                     .is_some_and(|o| o.iter().all(|&(a, _)| a == gi))
-                    && step.plan.completes[i..i + n].iter().all(|&c| c);
-                if all {
+                    && step.plan.completes()[i..i + n].iter().all(|&c| c);
+                if all && g.targets.is_empty() {
                     step.sample.push(g.id);
                 }
             }
@@ -711,6 +967,7 @@ impl Scheduler {
         self.steps += 1;
         self.stats.steps += 1;
         step.number = self.steps;
+        step.owner = self.blocks.owner();
         self.in_flight = Some(self.steps);
         Ok(step)
     }
@@ -727,7 +984,7 @@ impl Scheduler {
         step: &Step,
         outputs: &[GroupOutput],
     ) -> Result<Vec<Finished>, SchedulerError> {
-        if self.in_flight != Some(step.number) {
+        if self.in_flight != Some(step.number) || step.owner != self.blocks.owner() {
             return Err(SchedulerError::StepOrder(
                 "commit of a step that is not in flight",
             ));

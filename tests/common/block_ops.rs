@@ -1435,9 +1435,9 @@ impl Harness {
             .m
             .plan_step(&batch)
             .expect("distinct resident sequences");
-        self.note(format!("plan_step {batch:?} -> chunks {:?}", plan.chunks));
+        self.note(format!("plan_step {batch:?} -> chunks {:?}", plan.chunks()));
         self.expect_unchanged(&pre, "plan_step");
-        let v = &plan.view;
+        let v = &plan.view();
         assert_eq!(v.copies, pre.pending_copies());
         for (i, &(id, budget)) in batch.iter().enumerate() {
             let seq = &self.model[&id];
@@ -1445,8 +1445,8 @@ impl Harness {
             let first = len - seq.pending;
             let chunk = seq.pending.min(budget);
             let end = first + chunk;
-            assert_eq!(plan.chunks[i], chunk);
-            assert_eq!(plan.completes[i], chunk == seq.pending);
+            assert_eq!(plan.chunks()[i], chunk);
+            assert_eq!(plan.completes()[i], chunk == seq.pending);
             assert_eq!(v.seq_lens[i] as usize, end);
             let table = &v.kv_indices[v.kv_indptr[i] as usize..v.kv_indptr[i + 1] as usize];
             assert_eq!(table, &seq.table[..self.blocks_for(end)]);
@@ -1474,19 +1474,19 @@ impl Harness {
         self.m.commit_step(&plan).expect("a fresh plan commits");
         assert!(self.m.pending_copies().is_empty());
         self.model_copies_taken();
-        self.apply_copies(&plan.view.copies);
+        self.apply_copies(&plan.view().copies);
         for (i, &(id, _)) in batch.iter().enumerate() {
             let seq = self.model.get_mut(&id).expect("live");
             let len = seq.tokens.len();
             let first = len - seq.pending;
-            let slots = &plan.view.slot_mapping
-                [plan.view.new_indptr[i] as usize..plan.view.new_indptr[i + 1] as usize];
+            let slots = &plan.view().slot_mapping
+                [plan.view().new_indptr[i] as usize..plan.view().new_indptr[i + 1] as usize];
             for (p, &slot) in (first..).zip(slots) {
                 if slot != SKIP_WRITE {
                     self.pool[slot as usize] = Some(seq.tokens[p]);
                 }
             }
-            let chunk = plan.chunks[i];
+            let chunk = plan.chunks()[i];
             seq.pending -= chunk;
             if chunk > 0 {
                 seq.capped = false;

@@ -524,7 +524,7 @@ pub fn scheduler_us_per_seq(steps: usize) -> f64 {
     let run = |s: &mut Scheduler| -> usize {
         let step = s.schedule().expect("pool sized for the run");
         let outs: Vec<GroupOutput> = step
-            .sample
+            .sample()
             .iter()
             .map(|&request| GroupOutput {
                 request,
@@ -536,7 +536,7 @@ pub fn scheduler_us_per_seq(steps: usize) -> f64 {
             })
             .collect();
         s.commit(&step, &outs).expect("outputs match the step");
-        step.rows.len()
+        step.rows().len()
     };
     // Prefill in chunks until every sequence decodes.
     while run(&mut s) < batch || s.queue_lengths().0 > 0 {}

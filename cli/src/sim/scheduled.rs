@@ -111,14 +111,14 @@ pub(super) fn run(
             next += 1;
         }
         let step = sched.schedule().map_err(|e| internal("schedule", e))?;
-        if let Some(rid) = step.aborted.first() {
+        if let Some(rid) = step.aborted().first() {
             let req = &reqs[live[rid].req];
             return Err(SimError::TooSmall {
                 request: req.id,
                 tokens: req.prompt.len() + req.outputs.iter().max().copied().unwrap_or(0),
             });
         }
-        let view = &step.plan.view;
+        let view = step.view();
         count_copies(&view.copies, &mut counters);
         if !view.seq_lens.is_empty() {
             let t = pagedattn::gpu::find_segments(
@@ -132,7 +132,7 @@ pub(super) fn run(
             counters.attn_tokens_plain += t.plain_tokens;
             counters.attn_tokens_cascade += t.cascade_tokens;
         }
-        for row in &step.rows {
+        for row in step.rows() {
             let l = live.get_mut(&row.request).expect("tracked");
             if !l.admitted {
                 l.admitted = true;
@@ -183,8 +183,8 @@ pub(super) fn run(
             queue: c(waiting + swapped),
         });
         // Sampling: the groups whose every sequence has its logits.
-        let mut outputs = Vec::with_capacity(step.sample.len());
-        for &rid in &step.sample {
+        let mut outputs = Vec::with_capacity(step.sample().len());
+        for &rid in step.sample() {
             let l = live.get_mut(&rid).expect("tracked");
             let first = l.seqs.iter().all(|s| s.tail.is_empty());
             let group = sched
