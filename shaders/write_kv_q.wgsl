@@ -21,7 +21,8 @@
 //   of a row's first word writes K's side word: per outlier channel j, the
 //   residual in fifteenths of the stored byte's ulp (bits 4j..4j+3) and the
 //   byte's exponent field (bits 16 + 4j..).
-// int8: non-finite inputs are stored as 0. Slots outside the pool are skipped.
+// int8: values saturate at +-KV_MAX (infinities too), NaN is stored as 0.
+// Slots outside the pool are skipped.
 
 @group(0) @binding(0) var<uniform> params: WriteKvParams;
 @group(0) @binding(1) var<storage, read> k_new: array<ACT4>;
@@ -31,9 +32,11 @@
 // Atomic: two rows share a V side word.
 @group(0) @binding(5) var<storage, read_write> v_pool: array<atomic<u32>>;
 
-fn finite4(x: vec4<f32>) -> vec4<f32> {
+// Saturates at +-KV_MAX (infinities too); NaN becomes 0. Every stored
+// int8 value, and so its row's scale, stays at most KV_MAX in magnitude.
+fn sat4(x: vec4<f32>) -> vec4<f32> {
     let bits = bitcast<vec4<u32>>(x) & vec4<u32>(0x7fffffffu);
-    return select(x, vec4<f32>(0.0), bits >= vec4<u32>(0x7f800000u));
+    return select(clamp(x, vec4<f32>(-KV_MAX), vec4<f32>(KV_MAX)), vec4<f32>(0.0), bits > vec4<u32>(0x7f800000u));
 }
 
 fn smooth4(w: u32) -> vec4<f32> {
@@ -88,8 +91,8 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
         var ka = 0.0;
         var va = 0.0;
         for (var c = 0u; c < HEAD_DIM4; c++) {
-            ka = max(ka, amax4(finite4(act_load(k_new[src0 + c]) / smooth4(smooth0 + 4u * c))));
-            va = max(va, amax4(finite4(act_load(v_new[src0 + c]))));
+            ka = max(ka, amax4(sat4(act_load(k_new[src0 + c]) / smooth4(smooth0 + 4u * c))));
+            va = max(va, amax4(sat4(act_load(v_new[src0 + c]))));
         }
         let kb = bf16_up(ka);
         let vb = bf16_up(va);
@@ -99,8 +102,8 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
         let vi = select(1.0 / vs, 0.0, vs == 0.0);
         let dst0 = row * HEAD_DIM4;
         for (var c = 0u; c < HEAD_DIM4; c++) {
-            k_pool[dst0 + c] = pack4x8snorm(finite4(act_load(k_new[src0 + c]) / smooth4(smooth0 + 4u * c)) * ki);
-            atomicStore(&v_pool[dst0 + c], pack4x8snorm(finite4(act_load(v_new[src0 + c])) * vi));
+            k_pool[dst0 + c] = pack4x8snorm(sat4(act_load(k_new[src0 + c]) / smooth4(smooth0 + 4u * c)) * ki);
+            atomicStore(&v_pool[dst0 + c], pack4x8snorm(sat4(act_load(v_new[src0 + c])) * vi));
         }
         // Each outlier channel's residual: the exact value in steps less
         // the stored step count.
@@ -109,7 +112,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
             let ch = k_pool[chan0 + h * K_OUTLIERS + j];
             if ch < HEAD_DIM4 * 4u {
                 let c = ch / 4u;
-                let x = finite4(act_load(k_new[src0 + c]) / smooth4(smooth0 + 4u * c)) * ki;
+                let x = sat4(act_load(k_new[src0 + c]) / smooth4(smooth0 + 4u * c)) * ki;
                 let stored = unpack4x8snorm(pack4x8snorm(x))[ch % 4u];
                 let r = (clamp(x[ch % 4u], -1.0, 1.0) - stored) * 127.0;
                 nib |= nibble(r) << (4u * j);

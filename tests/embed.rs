@@ -14,7 +14,7 @@ use common::*;
 use pagedattn::blocks::{BatchView, BlockManager, BlockManagerConfig, SeqId};
 use pagedattn::gpu::{
     AttnOptions, DecodeTables, Gpu, GpuError, KvCache, KvCacheConfig, KvDtype, PagedAttention,
-    PrefillTables,
+    PlanMismatch, PrefillTables,
 };
 use pagedattn::reference::{self, rel_l2, AttnParams};
 use pagedattn::rng::SplitMix64;
@@ -377,7 +377,7 @@ fn engine_buffer_misuse_is_refused_before_recording() {
         Err(GpuError::InvalidArgument(m)) => assert!(m.contains(says), "{what}: {m}"),
         other => panic!("{what}: {other:?}"),
     };
-    invalid(
+    assert_eq!(
         attn.run(
             gpu,
             &mut enc,
@@ -388,8 +388,8 @@ fn engine_buffer_misuse_is_refused_before_recording() {
             &fine,
             &e.range(0, 1, q_bytes),
         ),
-        "run before plan",
-        "plan_decode",
+        Err(GpuError::Plan(PlanMismatch::NotPlanned)),
+        "run before plan"
     );
     let tables = DecodeTables {
         kv_indptr: &[0, 1, 2],
@@ -399,10 +399,10 @@ fn engine_buffer_misuse_is_refused_before_recording() {
     attn.plan_decode(gpu, &mut aplan, &tables, &[AttnOptions::default()])
         .unwrap();
     let mut foreign = other.plan();
-    invalid(
+    assert_eq!(
         attn.plan_decode(gpu, &mut foreign, &tables, &[AttnOptions::default()]),
-        "another kernel's plan",
-        "another",
+        Err(GpuError::Plan(PlanMismatch::OtherAttention)),
+        "another kernel's plan"
     );
     let no_storage = gpu.device.create_buffer(&wgpu::BufferDescriptor {
         label: None,
@@ -471,16 +471,41 @@ fn engine_buffer_misuse_is_refused_before_recording() {
         "variant",
     );
     let mut wplan = cache.plan();
-    invalid(
+    assert_eq!(
         cache.run_write_kv(gpu, &mut enc, &mut wplan, 0, &fine, &fine),
-        "write before plan",
-        "plan_write",
+        Err(GpuError::Plan(PlanMismatch::NotPlanned)),
+        "write before plan"
     );
+    let epoch = cache.write_epoch();
     invalid(
         cache.plan_write(gpu, &mut wplan, &[8 * BS], &[]),
         "slot past the pool",
         "outside",
     );
+    // The GPU writes a step's tokens in parallel: a slot named twice would
+    // race, so it is refused (SKIP_WRITE may repeat: nothing is written).
+    invalid(
+        cache.plan_write(gpu, &mut wplan, &[3, 9, 4, 9], &[]),
+        "a slot written twice",
+        "slot 9 is written twice",
+    );
+    let skip = pagedattn::blocks::SKIP_WRITE;
+    invalid(
+        cache.write_kv(
+            gpu,
+            0,
+            &[0.0; 2 * (KVH * HD) as usize],
+            &[0.0; 2 * (KVH * HD) as usize],
+            &[5, 5],
+        ),
+        "write_kv of a slot twice",
+        "slot 5 is written twice",
+    );
+    assert_eq!(cache.write_epoch(), epoch, "refused plans start no step");
+    cache
+        .plan_write(gpu, &mut wplan, &[skip, 3, skip], &[])
+        .unwrap();
+    assert_eq!(cache.write_epoch(), epoch + 1);
     // Nothing was recorded: the encoder finishes and submits cleanly (the
     // scope covers both, so a half-recorded dispatch would show here).
     let scope = gpu.device.push_error_scope(wgpu::ErrorFilter::Validation);
@@ -851,4 +876,105 @@ fn a_buffer_of_another_device_is_refused() {
         gpu.wait().is_ok(),
         "nothing left for the uncaptured handler"
     );
+}
+
+/// A plan belongs to one step of one cache. Its first run binds it; a run
+/// on another cache (whose pool its tables do not index), or after the
+/// cache's next `plan_write` (the next step, with other rows), is refused
+/// with a typed error and records nothing. Planned again, it runs on the
+/// other cache and reads that cache's pool, not the first one's (the probe
+/// got the first pool's output, rel. error 1.4 against the second's).
+#[test]
+fn a_plan_runs_only_on_its_cache_and_step() {
+    let Some(e) = engine() else { return };
+    let s = seed("plan binding");
+    let mut rng = SplitMix64::new(s);
+    let gpu = &e.gpu;
+    let cfg = KvCacheConfig {
+        num_layers: 1,
+        num_blocks: 8,
+        block_size: BS,
+        num_kv_heads: KVH,
+        head_dim: HD,
+        dtype: KvDtype::F32,
+    };
+    let row = (KVH * HD) as usize;
+    let slots: Vec<u32> = (0..20).collect();
+    let mut pools = Vec::new();
+    for _ in 0..2 {
+        let cache = KvCache::new(gpu, cfg).unwrap();
+        let (k, v) = (rng.signed_vec(20 * row), rng.signed_vec(20 * row));
+        cache.write_kv(gpu, 0, &k, &v, &slots).unwrap();
+        let mut host = HostPool::new(8, KVH as usize, BS as usize, HD as usize);
+        host.write(&slots, &k, &v, KvDtype::F32);
+        pools.push((cache, host));
+    }
+    let (a, b) = (&pools[0].0, &pools[1].0);
+    let attn = PagedAttention::new(gpu, a, HEADS).unwrap();
+    let tables = DecodeTables {
+        kv_indptr: &[0, 2],
+        kv_indices: &[0, 1],
+        seq_lens: &[20],
+    };
+    let q = rng.signed_vec((HEADS * HD) as usize);
+    let q_bytes = (HEADS * HD * 4) as u64;
+    gpu.queue
+        .write_buffer(&e.arena, 0, bytemuck::cast_slice(&q));
+    let (qb, ob) = (e.range(0, 0, q_bytes), e.range(0, 1, q_bytes));
+    let want = |host: &HostPool| {
+        reference::decode(
+            &host.view(),
+            &AttnParams::new(HEADS as usize, HD as usize),
+            &q,
+            tables.kv_indptr,
+            tables.kv_indices,
+            tables.seq_lens,
+        )
+    };
+    let run_on = |plan: &mut pagedattn::gpu::AttentionPlan, cache: &KvCache| {
+        gpu.queue.write_buffer(
+            &e.outs,
+            ob.offset,
+            bytemuck::cast_slice(&vec![f32::NAN; (HEADS * HD) as usize]),
+        );
+        let mut enc = gpu.device.create_command_encoder(&Default::default());
+        let r = attn.run(gpu, &mut enc, plan, cache, 0, 0, &qb, &ob);
+        gpu.queue.submit([enc.finish()]);
+        let all: Vec<f32> = gpu.read(&e.outs, ob.offset + q_bytes).unwrap();
+        (r, all[ob.offset as usize / 4..].to_vec())
+    };
+    let mut wplan = a.plan();
+    let mut plan = attn.plan();
+    a.plan_write(gpu, &mut wplan, &[], &[]).unwrap();
+    attn.plan_decode(gpu, &mut plan, &tables, &[AttnOptions::default()])
+        .unwrap();
+    let (r, got) = run_on(&mut plan, a);
+    r.unwrap();
+    let err = rel_l2(&got, &want(&pools[0].1));
+    assert!(err < TOL, "on its cache: rel L2 {err:.3e} (seed {s})");
+    // The same step on the other cache: refused, nothing recorded (the
+    // output stays poisoned).
+    let (r, got) = run_on(&mut plan, b);
+    assert_eq!(r, Err(GpuError::Plan(PlanMismatch::BoundToOtherCache)));
+    assert!(got.iter().all(|x| x.is_nan()), "nothing ran");
+    // Its cache's next step: the plan is stale.
+    a.plan_write(gpu, &mut wplan, &[], &[]).unwrap();
+    let (r, _) = run_on(&mut plan, a);
+    match r {
+        Err(GpuError::Plan(PlanMismatch::Stale { planned, current })) => {
+            assert_eq!(current, planned + 1)
+        }
+        other => panic!("{other:?}"),
+    }
+    // Planned again, on the other cache: it reads that cache's pool.
+    attn.plan_decode(gpu, &mut plan, &tables, &[AttnOptions::default()])
+        .unwrap();
+    let (r, got) = run_on(&mut plan, b);
+    r.unwrap();
+    let err = rel_l2(&got, &want(&pools[1].1));
+    assert!(
+        err < TOL,
+        "re-planned on cache b: rel L2 {err:.3e} (seed {s})"
+    );
+    assert!(rel_l2(&got, &want(&pools[0].1)) > 0.1, "not cache a's pool");
 }

@@ -194,12 +194,10 @@ impl Sim {
 }
 
 /// What a workload did: every finished sequence by (request key,
-/// sample), the keys of the requests dropped, the token positions
-/// computed, and the scheduler's counters.
+/// sample), the keys of the requests dropped, and the scheduler's counters.
 struct Outcome {
     done: Vec<((u64, u64), Vec<u32>)>,
     aborted: Vec<u64>,
-    computed: usize,
     stats: pagedattn::blocks::SchedulerStats,
 }
 
@@ -233,7 +231,6 @@ fn run_workload(
     let system: Vec<u32> = (0..8).map(|i| 1000 + i).collect();
     let mut done = Vec::new();
     let mut aborted = Vec::new();
-    let mut computed = 0;
     let mut arrivals = requests;
     let mut steps = 0;
     while arrivals > 0 || sim.sched.has_work() {
@@ -254,7 +251,6 @@ fn run_workload(
         }
         let step = sim.sched.schedule().unwrap();
         sim.run_step(&step);
-        computed += step.tokens().len();
         for r in step.aborted() {
             aborted.push(sim.reqs.remove(r).unwrap().0);
         }
@@ -327,7 +323,6 @@ fn run_workload(
     Outcome {
         done,
         aborted,
-        computed,
         stats: sim.sched.stats(),
     }
 }
@@ -400,7 +395,10 @@ fn no_policy_drops_a_request_another_finishes() {
                 r.aborted, runs[0].aborted,
                 "seed {seed} pool {nb}: {p:?} (swap {swap}) dropped other requests than Recompute"
             );
-            assert_eq!(r.done, runs[0].done, "seed {seed} pool {nb}: {p:?} (swap {swap})");
+            assert_eq!(
+                r.done, runs[0].done,
+                "seed {seed} pool {nb}: {p:?} (swap {swap})"
+            );
         }
     }
     // The pools were tight: groups were recomputed, and some requests
@@ -444,7 +442,13 @@ fn recompute_reprefills_a_group_once_and_forks_it_again() {
             .map(|&q| {
                 let n = s.sequences(q).unwrap().len();
                 let children = if q == r && n == 1 {
-                    (0..3).map(|i| Child { parent: 0, token: i, finished: false }).collect()
+                    (0..3)
+                        .map(|i| Child {
+                            parent: 0,
+                            token: i,
+                            finished: false,
+                        })
+                        .collect()
                 } else {
                     (0..n)
                         .map(|i| Child {
@@ -454,19 +458,27 @@ fn recompute_reprefills_a_group_once_and_forks_it_again() {
                         })
                         .collect()
                 };
-                GroupOutput { request: q, children }
+                GroupOutput {
+                    request: q,
+                    children,
+                }
             })
             .collect();
         finished.extend(s.commit(&step, &outputs).unwrap());
         if preempted_at.is_some() && s.sequences(r).map_or(0, |x| x.len()) == 3 {
             // Regrown: the three samples share the prompt's full blocks again.
             let ids = s.sequences(r).unwrap().to_vec();
-            let tables: Vec<Vec<u32>> =
-                ids.iter().map(|&id| s.blocks().block_table(id).unwrap().to_vec()).collect();
+            let tables: Vec<Vec<u32>> = ids
+                .iter()
+                .map(|&id| s.blocks().block_table(id).unwrap().to_vec())
+                .collect();
             let full = prompt.len() / bs as usize;
             regrown_steps += 1;
             for b in 0..full {
-                assert!(tables.iter().all(|t| t[b] == tables[0][b]), "block {b}: {tables:?}");
+                assert!(
+                    tables.iter().all(|t| t[b] == tables[0][b]),
+                    "block {b}: {tables:?}"
+                );
                 assert_eq!(s.blocks().ref_count(tables[0][b]), Some(3));
             }
         }
@@ -641,4 +653,50 @@ fn the_watermark_never_starves_an_idle_pool() {
     )
     .unwrap();
     assert!(!s.has_work());
+}
+
+/// Handles and steps carry their scheduler: another scheduler's request
+/// id or step is refused, changing nothing (the probe aborted s1's own r0
+/// with s0's id, and both schedulers number steps from 1).
+#[test]
+fn handles_and_steps_never_cross_schedulers() {
+    let new =
+        || Scheduler::new(BlockManagerConfig::new(16, 4), SchedulerConfig::new(16, 4)).unwrap();
+    let (mut s0, mut s1) = (new(), new());
+    let r0 = s0.add_request(&[1, 2, 3], 1, b"").unwrap();
+    let r1 = s1.add_request(&[4, 5, 6], 1, b"").unwrap();
+    assert_eq!(r0.number(), r1.number());
+    assert_ne!(r0, r1);
+    assert!(matches!(
+        s1.abort(r0),
+        Err(SchedulerError::UnknownRequest(_))
+    ));
+    assert!(s1.sequences(r0).is_err());
+    assert_eq!(s1.queue_lengths(), (1, 0, 0), "s1's own r0 is still queued");
+    let st0 = s0.schedule().unwrap();
+    let st1 = s1.schedule().unwrap();
+    assert_eq!(st0.number(), st1.number());
+    let out = |r: RequestId| {
+        vec![GroupOutput {
+            request: r,
+            children: vec![Child {
+                parent: 0,
+                token: 9,
+                finished: true,
+            }],
+        }]
+    };
+    // s0's step on s1, with outputs for s1's request or for s0's: refused.
+    assert!(matches!(
+        s1.commit(&st0, &out(r1)),
+        Err(SchedulerError::StepOrder(_))
+    ));
+    assert!(s1.commit(&st0, &out(r0)).is_err());
+    let before = s1.blocks().stats();
+    // The right step still commits on each.
+    assert_eq!(s1.blocks().stats(), before);
+    assert_eq!(s1.commit(&st1, &out(r1)).unwrap().len(), 1);
+    assert_eq!(s0.commit(&st0, &out(r0)).unwrap().len(), 1);
+    // A step commits once.
+    assert!(s0.commit(&st0, &out(r0)).is_err());
 }

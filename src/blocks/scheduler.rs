@@ -746,7 +746,11 @@ impl Scheduler {
             0
         };
         if shared == 0 {
-            let n = g.sources.iter().map(|s| self.blocks.blocks_to_add(s, &g.salt)).sum();
+            let n = g
+                .sources
+                .iter()
+                .map(|s| self.blocks.blocks_to_add(s, &g.salt))
+                .sum();
             return (n, 0);
         }
         let prefix = &g.sources[0][..shared];
@@ -901,7 +905,9 @@ impl Scheduler {
             if shared > 0 {
                 // A recomputed group of several sequences: its shared
                 // prefix once; it forks where they part (`regrow`).
-                let id = self.blocks.add_sequence_salted(&g.sources[0][..shared], &g.salt)?;
+                let id = self
+                    .blocks
+                    .add_sequence_salted(&g.sources[0][..shared], &g.salt)?;
                 g.seqs.push(id);
                 g.targets.push((0..g.sources.len()).collect());
             } else {

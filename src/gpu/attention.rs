@@ -442,6 +442,9 @@ impl PagedAttention {
     ) -> Result<Self, GpuError> {
         let _serial = gpu.serial();
         gpu.alive()?;
+        // The attention kernels bind six storage buffers (q, K, V, tables,
+        // out, split-K partials).
+        gpu.require_limits(6)?;
         let c = cache.config();
         if num_heads == 0 || !num_heads.is_multiple_of(c.num_kv_heads) {
             return Err(GpuError::InvalidArgument(format!(
@@ -457,12 +460,12 @@ impl PagedAttention {
             )));
         }
         let base = Self::base_shape(c, num_heads, paged);
-        let tiled = kernel::decode_shape(gpu, Kernel::Tiled, base).ok_or_else(|| {
-            GpuError::Unsupported(format!(
-                "head_dim {} needs more workgroup memory than the adapter's {} bytes",
-                c.head_dim, gpu.limits.max_compute_workgroup_storage_size
-            ))
-        })?;
+        let tiled =
+            kernel::decode_shape(gpu, Kernel::Tiled, base).ok_or(GpuError::DeviceLimit {
+                limit: "max_compute_workgroup_storage_size",
+                needed: kernel::min_workgroup_bytes(&base) as u64,
+                available: gpu.limits.max_compute_workgroup_storage_size as u64,
+            })?;
         if c.num_kv_heads as u64 * tiled.head_tiles() as u64 > max_dim as u64 {
             return Err(GpuError::Unsupported(format!(
                 "{} kv heads x {} head tiles: one dispatch dimension holds at most {max_dim} workgroups",
@@ -475,8 +478,12 @@ impl PagedAttention {
         let (kernel, strict) = match (kernel, forced) {
             (Some(k), _) => (k, true),
             (None, Some(k)) => (k, true),
+            // A tuned choice (this process's or the tune file's) only
+            // where it can run this shape here; else the default.
             (None, None) => (
-                kernel::tuned(&key).unwrap_or_else(|| kernel::default_kernel(gpu)),
+                kernel::tuned(&key)
+                    .filter(|&k| kernel::decode_shape(gpu, k, base).is_some())
+                    .unwrap_or_else(|| kernel::default_kernel(gpu)),
                 false,
             ),
         };

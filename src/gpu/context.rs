@@ -104,8 +104,13 @@ const NO_ADAPTER_HINT: &str = "install a Vulkan driver (on Linux without a GPU: 
 
 /// Backends named by `PAGEDATTN_BACKEND` (vulkan, gl, metal, dx12, webgpu), all when unset.
 pub fn backends_from_env() -> Result<(wgpu::Backends, Option<String>), GpuError> {
-    let Ok(name) = std::env::var("PAGEDATTN_BACKEND") else {
-        return Ok((wgpu::Backends::all(), None));
+    let name = match std::env::var("PAGEDATTN_BACKEND") {
+        Ok(name) => name,
+        Err(std::env::VarError::NotPresent) => return Ok((wgpu::Backends::all(), None)),
+        // Not UTF-8: no backend's name, so refused like any other.
+        Err(std::env::VarError::NotUnicode(v)) => {
+            return Err(GpuError::UnknownBackend(v.to_string_lossy().into_owned()))
+        }
     };
     let b = match name.to_ascii_lowercase().as_str() {
         "" | "all" => wgpu::Backends::all(),
@@ -416,6 +421,47 @@ impl Gpu {
     pub fn max_tokens_per_pass(&self, head_dim: u32) -> Option<u32> {
         self.caps_loops()
             .then_some(if head_dim > 128 { 8192 } else { 16384 })
+    }
+
+    /// Refuses, naming the limit, a device whose `limits` fall short of
+    /// what the library's kernels need: checked by `KvCache::new` and
+    /// `PagedAttention::new` before anything is created, so a small device
+    /// gets [`GpuError::DeviceLimit`], not a wgpu validation error.
+    pub(crate) fn require_limits(&self, storage_buffers: u32) -> Result<(), GpuError> {
+        let l = &self.limits;
+        let needs: [(&'static str, u64, u64); 4] = [
+            (
+                "max_storage_buffers_per_shader_stage",
+                storage_buffers as u64,
+                l.max_storage_buffers_per_shader_stage as u64,
+            ),
+            // Every write, copy and attention kernel runs 64 invocations a
+            // workgroup (some kernels more; those are eligible only where
+            // they fit).
+            (
+                "max_compute_invocations_per_workgroup",
+                64,
+                l.max_compute_invocations_per_workgroup as u64,
+            ),
+            (
+                "max_compute_workgroup_size_x",
+                64,
+                l.max_compute_workgroup_size_x as u64,
+            ),
+            (
+                "max_uniform_buffers_per_shader_stage",
+                1,
+                l.max_uniform_buffers_per_shader_stage as u64,
+            ),
+        ];
+        match needs.iter().find(|(_, need, have)| have < need) {
+            Some(&(limit, needed, available)) => Err(GpuError::DeviceLimit {
+                limit,
+                needed,
+                available,
+            }),
+            None => Ok(()),
+        }
     }
 
     /// Largest bytes one storage binding may address.

@@ -41,6 +41,20 @@ pub enum GpuError {
     /// An argument of the wrong size or value.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// A plan handed to a call it was not made for (see [`PlanMismatch`]).
+    #[error("{0}")]
+    Plan(PlanMismatch),
+    /// The device's limits cannot hold what was asked for: `limit` names
+    /// the `wgpu::Limits` field.
+    #[error("the device's {limit} is {available}; this needs {needed}")]
+    DeviceLimit {
+        /// The `wgpu::Limits` field.
+        limit: &'static str,
+        /// What the configuration needs.
+        needed: u64,
+        /// What the device has.
+        available: u64,
+    },
     /// wgpu reported a validation error.
     #[error("wgpu validation error: {0}")]
     Validation(String),
@@ -60,4 +74,35 @@ impl From<wgpu::Error> for GpuError {
             other => GpuError::Device(other.to_string()),
         }
     }
+}
+
+/// Why a plan was refused: it belongs to another object, or to another
+/// step. Nothing was recorded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PlanMismatch {
+    /// An attention plan made by another `PagedAttention` (another kernel,
+    /// shape or pool).
+    #[error("this plan was made by another PagedAttention")]
+    OtherAttention,
+    /// A write plan made by another `KvCache`.
+    #[error("this plan was made by another KvCache")]
+    OtherCache,
+    /// An attention plan that already ran on another `KvCache` in this
+    /// step: its tables index that cache's pool.
+    #[error("this plan ran on another KvCache in this step: its tables index that pool; plan the step for this cache")]
+    BoundToOtherCache,
+    /// No step was planned into it (or its planning failed).
+    #[error("the plan holds no step: plan it first")]
+    NotPlanned,
+    /// An attention plan from an earlier step: the cache's writes were
+    /// planned again since it first ran (`KvCache::plan_write` starts a
+    /// step), so its tables and row count describe a step that is over.
+    #[error("stale plan: it ran in write step {planned} of its cache, which is now at step {current}; plan this step's attention first")]
+    Stale {
+        /// The cache's write step when the plan first ran.
+        planned: u64,
+        /// The cache's write step now.
+        current: u64,
+    },
 }

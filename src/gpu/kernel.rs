@@ -346,6 +346,31 @@ fn cache_file() -> Option<std::path::PathBuf> {
         .map(Into::into)
 }
 
+/// Largest tune file read: a few hundred lines of `key=kernel`. A longer
+/// one is not a tune file.
+const TUNE_FILE_MAX_BYTES: u64 = 1 << 20;
+
+/// The tune file's text, if `path` names a regular file of at most
+/// [`TUNE_FILE_MAX_BYTES`] (a FIFO, a device such as `/dev/zero`, a
+/// directory or a huge file is ignored: reading it could block or never
+/// end), read through a bounded reader.
+fn read_tune_file(path: &std::path::Path) -> Option<String> {
+    use std::io::Read;
+    let meta = std::fs::metadata(path).ok()?;
+    if !meta.is_file() || meta.len() > TUNE_FILE_MAX_BYTES {
+        return None;
+    }
+    let file = std::fs::File::open(path).ok()?;
+    if !file.metadata().ok()?.is_file() {
+        return None;
+    }
+    let mut text = String::new();
+    file.take(TUNE_FILE_MAX_BYTES)
+        .read_to_string(&mut text)
+        .ok()?;
+    Some(text)
+}
+
 /// A tuned choice for `key`: this process's, else the cache file's.
 pub(super) fn tuned(key: &str) -> Option<Kernel> {
     let mut g = TUNED.lock().unwrap_or_else(|e| e.into_inner());
@@ -353,7 +378,7 @@ pub(super) fn tuned(key: &str) -> Option<Kernel> {
     if let Some(k) = map.get(key) {
         return Some(*k);
     }
-    let text = std::fs::read_to_string(cache_file()?).ok()?;
+    let text = read_tune_file(&cache_file()?)?;
     let k = text.lines().find_map(|line| {
         let (k, v) = line.rsplit_once('=')?;
         (k == key).then(|| Kernel::from_name(v)).flatten()
@@ -369,7 +394,12 @@ pub(super) fn remember(key: &str, k: Kernel) {
     g.get_or_insert_with(HashMap::new)
         .insert(key.to_string(), k);
     if let Some(path) = cache_file() {
-        let old = std::fs::read_to_string(&path).unwrap_or_default();
+        // Only a regular file (or none yet) is written: opening a FIFO to
+        // write would block.
+        if std::fs::metadata(&path).is_ok_and(|m| !m.is_file()) {
+            return;
+        }
+        let old = read_tune_file(&path).unwrap_or_default();
         let mut lines: Vec<String> = old
             .lines()
             .filter(|l| l.rsplit_once('=').is_some_and(|(lk, _)| lk != key))
@@ -380,15 +410,19 @@ pub(super) fn remember(key: &str, k: Kernel) {
     }
 }
 
-/// `PAGEDATTN_KERNEL`, if set: `Ok(None)` when unset or empty.
+/// `PAGEDATTN_KERNEL`, if set: `Ok(None)` when unset or empty; an error
+/// for a value that names no kernel, non-UTF-8 values included.
 pub fn kernel_from_env() -> Result<Option<Kernel>, String> {
+    let names = || Kernel::ALL.map(Kernel::name).join(", ");
     match std::env::var("PAGEDATTN_KERNEL") {
-        Ok(v) if !v.trim().is_empty() => Kernel::from_name(&v).map(Some).ok_or_else(|| {
-            format!(
-                "PAGEDATTN_KERNEL={v}: not a kernel (one of {})",
-                Kernel::ALL.map(Kernel::name).join(", ")
-            )
-        }),
+        Ok(v) if !v.trim().is_empty() => Kernel::from_name(&v)
+            .map(Some)
+            .ok_or_else(|| format!("PAGEDATTN_KERNEL={v}: not a kernel (one of {})", names())),
+        Err(std::env::VarError::NotUnicode(v)) => Err(format!(
+            "PAGEDATTN_KERNEL={}: not UTF-8, so not a kernel (one of {})",
+            v.to_string_lossy(),
+            names()
+        )),
         _ => Ok(None),
     }
 }
@@ -401,4 +435,17 @@ pub(super) fn default_kernel(gpu: &Gpu) -> Kernel {
     } else {
         Kernel::Lanes
     }
+}
+
+/// Workgroup memory the smallest tiled decode shape of `base` takes: what
+/// a device must have for any kernel to run the shape.
+pub(super) fn min_workgroup_bytes(base: &ShaderShape) -> u32 {
+    shader::attention_workgroup_bytes(&ShaderShape {
+        qtile: 1,
+        htile: shader::balanced_head_tile(base.group, 1),
+        lpt: 1,
+        subgroups: false,
+        f16_math: false,
+        ..*base
+    })
 }

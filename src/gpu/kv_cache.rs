@@ -227,6 +227,26 @@ fn channel_maxima(cfg: &KvCacheConfig, rows: &[f32]) -> Vec<(Vec<f32>, f32)> {
 /// Most layers one [`KvCache`] holds.
 pub const MAX_LAYERS: u32 = 4096;
 
+/// Largest magnitude a pool stores: 2^100. Writes saturate there (f16 pools
+/// at 65504, fp8 at 448 times the head's scale), infinities included, so
+/// every stored value, int8 row scale and dequantized value is finite, and
+/// decode sums of them stay finite for any realistic query and context
+/// (scores overflow only past 2^27 in a query row's channel sum).
+pub const KV_MAX: f32 = f32::from_bits(0x7180_0000);
+
+/// The fp8 scales [`KvCache::set_fp8_scales`] accepts: 2^-100 to 2^91.
+/// Below, the reciprocal the write divides by is not finite; above, 448
+/// times the scale passes [`KV_MAX`].
+pub const FP8_SCALE_RANGE: [f32; 2] = [f32::from_bits(0x0d80_0000), f32::from_bits(0x6d00_0000)];
+
+/// The K smoothing factors [`KvCache::set_k_smoothing`] accepts: 2^-32 to
+/// 2^32. The kernels multiply the query by the factor: wider, a finite
+/// query could overflow.
+pub const K_SMOOTHING_RANGE: [f32; 2] = [f32::from_bits(0x2f80_0000), f32::from_bits(0x4f80_0000)];
+
+/// An unused entry of [`KvCache::set_k_outlier_channels`]' list.
+pub const K_OUTLIER_UNUSED: u32 = u32::MAX;
+
 /// Most KV heads a cache may have (the kernels put KV heads on one
 /// dispatch dimension).
 pub const MAX_KV_HEADS: u32 = 65535;
@@ -467,6 +487,9 @@ pub struct KvCache {
     pub(super) copy_blocks: wgpu::ComputePipeline,
     /// Identifies this cache to the plans it makes.
     pub(super) id: u64,
+    /// Write steps planned (`plan_write` calls that succeeded): attention
+    /// plans are bound to one.
+    pub(super) write_epoch: std::sync::atomic::AtomicU64,
 }
 
 /// Creates the pipeline of `kernel` for `shape`, reporting shader errors as ours.
@@ -578,6 +601,8 @@ impl KvCache {
         let _serial = gpu.serial();
         gpu.alive()?;
         cfg.validate()?;
+        // write_kv binds five storage buffers (new K, new V, slots, pools).
+        gpu.require_limits(5)?;
         let limit = gpu.max_binding_bytes();
         let max_blocks = cfg.max_blocks_for(limit);
         if cfg.num_blocks > max_blocks {
@@ -645,7 +670,15 @@ impl KvCache {
             write_kv,
             copy_blocks,
             id: super::plan::next_id(),
+            write_epoch: std::sync::atomic::AtomicU64::new(0),
         })
+    }
+
+    /// Write steps planned on this cache so far: each successful
+    /// `plan_write` starts one. An attention plan that ran in one step is
+    /// refused in the next (`PlanMismatch::Stale`).
+    pub fn write_epoch(&self) -> u64 {
+        self.write_epoch.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The shape.
@@ -665,7 +698,9 @@ impl KvCache {
 
     /// Records `write_kv` for `num_tokens` tokens: `k_new`/`v_new` hold
     /// `[num_tokens][num_kv_heads][head_dim]` f32, `slots` their slots.
-    /// Slots outside the pool are skipped.
+    /// Slots outside the pool are skipped. The slots must be distinct (the
+    /// tokens are written in parallel; this tier cannot read them to check:
+    /// `plan_write` and `write_kv` refuse a repeated slot).
     #[allow(clippy::too_many_arguments)]
     pub fn encode_write_kv(
         &self,
@@ -742,6 +777,11 @@ impl KvCache {
                 "slot {s} outside the pool of {cap} slots"
             )));
         }
+        if let Some(s) = super::plan::duplicate_slot(slots, &mut Vec::new()) {
+            return Err(GpuError::InvalidArgument(format!(
+                "slot {s} is written twice in one write_kv (the GPU writes tokens in parallel)"
+            )));
+        }
         if n == 0 {
             return Ok(());
         }
@@ -784,6 +824,7 @@ impl KvCache {
             if s.len() != h {
                 return bad(format!("{} {what} scales for {h} KV heads", s.len()));
             }
+            let [lo, hi] = FP8_SCALE_RANGE;
             if let Some((i, x)) = s
                 .iter()
                 .enumerate()
@@ -791,6 +832,12 @@ impl KvCache {
             {
                 return bad(format!(
                     "{what} scale of KV head {i} is {x}: fp8 scales must be finite and positive"
+                ));
+            }
+            if let Some((i, x)) = s.iter().enumerate().find(|(_, x)| !(lo..=hi).contains(*x)) {
+                return bad(format!(
+                    "{what} scale of KV head {i} is {x:e}: fp8 scales must lie in 2^-100..=2^91 \
+                     (FP8_SCALE_RANGE), where every stored value stays finite"
                 ));
             }
         }
@@ -842,6 +889,17 @@ impl KvCache {
                 "K smoothing factor {i} is {x}: factors must be finite and positive"
             ));
         }
+        let [lo, hi] = K_SMOOTHING_RANGE;
+        if let Some((i, x)) = factors
+            .iter()
+            .enumerate()
+            .find(|(_, x)| !(lo..=hi).contains(*x))
+        {
+            return bad(format!(
+                "K smoothing factor {i} is {x:e}: factors must lie in 2^-32..=2^32 \
+                 (K_SMOOTHING_RANGE), so that the query they scale stays finite"
+            ));
+        }
         let at = self.cfg.tail_offset();
         gpu.queue.write_buffer(k, at, bytemuck::cast_slice(factors));
         Ok(())
@@ -861,7 +919,7 @@ impl KvCache {
             // rounding error back, as small as that allows.
             out.extend(head.iter().map(|&a| {
                 if reference > 0.0 && a > reference {
-                    a / reference
+                    (a / reference).min(K_SMOOTHING_RANGE[1])
                 } else {
                     1.0
                 }
@@ -883,12 +941,20 @@ impl KvCache {
             }
         }
         amax.iter()
-            .map(|&a| if a > 0.0 { a / 448.0 } else { 1.0 })
+            .map(|&a| {
+                if a > 0.0 {
+                    (a / 448.0).clamp(FP8_SCALE_RANGE[0], FP8_SCALE_RANGE[1])
+                } else {
+                    1.0
+                }
+            })
             .collect()
     }
 
     /// Sets the K outlier channels of a quantized `layer`: for each KV head,
-    /// [`K_OUTLIERS`] channel indices (`u32::MAX` for an unused entry). Each
+    /// [`K_OUTLIERS`] channel indices, [`K_OUTLIER_UNUSED`] for an unused
+    /// entry (a list of only those sets none). Any other index must be
+    /// below `head_dim`. Each
     /// named channel keeps a 4-bit residual in its row's side word, so its
     /// values are stored to about 12 bits (int8: fifteenths of the row's step) or
     /// about 7 mantissa bits (fp8) instead of 8 or 3, and the kernels add its
@@ -923,7 +989,7 @@ impl KvCache {
         }
         for (h, head) in channels.chunks(K_OUTLIERS as usize).enumerate() {
             for (j, &c) in head.iter().enumerate() {
-                if c == u32::MAX {
+                if c == K_OUTLIER_UNUSED {
                     continue;
                 }
                 if c >= self.cfg.head_dim {

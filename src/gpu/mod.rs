@@ -22,7 +22,7 @@ pub use cascade::{
     find_segments, Cascade, CascadeTables, CASCADE_MIN_SAVED_BYTES, SERIAL_CASCADE_MIN_SAVED_BYTES,
 };
 pub use context::{backends_from_env, Counters, Gpu};
-pub use error::GpuError;
+pub use error::{GpuError, PlanMismatch};
 pub use kernel::{kernel_from_env, Kernel, PORTABLE_WORKGROUP_BYTES};
 /// Kernel plumbing for the benchmark in the CLI crate (`stream_read`): not
 /// part of the API an engine should rely on.
@@ -30,7 +30,10 @@ pub use kernel::{kernel_from_env, Kernel, PORTABLE_WORKGROUP_BYTES};
 pub use kv_cache::{
     bind as bind_buffers, dispatch as dispatch_pass, pipeline as kv_cache_pipeline,
 };
-pub use kv_cache::{KvCache, KvCacheConfig, KvDtype, K_OUTLIERS, MAX_KV_HEADS, MAX_LAYERS};
+pub use kv_cache::{
+    KvCache, KvCacheConfig, KvDtype, FP8_SCALE_RANGE, KV_MAX, K_OUTLIERS, K_OUTLIER_UNUSED,
+    K_SMOOTHING_RANGE, MAX_KV_HEADS, MAX_LAYERS,
+};
 pub use plan::{
     ActDtype, AttentionPlan, DecodeTables, PrefillTables, WritePlan, CASCADE_AUTO,
     CASCADE_CHUNK_TOKENS, SERIAL_CASCADE_AUTO, SERIAL_CASCADE_CHUNK_TOKENS,

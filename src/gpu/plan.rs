@@ -27,7 +27,26 @@ use super::cascade::{find_segments, Cascade};
 use super::kernel::{self, Kernel};
 use super::kv_cache::{bind_ranges, dispatch, grid_1d, pipeline};
 use super::shader::{self, ShaderShape};
-use super::{check_csr_tables, params, AttnOptions, Gpu, GpuError, KvCache, PagedAttention};
+use super::{
+    check_csr_tables, params, AttnOptions, Gpu, GpuError, KvCache, PagedAttention, PlanMismatch,
+};
+
+/// The first slot written twice in `slots` (`SKIP_WRITE` aside), found by
+/// sorting a copy in `scratch`.
+pub(crate) fn duplicate_slot(slots: &[u32], scratch: &mut Vec<u32>) -> Option<u32> {
+    if slots.len() < 2 {
+        return None;
+    }
+    scratch.clear();
+    scratch.extend(
+        slots
+            .iter()
+            .copied()
+            .filter(|&s| s != crate::blocks::SKIP_WRITE),
+    );
+    scratch.sort_unstable();
+    scratch.windows(2).find(|w| w[0] == w[1]).map(|w| w[0])
+}
 
 /// A fresh id for a kernel object or plan owner.
 pub(crate) fn next_id() -> u64 {
@@ -244,6 +263,8 @@ enum Kind {
 
 #[derive(Clone, PartialEq, Eq, Hash)]
 struct GroupKey {
+    /// The cache whose layer buffers the group binds.
+    cache: u64,
     layer: u32,
     variant: usize,
     act: ActDtype,
@@ -260,6 +281,9 @@ struct GroupKey {
 pub struct AttentionPlan {
     owner: u64,
     kind: Option<Kind>,
+    /// The cache and its write step this plan first ran on since it was
+    /// planned: later runs must name the same (see [`PlanMismatch`]).
+    bound: Option<(u64, u64)>,
     meta: PackedMeta,
     num_queries: u32,
     words: Vec<u32>,
@@ -416,6 +440,7 @@ impl PagedAttention {
         AttentionPlan {
             owner: self.id,
             kind: None,
+            bound: None,
             meta: PackedMeta::default(),
             num_queries: 0,
             words: Vec::new(),
@@ -549,12 +574,13 @@ impl PagedAttention {
         variants: &[AttnOptions],
     ) -> Result<(), GpuError> {
         let _serial = gpu.serial();
+        if plan.owner != self.id {
+            return Err(GpuError::Plan(PlanMismatch::OtherAttention));
+        }
         plan.kind = None;
+        plan.bound = None;
         gpu.alive()?;
         let bad = |m: String| Err(GpuError::InvalidArgument(m));
-        if plan.owner != self.id {
-            return bad("this plan was made by another PagedAttention".into());
-        }
         if variants.is_empty() {
             return bad("a plan needs at least one variant (AttnOptions)".into());
         }
@@ -913,11 +939,26 @@ impl PagedAttention {
         self.check_call(gpu, cache, &AttnOptions::default(), None)?;
         let bad = |m: String| Err(GpuError::InvalidArgument(m));
         if plan.owner != self.id {
-            return bad("this plan was made by another PagedAttention".into());
+            return Err(GpuError::Plan(PlanMismatch::OtherAttention));
         }
         let Some(kind) = plan.kind else {
-            return bad("the plan holds no step: plan_decode or plan_prefill first".into());
+            return Err(GpuError::Plan(PlanMismatch::NotPlanned));
         };
+        // A plan belongs to one step of one cache: the first run binds it;
+        // another cache, or a write step planned since, is refused.
+        let epoch = cache.write_epoch();
+        match plan.bound {
+            Some((id, _)) if id != cache.id => {
+                return Err(GpuError::Plan(PlanMismatch::BoundToOtherCache));
+            }
+            Some((_, planned)) if planned != epoch => {
+                return Err(GpuError::Plan(PlanMismatch::Stale {
+                    planned,
+                    current: epoch,
+                }));
+            }
+            _ => {}
+        }
         if variant >= plan.variants {
             return bad(format!(
                 "variant {variant} of a plan with {}",
@@ -943,12 +984,14 @@ impl PagedAttention {
                     .into(),
             );
         }
+        plan.bound = Some((cache.id, epoch));
         if nq == 0 {
             return Ok(());
         }
         let (pt, parts) = plan.splits[variant];
         let [main, split_pipe, reduce] = plan.pipes.clone().expect("planned");
         let key = GroupKey {
+            cache: cache.id,
             layer,
             variant,
             act: plan.act,
@@ -1089,6 +1132,8 @@ struct WriteKey {
 /// slots and the copy-on-write list in reused buffers.
 pub struct WritePlan {
     owner: u64,
+    /// Reused for the duplicate-slot check (no allocation per step).
+    scratch: Vec<u32>,
     planned: bool,
     num_tokens: u32,
     num_copies: u32,
@@ -1126,6 +1171,7 @@ impl KvCache {
     pub fn plan(&self) -> WritePlan {
         WritePlan {
             owner: self.id,
+            scratch: Vec::new(),
             planned: false,
             num_tokens: 0,
             num_copies: 0,
@@ -1152,12 +1198,12 @@ impl KvCache {
         copies: &[[u32; 2]],
     ) -> Result<(), GpuError> {
         let _serial = gpu.serial();
+        if plan.owner != self.id {
+            return Err(GpuError::Plan(PlanMismatch::OtherCache));
+        }
         plan.planned = false;
         gpu.alive()?;
         let bad = |m: String| Err(GpuError::InvalidArgument(m));
-        if plan.owner != self.id {
-            return bad("this plan was made by another KvCache".into());
-        }
         let cap = self.cfg.num_blocks as u64 * self.cfg.block_size as u64;
         // SKIP_WRITE (u32::MAX): a token whose K/V is in the pool already
         // (a prompt cached to its end); the kernels skip it.
@@ -1175,6 +1221,11 @@ impl KvCache {
                 "copy {c:?} names a block outside the pool of {}",
                 self.cfg.num_blocks
             ));
+        }
+        // One step writes a slot at most once: the GPU writes a step's
+        // tokens in parallel, so two writes of one slot would race.
+        if let Some(s) = duplicate_slot(slots, &mut plan.scratch) {
+            return bad(format!("slot {s} is written twice in one step"));
         }
         let row4 = self.cfg.num_kv_heads * self.cfg.head_dim / 4;
         if plan.kv_stride != 0 && (plan.kv_stride % 4 != 0 || plan.kv_stride / 4 < row4) {
@@ -1255,20 +1306,19 @@ impl KvCache {
         plan.num_tokens = slots.len() as u32;
         plan.num_copies = copies.len() as u32;
         plan.planned = true;
+        // A new write step: attention plans of the last one are stale.
+        self.write_epoch
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }
 
     fn check_plan(&self, gpu: &Gpu, plan: &WritePlan) -> Result<(), GpuError> {
         gpu.alive()?;
         if plan.owner != self.id {
-            return Err(GpuError::InvalidArgument(
-                "this plan was made by another KvCache".into(),
-            ));
+            return Err(GpuError::Plan(PlanMismatch::OtherCache));
         }
         if !plan.planned {
-            return Err(GpuError::InvalidArgument(
-                "the plan holds no step: plan_write first".into(),
-            ));
+            return Err(GpuError::Plan(PlanMismatch::NotPlanned));
         }
         Ok(())
     }
@@ -1351,9 +1401,7 @@ impl KvCache {
         };
         let params = plan.write_params.as_ref().expect("planned");
         let Some(pipe) = plan.write_pipe.as_ref() else {
-            return Err(GpuError::InvalidArgument(
-                "the plan holds no step: plan_write first".into(),
-            ));
+            return Err(GpuError::Plan(PlanMismatch::NotPlanned));
         };
         let slots = plan.slots.get();
         if !plan.write_groups.contains_key(&key) {

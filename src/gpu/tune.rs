@@ -57,7 +57,9 @@ impl PagedAttention {
         let tokens = (TUNE_BYTES / (TUNE_SEQS as u64 * per_token)).clamp(64, 2048) as u32;
         let batch = (TUNE_SEQS, tokens);
         if !retime {
-            if let Some(k) = kernel::tuned(&key) {
+            // A cached kernel that cannot run this shape here (a tune file
+            // edited, or from another build) is not a choice: time again.
+            if let Some(k) = kernel::tuned(&key).filter(|k| eligible.contains(k)) {
                 return Ok(TuneReport {
                     key,
                     chosen: k,
@@ -191,7 +193,10 @@ impl PagedAttention {
         cache: &KvCache,
         num_heads: u32,
     ) -> Result<(Self, TuneReport), GpuError> {
-        let report = Self::tune(gpu, cache, num_heads, Duration::from_millis(1500), false)?;
-        Ok((Self::new(gpu, cache, num_heads)?, report))
+        let mut report = Self::tune(gpu, cache, num_heads, Duration::from_millis(1500), false)?;
+        let attn = Self::new(gpu, cache, num_heads)?;
+        // What runs: PAGEDATTN_KERNEL wins over the tuned choice.
+        report.chosen = attn.kernel();
+        Ok((attn, report))
     }
 }
