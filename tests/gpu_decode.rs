@@ -116,12 +116,7 @@ fn check(name: &str, c: Case) {
     let Some(gpu) = gpu() else { return };
     let s = seed(name);
     let t = tol(c.dtype);
-    // The f16-arithmetic variants need an f16 pool and `shader-f16`.
-    let f16_math = c.dtype == KvDtype::F16 && gpu.features.contains(wgpu::Features::SHADER_F16);
-    for kernel in Kernel::ALL
-        .into_iter()
-        .filter(|k| !k.f16_math() || f16_math)
-    {
+    for kernel in Kernel::ALL {
         let t0 = std::time::Instant::now();
         let err = run(&gpu, s, &c, kernel);
         eprintln!(

@@ -132,13 +132,8 @@ fn run_model(gpu: &Gpu, md: &Model, dtype: KvDtype, window: Option<u32>) {
     let q: Vec<f32> = rng.signed_vec(nd * nh * hd);
     let want = reference::decode(&host.view(), &p, &q, ip, ix, ln);
     let eligible = PagedAttention::eligible_kernels(gpu, &cache, md.heads);
-    // Every kernel runs every shape; the f16-arithmetic ones need an f16
-    // pool and `shader-f16`.
-    let f16_math = dtype == KvDtype::F16 && gpu.features.contains(wgpu::Features::SHADER_F16);
-    let kernels: Vec<Kernel> = Kernel::ALL
-        .into_iter()
-        .filter(|k| !k.f16_math() || f16_math)
-        .collect();
+    // Every kernel runs every shape.
+    let kernels: Vec<Kernel> = Kernel::ALL.to_vec();
     assert_eq!(eligible, kernels, "{name}: every kernel runs this shape");
     for kernel in kernels {
         let attn = PagedAttention::with_kernel(gpu, &cache, md.heads, kernel).unwrap();

@@ -287,12 +287,15 @@ fn write_then_read_round_trips_within_the_rounding() {
     }
 }
 
-/// fp8: values past the range saturate (never NaN); infinities saturate;
-/// NaN is stored as 0. int8: non-finite inputs are stored as 0.
+/// Every pool saturates what it stores, never inf or NaN: fp8 at +-448
+/// times the scale (infinities too; NaN is stored as 0); int8 at +-KV_MAX
+/// (2^100; NaN as 0); f16 at +-65504; f32 at +-KV_MAX. (f32 and f16 store
+/// an engine's NaN as given.)
 #[test]
 fn out_of_range_values_saturate_never_nan() {
     let Some(gpu) = gpu() else { return };
-    for dtype in [KvDtype::Int8, KvDtype::Fp8E4M3] {
+    let max = pagedattn::gpu::KV_MAX;
+    for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Int8, KvDtype::Fp8E4M3] {
         let cfg = KvCacheConfig {
             num_layers: 1,
             num_blocks: 1,
@@ -302,38 +305,201 @@ fn out_of_range_values_saturate_never_nan() {
             dtype,
         };
         let cache = KvCache::new(&gpu, cfg).unwrap();
+        let nan = if dtype.quantized() { f32::NAN } else { 0.0 };
         let k = [
             1e30f32,
             -1e30,
             f32::INFINITY,
             f32::NEG_INFINITY,
-            f32::NAN,
+            nan,
             1.0,
             -500.0,
-            0.0,
+            f32::MAX,
         ];
         cache.write_kv(&gpu, 0, &k, &k, &[0]).unwrap();
-        let (got, _) = cache.read_layer(&gpu, 0).unwrap();
+        let (got, gv) = cache.read_layer(&gpu, 0).unwrap();
         assert!(
-            got.iter().all(|x| x.is_finite()),
-            "{} {got:?}",
+            got.iter().chain(&gv).all(|x| x.is_finite()),
+            "{} {got:?} {gv:?}",
             dtype.name()
         );
-        if dtype == KvDtype::Fp8E4M3 {
-            // Scale 1 (the default): saturation at +-448.
-            assert_eq!(
+        match dtype {
+            KvDtype::Fp8E4M3 => assert_eq!(
                 got,
-                vec![448.0, -448.0, 448.0, -448.0, 0.0, 1.0, -448.0, 0.0]
-            );
-        } else {
-            // Row scale from the finite values (1e30): the rest round to 0.
-            assert_eq!(got[4], 0.0);
-            // Within the bf16 rounding of the row scale.
+                vec![448.0, -448.0, 448.0, -448.0, 0.0, 1.0, -448.0, 448.0]
+            ),
+            KvDtype::F16 => assert_eq!(
+                got,
+                vec![65504.0, -65504.0, 65504.0, -65504.0, 0.0, 1.0, -500.0, 65504.0]
+            ),
+            KvDtype::F32 => assert_eq!(got, vec![1e30, -1e30, max, -max, 0.0, 1.0, -500.0, max]),
+            KvDtype::Int8 => {
+                // Row scale KV_MAX (the saturated infinities): 1e30 within
+                // half a step (KV_MAX / 254) of itself, NaN as 0, and the
+                // saturated values at +-KV_MAX exactly.
+                assert_eq!(got[4], 0.0);
+                assert_eq!([got[2], got[3], got[7]], [max, -max, max]);
+                assert!(
+                    (got[0] - 1e30).abs() <= max / 254.0 && (got[1] + 1e30).abs() <= max / 254.0,
+                    "{got:?}"
+                );
+            }
+        }
+    }
+}
+
+/// Decode of finite inputs is finite on every dtype and kernel, even with
+/// a row of -f32::MAX in the pool (the probe got 64 of 128 int8 outputs
+/// non-finite), and the other sequences of the batch are untouched: they
+/// match the reference within the dtype's tolerance.
+#[test]
+fn huge_rows_never_make_decode_non_finite() {
+    let Some(gpu) = gpu() else { return };
+    let s = seed("huge rows");
+    let mut rng = SplitMix64::new(s);
+    let (kvh, hd, bs) = (2u32, 64u32, 16u32);
+    for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Int8, KvDtype::Fp8E4M3] {
+        let cfg = KvCacheConfig {
+            num_layers: 1,
+            num_blocks: 4,
+            block_size: bs,
+            num_kv_heads: kvh,
+            head_dim: hd,
+            dtype,
+        };
+        let cache = KvCache::new(&gpu, cfg).unwrap();
+        let row = (kvh * hd) as usize;
+        // Sequence 0: block 0, 16 tokens, one of them a row of -f32::MAX.
+        // Sequence 1: block 2, 16 ordinary tokens.
+        let mut k = rng.signed_vec(32 * row);
+        let mut v = rng.signed_vec(32 * row);
+        for x in &mut k[5 * row..6 * row] {
+            *x = -f32::MAX;
+        }
+        for x in &mut v[5 * row..6 * row] {
+            *x = -f32::MAX;
+        }
+        let slots: Vec<u32> = (0..16).chain(32..48).collect();
+        cache.write_kv(&gpu, 0, &k, &v, &slots).unwrap();
+        let mut host = HostPool::new(4, kvh as usize, bs as usize, hd as usize);
+        host.write(&slots[16..], &k[16 * row..], &v[16 * row..], dtype);
+        for kernel in PagedAttention::eligible_kernels(&gpu, &cache, kvh * 2) {
+            let attn = PagedAttention::with_kernel(&gpu, &cache, kvh * 2, kernel).unwrap();
+            let q = rng.signed_vec(2 * (kvh * 2 * hd) as usize);
+            let out = attn
+                .decode(
+                    &gpu,
+                    &cache,
+                    0,
+                    &q,
+                    &[0, 1, 2],
+                    &[0, 2],
+                    &[16, 16],
+                    &AttnOptions::default(),
+                )
+                .unwrap();
             assert!(
-                (got[0] - 1e30).abs() < 1e28 && (got[1] + 1e30).abs() < 1e28,
-                "{got:?}"
+                out.iter().all(|x| x.is_finite()),
+                "{} {kernel}: non-finite output (seed {s})",
+                dtype.name()
+            );
+            let half = out.len() / 2;
+            let want = reference::decode(
+                &host.view(),
+                &AttnParams::new((kvh * 2) as usize, hd as usize),
+                &q[half..],
+                &[0, 1],
+                &[2],
+                &[16],
+            );
+            let err = rel_l2(&out[half..], &want);
+            let tol = match dtype {
+                KvDtype::F32 => 1e-5,
+                KvDtype::F16 => 2e-3,
+                _ => 0.1,
+            };
+            assert!(
+                err < tol,
+                "{} {kernel}: the other sequence, rel L2 {err:.3e} (seed {s})",
+                dtype.name()
             );
         }
+    }
+}
+
+/// Calibration values outside the range that keeps every stored value
+/// finite are refused, changing nothing: K smoothing factors outside
+/// 2^-32..=2^32 (the probe's 3.4e38 made every output non-finite), fp8
+/// scales outside 2^-100..=2^91 (subnormal 1e-45, huge 3.4e38). Outlier
+/// channels name a channel below head_dim or K_OUTLIER_UNUSED (a list of
+/// only that sets none). The calibration helpers stay inside the ranges.
+#[test]
+fn calibration_values_are_bounded() {
+    use pagedattn::gpu::{FP8_SCALE_RANGE, K_OUTLIERS, K_OUTLIER_UNUSED, K_SMOOTHING_RANGE};
+    let Some(gpu) = gpu() else { return };
+    let base = KvCacheConfig {
+        num_layers: 1,
+        num_blocks: 1,
+        block_size: 1,
+        num_kv_heads: 1,
+        head_dim: 64,
+        dtype: KvDtype::Int8,
+    };
+    let int8 = KvCache::new(&gpu, base).unwrap();
+    for bad in [3.4e38f32, 1e-20, 0.0, -1.0, f32::NAN, f32::INFINITY, 1e-45] {
+        match int8.set_k_smoothing(&gpu, 0, &[bad; 64]) {
+            Err(GpuError::InvalidArgument(m)) => assert!(m.contains("K smoothing factor 0"), "{m}"),
+            other => panic!("smoothing {bad}: {other:?}"),
+        }
+    }
+    int8.set_k_smoothing(&gpu, 0, &[K_SMOOTHING_RANGE[1]; 64])
+        .unwrap();
+    int8.set_k_smoothing(&gpu, 0, &[K_SMOOTHING_RANGE[0]; 64])
+        .unwrap();
+    let n = K_OUTLIERS as usize;
+    int8.set_k_outlier_channels(&gpu, 0, &vec![K_OUTLIER_UNUSED; n])
+        .unwrap();
+    for bad in [u32::MAX - 1, 64, 1 << 31] {
+        let mut ch = vec![K_OUTLIER_UNUSED; n];
+        ch[1] = bad;
+        match int8.set_k_outlier_channels(&gpu, 0, &ch) {
+            Err(GpuError::InvalidArgument(m)) => assert!(m.contains("below head_dim"), "{m}"),
+            other => panic!("channel {bad}: {other:?}"),
+        }
+    }
+    let fp8 = KvCache::new(
+        &gpu,
+        KvCacheConfig {
+            dtype: KvDtype::Fp8E4M3,
+            ..base
+        },
+    )
+    .unwrap();
+    for bad in [1e-45f32, 3.4e38, 1e-31, 1e28] {
+        match fp8.set_fp8_scales(&gpu, 0, &[bad], &[1.0]) {
+            Err(GpuError::InvalidArgument(m)) => assert!(m.contains("fp8 scales must"), "{m}"),
+            other => panic!("fp8 scale {bad}: {other:?}"),
+        }
+    }
+    fp8.set_fp8_scales(&gpu, 0, &[FP8_SCALE_RANGE[0]], &[FP8_SCALE_RANGE[1]])
+        .unwrap();
+    // Calibrating on extreme rows stays in range.
+    let rows = [f32::MAX, 1.0, 1e-38, 0.0].repeat(16);
+    let sm = KvCache::calibrate_k_smoothing(&base, &rows);
+    assert!(
+        sm.iter()
+            .all(|f| (K_SMOOTHING_RANGE[0]..=K_SMOOTHING_RANGE[1]).contains(f)),
+        "{sm:?}"
+    );
+    int8.set_k_smoothing(&gpu, 0, &sm).unwrap();
+    for r in [rows.clone(), vec![1e-40; 64]] {
+        let sc = KvCache::calibrate_fp8_scales(&base, &r);
+        assert!(
+            sc.iter()
+                .all(|f| (FP8_SCALE_RANGE[0]..=FP8_SCALE_RANGE[1]).contains(f)),
+            "{sc:?}"
+        );
+        fp8.set_fp8_scales(&gpu, 0, &sc, &sc).unwrap();
     }
 }
 

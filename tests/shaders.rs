@@ -33,10 +33,7 @@ fn shapes() -> Vec<ShaderShape> {
                         let htile = [0, 1, 3][(i + block_size as usize) % 3];
                         let lpt = pagedattn::gpu::shader::lanes_per_token(head_dim, [8, 4, 1][i]);
                         let subgroups = i != 1 && lpt > 1;
-                        // f16 arithmetic over f16 pools, on some shapes.
-                        let f16_math = dtype == KvDtype::F16 && i != 2;
                         v.push(ShaderShape {
-                            f16_math,
                             htile,
                             lpt,
                             subgroups,
@@ -64,9 +61,6 @@ fn parse(kernel: &str, shape: &ShaderShape) -> (naga::Module, ModuleInfo) {
     // unpack2x16float / pack2x16float: core WGSL, which naga files under this
     // capability; wgpu grants it on every backend with downlevel SHADER_F16_IN_F32.
     let mut caps = Capabilities::SHADER_FLOAT16_IN_FLOAT32;
-    if shape.f16_math {
-        caps |= Capabilities::SHADER_FLOAT16;
-    }
     if shape.subgroups {
         caps |= Capabilities::SUBGROUP;
     }
@@ -106,14 +100,9 @@ fn translate(kernel: &str, shape: &ShaderShape, module: &naga::Module, info: &Mo
         msl_src.contains("kernel void"),
         "MSL {what}: no kernel entry"
     );
-    // DX12 (shader model 6.0 as wgpu's DX12 backend; 6.2 for f16 arithmetic).
-    let f16 = shape.f16_math && (kernel == "attention_lanes" || kernel == "attention_serial");
+    // DX12 (shader model 6.0 as wgpu's DX12 backend).
     let hlsl_opts = hlsl::Options {
-        shader_model: if f16 {
-            hlsl::ShaderModel::V6_2
-        } else {
-            hlsl::ShaderModel::V6_0
-        },
+        shader_model: hlsl::ShaderModel::V6_0,
         ..Default::default()
     };
     let mut hlsl_src = String::new();
@@ -133,8 +122,7 @@ fn translate(kernel: &str, shape: &ShaderShape, module: &naga::Module, info: &Mo
     );
     // GL: GLSL ES 3.10, the compute-capable version wgpu's GL backend uses.
     // wgpu's GL backend has no subgroups, so those shapes never reach it.
-    // Nor f16 arithmetic.
-    if (shape.subgroups && (kernel == "attention_lanes" || kernel == "attention_rows")) || f16 {
+    if shape.subgroups && (kernel == "attention_lanes" || kernel == "attention_rows") {
         return;
     }
     let glsl_opts = glsl::Options {

@@ -391,7 +391,7 @@ impl PagedAttention {
     /// built: both within [`PORTABLE_WORKGROUP_BYTES`](super::PORTABLE_WORKGROUP_BYTES)
     /// (WebGPU's default) on every shape.
     pub fn workgroup_bytes(&self) -> (u32, u32) {
-        let decode = match self.kernel.base() {
+        let decode = match self.kernel {
             Kernel::Tiled => shader::attention_workgroup_bytes(&self.decode_shape),
             Kernel::Lanes => shader::lanes_workgroup_bytes(&self.decode_shape),
             _ => 0,
@@ -593,7 +593,7 @@ impl PagedAttention {
         per_wg: u32,
     ) -> Result<(u32, u32, u32), GpuError> {
         let units = self.num_kv_heads * self.decode_shape.head_tiles();
-        match self.kernel.base() {
+        match self.kernel {
             Kernel::Tiled | Kernel::Lanes => Ok((n, units, parts)),
             _ => {
                 let total = n as u64 * units as u64 * parts as u64;

@@ -27,22 +27,11 @@ pub enum Kernel {
     /// (sequence, KV head, head tile, partition), no barriers, no workgroup
     /// memory.
     Serial,
-    /// `lanes` with `shader-f16` arithmetic: over an f16 pool on a device
-    /// with `SHADER_F16`, q.k per vec4 in f16, accumulated in f32.
-    LanesF16,
-    /// `serial` with `shader-f16` arithmetic (same condition).
-    SerialF16,
 }
 
 impl Kernel {
     /// Every variant.
-    pub const ALL: [Kernel; 5] = [
-        Kernel::Tiled,
-        Kernel::Lanes,
-        Kernel::Serial,
-        Kernel::LanesF16,
-        Kernel::SerialF16,
-    ];
+    pub const ALL: [Kernel; 3] = [Kernel::Tiled, Kernel::Lanes, Kernel::Serial];
 
     /// The name used by `PAGEDATTN_KERNEL`, the tuning cache and the bench.
     pub fn name(self) -> &'static str {
@@ -50,23 +39,7 @@ impl Kernel {
             Kernel::Tiled => "tiled",
             Kernel::Lanes => "lanes",
             Kernel::Serial => "serial",
-            Kernel::LanesF16 => "lanes-f16",
-            Kernel::SerialF16 => "serial-f16",
         }
-    }
-
-    /// The variant without f16 arithmetic.
-    pub fn base(self) -> Kernel {
-        match self {
-            Kernel::LanesF16 => Kernel::Lanes,
-            Kernel::SerialF16 => Kernel::Serial,
-            k => k,
-        }
-    }
-
-    /// Whether the variant computes q.k in f16 (`shader-f16`).
-    pub fn f16_math(self) -> bool {
-        self != self.base()
     }
 
     /// The variant called `name`, if any.
@@ -77,8 +50,8 @@ impl Kernel {
     pub(super) fn shader(self) -> &'static str {
         match self {
             Kernel::Tiled => "attention",
-            Kernel::Lanes | Kernel::LanesF16 => "attention_lanes",
-            Kernel::Serial | Kernel::SerialF16 => "attention_serial",
+            Kernel::Lanes => "attention_lanes",
+            Kernel::Serial => "attention_serial",
         }
     }
 }
@@ -136,18 +109,8 @@ pub(super) fn decode_shape(gpu: &Gpu, kernel: Kernel, base: ShaderShape) -> Opti
         htile: 0,
         lpt: 1,
         subgroups: false,
-        f16_math: false,
         ..base
     };
-    if kernel.f16_math() {
-        if base.dtype != super::KvDtype::F16 || !gpu.features.contains(wgpu::Features::SHADER_F16) {
-            return None;
-        }
-        return decode_shape(gpu, kernel.base(), base).map(|s| ShaderShape {
-            f16_math: true,
-            ..s
-        });
-    }
     match kernel {
         Kernel::Tiled => {
             let mut most = TILED_MAX_ROWS;
@@ -189,7 +152,7 @@ pub(super) fn decode_shape(gpu: &Gpu, kernel: Kernel, base: ShaderShape) -> Opti
         // At most SERIAL_ROW_VEC4S vec4 of query rows (and as many of
         // accumulator) per invocation: the unrolled per-token code grows
         // with rows x vec4, and so does its compile time on llvmpipe.
-        Kernel::Serial | Kernel::LanesF16 | Kernel::SerialF16 => Some(ShaderShape {
+        Kernel::Serial => Some(ShaderShape {
             htile: shader::balanced_head_tile(
                 base.group,
                 (SERIAL_ROW_VEC4S / (base.head_dim / 4).max(1)).clamp(1, 8),
@@ -235,7 +198,6 @@ pub(super) fn rows_shape(gpu: &Gpu, base: &ShaderShape) -> Option<ShaderShape> {
         qtile: (rows / ht).max(1),
         lpt: lpr,
         subgroups: lpr > 1 && sub_min >= lpr,
-        f16_math: false,
         q_f16: false,
         out_f16: false,
         ..*base
@@ -270,7 +232,6 @@ fn cap_for(gpu: &Gpu, head_dim: u32, ipt: u32) -> Option<u32> {
 /// Loop iterations one invocation of `kernel` runs per token of context
 /// (an upper bound), for adapters that end loops after 65535 iterations.
 fn iterations_per_token(kernel: Kernel, s: &ShaderShape) -> u32 {
-    let kernel = kernel.base();
     let d4 = s.head_dim / 4;
     let ht = s.head_tile();
     match kernel {
@@ -300,7 +261,7 @@ pub(super) fn pass_cap(gpu: &Gpu, kernel: Kernel, s: &ShaderShape) -> Option<u32
 /// known through wgpu, so the batch decides), never shorter than a minimum,
 /// and never longer than the adapter's loop cap where it has one.
 pub(super) fn auto_partition(kernel: Kernel, passes: u64, max_len: u32, cap: Option<u32>) -> u32 {
-    let (target, min_part) = match kernel.base() {
+    let (target, min_part) = match kernel {
         Kernel::Tiled => (256u64, 512u32),
         Kernel::Lanes => (1024, 256),
         // Invocations, not workgroups: 16 workgroups of 64.
@@ -445,7 +406,6 @@ pub(super) fn min_workgroup_bytes(base: &ShaderShape) -> u32 {
         htile: shader::balanced_head_tile(base.group, 1),
         lpt: 1,
         subgroups: false,
-        f16_math: false,
         ..*base
     })
 }

@@ -637,7 +637,7 @@ impl PagedAttention {
         // serial kernel (SERIAL_CASCADE_AUTO) and, where CASCADE_AUTO
         // allows, on the rows kernel: skip the search otherwise.
         let seg_queries = kernel::serial_cascade_queries(&self.decode_shape);
-        let seg = match self.kernel.base() {
+        let seg = match self.kernel {
             Kernel::Serial => SegPass::Serial,
             Kernel::Lanes => {
                 kernel::rows_shape(gpu, &self.decode_shape).map_or(SegPass::Tiled, SegPass::Rows)
