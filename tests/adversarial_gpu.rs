@@ -763,3 +763,136 @@ fn hand_edited_tables_are_refused_not_overflowed() {
     }
     assert!(gpu.take_error().is_ok());
 }
+
+/// Devices with small limits get a typed refusal that names the limit, from
+/// `KvCache::new` and `PagedAttention::new`, before anything is created:
+/// WebGPU's downlevel defaults (4 storage buffers per stage), 32
+/// invocations per workgroup, and too little workgroup memory for the
+/// head_dim. (They got `Validation` errors before.)
+#[test]
+fn small_devices_get_typed_refusals() {
+    let inst = wgpu::Instance::new({
+        let mut d = wgpu::InstanceDescriptor::new_without_display_handle();
+        d.backends = pagedattn::gpu::backends_from_env().unwrap().0;
+        d
+    });
+    let Ok(adapter) = pollster::block_on(inst.request_adapter(&Default::default())) else {
+        gpu();
+        return;
+    };
+    let full = adapter.limits();
+    let cfg = KvCacheConfig {
+        num_layers: 1,
+        num_blocks: 4,
+        block_size: 16,
+        num_kv_heads: 2,
+        head_dim: 64,
+        dtype: KvDtype::F32,
+    };
+    let open = |limits: wgpu::Limits| {
+        let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+            required_limits: limits,
+            ..Default::default()
+        }))
+        .unwrap();
+        (device, queue)
+    };
+    let cases: [(wgpu::Limits, &str, u64, u64); 3] = [
+        (
+            wgpu::Limits {
+                max_storage_buffers_per_shader_stage: 4,
+                ..full.clone()
+            },
+            "max_storage_buffers_per_shader_stage",
+            5,
+            4,
+        ),
+        (
+            wgpu::Limits {
+                max_compute_invocations_per_workgroup: 32,
+                max_compute_workgroup_size_x: 32,
+                max_compute_workgroup_size_y: 32,
+                max_compute_workgroup_size_z: 32,
+                ..full.clone()
+            },
+            "max_compute_invocations_per_workgroup",
+            64,
+            32,
+        ),
+        (
+            wgpu::Limits::downlevel_defaults().using_resolution(full.clone()),
+            "max_storage_buffers_per_shader_stage",
+            5,
+            4,
+        ),
+    ];
+    for (limits, limit, needed, available) in cases {
+        let (device, queue) = open(limits);
+        let gpu = Gpu::from_device(&device, &queue);
+        let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
+        match KvCache::new(&gpu, cfg) {
+            Err(GpuError::DeviceLimit {
+                limit: l,
+                needed: n,
+                available: a,
+            }) => assert_eq!((l, n, a), (limit, needed, available)),
+            Err(e) => panic!("{limit}: {e}"),
+            Ok(_) => panic!("{limit}: accepted"),
+        }
+        assert!(
+            pollster::block_on(scope.pop()).is_none(),
+            "nothing was created"
+        );
+    }
+    // Six storage buffers for attention, five for the cache: a device of
+    // five makes the cache and refuses the attention.
+    let (device, queue) = open(wgpu::Limits {
+        max_storage_buffers_per_shader_stage: 5,
+        ..full.clone()
+    });
+    let gpu = Gpu::from_device(&device, &queue);
+    let cache = KvCache::new(&gpu, cfg).unwrap();
+    match PagedAttention::new(&gpu, &cache, 4) {
+        Err(GpuError::DeviceLimit {
+            limit,
+            needed,
+            available,
+        }) => {
+            assert_eq!(
+                (limit, needed, available),
+                ("max_storage_buffers_per_shader_stage", 6, 5)
+            )
+        }
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("accepted"),
+    }
+    // Workgroup memory too small for the smallest tile of head_dim 256.
+    let (device, queue) = open(wgpu::Limits {
+        max_compute_workgroup_storage_size: 1024,
+        ..full.clone()
+    });
+    let gpu = Gpu::from_device(&device, &queue);
+    let cache = KvCache::new(
+        &gpu,
+        KvCacheConfig {
+            head_dim: 256,
+            ..cfg
+        },
+    )
+    .unwrap();
+    match PagedAttention::new(&gpu, &cache, 4) {
+        Err(GpuError::DeviceLimit {
+            limit,
+            needed,
+            available,
+        }) => {
+            assert_eq!(limit, "max_compute_workgroup_storage_size");
+            assert!(
+                needed > available && available == 1024,
+                "{needed} {available}"
+            );
+        }
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("accepted"),
+    }
+}

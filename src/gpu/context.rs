@@ -104,7 +104,14 @@ const NO_ADAPTER_HINT: &str = "install a Vulkan driver (on Linux without a GPU: 
 
 /// Backends named by `PAGEDATTN_BACKEND` (vulkan, gl, metal, dx12, webgpu), all when unset.
 pub fn backends_from_env() -> Result<(wgpu::Backends, Option<String>), GpuError> {
-    let name = match std::env::var("PAGEDATTN_BACKEND") {
+    backends_from_var(std::env::var("PAGEDATTN_BACKEND"))
+}
+
+/// [`backends_from_env`] of a value as `std::env::var` returns it.
+pub(crate) fn backends_from_var(
+    var: Result<String, std::env::VarError>,
+) -> Result<(wgpu::Backends, Option<String>), GpuError> {
+    let name = match var {
         Ok(name) => name,
         Err(std::env::VarError::NotPresent) => return Ok((wgpu::Backends::all(), None)),
         // Not UTF-8: no backend's name, so refused like any other.

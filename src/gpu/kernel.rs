@@ -374,8 +374,13 @@ pub(super) fn remember(key: &str, k: Kernel) {
 /// `PAGEDATTN_KERNEL`, if set: `Ok(None)` when unset or empty; an error
 /// for a value that names no kernel, non-UTF-8 values included.
 pub fn kernel_from_env() -> Result<Option<Kernel>, String> {
+    kernel_from_var(std::env::var("PAGEDATTN_KERNEL"))
+}
+
+/// [`kernel_from_env`] of a value as `std::env::var` returns it.
+fn kernel_from_var(var: Result<String, std::env::VarError>) -> Result<Option<Kernel>, String> {
     let names = || Kernel::ALL.map(Kernel::name).join(", ");
-    match std::env::var("PAGEDATTN_KERNEL") {
+    match var {
         Ok(v) if !v.trim().is_empty() => Kernel::from_name(&v)
             .map(Some)
             .ok_or_else(|| format!("PAGEDATTN_KERNEL={v}: not a kernel (one of {})", names())),
@@ -408,4 +413,125 @@ pub(super) fn min_workgroup_bytes(base: &ShaderShape) -> u32 {
         subgroups: false,
         ..*base
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gpu::GpuError;
+
+    /// The tune file is read only when it is a regular file of bounded
+    /// size: a FIFO (which blocked `PagedAttention::new` forever), a device
+    /// (`/dev/zero` took 9 s), a directory or an oversized file are ignored
+    /// at once; a regular file is read, and a ten-line one names its kernel.
+    /// Every value names a kernel or is refused: non-UTF-8 ones too (they
+    /// were silently ignored); unset or blank means none.
+    #[test]
+    fn kernel_values_are_names_or_errors() {
+        use std::env::VarError;
+        #[cfg(unix)]
+        {
+            use std::os::unix::ffi::OsStringExt;
+            let bad = std::ffi::OsString::from_vec(vec![b's', 0xff, b'l']);
+            let e = kernel_from_var(Err(VarError::NotUnicode(bad))).unwrap_err();
+            assert!(e.contains("not UTF-8"), "{e}");
+        }
+        assert_eq!(kernel_from_var(Err(VarError::NotPresent)), Ok(None));
+        assert_eq!(kernel_from_var(Ok(" ".into())), Ok(None));
+        assert_eq!(
+            kernel_from_var(Ok("serial".into())),
+            Ok(Some(Kernel::Serial))
+        );
+        assert!(kernel_from_var(Ok("lanes-f16".into())).is_err(), "removed");
+        #[cfg(unix)]
+        {
+            use std::os::unix::ffi::OsStringExt;
+            let bad = std::ffi::OsString::from_vec(vec![b'v', b'k', 0xfe]);
+            let r = crate::gpu::context::backends_from_var(Err(VarError::NotUnicode(bad)));
+            assert!(matches!(r, Err(GpuError::UnknownBackend(_))), "{r:?}");
+        }
+        let (b, name) = crate::gpu::context::backends_from_var(Ok("GL".into())).unwrap();
+        assert_eq!((b, name.as_deref()), (wgpu::Backends::GL, Some("GL")));
+    }
+
+    #[test]
+    fn the_tune_file_is_read_only_when_regular_and_bounded() {
+        let dir = std::env::temp_dir().join(format!("pagedattn-tune-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let fifo = dir.join("fifo");
+        let _ = std::fs::remove_file(&fifo);
+        let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+        let start = std::time::Instant::now();
+        if made.is_ok_and(|s| s.success()) {
+            assert_eq!(read_tune_file(&fifo), None);
+        }
+        assert_eq!(read_tune_file(std::path::Path::new("/dev/zero")), None);
+        assert_eq!(read_tune_file(&dir), None);
+        let big = dir.join("big");
+        std::fs::write(&big, vec![b'x'; TUNE_FILE_MAX_BYTES as usize + 1]).unwrap();
+        assert_eq!(read_tune_file(&big), None);
+        assert!(start.elapsed() < std::time::Duration::from_secs(5));
+        let ok = dir.join("ok");
+        let text = "a|b=tiled\n".repeat(10);
+        std::fs::write(&ok, &text).unwrap();
+        assert_eq!(read_tune_file(&ok).as_deref(), Some(text.as_str()));
+        assert_eq!(read_tune_file(&dir.join("missing")), None);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A tuned choice the shape cannot run on the device is not taken:
+    /// `new` runs the default, and `tuned()` reports what runs (the probe's
+    /// tune file named a kernel `tuned()` reported while `tiled` ran).
+    #[test]
+    fn an_ineligible_tuned_kernel_is_not_reported_or_run() {
+        let Ok(full) = Gpu::new() else {
+            assert!(
+                std::env::var_os("PAGEDATTN_REQUIRE_GPU").is_none(),
+                "no adapter"
+            );
+            return;
+        };
+        // The same adapter with 4 KiB of workgroup memory: `lanes` cannot
+        // run head_dim 256 there, `serial` (no workgroup memory) can.
+        let inst = wgpu::Instance::new(wgpu::InstanceDescriptor::new_without_display_handle());
+        let adapter = pollster::block_on(inst.request_adapter(&Default::default())).unwrap();
+        let limits = wgpu::Limits {
+            max_compute_workgroup_storage_size: 4096,
+            ..adapter.limits()
+        };
+        let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+            required_limits: limits,
+            ..Default::default()
+        }))
+        .unwrap();
+        drop(full);
+        let gpu = Gpu::from_device(&device, &queue);
+        let cfg = crate::gpu::KvCacheConfig {
+            num_layers: 1,
+            num_blocks: 4,
+            block_size: 16,
+            num_kv_heads: 1,
+            head_dim: 256,
+            dtype: crate::gpu::KvDtype::F32,
+        };
+        let cache = crate::gpu::KvCache::new(&gpu, cfg).unwrap();
+        let heads = 8;
+        let eligible = crate::gpu::PagedAttention::eligible_kernels(&gpu, &cache, heads);
+        assert!(!eligible.contains(&Kernel::Lanes), "{eligible:?}");
+        let base = crate::gpu::PagedAttention::base_shape(&cfg, heads, true);
+        let key = tune_key(&gpu, &base, heads, cfg.num_kv_heads);
+        remember(&key, Kernel::Lanes);
+        assert_eq!(tuned(&key), Some(Kernel::Lanes));
+        if kernel_from_env().ok().flatten().is_none() {
+            let attn = crate::gpu::PagedAttention::new(&gpu, &cache, heads).unwrap();
+            assert!(eligible.contains(&attn.kernel()), "{}", attn.kernel());
+            let (attn, report) = crate::gpu::PagedAttention::tuned(&gpu, &cache, heads).unwrap();
+            assert_eq!(report.chosen, attn.kernel());
+            assert!(
+                !report.cached,
+                "the ineligible cached choice was timed again"
+            );
+            assert!(eligible.contains(&report.chosen));
+        }
+    }
 }
