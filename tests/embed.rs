@@ -978,3 +978,238 @@ fn a_plan_runs_only_on_its_cache_and_step() {
     );
     assert!(rel_l2(&got, &want(&pools[0].1)) > 0.1, "not cache a's pool");
 }
+
+/// Plan/run under random traffic, the GPU-side counterpart of the fuzz
+/// targets (a seeded soak; `PAGEDATTN_SEED` overrides): random decode
+/// tables (some corrupt), runs on either of two caches with good or bad
+/// bindings, write plans with random slots (some repeated, past the pool
+/// or `SKIP_WRITE`), and another kernel's plans. A model predicts each
+/// call's outcome (accepted, or which refusal); every accepted run is
+/// checked against the f64 reference over its own cache's pool, and every
+/// refused one records nothing (its output stays poisoned).
+#[test]
+fn plan_run_soak_of_random_tables_bindings_and_caches() {
+    let Some(e) = engine() else { return };
+    let s = seed("plan run soak");
+    let mut rng = SplitMix64::new(s);
+    let gpu = &e.gpu;
+    let nb = 8u32;
+    let cfg = KvCacheConfig {
+        num_layers: 1,
+        num_blocks: nb,
+        block_size: BS,
+        num_kv_heads: KVH,
+        head_dim: HD,
+        dtype: KvDtype::F32,
+    };
+    let row = (KVH * HD) as usize;
+    let all: Vec<u32> = (0..nb * BS).collect();
+    let mut caches = Vec::new();
+    for _ in 0..2 {
+        let cache = KvCache::new(gpu, cfg).unwrap();
+        let (k, v) = (
+            rng.signed_vec(all.len() * row),
+            rng.signed_vec(all.len() * row),
+        );
+        cache.write_kv(gpu, 0, &k, &v, &all).unwrap();
+        let mut host = HostPool::new(nb as usize, KVH as usize, BS as usize, HD as usize);
+        host.write(&all, &k, &v, KvDtype::F32);
+        let wplan = cache.plan();
+        caches.push((cache, host, wplan));
+    }
+    let attn = PagedAttention::new(gpu, &caches[0].0, HEADS).unwrap();
+    let other = PagedAttention::new(gpu, &caches[0].0, HEADS).unwrap();
+    let mut foreign = other.plan();
+    let mut plan = attn.plan();
+    // The model: the planned tables, and the (cache, epoch) the plan is bound to.
+    let mut planned: Option<(Vec<u32>, Vec<u32>, Vec<u32>)> = None;
+    let mut bound: Option<(usize, u64)> = None;
+    let q_row = (HEADS * HD) as usize;
+    let q_bytes = 4 * q_row as u64 * 4;
+    let mut reached = [0usize; 8];
+    let poison = |bytes: u64| {
+        gpu.queue.write_buffer(
+            &e.outs,
+            e.slot,
+            bytemuck::cast_slice(&vec![f32::NAN; bytes as usize / 4]),
+        );
+    };
+    for step in 0..400 {
+        let what = format!("step {step} (seed {s})");
+        match rng.below(6) {
+            0 | 1 => {
+                // Tables: 1 to 3 sequences, maybe corrupted.
+                let n = rng.range(1, 4) as usize;
+                let mut indptr = vec![0u32];
+                let mut indices = Vec::new();
+                let mut lens = Vec::new();
+                for _ in 0..n {
+                    let len = rng.range(1, 3 * BS as u64 + 1) as u32;
+                    for _ in 0..len.div_ceil(BS) {
+                        indices.push(rng.below(nb as u64) as u32);
+                    }
+                    indptr.push(indices.len() as u32);
+                    lens.push(len);
+                }
+                let corrupt = rng.below(3) == 0;
+                if corrupt {
+                    match rng.below(3) {
+                        0 => indices[0] = nb + rng.below(4) as u32,
+                        1 => lens[0] = (indptr[1] - indptr[0]) * BS + 1,
+                        _ => indptr[1] = indptr[n] + 1,
+                    }
+                }
+                let t = DecodeTables {
+                    kv_indptr: &indptr,
+                    kv_indices: &indices,
+                    seq_lens: &lens,
+                };
+                let r = attn.plan_decode(gpu, &mut plan, &t, &[AttnOptions::default()]);
+                assert_eq!(
+                    r.is_ok(),
+                    !corrupt,
+                    "{what}: tables {indptr:?} {indices:?} {lens:?}: {r:?}"
+                );
+                // Planning resets the plan, even when refused.
+                bound = None;
+                planned = r.ok().map(|()| (indptr, indices, lens));
+                reached[corrupt as usize] += 1;
+            }
+            2 => {
+                // A run on either cache, with good bindings.
+                let c = rng.below(2) as usize;
+                let (cache, host, _) = &caches[c];
+                let q = rng.signed_vec(4 * q_row);
+                gpu.queue
+                    .write_buffer(&e.arena, 0, bytemuck::cast_slice(&q));
+                poison(q_bytes);
+                let (qb, ob) = (e.range(0, 0, q_bytes), e.range(0, 1, q_bytes));
+                let mut enc = gpu.device.create_command_encoder(&Default::default());
+                let r = attn.run(gpu, &mut enc, &mut plan, cache, 0, 0, &qb, &ob);
+                gpu.queue.submit([enc.finish()]);
+                let got: Vec<f32> =
+                    gpu.read(&e.outs, e.slot + q_bytes).unwrap()[e.slot as usize / 4..].to_vec();
+                let epoch = cache.write_epoch();
+                let want_err = match (&planned, bound) {
+                    (None, _) => Some(GpuError::Plan(PlanMismatch::NotPlanned)),
+                    (Some(_), Some((bc, _))) if bc != c => {
+                        Some(GpuError::Plan(PlanMismatch::BoundToOtherCache))
+                    }
+                    (Some(_), Some((_, be))) if be != epoch => {
+                        Some(GpuError::Plan(PlanMismatch::Stale {
+                            planned: be,
+                            current: epoch,
+                        }))
+                    }
+                    _ => None,
+                };
+                match (want_err, r) {
+                    (Some(w), r) => {
+                        assert_eq!(r, Err(w), "{what}");
+                        assert!(
+                            got.iter().all(|x| x.is_nan()),
+                            "{what}: a refused run wrote"
+                        );
+                        reached[2] += 1;
+                    }
+                    (None, r) => {
+                        r.unwrap_or_else(|e| panic!("{what}: {e}"));
+                        bound = Some((c, epoch));
+                        let (ip, ix, ln) = planned.as_ref().unwrap();
+                        let nq = ln.len();
+                        let want = reference::decode(
+                            &host.view(),
+                            &AttnParams::new(HEADS as usize, HD as usize),
+                            &q[..nq * q_row],
+                            ip,
+                            ix,
+                            ln,
+                        );
+                        let err = rel_l2(&got[..nq * q_row], &want);
+                        assert!(err < TOL, "{what}: cache {c}: rel L2 {err:.3e}");
+                        reached[3] += 1;
+                    }
+                }
+            }
+            3 => {
+                // A bad binding: refused, nothing recorded, binding unchanged.
+                let bad = [
+                    e.range(0, 0, 8),
+                    wgpu::BufferBinding {
+                        buffer: &e.arena,
+                        offset: 4,
+                        size: NonZeroU64::new(q_bytes),
+                    },
+                ];
+                let b = &bad[rng.below(2) as usize];
+                poison(q_bytes);
+                let mut enc = gpu.device.create_command_encoder(&Default::default());
+                let r = if planned.is_some()
+                    && bound.is_none_or(|(c, ep)| c == 0 && ep == caches[0].0.write_epoch())
+                {
+                    attn.run(
+                        gpu,
+                        &mut enc,
+                        &mut plan,
+                        &caches[0].0,
+                        0,
+                        0,
+                        b,
+                        &e.range(0, 1, q_bytes),
+                    )
+                } else {
+                    Err(GpuError::InvalidArgument("not tried".into()))
+                };
+                assert!(
+                    matches!(r, Err(GpuError::InvalidArgument(_))),
+                    "{what}: {r:?}"
+                );
+                gpu.queue.submit([enc.finish()]);
+                reached[4] += 1;
+            }
+            4 => {
+                // A write plan with random slots on either cache.
+                let c = rng.below(2) as usize;
+                let n = rng.range(0, 6) as usize;
+                let mut slots: Vec<u32> =
+                    (0..n).map(|_| rng.below((nb * BS) as u64) as u32).collect();
+                match rng.below(4) {
+                    0 if n > 0 => slots.push(slots[0]),
+                    1 => slots.push(nb * BS + rng.below(9) as u32),
+                    2 => slots.extend([pagedattn::blocks::SKIP_WRITE; 2]),
+                    _ => {}
+                }
+                let mut sorted: Vec<u32> = slots
+                    .iter()
+                    .copied()
+                    .filter(|&x| x != pagedattn::blocks::SKIP_WRITE)
+                    .collect();
+                sorted.sort_unstable();
+                let valid =
+                    sorted.windows(2).all(|w| w[0] != w[1]) && sorted.iter().all(|&x| x < nb * BS);
+                let (cache, _, wplan) = &mut caches[c];
+                let before = cache.write_epoch();
+                let r = cache.plan_write(gpu, wplan, &slots, &[]);
+                assert_eq!(r.is_ok(), valid, "{what}: slots {slots:?}: {r:?}");
+                assert_eq!(cache.write_epoch(), before + valid as u64, "{what}");
+                reached[5 + valid as usize] += 1;
+            }
+            _ => {
+                let t = DecodeTables {
+                    kv_indptr: &[0, 1],
+                    kv_indices: &[0],
+                    seq_lens: &[1],
+                };
+                let r = attn.plan_decode(gpu, &mut foreign, &t, &[AttnOptions::default()]);
+                assert_eq!(
+                    r,
+                    Err(GpuError::Plan(PlanMismatch::OtherAttention)),
+                    "{what}"
+                );
+                reached[7] += 1;
+            }
+        }
+    }
+    eprintln!("plan/run soak: {reached:?} (valid, corrupt tables, refused runs, checked runs, bad bindings, refused and accepted write plans, foreign plans)");
+    assert!(reached.iter().all(|&n| n > 0), "{reached:?}");
+}

@@ -83,3 +83,72 @@ fn gpu_args_random_inputs_keep_the_contracts() {
         assert!(n > 0, "random inputs never reach {what} (seed {seed})");
     }
 }
+
+#[path = "common/calibration.rs"]
+mod calibration;
+
+/// The calibration checks' corpus (`fuzz/corpus/calibration/`) and seeded
+/// random inputs through the fuzz target's harness
+/// (tests/common/calibration.rs): each check accepts exactly what its
+/// contract states, and calibrated values always pass. Together they must
+/// reach every outcome. `CALIBRATION_INPUT=<file>` replays one file.
+#[test]
+fn calibration_corpus_and_random_inputs_keep_the_contracts() {
+    let run =
+        |data: &[u8], what: &str, total: &mut calibration::Reached| match std::panic::catch_unwind(
+            || calibration::run(data),
+        ) {
+            Ok(r) => total.add(&r),
+            Err(p) => {
+                eprintln!("{what} failed");
+                std::panic::resume_unwind(p);
+            }
+        };
+    let mut total = calibration::Reached::default();
+    if let Ok(one) = std::env::var("CALIBRATION_INPUT") {
+        run(&std::fs::read(&one).unwrap(), &one, &mut total);
+        println!("{:?}", total.named());
+        return;
+    }
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/calibration");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .expect("fuzz/corpus/calibration")
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_file())
+        .collect();
+    files.sort();
+    assert!(files.len() >= 10, "only {} corpus files", files.len());
+    for f in &files {
+        run(
+            &std::fs::read(f).unwrap(),
+            &f.display().to_string(),
+            &mut total,
+        );
+    }
+    for (what, n) in total.named() {
+        assert!(
+            n > 0,
+            "the corpus never reaches {what}: {:?}",
+            total.named()
+        );
+    }
+    let seed = std::env::var("PAGEDATTN_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0xCA1Bu64);
+    let mut rng = SplitMix64::new(seed);
+    let mut random = calibration::Reached::default();
+    for i in 0..3000 {
+        let len = rng.range(1, 300) as usize;
+        let data: Vec<u8> = (0..len).map(|_| rng.below(256) as u8).collect();
+        run(
+            &data,
+            &format!("random input {i} (seed {seed})"),
+            &mut random,
+        );
+    }
+    for (what, n) in random.named() {
+        assert!(n > 0, "random inputs never reach {what} (seed {seed})");
+    }
+    println!("corpus {:?}; random {:?}", total.named(), random.named());
+}

@@ -1002,8 +1002,17 @@ impl Gguf {
         let header_end = r.pos as u64;
         let a = u64::from(alignment);
         // header_end < 2^63 and a <= 2^30: no overflow.
-        let data_offset = header_end.div_ceil(a) * a;
         let len = bytes.len() as u64;
+        // A file without tensors may end before the padding (llama.cpp
+        // reads such files): its empty data section starts at the end.
+        // With tensors, the bounds check below refuses a short file. (The
+        // gguf fuzz target found a header-only file whose data offset lay
+        // past its end.)
+        let data_offset = (header_end.div_ceil(a) * a).min(if tensors.is_empty() {
+            len
+        } else {
+            u64::MAX
+        });
 
         for t in &tensors {
             let end = data_offset

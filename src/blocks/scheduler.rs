@@ -266,7 +266,7 @@ pub struct SchedulerStats {
     pub aborted: u64,
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 struct Group {
     id: RequestId,
     salt: Vec<u8>,
@@ -369,7 +369,7 @@ fn regrown_blocks(sources: &[Vec<u32>], block_size: usize) -> usize {
 /// assert_eq!(out[0].sequences.len(), 2);
 /// assert_eq!(out[0].sequences[0].len(), 41);
 /// ```
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Scheduler {
     blocks: BlockManager,
     cfg: SchedulerConfig,

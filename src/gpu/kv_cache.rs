@@ -407,6 +407,102 @@ impl KvCacheConfig {
     pub(super) fn copy_threads_per_block(&self) -> u64 {
         self.block_elems4() as u64 + self.side_words_per_block(true)
     }
+    /// Checks fp8 scales for [`KvCache::set_fp8_scales`], with no GPU: one
+    /// per KV head for K and V, each in [`FP8_SCALE_RANGE`].
+    pub fn check_fp8_scales(&self, k_scales: &[f32], v_scales: &[f32]) -> Result<(), GpuError> {
+        let bad = |m: String| Err(GpuError::InvalidArgument(m));
+        let h = self.num_kv_heads as usize;
+        for (what, s) in [("K", k_scales), ("V", v_scales)] {
+            if s.len() != h {
+                return bad(format!("{} {what} scales for {h} KV heads", s.len()));
+            }
+            let [lo, hi] = FP8_SCALE_RANGE;
+            if let Some((i, x)) = s
+                .iter()
+                .enumerate()
+                .find(|(_, x)| !(x.is_finite() && **x > 0.0))
+            {
+                return bad(format!(
+                    "{what} scale of KV head {i} is {x}: fp8 scales must be finite and positive"
+                ));
+            }
+            if let Some((i, x)) = s.iter().enumerate().find(|(_, x)| !(lo..=hi).contains(*x)) {
+                return bad(format!(
+                    "{what} scale of KV head {i} is {x:e}: fp8 scales must lie in 2^-100..=2^91 \
+                     (FP8_SCALE_RANGE), where every stored value stays finite"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks K smoothing factors for [`KvCache::set_k_smoothing`], with no
+    /// GPU: one per (KV head, channel), each in [`K_SMOOTHING_RANGE`].
+    pub fn check_k_smoothing(&self, factors: &[f32]) -> Result<(), GpuError> {
+        let bad = |m: String| Err(GpuError::InvalidArgument(m));
+        let n = (self.num_kv_heads * self.head_dim) as usize;
+        if factors.len() != n {
+            return bad(format!(
+                "{} K smoothing factors for {} KV heads x head_dim {} = {n}",
+                factors.len(),
+                self.num_kv_heads,
+                self.head_dim
+            ));
+        }
+        if let Some((i, x)) = factors
+            .iter()
+            .enumerate()
+            .find(|(_, x)| !(x.is_finite() && **x > 0.0))
+        {
+            return bad(format!(
+                "K smoothing factor {i} is {x}: factors must be finite and positive"
+            ));
+        }
+        let [lo, hi] = K_SMOOTHING_RANGE;
+        if let Some((i, x)) = factors
+            .iter()
+            .enumerate()
+            .find(|(_, x)| !(lo..=hi).contains(*x))
+        {
+            return bad(format!(
+                "K smoothing factor {i} is {x:e}: factors must lie in 2^-32..=2^32 \
+                 (K_SMOOTHING_RANGE), so that the query they scale stays finite"
+            ));
+        }
+        Ok(())
+    }
+
+    /// Checks outlier channel lists for [`KvCache::set_k_outlier_channels`],
+    /// with no GPU: [`K_OUTLIERS`] per KV head, each below head_dim or
+    /// [`K_OUTLIER_UNUSED`], distinct within a head.
+    pub fn check_k_outlier_channels(&self, channels: &[u32]) -> Result<(), GpuError> {
+        let bad = |m: String| Err(GpuError::InvalidArgument(m));
+        let n = (self.num_kv_heads * K_OUTLIERS) as usize;
+        if channels.len() != n {
+            return bad(format!(
+                "{} outlier channels for {} KV heads x {K_OUTLIERS} = {n}",
+                channels.len(),
+                self.num_kv_heads
+            ));
+        }
+        for (h, head) in channels.chunks(K_OUTLIERS as usize).enumerate() {
+            for (j, &c) in head.iter().enumerate() {
+                if c == K_OUTLIER_UNUSED {
+                    continue;
+                }
+                if c >= self.head_dim {
+                    return bad(format!(
+                        "outlier channel {c} of KV head {h} is not below head_dim {}",
+                        self.head_dim
+                    ));
+                }
+                if head[..j].contains(&c) {
+                    return bad(format!("outlier channel {c} of KV head {h} is named twice"));
+                }
+            }
+        }
+        Ok(())
+    }
 
     /// Checks the shape on its own (no adapter limits).
     pub fn validate(&self) -> Result<(), GpuError> {
@@ -819,28 +915,7 @@ impl KvCache {
             ));
         }
         let [k, _] = self.layer(layer)?;
-        let h = self.cfg.num_kv_heads as usize;
-        for (what, s) in [("K", k_scales), ("V", v_scales)] {
-            if s.len() != h {
-                return bad(format!("{} {what} scales for {h} KV heads", s.len()));
-            }
-            let [lo, hi] = FP8_SCALE_RANGE;
-            if let Some((i, x)) = s
-                .iter()
-                .enumerate()
-                .find(|(_, x)| !(x.is_finite() && **x > 0.0))
-            {
-                return bad(format!(
-                    "{what} scale of KV head {i} is {x}: fp8 scales must be finite and positive"
-                ));
-            }
-            if let Some((i, x)) = s.iter().enumerate().find(|(_, x)| !(lo..=hi).contains(*x)) {
-                return bad(format!(
-                    "{what} scale of KV head {i} is {x:e}: fp8 scales must lie in 2^-100..=2^91 \
-                     (FP8_SCALE_RANGE), where every stored value stays finite"
-                ));
-            }
-        }
+        self.cfg.check_fp8_scales(k_scales, v_scales)?;
         // Both in the K buffer's tail: K's scales, then V's.
         let at = self.cfg.tail_offset();
         gpu.queue
@@ -871,35 +946,7 @@ impl KvCache {
             ));
         }
         let [k, _] = self.layer(layer)?;
-        let n = (self.cfg.num_kv_heads * self.cfg.head_dim) as usize;
-        if factors.len() != n {
-            return bad(format!(
-                "{} K smoothing factors for {} KV heads x head_dim {} = {n}",
-                factors.len(),
-                self.cfg.num_kv_heads,
-                self.cfg.head_dim
-            ));
-        }
-        if let Some((i, x)) = factors
-            .iter()
-            .enumerate()
-            .find(|(_, x)| !(x.is_finite() && **x > 0.0))
-        {
-            return bad(format!(
-                "K smoothing factor {i} is {x}: factors must be finite and positive"
-            ));
-        }
-        let [lo, hi] = K_SMOOTHING_RANGE;
-        if let Some((i, x)) = factors
-            .iter()
-            .enumerate()
-            .find(|(_, x)| !(lo..=hi).contains(*x))
-        {
-            return bad(format!(
-                "K smoothing factor {i} is {x:e}: factors must lie in 2^-32..=2^32 \
-                 (K_SMOOTHING_RANGE), so that the query they scale stays finite"
-            ));
-        }
+        self.cfg.check_k_smoothing(factors)?;
         let at = self.cfg.tail_offset();
         gpu.queue.write_buffer(k, at, bytemuck::cast_slice(factors));
         Ok(())
@@ -979,30 +1026,8 @@ impl KvCache {
             ));
         }
         let [k, _] = self.layer(layer)?;
-        let n = (self.cfg.num_kv_heads * K_OUTLIERS) as usize;
-        if channels.len() != n {
-            return bad(format!(
-                "{} outlier channels for {} KV heads x {K_OUTLIERS} = {n}",
-                channels.len(),
-                self.cfg.num_kv_heads
-            ));
-        }
-        for (h, head) in channels.chunks(K_OUTLIERS as usize).enumerate() {
-            for (j, &c) in head.iter().enumerate() {
-                if c == K_OUTLIER_UNUSED {
-                    continue;
-                }
-                if c >= self.cfg.head_dim {
-                    return bad(format!(
-                        "outlier channel {c} of KV head {h} is not below head_dim {}",
-                        self.cfg.head_dim
-                    ));
-                }
-                if head[..j].contains(&c) {
-                    return bad(format!("outlier channel {c} of KV head {h} is named twice"));
-                }
-            }
-        }
+        self.cfg.check_k_outlier_channels(channels)?;
+        let n = channels.len();
         // The channel lists end the tail.
         let at = self.cfg.tail_offset() + self.cfg.tail_bytes() - (n as u64) * 4;
         gpu.queue
