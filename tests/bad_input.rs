@@ -1191,7 +1191,16 @@ fn gpu_inputs_over_the_device_limits() {
         &opts,
     );
     assert!(over_limit(&r), "{r:?}");
-    let slots: Vec<u32> = (0..20_000).map(|i| i % 128).collect();
+    // Distinct slots (a repeat is refused first), the rest skipped.
+    let slots: Vec<u32> = (0..20_000)
+        .map(|i| {
+            if i < 128 {
+                i
+            } else {
+                pagedattn::blocks::SKIP_WRITE
+            }
+        })
+        .collect();
     let big = vec![0.0f32; slots.len() * (KVH * HD) as usize]; // 10 MB
     let r = kv.write_kv(&tiny, 0, &big, &big, &slots);
     assert!(over_limit(&r), "{r:?}");

@@ -1008,11 +1008,8 @@ impl Gguf {
         // With tensors, the bounds check below refuses a short file. (The
         // gguf fuzz target found a header-only file whose data offset lay
         // past its end.)
-        let data_offset = (header_end.div_ceil(a) * a).min(if tensors.is_empty() {
-            len
-        } else {
-            u64::MAX
-        });
+        let data_offset =
+            (header_end.div_ceil(a) * a).min(if tensors.is_empty() { len } else { u64::MAX });
 
         for t in &tensors {
             let end = data_offset
