@@ -249,7 +249,23 @@ fn run(checked: Checked) -> Res {
     Ok(())
 }
 
+/// On a machine without a display session, Mesa's Vulkan device-select
+/// layer tries to reach a Wayland compositor and prints
+/// `error: XDG_RUNTIME_DIR is invalid or not set` twice, which is no
+/// error. With no session to choose a device for, the layer is skipped
+/// (`NODEVICE_SELECT=1`, Mesa's own switch); a desktop keeps it. Set
+/// before any thread exists, so the environment is changed safely.
+fn quiet_headless_vulkan() {
+    let headless = ["XDG_RUNTIME_DIR", "WAYLAND_DISPLAY", "DISPLAY"]
+        .iter()
+        .all(|v| std::env::var_os(v).is_none());
+    if headless && std::env::var_os("NODEVICE_SELECT").is_none() {
+        std::env::set_var("NODEVICE_SELECT", "1");
+    }
+}
+
 fn main() {
+    quiet_headless_vulkan();
     let code = match cli::parse(std::env::args_os()) {
         Parsed::Exit { text, stdout, code } => {
             // Nothing useful to do if printing help fails (a closed pipe).

@@ -457,3 +457,51 @@ fn generate_arguments_are_checked_before_the_model_is_read() {
         &["/nonexistent/model.gguf", "scripts/fetch-model.sh"],
     );
 }
+
+/// A first run on a headless machine (no display session, as CI and a
+/// fresh server) prints no `error:` line that is not an error: Mesa's
+/// Vulkan device-select layer printed `error: XDG_RUNTIME_DIR is invalid`
+/// twice before the binary skipped it there.
+#[test]
+fn a_headless_run_prints_no_false_error_lines() {
+    if common_gpu_missing() {
+        return;
+    }
+    let mut child = Command::new(env!("CARGO_BIN_EXE_pagedattn"));
+    child
+        .args([
+            "demo",
+            "--requests",
+            "1",
+            "--samples",
+            "1",
+            "--num-blocks",
+            "16",
+        ])
+        .env_remove("XDG_RUNTIME_DIR")
+        .env_remove("WAYLAND_DISPLAY")
+        .env_remove("DISPLAY")
+        .env_remove("NODEVICE_SELECT")
+        .stdin(Stdio::null());
+    let out = child.output().expect("spawn pagedattn");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "exit {:?}: {err}", out.status);
+    assert!(
+        !err.lines().any(|l| l.starts_with("error")),
+        "a headless run printed error lines:\n{err}"
+    );
+}
+
+/// Whether no adapter is present and none is required (then the test
+/// skips, saying so).
+fn common_gpu_missing() -> bool {
+    if pagedattn::gpu::Gpu::new().is_ok() {
+        return false;
+    }
+    assert!(
+        std::env::var_os("PAGEDATTN_REQUIRE_GPU").is_none(),
+        "no GPU adapter, and PAGEDATTN_REQUIRE_GPU is set"
+    );
+    eprintln!("skipped: no GPU adapter");
+    true
+}

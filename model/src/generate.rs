@@ -71,18 +71,27 @@ pub fn default_model_path() -> PathBuf {
 /// The engine's device on the default adapter of the backends
 /// `PAGEDATTN_BACKEND` allows.
 pub fn open_device() -> Result<(wgpu::Device, wgpu::Queue, String), ModelError> {
-    let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
-    desc.backends = pagedattn::gpu::backends_from_env()
-        .map_err(ModelError::Gpu)?
-        .0;
-    let instance = wgpu::Instance::new(desc);
-    let adapter = pollster::block_on(instance.request_adapter(&wgpu::RequestAdapterOptions {
-        power_preference: wgpu::PowerPreference::HighPerformance,
-        ..Default::default()
-    }))
-    .map_err(|e| {
+    // The library's order: the platform's own API first, GL last.
+    let mut last = String::new();
+    let mut found = None;
+    for backends in pagedattn::gpu::adapter_backends().map_err(ModelError::Gpu)? {
+        let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
+        desc.backends = backends;
+        let instance = wgpu::Instance::new(desc);
+        match pollster::block_on(instance.request_adapter(&wgpu::RequestAdapterOptions {
+            power_preference: wgpu::PowerPreference::HighPerformance,
+            ..Default::default()
+        })) {
+            Ok(a) => {
+                found = Some(a);
+                break;
+            }
+            Err(e) => last = e.to_string(),
+        }
+    }
+    let adapter = found.ok_or_else(|| {
         ModelError::Device(format!(
-            "no GPU adapter ({e}); on Linux without a GPU, install mesa-vulkan-drivers (lavapipe)"
+            "no GPU adapter ({last}); on Linux without a GPU, install mesa-vulkan-drivers (lavapipe)"
         ))
     })?;
     let info = adapter.get_info();

@@ -131,6 +131,29 @@ pub(crate) fn backends_from_var(
     Ok((b, Some(name)))
 }
 
+/// The backends to try for an adapter, in order: the ones named by
+/// `PAGEDATTN_BACKEND` alone; with none named, the platform's own API first
+/// (on Linux Vulkan alone: GL's EGL is not set up for nothing, and the
+/// process's one Vulkan instance is shared, which NVIDIA's driver needs:
+/// see `instance`), then every backend. For an engine opening its own
+/// device the same way.
+pub fn adapter_backends() -> Result<Vec<wgpu::Backends>, GpuError> {
+    let (backends, name) = backends_from_env()?;
+    Ok(backend_order(backends, name.is_some()))
+}
+
+fn backend_order(backends: wgpu::Backends, named: bool) -> Vec<wgpu::Backends> {
+    if named || cfg!(target_arch = "wasm32") {
+        return vec![backends];
+    }
+    let first = if cfg!(any(target_os = "linux", target_os = "android")) {
+        wgpu::Backends::VULKAN
+    } else {
+        wgpu::Backends::PRIMARY
+    };
+    vec![first, backends]
+}
+
 fn instance(backends: wgpu::Backends) -> wgpu::Instance {
     let make = |backends| {
         let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
@@ -167,19 +190,20 @@ impl Gpu {
     /// Opens the default adapter.
     pub async fn new_async() -> Result<Self, GpuError> {
         let (backends, name) = backends_from_env()?;
-        let inst = instance(backends);
-        let adapter = inst
-            .request_adapter(&wgpu::RequestAdapterOptions {
-                power_preference: wgpu::PowerPreference::HighPerformance,
-                force_fallback_adapter: false,
-                ..Default::default()
-            })
-            .await
-            .map_err(|_| GpuError::NoAdapter {
-                backend: name,
-                hint: NO_ADAPTER_HINT,
-            })?;
-        Self::from_adapter(adapter).await
+        let opts = wgpu::RequestAdapterOptions {
+            power_preference: wgpu::PowerPreference::HighPerformance,
+            force_fallback_adapter: false,
+            ..Default::default()
+        };
+        for b in backend_order(backends, name.is_some()) {
+            if let Ok(adapter) = instance(b).request_adapter(&opts).await {
+                return Self::from_adapter(adapter).await;
+            }
+        }
+        Err(GpuError::NoAdapter {
+            backend: name,
+            hint: NO_ADAPTER_HINT,
+        })
     }
 
     /// Every adapter of the backends allowed by `PAGEDATTN_BACKEND`, opened. Native only.

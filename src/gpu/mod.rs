@@ -21,7 +21,7 @@ pub use attention::{
 pub use cascade::{
     find_segments, Cascade, CascadeTables, CASCADE_MIN_SAVED_BYTES, SERIAL_CASCADE_MIN_SAVED_BYTES,
 };
-pub use context::{backends_from_env, Counters, Gpu};
+pub use context::{adapter_backends, backends_from_env, Counters, Gpu};
 pub use error::{GpuError, PlanMismatch};
 pub use kernel::{kernel_from_env, Kernel, PORTABLE_WORKGROUP_BYTES};
 /// Kernel plumbing for the benchmark in the CLI crate (`stream_read`): not
