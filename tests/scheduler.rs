@@ -12,7 +12,7 @@ mod scheduler_ops;
 
 use pagedattn::blocks::{
     BlockError, BlockManager, BlockManagerConfig, Child, GroupOutput, Preemption, RequestId,
-    Scheduler, SchedulerConfig, SchedulerError, Step, RELEASED, SKIP_WRITE,
+    Scheduler, SchedulerConfig, SchedulerError,
 };
 use pagedattn::rng::SplitMix64;
 
@@ -141,60 +141,10 @@ fn token(r: u64, s: u64, p: usize) -> u32 {
 
 struct Sim {
     sched: Scheduler,
-    /// Simulated pool and swap space: the token id each slot holds.
-    pool: Vec<Option<u32>>,
-    swap: Vec<Option<u32>>,
-    bs: usize,
+    pool: scheduler_ops::SimPool,
     /// Per request: its key, output length, and its samples' identities
     /// (sample number, tokens generated), in its group's order.
     reqs: HashMap<RequestId, (u64, usize, usize, Vec<(u64, usize)>)>,
-}
-
-impl Sim {
-    fn run_step(&mut self, step: &Step) {
-        let bs = self.bs;
-        for &[b, h] in step.swap_out() {
-            for o in 0..bs {
-                self.swap[h as usize * bs + o] = self.pool[b as usize * bs + o];
-            }
-        }
-        for &[h, b] in step.swap_in() {
-            for o in 0..bs {
-                self.pool[b as usize * bs + o] = self.swap[h as usize * bs + o];
-            }
-        }
-        for &[s, d] in &step.view().copies {
-            for o in 0..bs {
-                self.pool[d as usize * bs + o] = self.pool[s as usize * bs + o];
-            }
-        }
-        let v = step.view();
-        for (i, row) in step.rows().iter().enumerate() {
-            let new = &v.slot_mapping[v.new_indptr[i] as usize..v.new_indptr[i + 1] as usize];
-            let toks = &step.tokens()[v.new_indptr[i] as usize..v.new_indptr[i + 1] as usize];
-            assert_eq!(new.len(), row.positions.len());
-            for (&slot, &t) in new.iter().zip(toks) {
-                if slot != SKIP_WRITE {
-                    self.pool[slot as usize] = Some(t);
-                }
-            }
-            // The attention of this row reads positions 0..end: each must
-            // hold the sequence's token there.
-            let seq = self.sched.blocks().tokens(row.seq).unwrap();
-            let table = &v.kv_indices[v.kv_indptr[i] as usize..v.kv_indptr[i + 1] as usize];
-            assert_eq!(v.seq_lens[i] as usize, row.positions.end);
-            for p in 0..row.positions.end {
-                let b = table[p / bs];
-                assert_ne!(b, RELEASED);
-                assert_eq!(
-                    self.pool[b as usize * bs + p % bs],
-                    Some(seq[p]),
-                    "row {i} ({}) position {p}",
-                    row.request
-                );
-            }
-        }
-    }
 }
 
 /// What a workload did: every finished sequence by (request key,
@@ -226,9 +176,7 @@ fn run_workload(
     sc.preemption = preemption;
     let mut sim = Sim {
         sched: Scheduler::new(cfg, sc).unwrap(),
-        pool: vec![None; nb as usize * bs],
-        swap: vec![None; swap_blocks as usize * bs],
-        bs,
+        pool: scheduler_ops::SimPool::new(nb, swap_blocks, bs as u32),
         reqs: HashMap::new(),
     };
     let mut rng = SplitMix64::new(seed);
@@ -254,7 +202,7 @@ fn run_workload(
             sim.reqs.insert(id, (key, out, width, Vec::new()));
         }
         let step = sim.sched.schedule().unwrap();
-        sim.run_step(&step);
+        sim.pool.run_step(&sim.sched, &step);
         for r in step.aborted() {
             aborted.push(sim.reqs.remove(r).unwrap().0);
         }

@@ -464,9 +464,7 @@ fn generate_arguments_are_checked_before_the_model_is_read() {
 /// twice before the binary skipped it there.
 #[test]
 fn a_headless_run_prints_no_false_error_lines() {
-    if common_gpu_missing() {
-        return;
-    }
+    let Some(_gpu) = common::gpu() else { return };
     let mut child = Command::new(env!("CARGO_BIN_EXE_pagedattn"));
     child
         .args([
@@ -490,18 +488,4 @@ fn a_headless_run_prints_no_false_error_lines() {
         !err.lines().any(|l| l.starts_with("error")),
         "a headless run printed error lines:\n{err}"
     );
-}
-
-/// Whether no adapter is present and none is required (then the test
-/// skips, saying so).
-fn common_gpu_missing() -> bool {
-    if pagedattn::gpu::Gpu::new().is_ok() {
-        return false;
-    }
-    assert!(
-        std::env::var_os("PAGEDATTN_REQUIRE_GPU").is_none(),
-        "no GPU adapter, and PAGEDATTN_REQUIRE_GPU is set"
-    );
-    eprintln!("skipped: no GPU adapter");
-    true
 }

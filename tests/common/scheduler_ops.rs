@@ -96,33 +96,27 @@ fn token(key: u64, s: u64, p: usize) -> u32 {
     (x >> 44) as u32 % 7
 }
 
-/// A request as the caller knows it.
-struct Req {
-    key: u64,
-    out: usize,
-    width: usize,
-    /// Its samples (sample number, tokens generated), in group order.
-    samples: Vec<(u64, usize)>,
-    ended: bool,
-}
-
-struct Harness {
-    s: Scheduler,
-    other: Scheduler,
-    other_step: Option<Step>,
-    other_req: Option<RequestId>,
+/// A simulated pool and host swap space: the token id each slot holds.
+/// [`SimPool::run_step`] replays a step (swap-out, swap-in, copy-on-write,
+/// the new tokens' writes) and checks that every row's table reads its
+/// sequence's own tokens. Shared with `tests/scheduler.rs`.
+pub struct SimPool {
     pool: Vec<Option<u32>>,
     swap: Vec<Option<u32>>,
     bs: usize,
-    reqs: HashMap<RequestId, Req>,
-    order: Vec<RequestId>,
-    next_key: u64,
-    cov: Coverage,
 }
 
-impl Harness {
-    /// Replays a step on the simulated pool and checks every row's reads.
-    fn run_step(&mut self, step: &Step) {
+impl SimPool {
+    pub fn new(num_blocks: u32, swap_blocks: u32, block_size: u32) -> Self {
+        let bs = block_size as usize;
+        Self {
+            pool: vec![None; num_blocks as usize * bs],
+            swap: vec![None; swap_blocks as usize * bs],
+            bs,
+        }
+    }
+
+    pub fn run_step(&mut self, sched: &Scheduler, step: &Step) {
         let bs = self.bs;
         for &[b, h] in step.swap_out() {
             for o in 0..bs {
@@ -149,8 +143,9 @@ impl Harness {
                     self.pool[slot as usize] = Some(t);
                 }
             }
-            let seq = self
-                .s
+            // The attention of this row reads positions 0..end: each must
+            // hold the sequence's token there.
+            let seq = sched
                 .blocks()
                 .tokens(row.seq)
                 .expect("a row's sequence is live");
@@ -162,12 +157,37 @@ impl Harness {
                 assert_eq!(
                     self.pool[b as usize * bs + p % bs],
                     Some(seq[p]),
-                    "row {i} position {p}"
+                    "row {i} ({}) position {p}",
+                    row.request
                 );
             }
         }
     }
+}
 
+/// A request as the caller knows it.
+struct Req {
+    key: u64,
+    out: usize,
+    width: usize,
+    /// Its samples (sample number, tokens generated), in group order.
+    samples: Vec<(u64, usize)>,
+    ended: bool,
+}
+
+struct Harness {
+    s: Scheduler,
+    other: Scheduler,
+    other_step: Option<Step>,
+    other_req: Option<RequestId>,
+    sim: SimPool,
+    reqs: HashMap<RequestId, Req>,
+    order: Vec<RequestId>,
+    next_key: u64,
+    cov: Coverage,
+}
+
+impl Harness {
     /// The outputs a sampler gives for `step`; updates the callers' samples.
     fn outputs(&mut self, step: &Step) -> Vec<GroupOutput> {
         let mut outs = Vec::new();
@@ -349,7 +369,7 @@ impl Harness {
             self.cov.aborted_by_policy += 1;
             self.end(r, false);
         }
-        self.run_step(&step);
+        self.sim.run_step(&self.s, &step);
         let outs = self.outputs(&step);
         self.commit(&step, outs, bits);
     }
@@ -379,9 +399,7 @@ pub fn run(data: &[u8]) -> Coverage {
         other,
         other_step: None,
         other_req: None,
-        pool: vec![None; (nb * bs) as usize],
-        swap: vec![None; (swap_blocks * bs) as usize],
-        bs: bs as usize,
+        sim: SimPool::new(nb, swap_blocks, bs),
         reqs: HashMap::new(),
         order: Vec::new(),
         next_key: 0,
