@@ -24,9 +24,9 @@
 //! CPU model of the same network.
 //!
 //! Run it with `cargo run --example engine` (`PAGEDATTN_BACKEND=vulkan` etc.
-//! picks a backend); `tests/engine_example.rs` runs it as a test.
+//! picks a backend); `tests/gpu/engine_example.rs` runs it as a test.
 
-// tests/engine_example.rs includes this file as a module, where main is unused.
+// tests/gpu/engine_example.rs includes this file as a module, where main is unused.
 #![allow(dead_code)]
 
 use std::error::Error;
@@ -197,7 +197,10 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 /// `PAGEDATTN_BACKEND` allows (all when unset).
 pub fn engine_device() -> Res<(Device, Queue)> {
     let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
-    desc.backends = pagedattn::gpu::backends_from_env()?.0;
+    desc.backends = match std::env::var("PAGEDATTN_BACKEND") {
+        Ok(name) => pagedattn::gpu::parse_backends(&name)?,
+        Err(_) => wgpu::Backends::all(),
+    };
     let instance = wgpu::Instance::new(desc);
     let adapter = pollster::block_on(instance.request_adapter(&Default::default()))
         .map_err(|e| format!("no GPU adapter ({e}); on Linux, lavapipe is mesa-vulkan-drivers"))?;
@@ -315,8 +318,9 @@ impl Model {
         };
         let cache = KvCache::new(&gpu, cfg)?;
         // Times every decode kernel variant once for this adapter and shape
-        // (cached in PAGEDATTN_TUNE_CACHE when set) and builds the fastest.
-        let (attn, _tuned) = PagedAttention::tuned(&gpu, &cache, HQ as u32)?;
+        // and builds the fastest (the engine's tuner could name a tune file
+        // that keeps the pick across runs: `Tuner::with_file`).
+        let (attn, _tuned) = pagedattn::gpu::Tuner::new().attention(&gpu, &cache, HQ as u32)?;
         attn.warm_up(&gpu)?; // compile every attention pipeline now, not mid-step
         let (mut wplan, mut aplan) = (cache.plan(), attn.plan());
         // Q, K and V are read straight from the fused rows, QKV floats apart.

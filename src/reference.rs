@@ -32,6 +32,131 @@ impl PagedPool<'_> {
     }
 }
 
+/// How a [`HostPool`] stores a written value: as the GPU pool holds it
+/// (f32 exact, f16 rounded), or exact for the quantized pools, whose
+/// rounding is what their tests bound.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stored {
+    /// The value as written.
+    Exact,
+    /// Rounded through IEEE binary16, as a packed f16 pool stores it.
+    F16,
+}
+
+impl Stored {
+    /// The value as stored.
+    pub fn round(self, x: f32) -> f32 {
+        match self {
+            Stored::Exact => x,
+            Stored::F16 => half::f16::from_f32(x).to_f32(),
+        }
+    }
+}
+
+/// A host mirror of one layer's pool, in the GPU layout, kept by the same
+/// operations an engine sends to the GPU (write to slots, copy-on-write
+/// copies, swap moves): what the f64 reference reads through
+/// [`view`](Self::view). Tests, the demo and the soak keep one per layer;
+/// an engine can check its own pool the same way.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HostPool {
+    /// Keys, `[num_blocks][num_kv_heads][block_size][head_dim]`.
+    pub k: Vec<f32>,
+    /// Values, the same layout.
+    pub v: Vec<f32>,
+    /// KV heads.
+    pub num_kv_heads: usize,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Elements per head.
+    pub head_dim: usize,
+}
+
+impl HostPool {
+    /// A pool of zeros.
+    pub fn new(num_blocks: usize, num_kv_heads: usize, block_size: usize, head_dim: usize) -> Self {
+        let n = num_blocks * num_kv_heads * block_size * head_dim;
+        Self {
+            k: vec![0.0; n],
+            v: vec![0.0; n],
+            num_kv_heads,
+            block_size,
+            head_dim,
+        }
+    }
+
+    /// Floats per block.
+    pub fn block_len(&self) -> usize {
+        self.num_kv_heads * self.block_size * self.head_dim
+    }
+
+    /// Blocks in the pool.
+    pub fn num_blocks(&self) -> usize {
+        self.k.len() / self.block_len().max(1)
+    }
+
+    /// Scatters `[n][num_kv_heads][head_dim]` rows of `k` and `v` into
+    /// `slots`, stored as `stored` says; a slot outside the pool (such as
+    /// [`SKIP_WRITE`](crate::blocks::SKIP_WRITE)) is not written, as the
+    /// kernel skips it.
+    pub fn write(&mut self, slots: &[u32], k: &[f32], v: &[f32], stored: Stored) {
+        let (h, d, bs) = (self.num_kv_heads, self.head_dim, self.block_size);
+        let cap = self.num_blocks() * bs;
+        for (t, &slot) in slots.iter().enumerate() {
+            if slot as usize >= cap {
+                continue;
+            }
+            let (b, o) = (slot as usize / bs, slot as usize % bs);
+            for kh in 0..h {
+                let dst = ((b * h + kh) * bs + o) * d;
+                let src = (t * h + kh) * d;
+                for i in 0..d {
+                    self.k[dst + i] = stored.round(k[src + i]);
+                    self.v[dst + i] = stored.round(v[src + i]);
+                }
+            }
+        }
+    }
+
+    /// Copies block `src` to `dst`.
+    pub fn copy(&mut self, src: u32, dst: u32) {
+        let per = self.block_len();
+        let (s, d) = (src as usize * per, dst as usize * per);
+        self.k.copy_within(s..s + per, d);
+        self.v.copy_within(s..s + per, d);
+    }
+
+    /// Applies a copy-on-write list of `[src, dst]` pairs, in order.
+    pub fn copy_blocks(&mut self, copies: &[[u32; 2]]) {
+        for c in copies {
+            self.copy(c[0], c[1]);
+        }
+    }
+
+    /// Moves blocks from `src` to this pool: `pairs` of (block in `src`,
+    /// block here), as a swap out or in moves them between the pool and
+    /// the swap space.
+    pub fn take_blocks(&mut self, src: &HostPool, pairs: &[[u32; 2]]) {
+        let per = self.block_len();
+        for p in pairs {
+            let (s, t) = (p[0] as usize * per, p[1] as usize * per);
+            self.k[t..t + per].copy_from_slice(&src.k[s..s + per]);
+            self.v[t..t + per].copy_from_slice(&src.v[s..s + per]);
+        }
+    }
+
+    /// The pool as the reference reads it.
+    pub fn view(&self) -> PagedPool<'_> {
+        PagedPool {
+            k: &self.k,
+            v: &self.v,
+            num_kv_heads: self.num_kv_heads,
+            block_size: self.block_size,
+            head_dim: self.head_dim,
+        }
+    }
+}
+
 /// The attention variant, shared by decode and prefill.
 #[derive(Clone, Debug, PartialEq)]
 pub struct AttnParams {

@@ -17,7 +17,7 @@ use pagedattn::gpu::{
     AttentionPlan, AttnOptions, DecodeTables, Gpu, GpuError, KvCache, KvCacheConfig, KvDtype,
     PagedAttention, SwapSpace,
 };
-use pagedattn::reference::{self, rel_l2, AttnParams, PagedPool};
+use pagedattn::reference::{self, rel_l2, AttnParams, HostPool, Stored};
 use pagedattn::rng::SplitMix64;
 
 /// Demo settings.
@@ -245,6 +245,12 @@ pub struct StepReport {
     /// (else the same figure).
     pub decode_ms: f64,
     pub decode_ms_plain: f64,
+    /// Whether `Cascade::Auto` (the library's default, by its cost model
+    /// for this adapter's kernel) takes the cascade on this step. The demo
+    /// forces it on wherever prompts are shared, to show it, and times
+    /// plain decode beside it: this says which of the two an engine on
+    /// the defaults would run.
+    pub auto_cascade: bool,
 }
 
 /// A request the scheduler holds: its samples, in the order of its
@@ -271,11 +277,11 @@ pub struct Demo {
     /// first, so its time is decode, not the segment pass's pipeline
     /// compile (which a browser does at first use).
     cascade_warm: bool,
-    /// Host mirror of each layer's pool: (K, V).
-    mirror: Vec<(Vec<f32>, Vec<f32>)>,
+    /// Host mirror of each layer's pool.
+    mirror: Vec<HostPool>,
     /// Host swap space, and its mirror.
     swap: SwapSpace,
-    mirror_swap: Vec<(Vec<f32>, Vec<f32>)>,
+    mirror_swap: Vec<HostPool>,
     seqs: Vec<DemoSeq>,
     reqs: HashMap<RequestId, ReqState>,
     /// Requests not yet arrived: (request, prompt length, output length).
@@ -302,8 +308,19 @@ pub fn tolerance(dtype: KvDtype) -> f64 {
 }
 
 impl Demo {
-    /// Sets up the pool and the workload.
+    /// Sets up the pool and the workload, with the adapter's default
+    /// decode kernel.
     pub fn new(gpu: &Gpu, cfg: DemoConfig) -> Result<Self, DemoError> {
+        Self::with_attention(gpu, cfg, &pagedattn::gpu::AttentionConfig::default())
+    }
+
+    /// The same with the attention built as `attn_cfg` says (the CLI's
+    /// tuned or forced kernel).
+    pub fn with_attention(
+        gpu: &Gpu,
+        cfg: DemoConfig,
+        attn_cfg: &pagedattn::gpu::AttentionConfig,
+    ) -> Result<Self, DemoError> {
         cfg.validate()?;
         let mut rng = SplitMix64::new(cfg.seed);
         let width = cfg.samples.max(1) as usize;
@@ -333,19 +350,19 @@ impl Demo {
                 cache.set_fp8_scales(gpu, layer, &s, &s)?;
             }
         }
-        let attn = PagedAttention::new(gpu, &cache, cfg.num_heads)?;
+        let attn = PagedAttention::with_config(gpu, &cache, cfg.num_heads, attn_cfg)?;
         let swap = cache.swap_space(cfg.num_blocks)?;
         // Bounded by `validate` (MAX_MIRROR_BYTES), so this fits.
-        let pool_len = cfg.num_blocks as usize
-            * cfg.num_kv_heads as usize
-            * cfg.block_size as usize
-            * cfg.head_dim as usize;
-        let mirror = (0..cfg.layers)
-            .map(|_| (vec![0.0; pool_len], vec![0.0; pool_len]))
-            .collect();
-        let mirror_swap = (0..cfg.layers)
-            .map(|_| (vec![0.0; pool_len], vec![0.0; pool_len]))
-            .collect();
+        let pool = || {
+            HostPool::new(
+                cfg.num_blocks as usize,
+                cfg.num_kv_heads as usize,
+                cfg.block_size as usize,
+                cfg.head_dim as usize,
+            )
+        };
+        let mirror = (0..cfg.layers).map(|_| pool()).collect();
+        let mirror_swap = (0..cfg.layers).map(|_| pool()).collect();
         let queue = (0..cfg.requests)
             .map(|r| {
                 let p = rng.range(1, cfg.max_prompt.max(1) as u64) as u32;
@@ -407,22 +424,6 @@ impl Demo {
 
     fn kv_dtype(&self) -> KvDtype {
         self.cache.config().dtype
-    }
-
-    /// Moves mirrored blocks: `pairs` of (from, to) between `src` and `dst`.
-    fn mirror_move(
-        src: &[(Vec<f32>, Vec<f32>)],
-        dst: &mut [(Vec<f32>, Vec<f32>)],
-        pairs: &[[u32; 2]],
-        per_block: usize,
-    ) {
-        for ((sk, sv), (dk, dv)) in src.iter().zip(dst.iter_mut()) {
-            for p in pairs {
-                let (s, t) = (p[0] as usize * per_block, p[1] as usize * per_block);
-                dk[t..t + per_block].copy_from_slice(&sk[s..s + per_block]);
-                dv[t..t + per_block].copy_from_slice(&sv[s..s + per_block]);
-            }
-        }
     }
 
     /// One step of the library's scheduler: arrivals join its queue; it
@@ -504,6 +505,14 @@ impl Demo {
                     pagedattn::gpu::CASCADE_CHUNK_TOKENS / self.cfg.block_size,
                 );
                 rep.cascade_blocks = t.seg_indices;
+                let auto = [AttnOptions::default()];
+                self.attn.plan_decode(
+                    gpu,
+                    &mut self.plain_plan,
+                    &DecodeTables::from_view(view),
+                    &auto,
+                )?;
+                rep.auto_cascade = self.plain_plan.cascade().is_some();
                 let off = [AttnOptions {
                     cascade: pagedattn::gpu::Cascade::Off,
                     ..Default::default()
@@ -517,33 +526,22 @@ impl Demo {
             }
         }
         let t0 = now_ms();
-        let (nkv, d, bs) = (
-            self.cfg.num_kv_heads as usize,
-            self.cfg.head_dim as usize,
-            self.cfg.block_size as usize,
-        );
-        let per_block = nkv * bs * d;
+        let (nkv, d) = (self.cfg.num_kv_heads as usize, self.cfg.head_dim as usize);
         // Swap out (pool -> host) before anything reuses those blocks, then
         // swap in, then copy-on-write (all layers, one submit each).
         if !step.swap_out().is_empty() {
             self.cache
                 .swap_out_async(gpu, step.swap_out(), &mut self.swap)
                 .await?;
-            Self::mirror_move(
-                &self.mirror,
-                &mut self.mirror_swap,
-                step.swap_out(),
-                per_block,
-            );
+            for (pool, swap) in self.mirror.iter().zip(self.mirror_swap.iter_mut()) {
+                swap.take_blocks(pool, step.swap_out());
+            }
         }
         if !step.swap_in().is_empty() {
             self.cache.swap_in(gpu, step.swap_in(), &self.swap)?;
-            Self::mirror_move(
-                &self.mirror_swap,
-                &mut self.mirror,
-                step.swap_in(),
-                per_block,
-            );
+            for (pool, swap) in self.mirror.iter_mut().zip(self.mirror_swap.iter()) {
+                pool.take_blocks(swap, step.swap_in());
+            }
         }
         self.cache.copy_blocks(gpu, &view.copies)?;
         let dtype = self.kv_dtype();
@@ -554,26 +552,11 @@ impl Demo {
             let v = self.rng.signed_vec(n * nkv * d);
             self.cache
                 .write_kv(gpu, layer, &k, &v, &view.slot_mapping)?;
-            let (mk, mv) = &mut self.mirror[layer as usize];
-            for c in &view.copies {
-                let (s, t) = (c[0] as usize * per_block, c[1] as usize * per_block);
-                mk.copy_within(s..s + per_block, t);
-                mv.copy_within(s..s + per_block, t);
-            }
-            for (t, &slot) in view.slot_mapping.iter().enumerate() {
-                if slot == SKIP_WRITE {
-                    continue;
-                }
-                let (b, o) = (slot as usize / bs, slot as usize % bs);
-                for h in 0..nkv {
-                    let dst = ((b * nkv + h) * bs + o) * d;
-                    for i in 0..d {
-                        let (kk, vv) = (k[(t * nkv + h) * d + i], v[(t * nkv + h) * d + i]);
-                        mk[dst + i] = round(kk, dtype);
-                        mv[dst + i] = round(vv, dtype);
-                    }
-                }
-            }
+            let host = &mut self.mirror[layer as usize];
+            host.copy_blocks(&view.copies);
+            // SKIP_WRITE (a cached prompt's last token) is outside the pool:
+            // not written, as the kernel skips it.
+            host.write(&view.slot_mapping, &k, &v, stored(dtype));
             if step.rows().is_empty() {
                 continue;
             }
@@ -622,13 +605,7 @@ impl Demo {
                 rep.decode_ms = outs[0].1;
                 rep.decode_ms_plain = outs.last().map_or(0.0, |o| o.1);
             }
-            let pool = PagedPool {
-                k: mk,
-                v: mv,
-                num_kv_heads: nkv,
-                block_size: bs,
-                head_dim: d,
-            };
+            let pool = self.mirror[layer as usize].view();
             let p = AttnParams::new(self.cfg.num_heads as usize, d);
             let want = reference::decode(
                 &pool,
@@ -731,13 +708,12 @@ impl Demo {
     }
 }
 
-fn round(x: f32, d: KvDtype) -> f32 {
+/// How the mirror stores a value of a `d` pool: f16 rounded; quantized
+/// pools' exact values (the tolerance bounds the quantization error).
+fn stored(d: KvDtype) -> Stored {
     match d {
-        KvDtype::F32 => x,
-        KvDtype::F16 => half::f16::from_f32(x).to_f32(),
-        // Quantized pools: the mirror keeps the exact values and the
-        // tolerance bounds the quantization error.
-        KvDtype::Int8 | KvDtype::Fp8E4M3 => x,
+        KvDtype::F16 => Stored::F16,
+        _ => Stored::Exact,
     }
 }
 

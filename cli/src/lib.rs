@@ -5,6 +5,8 @@
 #[cfg(not(target_arch = "wasm32"))]
 pub mod bench;
 pub mod demo;
+#[cfg(not(target_arch = "wasm32"))]
+pub mod env;
 pub mod sim;
 
 /// The real model behind `pagedattn generate` (SmolLM2-135M through the paged cache).

@@ -12,7 +12,6 @@ use std::error::Error;
 use std::io::{self, Write};
 
 use cli::{Checked, Parsed};
-use pagedattn::gpu::Gpu;
 use pagedattn_cli::demo::{self, Demo, DemoConfig};
 
 /// The demo stops with an error after this many steps (every step makes
@@ -42,7 +41,7 @@ fn run_bench(out: &mut dyn Write, cfg: &pagedattn_cli::bench::BenchConfig, json:
         }
         return Ok(());
     }
-    let gpu = Gpu::new()?;
+    let gpu = pagedattn_cli::env::gpu()?;
     let report = pagedattn_cli::bench::run(&gpu, cfg)?;
     #[cfg(feature = "cuda")]
     let cuda = cuda_bench(cfg.quick)?;
@@ -85,7 +84,7 @@ fn cuda_bench(quick: bool) -> Result<Option<pagedattn::cuda::DecodeTiming>, Box<
 }
 
 fn run_demo(out: &mut dyn Write, cfg: DemoConfig, verbose: bool) -> Res {
-    let gpu = Gpu::new()?;
+    let gpu = pagedattn_cli::env::gpu()?;
     let l = &gpu.limits;
     writeln!(out, "adapter: {}", gpu.describe())?;
     writeln!(
@@ -125,7 +124,8 @@ fn run_demo(out: &mut dyn Write, cfg: DemoConfig, verbose: bool) -> Res {
             dtype: cfg.dtype,
         },
     )?;
-    let tune = pagedattn::gpu::PagedAttention::tune(
+    let tuner = pagedattn_cli::env::tuner();
+    let tune = tuner.tune(
         &gpu,
         &probe,
         cfg.num_heads,
@@ -133,7 +133,8 @@ fn run_demo(out: &mut dyn Write, cfg: DemoConfig, verbose: bool) -> Res {
         false,
     )?;
     drop(probe);
-    let mut d = Demo::new(&gpu, cfg.clone())?;
+    let attn_cfg = pagedattn_cli::env::attention_config(Some(tune.chosen))?;
+    let mut d = Demo::with_attention(&gpu, cfg.clone(), &attn_cfg)?;
     let timed: Vec<String> = tune
         .micros
         .iter()
@@ -154,6 +155,8 @@ fn run_demo(out: &mut dyn Write, cfg: DemoConfig, verbose: bool) -> Res {
     let (mut read, mut plain, mut cascade_steps) = (0u64, 0u64, 0u64);
     // Layer 0's decode time in cascade steps: with the cascade, and plain.
     let (mut ms_cascade, mut ms_plain) = (0.0f64, 0.0f64);
+    // Steps where `Cascade::Auto` would take it, and layer 0's times there.
+    let (mut auto_steps, mut auto_cascade, mut auto_plain) = (0u64, 0.0f64, 0.0f64);
     let mut peak_saved = 0u32;
     let mut steps = 0u64;
     while !d.done() {
@@ -168,6 +171,11 @@ fn run_demo(out: &mut dyn Write, cfg: DemoConfig, verbose: bool) -> Res {
         if r.cascade_segments > 0 {
             ms_cascade += r.decode_ms;
             ms_plain += r.decode_ms_plain;
+        }
+        if r.auto_cascade {
+            auto_steps += 1;
+            auto_cascade += r.decode_ms;
+            auto_plain += r.decode_ms_plain;
         }
         peak_saved = peak_saved.max(r.logical_tokens.saturating_sub(r.tokens_stored));
         if verbose || r.step % 10 == 0 || r.copied > 0 && r.step < 40 {
@@ -191,11 +199,34 @@ fn run_demo(out: &mut dyn Write, cfg: DemoConfig, verbose: bool) -> Res {
     let tol = demo::tolerance(cfg.dtype);
     writeln!(
         out,
-        "cascade (shared prompts read once): ran in {cascade_steps} of {steps} steps; decode read {:.2} MB of K/V per layer where plain decode reads {:.2} MB ({:.2}x); layer 0's decode in those steps took {ms_cascade:.1} ms with the cascade and {ms_plain:.1} ms plain (wall clock, submit to readback)",
+        "cascade (shared prompts read once), forced on to show it: ran in {cascade_steps} of {steps} steps; decode read {:.2} MB of K/V per layer where plain decode reads {:.2} MB ({:.2}x)",
         read as f64 / 1e6,
         plain as f64 / 1e6,
         read as f64 / plain.max(1) as f64
     )?;
+    if cascade_steps > 0 {
+        writeln!(
+            out,
+            "  layer 0's decode in those steps, side by side: cascade {ms_cascade:.1} ms, plain {ms_plain:.1} ms (wall clock, submit to readback): {} is faster on this adapter",
+            if ms_cascade < ms_plain { "the cascade" } else { "plain decode" }
+        )?;
+        writeln!(
+            out,
+            "  Cascade::Auto (the default) takes the cascade in {auto_steps} of those {cascade_steps} steps{}",
+            if auto_steps == 0 {
+                ": an engine on the defaults runs plain decode here".to_string()
+            } else {
+                format!(
+                    " (there: cascade {auto_cascade:.1} ms, plain {auto_plain:.1} ms{})",
+                    if auto_cascade > auto_plain {
+                        "; slower in this run, so Auto's cost model misjudged this adapter"
+                    } else {
+                        ""
+                    }
+                )
+            }
+        )?;
+    }
     writeln!(
         out,
         "done: {steps} steps, {} copy-on-write block copies, peak tokens saved by sharing {peak_saved}, median {median:.2} ms/step",

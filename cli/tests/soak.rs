@@ -37,12 +37,12 @@ use std::time::Instant;
 use common::gpu;
 use pagedattn::blocks::{
     BlockManagerConfig, Child, GroupOutput, Preemption, RequestId, Scheduler, SchedulerConfig,
-    SeqId, Step, SKIP_WRITE,
+    SeqId, Step,
 };
 use pagedattn::gpu::{
     AttnOptions, Gpu, KvCache, KvCacheConfig, KvDtype, PagedAttention, SwapSpace,
 };
-use pagedattn::reference::{self, rel_l2, AttnParams, PagedPool};
+use pagedattn::reference::{self, rel_l2, AttnParams, HostPool, Stored};
 use pagedattn::rng::SplitMix64;
 use pagedattn_cli::demo::tolerance;
 use pagedattn_cli::sim::workload::{self, Arrival, LenDist, Request, Sampling, WorkloadSpec};
@@ -101,12 +101,17 @@ fn kv_of(layer: u32, token: u32, pos: usize, row: usize) -> (Vec<f32>, Vec<f32>)
     (r.signed_vec(row), r.signed_vec(row))
 }
 
-fn round(x: f32, d: KvDtype) -> f32 {
+/// How the mirror stores a value of a `d` pool (the quantized pools'
+/// exact values: the tolerance bounds their rounding).
+fn stored(d: KvDtype) -> Stored {
     match d {
-        KvDtype::F32 => x,
-        KvDtype::F16 => half::f16::from_f32(x).to_f32(),
-        KvDtype::Int8 | KvDtype::Fp8E4M3 => x,
+        KvDtype::F16 => Stored::F16,
+        _ => Stored::Exact,
     }
+}
+
+fn round(x: f32, d: KvDtype) -> f32 {
+    stored(d).round(x)
 }
 
 /// Resident set of this process, MiB.
@@ -130,8 +135,8 @@ struct Soak<'a> {
     swap: SwapSpace,
     /// Host mirror of each layer's pool (K, V), values as stored, and of
     /// the swap space.
-    mirror: Vec<(Vec<f32>, Vec<f32>)>,
-    mirror_swap: Vec<(Vec<f32>, Vec<f32>)>,
+    mirror: Vec<HostPool>,
+    mirror_swap: Vec<HostPool>,
     /// Per running request: its workload index and each sample's tokens
     /// still to generate, in its group's order (empty before its first).
     live: BTreeMap<RequestId, (usize, Vec<usize>)>,
@@ -185,13 +190,16 @@ impl<'a> Soak<'a> {
         .unwrap();
         let attn = PagedAttention::new(gpu, &kv, cfg.num_heads).unwrap();
         let swap = kv.swap_space(cfg.num_blocks).unwrap();
-        let n = (cfg.num_blocks * cfg.num_kv_heads * cfg.block_size * cfg.head_dim) as usize;
-        let mirror = (0..cfg.layers)
-            .map(|_| (vec![0.0; n], vec![0.0; n]))
-            .collect();
-        let mirror_swap = (0..cfg.layers)
-            .map(|_| (vec![0.0; n], vec![0.0; n]))
-            .collect();
+        let pool = || {
+            HostPool::new(
+                cfg.num_blocks as usize,
+                cfg.num_kv_heads as usize,
+                cfg.block_size as usize,
+                cfg.head_dim as usize,
+            )
+        };
+        let mirror = (0..cfg.layers).map(|_| pool()).collect();
+        let mirror_swap = (0..cfg.layers).map(|_| pool()).collect();
         Soak {
             rng: SplitMix64::new(cfg.seed ^ 0x50A4),
             cfg,
@@ -275,24 +283,14 @@ impl<'a> Soak<'a> {
     /// compared to the reference over the mirror.
     fn run_gpu(&mut self, step: &Step) {
         let view = step.view();
-        let (kvh, d, bs) = (
-            self.cfg.num_kv_heads as usize,
-            self.cfg.head_dim as usize,
-            self.cfg.block_size as usize,
-        );
+        let (kvh, d) = (self.cfg.num_kv_heads as usize, self.cfg.head_dim as usize);
         let row = kvh * d;
-        let per_block = kvh * bs * d;
         // Swap out (before the blocks are reused), swap in, copy-on-write.
-        let moves =
-            |src: &[(Vec<f32>, Vec<f32>)], dst: &mut [(Vec<f32>, Vec<f32>)], pairs: &[[u32; 2]]| {
-                for ((sk, sv), (dk, dv)) in src.iter().zip(dst.iter_mut()) {
-                    for p in pairs {
-                        let (a, b) = (p[0] as usize * per_block, p[1] as usize * per_block);
-                        dk[b..b + per_block].copy_from_slice(&sk[a..a + per_block]);
-                        dv[b..b + per_block].copy_from_slice(&sv[a..a + per_block]);
-                    }
-                }
-            };
+        let moves = |src: &[HostPool], dst: &mut [HostPool], pairs: &[[u32; 2]]| {
+            for (s, d) in src.iter().zip(dst.iter_mut()) {
+                d.take_blocks(s, pairs);
+            }
+        };
         if !step.swap_out().is_empty() {
             self.kv
                 .swap_out(self.gpu, step.swap_out(), &mut self.swap)
@@ -334,25 +332,9 @@ impl<'a> Soak<'a> {
             self.kv
                 .write_kv(self.gpu, layer, &k, &v, &view.slot_mapping)
                 .unwrap();
-            let (mk, mv) = &mut self.mirror[layer as usize];
-            for c in &view.copies {
-                let (s, t) = (c[0] as usize * per_block, c[1] as usize * per_block);
-                mk.copy_within(s..s + per_block, t);
-                mv.copy_within(s..s + per_block, t);
-            }
-            for (t, &slot) in view.slot_mapping.iter().enumerate() {
-                if slot == SKIP_WRITE {
-                    continue;
-                }
-                let (b, o) = (slot as usize / bs, slot as usize % bs);
-                for h in 0..kvh {
-                    let dst = ((b * kvh + h) * bs + o) * d;
-                    for i in 0..d {
-                        mk[dst + i] = round(k[t * row + h * d + i], dtype);
-                        mv[dst + i] = round(v[t * row + h * d + i], dtype);
-                    }
-                }
-            }
+            let host = &mut self.mirror[layer as usize];
+            host.copy_blocks(&view.copies);
+            host.write(&view.slot_mapping, &k, &v, stored(dtype));
             if step.rows().is_empty() {
                 continue;
             }
@@ -372,13 +354,7 @@ impl<'a> Soak<'a> {
                     &AttnOptions::default(),
                 )
                 .unwrap();
-            let pool = PagedPool {
-                k: mk,
-                v: mv,
-                num_kv_heads: kvh,
-                block_size: bs,
-                head_dim: d,
-            };
+            let pool = self.mirror[layer as usize].view();
             let want = reference::decode(
                 &pool,
                 &params,
@@ -421,7 +397,10 @@ impl<'a> Soak<'a> {
             .collect();
         for layer in 0..self.cfg.layers {
             let (gk, gv) = self.kv.read_layer(self.gpu, layer).unwrap();
-            let (mk, mv) = &self.mirror[layer as usize];
+            let (mk, mv) = (
+                &self.mirror[layer as usize].k,
+                &self.mirror[layer as usize].v,
+            );
             // Only slots of live sequences are defined (freed blocks keep stale data).
             for &id in &ids {
                 let toks = m.tokens(id).unwrap();

@@ -74,7 +74,16 @@ pub fn open_device() -> Result<(wgpu::Device, wgpu::Queue, String), ModelError> 
     // The library's order: the platform's own API first, GL last.
     let mut last = String::new();
     let mut found = None;
-    for backends in pagedattn::gpu::adapter_backends().map_err(ModelError::Gpu)? {
+    let allowed = match std::env::var("PAGEDATTN_BACKEND") {
+        Ok(name) => pagedattn::gpu::parse_backends(&name).map_err(ModelError::Gpu)?,
+        Err(std::env::VarError::NotPresent) => wgpu::Backends::all(),
+        Err(std::env::VarError::NotUnicode(v)) => {
+            return Err(ModelError::Gpu(pagedattn::gpu::GpuError::UnknownBackend(
+                v.to_string_lossy().into_owned(),
+            )))
+        }
+    };
+    for backends in pagedattn::gpu::adapter_backends(allowed) {
         let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
         desc.backends = backends;
         let instance = wgpu::Instance::new(desc);

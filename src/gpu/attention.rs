@@ -331,7 +331,9 @@ pub struct PagedAttention {
     /// The decode kernel variant, and its shape (f32 activations).
     pub(super) kernel: Kernel,
     pub(super) decode_shape: ShaderShape,
-    pub(super) decode: wgpu::ComputePipeline,
+    /// Built on first use, like prefill's: prefill-only callers never pay
+    /// for the decode kernel's compile.
+    pub(super) decode: std::sync::OnceLock<wgpu::ComputePipeline>,
     pub(super) reduce: wgpu::ComputePipeline,
     /// Built on first use: decode-only callers never pay for its compile
     /// (seconds per shape on software GL).
@@ -340,18 +342,76 @@ pub struct PagedAttention {
     /// Bound in place of the split-K (max, sum) output when there is none,
     /// made once rather than per call.
     pub(super) unused_ml: wgpu::Buffer,
+    /// Longest shared segment of a cascade pass on the rows kernel.
+    pub(super) cascade_chunk: u32,
     /// Identifies this instance to the plans it makes.
     pub(super) id: u64,
 }
 
+/// How a [`PagedAttention`] is built: passed at construction, never read
+/// from the environment (the CLI maps `PAGEDATTN_KERNEL` onto it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct AttentionConfig {
+    /// The decode kernel; `None`: the adapter's default (see [`Kernel`]).
+    pub kernel: Option<Kernel>,
+    /// Longest shared segment one cascade pass walks where the segment pass
+    /// runs on GPUs (the rows kernel), in tokens: a multiple of 16 from 16
+    /// to 4096; [`CASCADE_CHUNK_TOKENS`](super::CASCADE_CHUNK_TOKENS) by
+    /// default (shorter segments helped small batches on an H200 and hurt
+    /// large ones: `benches/NOTES.md` item 33).
+    pub cascade_chunk_tokens: u32,
+}
+
+impl Default for AttentionConfig {
+    fn default() -> Self {
+        Self {
+            kernel: None,
+            cascade_chunk_tokens: super::CASCADE_CHUNK_TOKENS,
+        }
+    }
+}
+
+impl AttentionConfig {
+    /// The defaults.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// With the decode kernel `kernel`.
+    pub fn kernel(mut self, kernel: Kernel) -> Self {
+        self.kernel = Some(kernel);
+        self
+    }
+
+    /// With cascade segments of at most `tokens` on the rows kernel.
+    pub fn cascade_chunk_tokens(mut self, tokens: u32) -> Self {
+        self.cascade_chunk_tokens = tokens;
+        self
+    }
+}
+
 impl PagedAttention {
-    /// Builds the kernels for `num_heads` query heads over `cache`. The
-    /// decode kernel is `PAGEDATTN_KERNEL` if set, else the one
-    /// [`tune`](Self::tune) measured fastest for this adapter and shape (in
-    /// this process, or in the `PAGEDATTN_TUNE_CACHE` file), else the
-    /// default for the adapter (see [`Kernel`]).
+    /// Builds the kernels for `num_heads` query heads over `cache`, with
+    /// the adapter's default decode kernel (see [`Kernel`]): `serial` on
+    /// software adapters, `lanes` elsewhere, `tiled` where neither fits.
+    /// Nothing read from the environment or tuned elsewhere changes it: an
+    /// engine passes its choice ([`with_kernel`](Self::with_kernel),
+    /// [`with_config`](Self::with_config)) or builds through a
+    /// [`Tuner`](super::Tuner).
     pub fn new(gpu: &Gpu, cache: &KvCache, num_heads: u32) -> Result<Self, GpuError> {
-        Self::with_layout(gpu, cache, num_heads, true, None)
+        Self::with_layout(gpu, cache, num_heads, true, &AttentionConfig::default())
+    }
+
+    /// The same built as `config` says (its kernel, its cascade segment
+    /// length); `Unsupported` when its kernel cannot run this shape here.
+    pub fn with_config(
+        gpu: &Gpu,
+        cache: &KvCache,
+        num_heads: u32,
+        config: &AttentionConfig,
+    ) -> Result<Self, GpuError> {
+        Self::with_layout(gpu, cache, num_heads, true, config)
     }
 
     /// The same with the decode kernel chosen by the caller (an engine that
@@ -362,14 +422,20 @@ impl PagedAttention {
         num_heads: u32,
         kernel: Kernel,
     ) -> Result<Self, GpuError> {
-        Self::with_layout(gpu, cache, num_heads, true, Some(kernel))
+        Self::with_layout(
+            gpu,
+            cache,
+            num_heads,
+            true,
+            &AttentionConfig::new().kernel(kernel),
+        )
     }
 
     /// The same kernels with `paged == false`: no per-token table lookup,
     /// each sequence's blocks assumed consecutive from its first table entry.
     /// A contiguous-KV baseline of the same design, for benchmarks.
     pub fn contiguous(gpu: &Gpu, cache: &KvCache, num_heads: u32) -> Result<Self, GpuError> {
-        Self::with_layout(gpu, cache, num_heads, false, None)
+        Self::with_layout(gpu, cache, num_heads, false, &AttentionConfig::default())
     }
 
     /// [`contiguous`](Self::contiguous) with a given decode kernel.
@@ -379,7 +445,13 @@ impl PagedAttention {
         num_heads: u32,
         kernel: Kernel,
     ) -> Result<Self, GpuError> {
-        Self::with_layout(gpu, cache, num_heads, false, Some(kernel))
+        Self::with_layout(
+            gpu,
+            cache,
+            num_heads,
+            false,
+            &AttentionConfig::new().kernel(kernel),
+        )
     }
 
     /// The decode kernel variant in use.
@@ -438,7 +510,7 @@ impl PagedAttention {
         cache: &KvCache,
         num_heads: u32,
         paged: bool,
-        kernel: Option<Kernel>,
+        config: &AttentionConfig,
     ) -> Result<Self, GpuError> {
         let _serial = gpu.serial();
         gpu.alive()?;
@@ -473,19 +545,15 @@ impl PagedAttention {
                 tiled.head_tiles()
             )));
         }
-        let forced = kernel::kernel_from_env().map_err(GpuError::InvalidArgument)?;
-        let key = kernel::tune_key(gpu, &base, num_heads, c.num_kv_heads);
-        let (kernel, strict) = match (kernel, forced) {
-            (Some(k), _) => (k, true),
-            (None, Some(k)) => (k, true),
-            // A tuned choice (this process's or the tune file's) only
-            // where it can run this shape here; else the default.
-            (None, None) => (
-                kernel::tuned(&key)
-                    .filter(|&k| kernel::decode_shape(gpu, k, base).is_some())
-                    .unwrap_or_else(|| kernel::default_kernel(gpu)),
-                false,
-            ),
+        let chunk = config.cascade_chunk_tokens;
+        if !(16..=4096).contains(&chunk) || !chunk.is_multiple_of(16) {
+            return Err(GpuError::InvalidArgument(format!(
+                "cascade_chunk_tokens {chunk}: a multiple of 16 from 16 to 4096"
+            )));
+        }
+        let (kernel, strict) = match config.kernel {
+            Some(k) => (k, true),
+            None => (kernel::default_kernel(gpu), false),
         };
         let (kernel, decode_shape) = match kernel::decode_shape(gpu, kernel, base) {
             Some(s) => (kernel, s),
@@ -517,11 +585,12 @@ impl PagedAttention {
             num_blocks: c.num_blocks,
             kernel,
             decode_shape,
-            decode: pipeline(gpu, kernel.shader(), &decode_shape)?,
+            decode: std::sync::OnceLock::new(),
             reduce: pipeline(gpu, "reduce", &tiled)?,
             prefill: std::sync::OnceLock::new(),
             prefill_shape: ShaderShape { qtile, ..tiled },
             unused_ml: gpu.storage("unused split (max, sum)", 16)?,
+            cascade_chunk: chunk,
             id: super::plan::next_id(),
         })
     }
@@ -613,6 +682,15 @@ impl PagedAttention {
     /// Queries per prefill workgroup (chosen from the adapter's workgroup memory).
     pub fn prefill_qtile(&self) -> u32 {
         self.prefill_shape.qtile
+    }
+
+    pub(super) fn decode_pipeline(&self, gpu: &Gpu) -> Result<&wgpu::ComputePipeline, GpuError> {
+        let _serial = gpu.serial();
+        if let Some(p) = self.decode.get() {
+            return Ok(p);
+        }
+        let p = pipeline(gpu, self.kernel.shader(), &self.decode_shape)?;
+        Ok(self.decode.get_or_init(|| p))
     }
 
     pub(super) fn prefill_pipeline(&self, gpu: &Gpu) -> Result<&wgpu::ComputePipeline, GpuError> {
@@ -1057,17 +1135,14 @@ impl PagedAttention {
         }
         let (pt, parts) = self.decode_split(gpu, opts.split, n, tables.max_len)?;
         let d4 = self.head_dim as u64 / 4;
+        let decode = self.decode_pipeline(gpu)?;
         if pt == 0 {
             let grid = self.decode_grid(n, 1)?;
             let p = self.attn_params(tables, opts, 0, 1)?;
             let ub = gpu.uniform("decode params", &p)?;
             let dummy = &self.unused_ml;
-            let bg = bind(
-                gpu,
-                &self.decode,
-                &[&ub, q, k, v, &tables.buffer, out, dummy],
-            );
-            dispatch(enc, "decode", &self.decode, &bg, grid);
+            let bg = bind(gpu, decode, &[&ub, q, k, v, &tables.buffer, out, dummy]);
+            dispatch(enc, "decode", decode, &bg, grid);
             return Ok(());
         }
         let grid = self.decode_grid(n, parts)?;
@@ -1076,12 +1151,8 @@ impl PagedAttention {
         let rows = n as u64 * self.num_heads as u64 * parts as u64;
         let acc = gpu.storage("split acc", rows * d4 * 16)?;
         let ml = gpu.storage("split ml", rows * 8)?;
-        let bg = bind(
-            gpu,
-            &self.decode,
-            &[&ub, q, k, v, &tables.buffer, &acc, &ml],
-        );
-        dispatch(enc, "decode split", &self.decode, &bg, grid);
+        let bg = bind(gpu, decode, &[&ub, q, k, v, &tables.buffer, &acc, &ml]);
+        dispatch(enc, "decode split", decode, &bg, grid);
         let bg = bind(gpu, &self.reduce, &[&ub, &acc, &ml, out]);
         dispatch(enc, "reduce", &self.reduce, &bg, (n, self.num_heads, 1));
         Ok(())

@@ -100,50 +100,31 @@ fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-const NO_ADAPTER_HINT: &str = "install a Vulkan driver (on Linux without a GPU: `apt-get install mesa-vulkan-drivers` for lavapipe), or set PAGEDATTN_BACKEND to a backend this machine has";
+const NO_ADAPTER_HINT: &str = "install a Vulkan driver (on Linux without a GPU: `apt-get install mesa-vulkan-drivers` for lavapipe), or name a backend this machine has";
 
-/// Backends named by `PAGEDATTN_BACKEND` (vulkan, gl, metal, dx12, webgpu), all when unset.
-pub fn backends_from_env() -> Result<(wgpu::Backends, Option<String>), GpuError> {
-    backends_from_var(std::env::var("PAGEDATTN_BACKEND"))
-}
-
-/// [`backends_from_env`] of a value as `std::env::var` returns it.
-pub(crate) fn backends_from_var(
-    var: Result<String, std::env::VarError>,
-) -> Result<(wgpu::Backends, Option<String>), GpuError> {
-    let name = match var {
-        Ok(name) => name,
-        Err(std::env::VarError::NotPresent) => return Ok((wgpu::Backends::all(), None)),
-        // Not UTF-8: no backend's name, so refused like any other.
-        Err(std::env::VarError::NotUnicode(v)) => {
-            return Err(GpuError::UnknownBackend(v.to_string_lossy().into_owned()))
-        }
-    };
-    let b = match name.to_ascii_lowercase().as_str() {
+/// The backends a name stands for (`vulkan`, `gl`, `metal`, `dx12`,
+/// `webgpu`, or `all`/empty for every one), case-insensitive. The library
+/// reads no environment variable: the CLI parses `PAGEDATTN_BACKEND` with
+/// this and passes the result to [`Gpu::with_backends`].
+pub fn parse_backends(name: &str) -> Result<wgpu::Backends, GpuError> {
+    Ok(match name.trim().to_ascii_lowercase().as_str() {
         "" | "all" => wgpu::Backends::all(),
         "vulkan" | "vk" => wgpu::Backends::VULKAN,
         "gl" | "gles" | "opengl" => wgpu::Backends::GL,
         "metal" => wgpu::Backends::METAL,
         "dx12" | "d3d12" => wgpu::Backends::DX12,
         "webgpu" | "browser" => wgpu::Backends::BROWSER_WEBGPU,
-        _ => return Err(GpuError::UnknownBackend(name)),
-    };
-    Ok((b, Some(name)))
+        _ => return Err(GpuError::UnknownBackend(name.to_string())),
+    })
 }
 
-/// The backends to try for an adapter, in order: the ones named by
-/// `PAGEDATTN_BACKEND` alone; with none named, the platform's own API first
-/// (on Linux Vulkan alone: GL's EGL is not set up for nothing, and the
-/// process's one Vulkan instance is shared, which NVIDIA's driver needs:
-/// see `instance`), then every backend. For an engine opening its own
-/// device the same way.
-pub fn adapter_backends() -> Result<Vec<wgpu::Backends>, GpuError> {
-    let (backends, name) = backends_from_env()?;
-    Ok(backend_order(backends, name.is_some()))
-}
-
-fn backend_order(backends: wgpu::Backends, named: bool) -> Vec<wgpu::Backends> {
-    if named || cfg!(target_arch = "wasm32") {
+/// The backends to try for an adapter among `backends`, in order: a
+/// narrower set alone; all of them, the platform's own API first (on Linux
+/// Vulkan alone: GL's EGL is not set up for nothing, and the process's one
+/// Vulkan instance is shared, which NVIDIA's driver needs: see `instance`),
+/// then every backend. For an engine opening its own device the same way.
+pub fn adapter_backends(backends: wgpu::Backends) -> Vec<wgpu::Backends> {
+    if backends != wgpu::Backends::all() || cfg!(target_arch = "wasm32") {
         return vec![backends];
     }
     let first = if cfg!(any(target_os = "linux", target_os = "android")) {
@@ -180,42 +161,52 @@ fn instance(backends: wgpu::Backends) -> wgpu::Instance {
 }
 
 impl Gpu {
-    /// Opens the default adapter (highest performance, or the backend named by
-    /// `PAGEDATTN_BACKEND`), blocking. Native only.
+    /// Opens the default adapter (highest performance, the platform's own
+    /// API first), blocking. Native only.
     #[cfg(not(target_arch = "wasm32"))]
     pub fn new() -> Result<Self, GpuError> {
-        pollster::block_on(Self::new_async())
+        Self::with_backends(wgpu::Backends::all())
+    }
+
+    /// Opens the default adapter among `backends` (see
+    /// [`parse_backends`]), blocking. Native only.
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn with_backends(backends: wgpu::Backends) -> Result<Self, GpuError> {
+        pollster::block_on(Self::with_backends_async(backends))
     }
 
     /// Opens the default adapter.
     pub async fn new_async() -> Result<Self, GpuError> {
-        let (backends, name) = backends_from_env()?;
+        Self::with_backends_async(wgpu::Backends::all()).await
+    }
+
+    /// Opens the default adapter among `backends`.
+    pub async fn with_backends_async(backends: wgpu::Backends) -> Result<Self, GpuError> {
         let opts = wgpu::RequestAdapterOptions {
             power_preference: wgpu::PowerPreference::HighPerformance,
             force_fallback_adapter: false,
             ..Default::default()
         };
-        for b in backend_order(backends, name.is_some()) {
+        for b in adapter_backends(backends) {
             if let Ok(adapter) = instance(b).request_adapter(&opts).await {
                 return Self::from_adapter(adapter).await;
             }
         }
         Err(GpuError::NoAdapter {
-            backend: name,
+            backend: (backends != wgpu::Backends::all()).then(|| format!("{backends:?}")),
             hint: NO_ADAPTER_HINT,
         })
     }
 
-    /// Every adapter of the backends allowed by `PAGEDATTN_BACKEND`, opened. Native only.
+    /// Every adapter of `backends`, opened. Native only.
     #[cfg(not(target_arch = "wasm32"))]
-    pub fn all() -> Result<Vec<Result<Self, GpuError>>, GpuError> {
-        let (backends, _) = backends_from_env()?;
+    pub fn all(backends: wgpu::Backends) -> Vec<Result<Self, GpuError>> {
         let inst = instance(backends);
         let adapters = pollster::block_on(inst.enumerate_adapters(backends));
-        Ok(adapters
+        adapters
             .into_iter()
             .map(|a| pollster::block_on(Self::from_adapter(a)))
-            .collect())
+            .collect()
     }
 
     /// Opens a device on `adapter` with the adapter's own limits (the
@@ -447,7 +438,7 @@ impl Gpu {
     /// On an adapter that [caps loops](Self::caps_loops), the most tokens
     /// one attention pass (a workgroup over one sequence's context or
     /// partition) may walk at `head_dim` and still finish: measured on
-    /// llvmpipe with margin (`tests/adversarial_gpu.rs` checks the bound).
+    /// llvmpipe with margin (`tests/gpu/adversarial_gpu.rs` checks the bound).
     /// `None` elsewhere.
     pub fn max_tokens_per_pass(&self, head_dim: u32) -> Option<u32> {
         self.caps_loops()

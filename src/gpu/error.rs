@@ -7,12 +7,12 @@ pub enum GpuError {
     /// No adapter matched.
     #[error("no GPU adapter found{}: {hint}", backend.as_ref().map(|b| format!(" for backend {b}")).unwrap_or_default())]
     NoAdapter {
-        /// Backend asked for through `PAGEDATTN_BACKEND`, if any.
+        /// The backends asked for, when fewer than all.
         backend: Option<String>,
         /// How to get one.
         hint: &'static str,
     },
-    /// `PAGEDATTN_BACKEND` names no backend.
+    /// A backend name ([`parse_backends`](super::parse_backends)) that names no backend.
     #[error("unknown backend {0:?}: use vulkan, gl, metal, dx12 or webgpu")]
     UnknownBackend(String),
     /// The adapter refused a device.

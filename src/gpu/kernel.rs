@@ -1,6 +1,6 @@
 //! Decode kernel variants, what each needs, how each splits the KV range,
-//! and the choice per adapter: forced by `PAGEDATTN_KERNEL`, passed by the
-//! engine, measured by [`tune`](super::PagedAttention::tune), or a default.
+//! and the choice per adapter: passed by the engine (its own choice, or a
+//! [`Tuner`](super::Tuner)'s measurement), or a default.
 //!
 //! Every variant computes the same math (`logit` in `shaders/common.wgsl`,
 //! online softmax, log-sum-exp merge in `reduce.wgsl`); they differ in
@@ -8,8 +8,6 @@
 
 use super::shader::{self, ShaderShape};
 use super::Gpu;
-use std::collections::HashMap;
-use std::sync::Mutex;
 
 /// A decode kernel variant. Prefill always runs [`Kernel::Tiled`]'s kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -33,7 +31,7 @@ impl Kernel {
     /// Every variant.
     pub const ALL: [Kernel; 3] = [Kernel::Tiled, Kernel::Lanes, Kernel::Serial];
 
-    /// The name used by `PAGEDATTN_KERNEL`, the tuning cache and the bench.
+    /// The kernel's name: in tune files, the CLI's `PAGEDATTN_KERNEL` and the bench.
     pub fn name(self) -> &'static str {
         match self {
             Kernel::Tiled => "tiled",
@@ -213,7 +211,7 @@ pub(super) fn rows_pass_cap(gpu: &Gpu, s: &ShaderShape) -> Option<u32> {
     let lpr = s.lpt.max(1);
     let jn = (s.head_dim / 4 / lpr).max(1);
     let red = if s.subgroups { 4 } else { lpr };
-    let tg = shader::rows_token_groups();
+    let tg = shader::ROWS_TOKEN_GROUPS;
     cap_for(gpu, s.head_dim, (2 * jn + red + 2).div_ceil(tg) + 1)
 }
 
@@ -298,101 +296,6 @@ pub(super) fn tune_key(gpu: &Gpu, s: &ShaderShape, num_heads: u32, num_kv_heads:
     .replace(['\n', '='], " ")
 }
 
-static TUNED: Mutex<Option<HashMap<String, Kernel>>> = Mutex::new(None);
-
-/// The file named by `PAGEDATTN_TUNE_CACHE`: lines `key=kernel`.
-fn cache_file() -> Option<std::path::PathBuf> {
-    std::env::var_os("PAGEDATTN_TUNE_CACHE")
-        .filter(|p| !p.is_empty())
-        .map(Into::into)
-}
-
-/// Largest tune file read: a few hundred lines of `key=kernel`. A longer
-/// one is not a tune file.
-const TUNE_FILE_MAX_BYTES: u64 = 1 << 20;
-
-/// The tune file's text, if `path` names a regular file of at most
-/// [`TUNE_FILE_MAX_BYTES`] (a FIFO, a device such as `/dev/zero`, a
-/// directory or a huge file is ignored: reading it could block or never
-/// end), read through a bounded reader.
-fn read_tune_file(path: &std::path::Path) -> Option<String> {
-    use std::io::Read;
-    let meta = std::fs::metadata(path).ok()?;
-    if !meta.is_file() || meta.len() > TUNE_FILE_MAX_BYTES {
-        return None;
-    }
-    let file = std::fs::File::open(path).ok()?;
-    if !file.metadata().ok()?.is_file() {
-        return None;
-    }
-    let mut text = String::new();
-    file.take(TUNE_FILE_MAX_BYTES)
-        .read_to_string(&mut text)
-        .ok()?;
-    Some(text)
-}
-
-/// A tuned choice for `key`: this process's, else the cache file's.
-pub(super) fn tuned(key: &str) -> Option<Kernel> {
-    let mut g = TUNED.lock().unwrap_or_else(|e| e.into_inner());
-    let map = g.get_or_insert_with(HashMap::new);
-    if let Some(k) = map.get(key) {
-        return Some(*k);
-    }
-    let text = read_tune_file(&cache_file()?)?;
-    let k = text.lines().find_map(|line| {
-        let (k, v) = line.rsplit_once('=')?;
-        (k == key).then(|| Kernel::from_name(v)).flatten()
-    })?;
-    map.insert(key.to_string(), k);
-    Some(k)
-}
-
-/// Records a tuned choice for this process and, when `PAGEDATTN_TUNE_CACHE`
-/// names a file, in it (a failure to write is ignored: the file is a cache).
-pub(super) fn remember(key: &str, k: Kernel) {
-    let mut g = TUNED.lock().unwrap_or_else(|e| e.into_inner());
-    g.get_or_insert_with(HashMap::new)
-        .insert(key.to_string(), k);
-    if let Some(path) = cache_file() {
-        // Only a regular file (or none yet) is written: opening a FIFO to
-        // write would block.
-        if std::fs::metadata(&path).is_ok_and(|m| !m.is_file()) {
-            return;
-        }
-        let old = read_tune_file(&path).unwrap_or_default();
-        let mut lines: Vec<String> = old
-            .lines()
-            .filter(|l| l.rsplit_once('=').is_some_and(|(lk, _)| lk != key))
-            .map(String::from)
-            .collect();
-        lines.push(format!("{key}={}", k.name()));
-        let _ = std::fs::write(&path, lines.join("\n") + "\n");
-    }
-}
-
-/// `PAGEDATTN_KERNEL`, if set: `Ok(None)` when unset or empty; an error
-/// for a value that names no kernel, non-UTF-8 values included.
-pub fn kernel_from_env() -> Result<Option<Kernel>, String> {
-    kernel_from_var(std::env::var("PAGEDATTN_KERNEL"))
-}
-
-/// [`kernel_from_env`] of a value as `std::env::var` returns it.
-fn kernel_from_var(var: Result<String, std::env::VarError>) -> Result<Option<Kernel>, String> {
-    let names = || Kernel::ALL.map(Kernel::name).join(", ");
-    match var {
-        Ok(v) if !v.trim().is_empty() => Kernel::from_name(&v)
-            .map(Some)
-            .ok_or_else(|| format!("PAGEDATTN_KERNEL={v}: not a kernel (one of {})", names())),
-        Err(std::env::VarError::NotUnicode(v)) => Err(format!(
-            "PAGEDATTN_KERNEL={}: not UTF-8, so not a kernel (one of {})",
-            v.to_string_lossy(),
-            names()
-        )),
-        _ => Ok(None),
-    }
-}
-
 /// The untuned default: the barrier-free kernel on software adapters, the
 /// GPU-shaped one elsewhere.
 pub(super) fn default_kernel(gpu: &Gpu) -> Kernel {
@@ -420,118 +323,21 @@ mod tests {
     use super::*;
     use crate::gpu::GpuError;
 
-    /// The tune file is read only when it is a regular file of bounded
-    /// size: a FIFO (which blocked `PagedAttention::new` forever), a device
-    /// (`/dev/zero` took 9 s), a directory or an oversized file are ignored
-    /// at once; a regular file is read, and a ten-line one names its kernel.
-    /// Every value names a kernel or is refused: non-UTF-8 ones too (they
-    /// were silently ignored); unset or blank means none.
+    /// Every kernel name parses back; other names (the removed f16
+    /// variants too) name none. Backend names parse the same way.
     #[test]
-    fn kernel_values_are_names_or_errors() {
-        use std::env::VarError;
-        #[cfg(unix)]
-        {
-            use std::os::unix::ffi::OsStringExt;
-            let bad = std::ffi::OsString::from_vec(vec![b's', 0xff, b'l']);
-            let e = kernel_from_var(Err(VarError::NotUnicode(bad))).unwrap_err();
-            assert!(e.contains("not UTF-8"), "{e}");
+    fn kernel_and_backend_names_parse() {
+        for k in Kernel::ALL {
+            assert_eq!(Kernel::from_name(k.name()), Some(k));
         }
-        assert_eq!(kernel_from_var(Err(VarError::NotPresent)), Ok(None));
-        assert_eq!(kernel_from_var(Ok(" ".into())), Ok(None));
-        assert_eq!(
-            kernel_from_var(Ok("serial".into())),
-            Ok(Some(Kernel::Serial))
-        );
-        assert!(kernel_from_var(Ok("lanes-f16".into())).is_err(), "removed");
-        #[cfg(unix)]
-        {
-            use std::os::unix::ffi::OsStringExt;
-            let bad = std::ffi::OsString::from_vec(vec![b'v', b'k', 0xfe]);
-            let r = crate::gpu::context::backends_from_var(Err(VarError::NotUnicode(bad)));
-            assert!(matches!(r, Err(GpuError::UnknownBackend(_))), "{r:?}");
-        }
-        let (b, name) = crate::gpu::context::backends_from_var(Ok("GL".into())).unwrap();
-        assert_eq!((b, name.as_deref()), (wgpu::Backends::GL, Some("GL")));
-    }
-
-    #[test]
-    fn the_tune_file_is_read_only_when_regular_and_bounded() {
-        let dir = std::env::temp_dir().join(format!("pagedattn-tune-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let fifo = dir.join("fifo");
-        let _ = std::fs::remove_file(&fifo);
-        let made = std::process::Command::new("mkfifo").arg(&fifo).status();
-        let start = std::time::Instant::now();
-        if made.is_ok_and(|s| s.success()) {
-            assert_eq!(read_tune_file(&fifo), None);
-        }
-        assert_eq!(read_tune_file(std::path::Path::new("/dev/zero")), None);
-        assert_eq!(read_tune_file(&dir), None);
-        let big = dir.join("big");
-        std::fs::write(&big, vec![b'x'; TUNE_FILE_MAX_BYTES as usize + 1]).unwrap();
-        assert_eq!(read_tune_file(&big), None);
-        assert!(start.elapsed() < std::time::Duration::from_secs(5));
-        let ok = dir.join("ok");
-        let text = "a|b=tiled\n".repeat(10);
-        std::fs::write(&ok, &text).unwrap();
-        assert_eq!(read_tune_file(&ok).as_deref(), Some(text.as_str()));
-        assert_eq!(read_tune_file(&dir.join("missing")), None);
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
-
-    /// A tuned choice the shape cannot run on the device is not taken:
-    /// `new` runs the default, and `tuned()` reports what runs (the probe's
-    /// tune file named a kernel `tuned()` reported while `tiled` ran).
-    #[test]
-    fn an_ineligible_tuned_kernel_is_not_reported_or_run() {
-        let Ok(full) = Gpu::new() else {
-            assert!(
-                std::env::var_os("PAGEDATTN_REQUIRE_GPU").is_none(),
-                "no adapter"
-            );
-            return;
-        };
-        // The same adapter with 4 KiB of workgroup memory: `lanes` cannot
-        // run head_dim 256 there, `serial` (no workgroup memory) can.
-        let inst = wgpu::Instance::new(wgpu::InstanceDescriptor::new_without_display_handle());
-        let adapter = pollster::block_on(inst.request_adapter(&Default::default())).unwrap();
-        let limits = wgpu::Limits {
-            max_compute_workgroup_storage_size: 4096,
-            ..adapter.limits()
-        };
-        let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
-            required_limits: limits,
-            ..Default::default()
-        }))
-        .unwrap();
-        drop(full);
-        let gpu = Gpu::from_device(&device, &queue);
-        let cfg = crate::gpu::KvCacheConfig {
-            num_layers: 1,
-            num_blocks: 4,
-            block_size: 16,
-            num_kv_heads: 1,
-            head_dim: 256,
-            dtype: crate::gpu::KvDtype::F32,
-        };
-        let cache = crate::gpu::KvCache::new(&gpu, cfg).unwrap();
-        let heads = 8;
-        let eligible = crate::gpu::PagedAttention::eligible_kernels(&gpu, &cache, heads);
-        assert!(!eligible.contains(&Kernel::Lanes), "{eligible:?}");
-        let base = crate::gpu::PagedAttention::base_shape(&cfg, heads, true);
-        let key = tune_key(&gpu, &base, heads, cfg.num_kv_heads);
-        remember(&key, Kernel::Lanes);
-        assert_eq!(tuned(&key), Some(Kernel::Lanes));
-        if kernel_from_env().ok().flatten().is_none() {
-            let attn = crate::gpu::PagedAttention::new(&gpu, &cache, heads).unwrap();
-            assert!(eligible.contains(&attn.kernel()), "{}", attn.kernel());
-            let (attn, report) = crate::gpu::PagedAttention::tuned(&gpu, &cache, heads).unwrap();
-            assert_eq!(report.chosen, attn.kernel());
-            assert!(
-                !report.cached,
-                "the ineligible cached choice was timed again"
-            );
-            assert!(eligible.contains(&report.chosen));
-        }
+        assert_eq!(Kernel::from_name(" serial "), Some(Kernel::Serial));
+        assert_eq!(Kernel::from_name("lanes-f16"), None, "removed");
+        assert_eq!(Kernel::from_name(""), None);
+        assert_eq!(crate::gpu::parse_backends("GL"), Ok(wgpu::Backends::GL));
+        assert_eq!(crate::gpu::parse_backends(""), Ok(wgpu::Backends::all()));
+        assert!(matches!(
+            crate::gpu::parse_backends("vk\u{fffd}"),
+            Err(GpuError::UnknownBackend(_))
+        ));
     }
 }

@@ -15,15 +15,15 @@ mod swap;
 mod tune;
 
 pub use attention::{
-    check_csr_tables, AttnOptions, BatchTables, PackedTables, PagedAttention, Split,
-    AUTO_PARTITION_TOKENS, MAX_BATCH, MAX_SEQ_LEN,
+    check_csr_tables, AttentionConfig, AttnOptions, BatchTables, PackedTables, PagedAttention,
+    Split, AUTO_PARTITION_TOKENS, MAX_BATCH, MAX_SEQ_LEN,
 };
 pub use cascade::{
     find_segments, Cascade, CascadeTables, CASCADE_MIN_SAVED_BYTES, SERIAL_CASCADE_MIN_SAVED_BYTES,
 };
-pub use context::{adapter_backends, backends_from_env, Counters, Gpu};
+pub use context::{adapter_backends, parse_backends, Counters, Gpu};
 pub use error::{GpuError, PlanMismatch};
-pub use kernel::{kernel_from_env, Kernel, PORTABLE_WORKGROUP_BYTES};
+pub use kernel::{Kernel, PORTABLE_WORKGROUP_BYTES};
 /// Kernel plumbing for the benchmark in the CLI crate (`stream_read`): not
 /// part of the API an engine should rely on.
 #[doc(hidden)]
@@ -39,4 +39,4 @@ pub use plan::{
     CASCADE_CHUNK_TOKENS, SERIAL_CASCADE_AUTO, SERIAL_CASCADE_CHUNK_TOKENS,
 };
 pub use swap::{SwapSpace, MAX_SWAP_BYTES};
-pub use tune::TuneReport;
+pub use tune::{TuneReport, Tuner};

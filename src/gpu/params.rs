@@ -1,5 +1,5 @@
 //! Uniform parameter structs, mirrored in shaders/common.wgsl (keep in sync;
-//! `tests/shaders.rs` checks each size against naga's layout of the WGSL).
+//! `tests/host/shaders.rs` checks each size against naga's layout of the WGSL).
 
 use bytemuck::{Pod, Zeroable};
 

@@ -17,7 +17,7 @@
 //!
 //! Bind groups are cached by (layer, variant, buffer ranges): once buffers
 //! and batch shape settle, a step creates no buffer and no bind group
-//! ([`Gpu::counters`] shows it; `tests/embed.rs` checks it).
+//! ([`Gpu::counters`] shows it; `tests/gpu/embed.rs` checks it).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -316,20 +316,6 @@ pub struct AttentionPlan {
 /// 4096 shared tokens; 256 gives split-K's parallelism).
 pub const CASCADE_CHUNK_TOKENS: u32 = 256;
 
-/// Longest shared segment of a cascade pass on the rows kernel:
-/// [`CASCADE_CHUNK_TOKENS`], or `PAGEDATTN_CASCADE_CHUNK` (a multiple of 16
-/// from 16 to 4096), read once, for bench probes.
-fn rows_chunk_tokens() -> u32 {
-    static CHUNK: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-    *CHUNK.get_or_init(|| {
-        std::env::var("PAGEDATTN_CASCADE_CHUNK")
-            .ok()
-            .and_then(|v| v.trim().parse::<u32>().ok())
-            .filter(|&c| (16..=4096).contains(&c) && c % 16 == 0)
-            .unwrap_or(CASCADE_CHUNK_TOKENS)
-    })
-}
-
 /// Whether `Cascade::Auto` may take the cascade where its segment pass
 /// runs on the rows kernel (GPUs, where decode runs `lanes`), when
 /// `CascadeTables::pays_gpu` says so: at most 3/4 of plain decode's K/V
@@ -480,7 +466,7 @@ impl PagedAttention {
             let main = if prefill {
                 self.prefill_pipeline(gpu)?.clone()
             } else {
-                self.decode.clone()
+                self.decode_pipeline(gpu)?.clone()
             };
             return Ok([main.clone(), main, self.reduce.clone()]);
         }
@@ -515,6 +501,7 @@ impl PagedAttention {
     /// so that no step pays for a compile.
     pub fn warm_up(&self, gpu: &Gpu) -> Result<(), GpuError> {
         let _serial = gpu.serial();
+        self.decode_pipeline(gpu)?;
         self.prefill_pipeline(gpu).map(|_| ())
     }
 
@@ -667,7 +654,7 @@ impl PagedAttention {
                     .min(SERIAL_CASCADE_CHUNK_TOKENS),
                 SegPass::Rows(rs) => kernel::rows_pass_cap(gpu, &rs)
                     .unwrap_or(u32::MAX)
-                    .min(rows_chunk_tokens()),
+                    .min(self.cascade_chunk),
                 SegPass::Tiled => kernel::pass_cap(gpu, Kernel::Tiled, &self.prefill_shape)
                     .unwrap_or(u32::MAX)
                     .min(CASCADE_CHUNK_TOKENS),

@@ -113,241 +113,88 @@ impl ShaderShape {
     }
 }
 
-/// FP8 E4M3 in WGSL, by bit operations (no hardware fp8 assumed): bias 7,
-/// subnormals at 2^-9, no infinities; encoding rounds to nearest even and
-/// saturates at +-448, NaN is stored as 0.
-const FP8: &str = "alias KV4 = u32;\nconst KV_QUANT: u32 = 2u;\n\
-fn fp8_dec(b: u32) -> f32 {\n\
-    let mag = b & 0x7fu;\n\
-    let e = mag >> 3u;\n\
-    let m = f32(mag & 7u);\n\
-    let v = select((8.0 + m) * exp2(f32(e) - 10.0), m * 0.001953125, e == 0u);\n\
-    return select(v, -v, (b & 0x80u) != 0u);\n\
-}\n\
-// Decoding through f16: an E4M3 byte's exponent and mantissa, moved to\n\
-// bits 7..14 of an f16 (sign to bit 15), are the same number x 2^-8, normals\n\
-// and subnormals alike; two bytes per unpack2x16float.\n\
-fn fp8_pair(y: u32) -> vec2<f32> {\n\
-    let h = ((y & 0x007f007fu) << 7u) | ((y & 0x00800080u) << 8u);\n\
-    return unpack2x16float(h) * 256.0;\n\
-}\n\
-// Bytes 0 and 2, then 1 and 3 (fp8_pair reads bits 0..7 and 16..23).\n\
-fn kv_load(x: KV4) -> vec4<f32> {\n\
-    let a = fp8_pair(x);\n\
-    let b = fp8_pair(x >> 8u);\n\
-    return vec4<f32>(a.x, b.x, a.y, b.y);\n\
-}\n\
-fn fp8_enc(v: f32) -> u32 {\n\
-    let bits = bitcast<u32>(v);\n\
-    let sign = (bits >> 24u) & 0x80u;\n\
-    if (bits & 0x7fffffffu) > 0x7f800000u {\n\
-        return 0u;\n\
-    }\n\
-    let a = min(abs(v), 448.0);\n\
-    if a < 0.015625 {\n\
-        return sign | u32(round(a * 512.0));\n\
-    }\n\
-    var e = i32((bitcast<u32>(a) >> 23u) & 0xffu) - 127;\n\
-    var q = u32(round((a * exp2(f32(-e)) - 1.0) * 8.0));\n\
-    if q == 8u {\n\
-        q = 0u;\n\
-        e += 1;\n\
-    }\n\
-    return sign | (u32(e + 7) << 3u) | q;\n\
-}\n\
-fn fp8x4_enc(x: vec4<f32>) -> u32 {\n\
-    return fp8_enc(x.x) | (fp8_enc(x.y) << 8u) | (fp8_enc(x.z) << 16u) | (fp8_enc(x.w) << 24u);\n\
-}\n\
-fn kv_store(x: vec4<f32>) -> KV4 { return fp8x4_enc(x); }\n";
-
-/// What every attention kernel reads the same way, for one sequence (or
-/// cascade segment): the packed table with its bounds, the span of the
-/// sequence's table entries and its length (cut to what the table holds and
-/// to 2^31, so no loop outruns the table), a token's pool row (INVALID when
-/// unreadable: past the table, or a block outside the pool), and decode's
-/// token range for a partition and a window. Declared per kernel because it
-/// reads the kernel's `table` binding.
-const ATTN_SPAN: &str = "\
-fn table_at(i: u32) -> u32 {
-    if i < arrayLength(&table) {
-        return table[i];
-    }
-    return INVALID;
-}
-struct Span {
-    ind_start: u32,
-    ind_end: u32,
-    len: u32,
-    first_blk: u32,
-}
-fn seq_span(p: AttnParams, seq: u32) -> Span {
-    let ind_end = min(table_at(seq + 1u), p.indices_len);
-    let ind_start = min(table_at(seq), ind_end);
-    let held = ind_end - ind_start;
-    var len = min(table_at(p.lens_off + seq), 0x80000000u);
-    if held <= 0xFFFFFFFFu / BLOCK_SIZE {
-        len = min(len, held * BLOCK_SIZE);
-    }
-    return Span(ind_start, ind_end, len, table_at(p.indices_off + ind_start));
-}
-fn token_row(p: AttnParams, s: Span, kvh: u32, tok: u32) -> u32 {
-    let j = s.ind_start + tok / BLOCK_SIZE;
-    if tok >= s.len || j >= s.ind_end {
-        return INVALID;
-    }
-    // PAGED == false: the contiguous twin used as the benchmark baseline;
-    // the sequence's blocks follow its first one.
-    var blk = s.first_blk + tok / BLOCK_SIZE;
-    if PAGED {
-        blk = table_at(p.indices_off + j);
-    }
-    if blk >= p.num_blocks {
-        return INVALID;
-    }
-    return ((blk * p.num_kv_heads + kvh) * BLOCK_SIZE + tok % BLOCK_SIZE) * HEAD_DIM4;
-}
-// Decode: the tokens [begin, end) partition `part` walks; the query sits at
-// len - 1 and sees the last `sliding_window` positions when one is set.
-fn decode_range(p: AttnParams, len: u32, part: u32) -> vec2<u32> {
-    let q_pos = max(len, 1u) - 1u;
-    var t_begin = 0u;
-    var t_end = len;
-    if p.partition_tokens != 0u {
-        t_begin = min(part * p.partition_tokens, t_end);
-        t_end = min(t_begin + p.partition_tokens, t_end);
-    }
-    if p.sliding_window != 0u && q_pos + 1u > p.sliding_window {
-        t_begin = max(t_begin, q_pos + 1u - p.sliding_window);
-        t_end = max(t_end, t_begin);
-    }
-    return vec2<u32>(t_begin, t_end);
-}
-";
-
-/// `q_res` of the quantized pools: a query row (`qbase`, in vec4s) at its
-/// KV head's outlier channels, 0 where a channel is unset.
-macro_rules! q_res {
-    () => {
-        "const K_RES: bool = true;
-fn q_res1(qbase: u32, kvh: u32, j: u32) -> f32 {
-    let ch = k_chan(kvh, j);
-    if ch >= HEAD_DIM4 * 4u {
-        return 0.0;
-    }
-    return (act_load(q[qbase + ch / 4u]) * q_smooth(kvh, ch / 4u))[ch % 4u];
-}
-fn q_res(qbase: u32, kvh: u32) -> vec4<f32> {
-    return vec4<f32>(q_res1(qbase, kvh, 0u), q_res1(qbase, kvh, 1u), q_res1(qbase, kvh, 2u), q_res1(qbase, kvh, 3u));
-}
-"
-    };
+/// The shared WGSL of `shaders/shared/`, composed into the kernels by
+/// [`source`] (one file per piece: a reader finds each in one place, and
+/// `cargo run --example shaders` writes every kernel as composed).
+mod shared {
+    /// `kv_sat`, `KV_MAX`, `F16_MAX`: stored values saturate.
+    pub const SATURATE: &str = include_str!("../../shaders/shared/saturate.wgsl");
+    /// The KV codecs: `KV4`, `kv_load`, `kv_store`, per pool dtype.
+    pub const KV_F32: &str = include_str!("../../shaders/shared/kv_f32.wgsl");
+    pub const KV_F16: &str = include_str!("../../shaders/shared/kv_f16.wgsl");
+    pub const KV_INT8: &str = include_str!("../../shaders/shared/kv_int8.wgsl");
+    pub const KV_FP8: &str = include_str!("../../shaders/shared/kv_fp8.wgsl");
+    /// Activations (`ACT4`) and outputs (`OUT4`), f32 or packed f16.
+    pub const ACT_F32: &str = include_str!("../../shaders/shared/act_f32.wgsl");
+    pub const ACT_F16: &str = include_str!("../../shaders/shared/act_f16.wgsl");
+    pub const OUT_F32: &str = include_str!("../../shaders/shared/out_f32.wgsl");
+    pub const OUT_F16: &str = include_str!("../../shaders/shared/out_f16.wgsl");
+    /// `QV4`, `q_conv`, `k_dot`.
+    pub const QDOT: &str = include_str!("../../shaders/shared/qdot.wgsl");
+    /// The block-table walk every attention kernel shares.
+    pub const TABLE_WALK: &str = include_str!("../../shaders/shared/table_walk.wgsl");
+    /// Per-token K/V scales and K outlier residuals, per pool dtype.
+    pub const SCALES_PLAIN: &str = include_str!("../../shaders/shared/scales_plain.wgsl");
+    pub const SCALES_INT8: &str = include_str!("../../shaders/shared/scales_int8.wgsl");
+    pub const SCALES_FP8: &str = include_str!("../../shaders/shared/scales_fp8.wgsl");
+    pub const Q_RES: &str = include_str!("../../shaders/shared/q_res.wgsl");
+    /// A quantized pool's u32 words, through the pools' own view.
+    pub const POOL_WORDS: &str = include_str!("../../shaders/shared/pool_words.wgsl");
+    pub const POOL_WORDS_WIDE: &str = include_str!("../../shaders/shared/pool_words_wide.wgsl");
 }
 
-/// The attention kernels' per-token K and V scales: 1 for f32 and f16
-/// pools; int8 reads the bf16 in the low half of the row's side word and
-/// fp8 the KV head's f32, from the words after the layer's blocks. And the
-/// K outlier channels of quantized pools (`K_RES`): `q_res` gathers a query
-/// row's values at its KV head's outlier channels (times int8's smoothing),
-/// `k_res` a K row's residuals there, in the units of `kv_load` (before the
-/// row's K scale), so `dot(q_res, k_res)` is what q.k lacks.
-fn scale_helpers(dtype: KvDtype) -> &'static str {
+/// Every shared file, by name (for the shader tests and the dump).
+pub const SHARED: &[(&str, &str)] = &[
+    ("saturate", shared::SATURATE),
+    ("kv_f32", shared::KV_F32),
+    ("kv_f16", shared::KV_F16),
+    ("kv_int8", shared::KV_INT8),
+    ("kv_fp8", shared::KV_FP8),
+    ("act_f32", shared::ACT_F32),
+    ("act_f16", shared::ACT_F16),
+    ("out_f32", shared::OUT_F32),
+    ("out_f16", shared::OUT_F16),
+    ("qdot", shared::QDOT),
+    ("table_walk", shared::TABLE_WALK),
+    ("scales_plain", shared::SCALES_PLAIN),
+    ("scales_int8", shared::SCALES_INT8),
+    ("scales_fp8", shared::SCALES_FP8),
+    ("q_res", shared::Q_RES),
+    ("pool_words", shared::POOL_WORDS),
+    ("pool_words_wide", shared::POOL_WORDS_WIDE),
+];
+
+/// The attention kernels' per-token K and V scales and K outlier channels
+/// for a pool of `dtype` (`shaders/shared/scales_*.wgsl`, and `q_res.wgsl`
+/// for the quantized pools).
+fn scale_helpers(dtype: KvDtype) -> [&'static str; 2] {
     match dtype {
-        KvDtype::F32 | KvDtype::F16 => {
-            "const K_RES: bool = false;\n\
-             fn k_scale(row: u32, kvh: u32) -> f32 { return 1.0; }\n\
-             fn v_scale(row: u32, kvh: u32) -> f32 { return 1.0; }\n\
-             fn q_smooth(kvh: u32, c: u32) -> vec4<f32> { return vec4<f32>(1.0); }\n\
-             fn q_res(qbase: u32, kvh: u32) -> vec4<f32> { return vec4<f32>(0.0); }\n\
-             fn k_res(row: u32, kvh: u32) -> vec4<f32> { return vec4<f32>(0.0); }\n"
-        }
-        // q_smooth: the query times int8's K smoothing factors (after the
-        // row side words), so q.k is what it was before K was divided by them.
-        KvDtype::Int8 => concat!(
-            "fn data_words() -> u32 { return params.num_blocks * params.num_kv_heads * BLOCK_SIZE * HEAD_DIM4; }\n\
-             fn layer_tail() -> u32 { return data_words() + params.num_blocks * params.num_kv_heads * BLOCK_SIZE; }\n\
-             fn k_scale(row: u32, kvh: u32) -> f32 { return bitcast<f32>(kw(data_words() + row / HEAD_DIM4) << 16u); }\n\
-             // V: bf16 scales two per word (rows 2i, 2i + 1), one at BLOCK_SIZE 1.\n\
-             fn v_scale(row: u32, kvh: u32) -> f32 {\n\
-                 let r = row / HEAD_DIM4;\n\
-                 if BLOCK_SIZE == 1u { return bitcast<f32>(vw(data_words() + r) << 16u); }\n\
-                 return bitcast<f32>(((vw(data_words() + r / 2u) >> ((r & 1u) * 16u)) & 0xffffu) << 16u);\n\
-             }\n\
-             fn q_smooth(kvh: u32, c: u32) -> vec4<f32> {\n\
-                 let w = layer_tail() + (kvh * HEAD_DIM4 + c) * 4u;\n\
-                 return bitcast<vec4<f32>>(vec4<u32>(kw(w), kw(w + 1u), kw(w + 2u), kw(w + 3u)));\n\
-             }\n\
-             fn k_chan(kvh: u32, j: u32) -> u32 { return kw(layer_tail() + params.num_kv_heads * HEAD_DIM4 * 4u + kvh * K_OUTLIERS + j); }\n\
-             // Sixteenths of a step (1 / 127) in the side word's high half.\n\
-             fn k_res(row: u32, kvh: u32) -> vec4<f32> {\n\
-                 let w = bitcast<i32>(kw(data_words() + row / HEAD_DIM4));\n\
-                 return vec4<f32>(f32(extractBits(w, 16u, 4u)), f32(extractBits(w, 20u, 4u)), f32(extractBits(w, 24u, 4u)), f32(extractBits(w, 28u, 4u))) * (1.0 / 1905.0);\n\
-             }\n",
-            q_res!()
-        ),
-        KvDtype::Fp8E4M3 => concat!(
-            "fn data_words() -> u32 { return params.num_blocks * params.num_kv_heads * BLOCK_SIZE * HEAD_DIM4; }\n\
-             fn layer_tail() -> u32 { return data_words() + params.num_blocks * params.num_kv_heads * BLOCK_SIZE; }\n\
-             fn k_scale(row: u32, kvh: u32) -> f32 { return bitcast<f32>(kw(layer_tail() + kvh)); }\n\
-             fn v_scale(row: u32, kvh: u32) -> f32 { return bitcast<f32>(kw(layer_tail() + params.num_kv_heads + kvh)); }\n\
-             fn q_smooth(kvh: u32, c: u32) -> vec4<f32> { return vec4<f32>(1.0); }\n\
-             fn k_chan(kvh: u32, j: u32) -> u32 { return kw(layer_tail() + 2u * params.num_kv_heads + kvh * K_OUTLIERS + j); }\n\
-             // Sixteenths of the stored byte's ulp (bits 4j..), whose exponent\n\
-             // field is at bits 16 + 4j.\n\
-             fn k_res(row: u32, kvh: u32) -> vec4<f32> {\n\
-                 let w = kw(data_words() + row / HEAD_DIM4);\n\
-                 let iw = bitcast<i32>(w);\n\
-                 let n = vec4<f32>(f32(extractBits(iw, 0u, 4u)), f32(extractBits(iw, 4u, 4u)), f32(extractBits(iw, 8u, 4u)), f32(extractBits(iw, 12u, 4u)));\n\
-                 let e = max(vec4<u32>(extractBits(w, 16u, 4u), extractBits(w, 20u, 4u), extractBits(w, 24u, 4u), extractBits(w, 28u, 4u)), vec4<u32>(1u));\n\
-                 // 2^(e - 10) built from its exponent bits (no exp2 per token).\n\
-                 return n * bitcast<vec4<f32>>((e + vec4<u32>(117u)) << vec4<u32>(23u)) * (1.0 / 15.0);\n\
-             }\n",
-            q_res!()
-        ),
+        KvDtype::F32 | KvDtype::F16 => [shared::SCALES_PLAIN, ""],
+        KvDtype::Int8 => [shared::SCALES_INT8, shared::Q_RES],
+        KvDtype::Fp8E4M3 => [shared::SCALES_FP8, shared::Q_RES],
     }
 }
 
-/// The generated prelude that defines the shape constants and KV4 helpers.
+/// The prelude of every kernel: the shape's constants, generated (this is
+/// all the Rust side writes besides the unrolled row code below), then the
+/// shared files its dtypes select: saturation, the KV codec, the query
+/// dot, the activation and output types.
 pub fn prelude(s: &ShaderShape) -> String {
     let kv = match s.dtype {
-        KvDtype::F32 => "alias KV4 = vec4<f32>;\nconst KV_QUANT: u32 = 0u;\n\
-             fn kv_load(x: KV4) -> vec4<f32> { return x; }\n\
-             fn kv_store(x: vec4<f32>) -> KV4 { return kv_sat(x, KV_MAX); }\n",
-        KvDtype::F16 => "alias KV4 = vec2<u32>;\nconst KV_QUANT: u32 = 0u;\n\
-             fn kv_load(x: KV4) -> vec4<f32> { return vec4<f32>(unpack2x16float(x.x), unpack2x16float(x.y)); }\n\
-             fn kv_store(x: vec4<f32>) -> KV4 { let y = kv_sat(x, F16_MAX); return vec2<u32>(pack2x16float(y.xy), pack2x16float(y.zw)); }\n",
-        // Scales applied by the kernels (k_scale / v_scale).
-        KvDtype::Int8 => "alias KV4 = u32;\nconst KV_QUANT: u32 = 1u;\n\
-             fn kv_load(x: KV4) -> vec4<f32> { return unpack4x8snorm(x); }\n\
-             fn kv_store(x: vec4<f32>) -> KV4 { return pack4x8snorm(x); }\n\
-             // write_kv_q's fp8 branch, never taken:\n\
-             fn fp8x4_enc(x: vec4<f32>) -> u32 { return 0u; }\n\
-             fn fp8_enc(x: f32) -> u32 { return 0u; }\n\
-             fn fp8_dec(b: u32) -> f32 { return 0.0; }\n",
-        KvDtype::Fp8E4M3 => FP8,
-    };
-    let packed = |name: &str, load: &str, store: &str| {
-        format!(
-            "alias {name} = vec2<u32>;\n\
-             fn {load}(x: {name}) -> vec4<f32> {{ return vec4<f32>(unpack2x16float(x.x), unpack2x16float(x.y)); }}\n\
-             fn {store}(x: vec4<f32>) -> {name} {{ let y = kv_sat(x, F16_MAX); return vec2<u32>(pack2x16float(y.xy), pack2x16float(y.zw)); }}\n"
-        )
-    };
-    let plain = |name: &str, load: &str, store: &str| {
-        format!(
-            "alias {name} = vec4<f32>;\n\
-             fn {load}(x: {name}) -> vec4<f32> {{ return x; }}\n\
-             fn {store}(x: vec4<f32>) -> {name} {{ return x; }}\n"
-        )
+        KvDtype::F32 => shared::KV_F32,
+        KvDtype::F16 => shared::KV_F16,
+        KvDtype::Int8 => shared::KV_INT8,
+        KvDtype::Fp8E4M3 => shared::KV_FP8,
     };
     let act = if s.q_f16 {
-        packed("ACT4", "act_load", "act_store")
+        shared::ACT_F16
     } else {
-        plain("ACT4", "act_load", "act_store")
+        shared::ACT_F32
     };
     let out = if s.out_f16 {
-        packed("OUT4", "out_load", "out_store")
+        shared::OUT_F16
     } else {
-        plain("OUT4", "out_load", "out_store")
+        shared::OUT_F32
     };
     let ht = s.head_tile();
     let lpt = s.lpt.max(1);
@@ -355,21 +202,11 @@ pub fn prelude(s: &ShaderShape) -> String {
     // Subgroup builtins need no `enable` in naga (wgpu's SUBGROUP feature
     // allows them; naga refuses the directive). Subgroups are native-only
     // in wgpu, so a browser never gets a subgroup shape.
-    // The query's storage in the row kernels, and q.k of one vec4.
-    let qdot = "alias QV4 = vec4<f32>;\n\
-         fn q_conv(x: vec4<f32>) -> QV4 { return x; }\n\
-         fn k_dot(a: QV4, x: KV4) -> f32 { return dot(a, kv_load(x)); }\n";
     format!(
-        "// generated by src/gpu/shader.rs\n\
-         // Stored values saturate here (f16: at its largest finite value);\n\
-         // kv_sat clamps to +-m, infinities included, and keeps a NaN.\n\
-         const KV_MAX: f32 = 1.2676506002282294e30;\nconst F16_MAX: f32 = 65504.0;\n\
-         fn kv_sat(x: vec4<f32>, m: f32) -> vec4<f32> {{\n\
-             let nan = (bitcast<vec4<u32>>(x) & vec4<u32>(0x7fffffffu)) > vec4<u32>(0x7f800000u);\n\
-             return select(clamp(x, vec4<f32>(-m), vec4<f32>(m)), x, nan);\n\
-         }}\n\
+        "// generated by src/gpu/shader.rs: the shape's constants\n\
          const HEAD_DIM4: u32 = {}u;\nconst GROUP: u32 = {}u;\nconst BLOCK_SIZE: u32 = {}u;\nconst QTILE: u32 = {}u;\nconst PAGED: bool = {};\n\
-         const HT: u32 = {ht}u;\nconst HTILES: u32 = {}u;\nconst LPT: u32 = {lpt}u;\nconst JN: u32 = {jn}u;\nconst SUBGROUPS: bool = {};\n{kv}{qdot}{act}{out}\n",
+         const HT: u32 = {ht}u;\nconst HTILES: u32 = {}u;\nconst LPT: u32 = {lpt}u;\nconst JN: u32 = {jn}u;\nconst SUBGROUPS: bool = {};\n\
+         {}{kv}{}{act}{out}\n",
         s.head_dim / 4,
         s.group,
         s.block_size,
@@ -377,6 +214,8 @@ pub fn prelude(s: &ShaderShape) -> String {
         s.paged,
         s.head_tiles(),
         s.subgroups,
+        shared::SATURATE,
+        shared::QDOT,
     )
 }
 
@@ -628,27 +467,14 @@ fn serial_helpers(ht: u32, qs: u32, d4: u32, quant: bool, wide: u32) -> String {
 /// Token groups of `attention_rows.wgsl` (each of `ROWS x LPR` lanes walks
 /// every TG-th token of the segment; merged once at the end): 4, so a
 /// workgroup of 64-lane groups has 256 invocations and 4 tokens in flight.
-/// `PAGEDATTN_ROWS_TG` (1, 2 or 4) overrides it, for bench probes; read
-/// once per process, as pipelines are cached by shape.
-pub fn rows_token_groups() -> u32 {
-    static TG: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-    *TG.get_or_init(|| {
-        match std::env::var("PAGEDATTN_ROWS_TG")
-            .ok()
-            .as_deref()
-            .map(str::trim)
-        {
-            Some("1") => 1,
-            Some("2") => 2,
-            _ => 4,
-        }
-    })
-}
+/// On an H200 the segment pass's time fell as 1 / token groups (1, 2, 4:
+/// `benches/NOTES.md` item 31).
+pub const ROWS_TOKEN_GROUPS: u32 = 4;
 
 /// Invocations per workgroup of `attention_rows.wgsl` for `s`: its rows
 /// (`qtile` x head tile) x lanes per row (`lpt`) x token groups.
 pub fn rows_workgroup_size(s: &ShaderShape) -> u32 {
-    s.qtile.max(1) * s.head_tile() * s.lpt.max(1) * rows_token_groups()
+    s.qtile.max(1) * s.head_tile() * s.lpt.max(1) * ROWS_TOKEN_GROUPS
 }
 
 /// Bytes of workgroup memory attention_rows.wgsl uses for `s`.
@@ -679,7 +505,7 @@ fn rows_consts(s: &ShaderShape) -> String {
          const ROWS: u32 = {}u;\nconst TG: u32 = {}u;\nconst WGS: u32 = {}u;\n\
          fn lane_sum(s: f32) -> f32 {{\n{sum}}}\n",
         s.qtile.max(1) * s.head_tile(),
-        rows_token_groups(),
+        ROWS_TOKEN_GROUPS,
         rows_workgroup_size(s)
     )
 }
@@ -702,10 +528,10 @@ pub fn source(kernel: &str, shape: &ShaderShape) -> Option<String> {
         // Only the lanes and rows kernels read subgroups.
         shape.subgroups = false;
     }
-    let (scales, span) = if kernel.starts_with("attention") {
-        (scale_helpers(shape.dtype), ATTN_SPAN)
+    let ([scales, q_res], span) = if kernel.starts_with("attention") {
+        (scale_helpers(shape.dtype), shared::TABLE_WALK)
     } else {
-        ("", "")
+        (["", ""], "")
     };
     // KV4s per pool load: wide only in the serial kernel.
     let wide = if kernel == "attention_serial" {
@@ -730,13 +556,12 @@ pub fn source(kernel: &str, shape: &ShaderShape) -> Option<String> {
     let words = if !kernel.starts_with("attention") || !shape.dtype.quantized() {
         ""
     } else if wide == 4 {
-        "fn kw(i: u32) -> u32 { return k_pool[i >> 2u][i & 3u]; }\n\
-         fn vw(i: u32) -> u32 { return v_pool[i >> 2u][i & 3u]; }\n"
+        shared::POOL_WORDS_WIDE
     } else {
-        "fn kw(i: u32) -> u32 { return k_pool[i]; }\nfn vw(i: u32) -> u32 { return v_pool[i]; }\n"
+        shared::POOL_WORDS
     };
     Some(format!(
-        "{}{COMMON}\n{span}{words}{scales}{rows}{body}",
+        "{}{COMMON}\n{span}{words}{scales}{q_res}{rows}{body}",
         prelude(&shape)
     ))
 }

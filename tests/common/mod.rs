@@ -8,7 +8,7 @@ use pagedattn::rng::SplitMix64;
 /// The default adapter, or `None` (skip) when there is none and
 /// `PAGEDATTN_REQUIRE_GPU` is not set. With it set, a missing adapter fails.
 pub fn gpu() -> Option<Gpu> {
-    match Gpu::new() {
+    match backends().and_then(Gpu::with_backends) {
         Ok(g) => {
             eprintln!("adapter: {}", g.describe());
             Some(g)
@@ -21,6 +21,41 @@ pub fn gpu() -> Option<Gpu> {
             None
         }
     }
+}
+
+/// The backends `PAGEDATTN_BACKEND` names (all when unset): the tests,
+/// like the CLI, read it; the library reads no environment variable.
+pub fn backends() -> Result<wgpu::Backends, pagedattn::gpu::GpuError> {
+    match std::env::var("PAGEDATTN_BACKEND") {
+        Ok(name) => pagedattn::gpu::parse_backends(&name),
+        Err(_) => Ok(wgpu::Backends::all()),
+    }
+}
+
+/// Whether this run checks every shape of a grid: on the primary backend
+/// (none named, or Vulkan). On a secondary one (`PAGEDATTN_BACKEND=gl`,
+/// which CI runs to check the backend, not the math again) the grids run a
+/// stated subset that still reaches every kernel, dtype, option and split
+/// mode; `PAGEDATTN_FULL_GRID=1` runs everything anywhere.
+pub fn exhaustive() -> bool {
+    if std::env::var("PAGEDATTN_FULL_GRID").is_ok_and(|v| v == "1") {
+        return true;
+    }
+    backends().is_ok_and(|b| b == wgpu::Backends::all() || b == wgpu::Backends::VULKAN)
+}
+
+/// `full` on the primary backend; on a secondary one the entries at
+/// `subset` (indices into `full`), saying so in the log.
+pub fn grid<T: Clone>(what: &str, full: &[T], subset: &[usize]) -> Vec<T> {
+    if exhaustive() {
+        return full.to_vec();
+    }
+    eprintln!(
+        "{what}: {} of {} shapes on this backend (PAGEDATTN_FULL_GRID=1 for all)",
+        subset.len(),
+        full.len()
+    );
+    subset.iter().map(|&i| full[i].clone()).collect()
 }
 
 /// Says, for the test log, that part of a test cannot run on this adapter
@@ -52,67 +87,18 @@ pub fn round_f16(x: f32) -> f32 {
     half::f16::from_f32(x).to_f32()
 }
 
-/// A host mirror of one layer's pool, filled by scattering rows to slots.
-pub struct HostPool {
-    pub k: Vec<f32>,
-    pub v: Vec<f32>,
-    pub num_kv_heads: usize,
-    pub block_size: usize,
-    pub head_dim: usize,
-}
+/// The pool mirror is the library's (`reference::HostPool`), so engines
+/// can use it too.
+#[allow(unused_imports)]
+pub use pagedattn::reference::{HostPool, Stored};
 
-impl HostPool {
-    pub fn new(num_blocks: usize, num_kv_heads: usize, block_size: usize, head_dim: usize) -> Self {
-        let n = num_blocks * num_kv_heads * block_size * head_dim;
-        Self {
-            k: vec![0.0; n],
-            v: vec![0.0; n],
-            num_kv_heads,
-            block_size,
-            head_dim,
-        }
-    }
-
-    /// Scatters `[n][num_kv_heads][head_dim]` rows into `slots`.
-    pub fn write(&mut self, slots: &[u32], k: &[f32], v: &[f32], dtype: KvDtype) {
-        let (h, d, bs) = (self.num_kv_heads, self.head_dim, self.block_size);
-        for (t, &slot) in slots.iter().enumerate() {
-            let (b, o) = (slot as usize / bs, slot as usize % bs);
-            for kh in 0..h {
-                let dst = ((b * h + kh) * bs + o) * d;
-                let src = (t * h + kh) * d;
-                for i in 0..d {
-                    let (kk, vv) = (k[src + i], v[src + i]);
-                    let (kk, vv) = match dtype {
-                        KvDtype::F32 => (kk, vv),
-                        KvDtype::F16 => (round_f16(kk), round_f16(vv)),
-                        // The exact inputs: the quantization error is what
-                        // the quantized suites bound.
-                        KvDtype::Int8 | KvDtype::Fp8E4M3 => (kk, vv),
-                    };
-                    self.k[dst + i] = kk;
-                    self.v[dst + i] = vv;
-                }
-            }
-        }
-    }
-
-    /// Copies block `src` to `dst`.
-    pub fn copy(&mut self, src: u32, dst: u32) {
-        let per = self.num_kv_heads * self.block_size * self.head_dim;
-        let (s, d) = (src as usize * per, dst as usize * per);
-        self.k.copy_within(s..s + per, d);
-        self.v.copy_within(s..s + per, d);
-    }
-
-    pub fn view(&self) -> pagedattn::reference::PagedPool<'_> {
-        pagedattn::reference::PagedPool {
-            k: &self.k,
-            v: &self.v,
-            num_kv_heads: self.num_kv_heads,
-            block_size: self.block_size,
-            head_dim: self.head_dim,
-        }
+/// How the mirror stores a value written to a pool of `dtype`: f16 rounded
+/// as the packed pool holds it; the quantized pools' exact inputs (their
+/// rounding is what the quantized suites bound).
+pub fn stored(dtype: KvDtype) -> Stored {
+    match dtype {
+        KvDtype::F16 => Stored::F16,
+        _ => Stored::Exact,
     }
 }
 

@@ -731,6 +731,8 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, GpuError> {
     let mut decode = Vec::new();
     let mut skipped = Vec::new();
     let mut tuner = Vec::new();
+    // The bench's own tuner: the sections after the grid run its picks.
+    let picks = pagedattn::gpu::Tuner::new();
     for section in SECTIONS {
         if !cfg.runs(section) {
             skipped.push(match *section {
@@ -756,7 +758,7 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, GpuError> {
                 dtype,
             },
         )?;
-        let report = PagedAttention::tune(
+        let report = picks.tune(
             gpu,
             &probe,
             HEADS,
@@ -854,6 +856,7 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, GpuError> {
     } else {
         let mut rows = dtype_rows(
             gpu,
+            &picks,
             &timer,
             &mut rng,
             8,
@@ -862,7 +865,7 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, GpuError> {
         if !cfg.quick {
             // The real-GPU target's cell (dtypes whose layer exceeds the
             // binding limit are left out: all of them on lavapipe).
-            rows.extend(dtype_rows(gpu, &timer, &mut rng, 32, 8192)?);
+            rows.extend(dtype_rows(gpu, &picks, &timer, &mut rng, 32, 8192)?);
         }
         rows
     };
@@ -896,7 +899,7 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, GpuError> {
             ));
             continue;
         }
-        match cascade_row(gpu, &timer, &mut rng, n, prompt)? {
+        match cascade_row(gpu, &picks, &timer, &mut rng, n, prompt)? {
             Some(r) => cascade.push(r),
             None => skipped.push(format!(
                 "cascade n {n} prompt {prompt}: the pool exceeds the binding limit"
@@ -933,7 +936,7 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, GpuError> {
             ));
             continue;
         };
-        let attn = PagedAttention::new(gpu, &r.cache, HEADS)?;
+        let attn = attention(gpu, &picks, &r.cache)?;
         let (ip, ix, ln) = tables(batch, context, true, &mut rng);
         let t = BatchTables::upload(gpu, &ip, &ix, &ln, None)?;
         let auto_partition = attn.partition_tokens(gpu, Split::Auto, batch, context);
@@ -1049,8 +1052,21 @@ fn interleaved_medians(
 
 /// One cascade cell (f16 KV, the grid's head shape): `n` sequences sharing
 /// a `prompt`-token prompt, each with 0-256 private tokens.
+/// The grid's attention over `cache`: `PAGEDATTN_KERNEL` when set, else
+/// the bench tuner's pick for the shape, else the adapter's default.
+fn attention(
+    gpu: &Gpu,
+    picks: &pagedattn::gpu::Tuner,
+    cache: &KvCache,
+) -> Result<PagedAttention, GpuError> {
+    let cfg = crate::env::attention_config(picks.kept(gpu, cache, HEADS))
+        .map_err(GpuError::InvalidArgument)?;
+    PagedAttention::with_config(gpu, cache, HEADS, &cfg)
+}
+
 fn cascade_row(
     gpu: &Gpu,
+    picks: &pagedattn::gpu::Tuner,
     timer: &Timer,
     rng: &mut SplitMix64,
     n: u32,
@@ -1074,7 +1090,7 @@ fn cascade_row(
     let Some(cache) = filled_cache(gpu, next * BLOCK, KvDtype::F16, 1, rng)? else {
         return Ok(None);
     };
-    let attn = PagedAttention::new(gpu, &cache, HEADS)?;
+    let attn = attention(gpu, picks, &cache)?;
     let t = DecodeTables {
         kv_indptr: &indptr,
         kv_indices: &indices,
@@ -1129,6 +1145,7 @@ fn cascade_row(
 /// run of each in turn (interleaved), median of the runs.
 fn dtype_rows(
     gpu: &Gpu,
+    picks: &pagedattn::gpu::Tuner,
     timer: &Timer,
     rng: &mut SplitMix64,
     batch: u32,
@@ -1158,7 +1175,7 @@ fn dtype_rows(
             (KvDtype::Fp8E4M3, true) => "fp8+outliers",
             _ => dtype.name(),
         };
-        let attn = PagedAttention::new(gpu, &r.cache, HEADS)?;
+        let attn = attention(gpu, picks, &r.cache)?;
         let (ip, ix, ln) = tables(batch, context, true, rng);
         let t = BatchTables::upload(gpu, &ip, &ix, &ln, None)?;
         rigs.push((name, r, attn, t));

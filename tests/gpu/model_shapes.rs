@@ -5,7 +5,7 @@
 //! (f16). Each kernel stays within WebGPU's default 16 KiB of workgroup
 //! memory, and no GQA group is refused: large and odd groups are tiled.
 
-mod common;
+use crate::common;
 
 use common::*;
 use pagedattn::gpu::{
@@ -109,7 +109,7 @@ fn run_model(gpu: &Gpu, md: &Model, dtype: KvDtype, window: Option<u32>) {
         bs as usize,
         md.head_dim as usize,
     );
-    host.write(&view.slot_mapping, &k, &v, dtype);
+    host.write(&view.slot_mapping, &k, &v, stored(dtype));
     let opts = AttnOptions {
         sliding_window: window,
         soft_cap: md.soft_cap,

@@ -5,7 +5,7 @@
 //! f64 reference (f32 KV: relative L2 < 1e-5); seeds are fixed per test
 //! (`PAGEDATTN_SEED` overrides).
 
-mod common;
+use crate::common;
 
 use std::num::NonZeroU64;
 use std::sync::{Arc, Mutex};
@@ -46,7 +46,7 @@ fn engine_device() -> Option<(wgpu::Device, wgpu::Queue)> {
     // The engine opens its device the way it likes; pagedattn borrows it.
     let inst = wgpu::Instance::new({
         let mut d = wgpu::InstanceDescriptor::new_without_display_handle();
-        d.backends = pagedattn::gpu::backends_from_env().ok()?.0;
+        d.backends = common::backends().ok()?;
         d
     });
     let adapter = pollster::block_on(inst.request_adapter(&Default::default())).ok()?;
@@ -231,7 +231,7 @@ fn mirror_step(hosts: &mut [HostPool], st: &Step, view: &BatchView) {
         for c in &view.copies {
             h.copy(c[0], c[1]);
         }
-        h.write(&view.slot_mapping, &st.k[l], &st.v[l], KvDtype::F32);
+        h.write(&view.slot_mapping, &st.k[l], &st.v[l], stored(KvDtype::F32));
     }
 }
 
@@ -598,7 +598,7 @@ fn fused_qkv_rows_are_read_in_place() {
     let k: Vec<f32> = (0..ntok).flat_map(|t| col(t, qw, kw)).collect();
     let v: Vec<f32> = (0..ntok).flat_map(|t| col(t, qw + kw, kw)).collect();
     let mut host = HostPool::new(16, KVH as usize, BS as usize, HD as usize);
-    host.write(&view.slot_mapping, &k, &v, KvDtype::F32);
+    host.write(&view.slot_mapping, &k, &v, stored(KvDtype::F32));
     let want = reference::prefill(
         &host.view(),
         &AttnParams::new(HEADS as usize, HD as usize),
@@ -712,7 +712,7 @@ fn f16_activations_in_and_out() {
             cache
                 .plan_write(gpu, &mut wplan, &view.slot_mapping, &view.copies)
                 .unwrap();
-            host.write(&view.slot_mapping, &back(&k), &back(&v), dtype);
+            host.write(&view.slot_mapping, &back(&k), &back(&v), stored(dtype));
             let variants = [
                 AttnOptions {
                     split: pagedattn::gpu::Split::Never,
@@ -800,7 +800,7 @@ fn f16_activations_in_and_out() {
 fn a_buffer_of_another_device_is_refused() {
     let inst = wgpu::Instance::new({
         let mut d = wgpu::InstanceDescriptor::new_without_display_handle();
-        d.backends = pagedattn::gpu::backends_from_env().unwrap().0;
+        d.backends = common::backends().unwrap();
         d
     });
     let Ok(adapter) = pollster::block_on(inst.request_adapter(&Default::default())) else {
@@ -906,7 +906,7 @@ fn a_plan_runs_only_on_its_cache_and_step() {
         let (k, v) = (rng.signed_vec(20 * row), rng.signed_vec(20 * row));
         cache.write_kv(gpu, 0, &k, &v, &slots).unwrap();
         let mut host = HostPool::new(8, KVH as usize, BS as usize, HD as usize);
-        host.write(&slots, &k, &v, KvDtype::F32);
+        host.write(&slots, &k, &v, stored(KvDtype::F32));
         pools.push((cache, host));
     }
     let (a, b) = (&pools[0].0, &pools[1].0);
@@ -1013,7 +1013,7 @@ fn plan_run_soak_of_random_tables_bindings_and_caches() {
         );
         cache.write_kv(gpu, 0, &k, &v, &all).unwrap();
         let mut host = HostPool::new(nb as usize, KVH as usize, BS as usize, HD as usize);
-        host.write(&all, &k, &v, KvDtype::F32);
+        host.write(&all, &k, &v, stored(KvDtype::F32));
         let wplan = cache.plan();
         caches.push((cache, host, wplan));
     }

@@ -5,8 +5,7 @@
 //! random inputs, deterministic so a failure replays
 //! (`GPU_ARGS_INPUT=<file>` replays one file).
 
-#[path = "common/gpu_args.rs"]
-mod gpu_args;
+use crate::gpu_args;
 
 use std::path::{Path, PathBuf};
 
@@ -84,8 +83,7 @@ fn gpu_args_random_inputs_keep_the_contracts() {
     }
 }
 
-#[path = "common/calibration.rs"]
-mod calibration;
+use crate::calibration;
 
 /// The calibration checks' corpus (`fuzz/corpus/calibration/`) and seeded
 /// random inputs through the fuzz target's harness

@@ -3,7 +3,7 @@
 //! attending causally to the whole paged context. Mixed batches of context
 //! and chunk lengths, shuffled blocks, output poisoned, f32 and packed f16.
 
-mod common;
+use crate::common;
 
 use common::*;
 use pagedattn::gpu::{AttnOptions, Gpu, KvCache, KvCacheConfig, KvDtype, PagedAttention};
@@ -45,7 +45,7 @@ fn run(gpu: &Gpu, seed: u64, c: &Case) -> f64 {
         c.block_size as usize,
         c.head_dim as usize,
     );
-    host.write(&view.slot_mapping, &k, &v, c.dtype);
+    host.write(&view.slot_mapping, &k, &v, stored(c.dtype));
     let num_heads = c.num_kv_heads * c.group;
     let attn = PagedAttention::new(gpu, &cache, num_heads).unwrap();
     let mut qo = vec![0u32];
@@ -114,7 +114,8 @@ fn whole_prompts_and_chunks_mixed() {
     // queries (decode as prefill), chunks crossing block edges.
     let seqs = [(1, 1), (17, 17), (40, 9), (100, 1), (200, 64), (333, 70)];
     for dtype in [KvDtype::F32, KvDtype::F16] {
-        for (bs, group, hd) in [(16, 1, 64), (8, 4, 128), (32, 8, 80)] {
+        let shapes = [(16, 1, 64), (8, 4, 128), (32, 8, 80)];
+        for (bs, group, hd) in grid("prefill shapes", &shapes, &[1]) {
             check(
                 &format!("prefill bs{bs} g{group} hd{hd} {dtype:?}"),
                 case(bs, 2, group, hd, dtype, &seqs),

@@ -17,8 +17,7 @@
 //! Seeds are printed on failure; `BLOCKS_PROP_SEED=<seed>` reruns one run
 //! (with `BLOCKS_PROP_CACHE=1` for the prefix-caching variant).
 
-#[path = "common/block_ops.rs"]
-mod block_ops;
+use crate::block_ops;
 
 use std::panic::{catch_unwind, resume_unwind};
 

@@ -2,7 +2,7 @@
 //! inputs (seed printed), shuffled physical blocks, output poisoned (NaN)
 //! before each run. Tolerance: relative L2 < 1e-5 for f32 KV, < 2e-3 for f16.
 
-mod common;
+use crate::common;
 
 use common::*;
 use pagedattn::gpu::{
@@ -56,7 +56,7 @@ fn run(gpu: &Gpu, seed: u64, c: &Case, kernel: Kernel) -> f64 {
         c.block_size as usize,
         c.head_dim as usize,
     );
-    host.write(&view.slot_mapping, &k, &v, c.dtype);
+    host.write(&view.slot_mapping, &k, &v, stored(c.dtype));
 
     let num_heads = c.num_kv_heads * c.group;
     let attn = PagedAttention::with_kernel(gpu, &cache, num_heads, kernel).unwrap();
@@ -155,7 +155,7 @@ fn case(
 
 #[test]
 fn edge_lengths_f32() {
-    for bs in [8, 16, 32] {
+    for bs in grid("edge lengths", &[8, 16, 32], &[0]) {
         let lens = [
             1,
             bs as usize - 1,
@@ -172,7 +172,8 @@ fn edge_lengths_f32() {
 
 #[test]
 fn gqa_ratios_and_head_dims() {
-    for (group, hd) in [(1, 64), (4, 80), (8, 96), (4, 128), (1, 256), (8, 256)] {
+    let shapes = [(1, 64), (4, 80), (8, 96), (4, 128), (1, 256), (8, 256)];
+    for (group, hd) in grid("gqa and head_dim", &shapes, &[1, 5]) {
         check(
             &format!("group {group} head_dim {hd}"),
             case(16, 2, group, hd, KvDtype::F32, &[17, 40, 1, 99]),
@@ -211,7 +212,8 @@ fn split_k_partitions() {
     // inside blocks (bs 128), one partition, many partitions, and sequences
     // of very different lengths in one batch.
     let lens = [1, 63, 64, 65, 700, 3001];
-    for (bs, pt) in [(16, 64), (128, 64), (16, 512), (32, 4096)] {
+    let splits = [(16, 64), (128, 64), (16, 512), (32, 4096)];
+    for (bs, pt) in grid("split-K", &splits, &[0, 1]) {
         for dtype in [KvDtype::F32, KvDtype::F16] {
             let c = with(case(bs, 2, 4, 64, dtype, &lens), |o| {
                 o.split = Split::Tokens(pt)
@@ -329,7 +331,7 @@ fn f16_storage_error_against_exact_inputs() {
     let (k, v) = (rng.signed_vec(n), rng.signed_vec(n));
     cache.write_kv(&gpu, 0, &k, &v, &view.slot_mapping).unwrap();
     let mut exact = HostPool::new(nb as usize, kvh as usize, bs as usize, hd as usize);
-    exact.write(&view.slot_mapping, &k, &v, KvDtype::F32);
+    exact.write(&view.slot_mapping, &k, &v, Stored::Exact);
     let attn = PagedAttention::new(&gpu, &cache, heads).unwrap();
     let q = rng.signed_vec(lens.len() * (heads * hd) as usize);
     let out = attn
@@ -380,7 +382,7 @@ fn write_kv_scatters_to_slots() {
         let (k, v) = (rng.signed_vec(n), rng.signed_vec(n));
         cache.write_kv(&gpu, 1, &k, &v, &view.slot_mapping).unwrap();
         let mut host = HostPool::new(nb as usize, kvh as usize, bs as usize, hd as usize);
-        host.write(&view.slot_mapping, &k, &v, dtype);
+        host.write(&view.slot_mapping, &k, &v, stored(dtype));
         let (gk, gv) = cache.read_layer(&gpu, 1).unwrap();
         // Only the written slots are defined; compare those.
         for &slot in &view.slot_mapping {

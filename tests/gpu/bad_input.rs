@@ -6,7 +6,7 @@
 //! Rows without a GPU run everywhere; GPU rows use `common::gpu()` (skipped
 //! without an adapter unless `PAGEDATTN_REQUIRE_GPU=1`). See GUARANTEES.md.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 
@@ -352,7 +352,7 @@ fn filled(gpu: &Gpu, rng: &mut SplitMix64) -> Filled {
         rng.signed_vec(slots.len() * row),
     );
     let mut host = HostPool::new(nb as usize, KVH as usize, bs as usize, HD as usize);
-    host.write(&slots, &k, &v, KvDtype::F32);
+    host.write(&slots, &k, &v, stored(KvDtype::F32));
     for layer in 0..2 {
         kv.write_kv(gpu, layer, &k, &v, &slots).unwrap();
     }
@@ -914,7 +914,7 @@ fn gpu_nan_and_inf_inputs() {
                 v[7] = val;
             }
             f.kv.write_kv(&gpu, layer, &k, &v, &[slot]).unwrap();
-            host.write(&[slot], &k, &v, KvDtype::F32);
+            host.write(&[slot], &k, &v, stored(KvDtype::F32));
         }
         let got = f
             .attn
@@ -1111,7 +1111,7 @@ fn gpu_empty_batches() {
 fn gpu_inputs_over_the_device_limits() {
     let Some(default_gpu) = gpu() else { return };
     drop(default_gpu);
-    let (backends, _) = pagedattn::gpu::backends_from_env().unwrap();
+    let backends = common::backends().unwrap();
     let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
     desc.backends = backends;
     let inst = wgpu::Instance::new(desc);

@@ -4,7 +4,7 @@
 //! refused. (Decode after a swap round trip is checked against the f64
 //! reference by the demo test, `cli/tests/demo.rs`.)
 
-mod common;
+use crate::common;
 
 use common::{gpu, seed};
 use pagedattn::gpu::{GpuError, KvCache, KvCacheConfig, KvDtype};

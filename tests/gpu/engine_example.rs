@@ -4,8 +4,7 @@
 //! hit the prefix cache. Skips without an adapter unless
 //! `PAGEDATTN_REQUIRE_GPU=1`.
 
-#[path = "../examples/engine.rs"]
-mod engine;
+use crate::engine;
 
 #[test]
 fn engine_example_serves_and_matches_the_f64_model() {

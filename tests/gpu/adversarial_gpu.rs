@@ -6,7 +6,7 @@
 //! seed per test (`PAGEDATTN_SEED` overrides; failures print it); outputs
 //! are poisoned (NaN) by the library before each run; f32 tolerance 1e-5.
 
-mod common;
+use crate::common;
 
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
@@ -51,7 +51,7 @@ fn rig(gpu: &Gpu, rng: &mut SplitMix64, lens: &[usize], kvh: u32, group: u32, hd
     let v = rng.signed_vec(ntok * row);
     cache.write_kv(gpu, 0, &k, &v, &view.slot_mapping).unwrap();
     let mut host = HostPool::new(nb as usize, kvh as usize, bs as usize, hd as usize);
-    host.write(&view.slot_mapping, &k, &v, KvDtype::F32);
+    host.write(&view.slot_mapping, &k, &v, stored(KvDtype::F32));
     let attn = PagedAttention::new(gpu, &cache, kvh * group).unwrap();
     Rig {
         cache,
@@ -773,7 +773,7 @@ fn hand_edited_tables_are_refused_not_overflowed() {
 fn small_devices_get_typed_refusals() {
     let inst = wgpu::Instance::new({
         let mut d = wgpu::InstanceDescriptor::new_without_display_handle();
-        d.backends = pagedattn::gpu::backends_from_env().unwrap().0;
+        d.backends = common::backends().unwrap();
         d
     });
     let Ok(adapter) = pollster::block_on(inst.request_adapter(&Default::default())) else {

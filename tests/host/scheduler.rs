@@ -7,8 +7,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-#[path = "common/scheduler_ops.rs"]
-mod scheduler_ops;
+use crate::scheduler_ops;
 
 use pagedattn::blocks::{
     BlockError, BlockManager, BlockManagerConfig, Child, GroupOutput, Preemption, RequestId,

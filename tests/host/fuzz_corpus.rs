@@ -9,8 +9,7 @@
 //! `BLOCK_OPS_INPUT=<file>` replays one file (with the failing call's
 //! history printed on failure).
 
-#[path = "common/block_ops.rs"]
-mod block_ops;
+use crate::block_ops;
 
 use std::path::{Path, PathBuf};
 

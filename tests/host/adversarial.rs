@@ -5,7 +5,7 @@
 //! parts use a fixed seed per test (`PAGEDATTN_SEED` overrides; failures
 //! print it).
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::time::Instant;
