@@ -463,14 +463,10 @@ impl PagedAttention {
     /// built: both within [`PORTABLE_WORKGROUP_BYTES`](super::PORTABLE_WORKGROUP_BYTES)
     /// (WebGPU's default) on every shape.
     pub fn workgroup_bytes(&self) -> (u32, u32) {
-        let decode = match self.kernel {
-            Kernel::Tiled => shader::attention_workgroup_bytes(&self.decode_shape),
-            Kernel::Lanes => shader::lanes_workgroup_bytes(&self.decode_shape),
-            _ => 0,
-        };
+        let decode = super::kernels::decode(self.kernel).workgroup_bytes(&self.decode_shape);
         (
             decode,
-            shader::attention_workgroup_bytes(&self.prefill_shape),
+            super::kernels::tiled::workgroup_bytes(&self.prefill_shape),
         )
     }
 
@@ -575,7 +571,7 @@ impl PagedAttention {
             .limits
             .max_compute_workgroup_storage_size
             .min(kernel::PORTABLE_WORKGROUP_BYTES);
-        let qtile = shader::prefill_qtile(&tiled, have);
+        let qtile = super::kernels::tiled::prefill_qtile(&tiled, have);
         Ok(Self {
             cache_cfg: *c,
             num_heads,
@@ -662,9 +658,9 @@ impl PagedAttention {
         per_wg: u32,
     ) -> Result<(u32, u32, u32), GpuError> {
         let units = self.num_kv_heads * self.decode_shape.head_tiles();
-        match self.kernel {
-            Kernel::Tiled | Kernel::Lanes => Ok((n, units, parts)),
-            _ => {
+        match super::kernels::decode(self.kernel).flat_grid() {
+            false => Ok((n, units, parts)),
+            true => {
                 let total = n as u64 * units as u64 * parts as u64;
                 if total > u32::MAX as u64 / 2 {
                     return Err(GpuError::InvalidArgument(format!(

@@ -7,9 +7,16 @@ mod cascade;
 mod context;
 mod error;
 mod kernel;
+mod kernels;
 mod kv_cache;
+/// The uniform structs the shaders read (the shader tests check their
+/// layout against `shaders/common.wgsl`): not API.
+#[doc(hidden)]
 pub mod params;
 mod plan;
+/// WGSL composition (`shader::source`), for the shader tests, the bench
+/// and `examples/shaders.rs`: not API an engine should rely on.
+#[doc(hidden)]
 pub mod shader;
 mod swap;
 mod tune;

@@ -25,6 +25,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use super::attention::{pack_into, PackedMeta};
 use super::cascade::{find_segments, Cascade};
 use super::kernel::{self, Kernel};
+use super::kernels::SegmentFamily;
 use super::kv_cache::{bind_ranges, dispatch, grid_1d, pipeline};
 use super::shader::{self, ShaderShape};
 use super::{
@@ -261,12 +262,25 @@ enum Kind {
     Prefill,
 }
 
+/// The passes of one attention run, each with its own bind group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Pass {
+    /// Decode or prefill (split or not).
+    Main,
+    /// The cascade's segment pass.
+    Segments,
+    /// The split-K merge.
+    Reduce,
+}
+
 #[derive(Clone, PartialEq, Eq, Hash)]
 struct GroupKey {
     /// The cache whose layer buffers the group binds.
     cache: u64,
     layer: u32,
     variant: usize,
+    /// Which of the step's passes binds it.
+    pass: Pass,
     act: ActDtype,
     /// Bind groups belong to one pipeline's layout.
     prefill: bool,
@@ -623,13 +637,12 @@ impl PagedAttention {
         // its multi-query (prefill) shape. Auto may take the cascade on the
         // serial kernel (SERIAL_CASCADE_AUTO) and, where CASCADE_AUTO
         // allows, on the rows kernel: skip the search otherwise.
-        let seg_queries = kernel::serial_cascade_queries(&self.decode_shape);
-        let seg = match self.kernel {
-            Kernel::Serial => SegPass::Serial,
-            Kernel::Lanes => {
-                kernel::rows_shape(gpu, &self.decode_shape).map_or(SegPass::Tiled, SegPass::Rows)
-            }
-            _ => SegPass::Tiled,
+        let seg_queries = super::kernels::serial::cascade_queries(&self.decode_shape);
+        let seg = match super::kernels::decode(self.kernel).segment_family() {
+            SegmentFamily::Serial => SegPass::Serial,
+            SegmentFamily::Rows => super::kernels::rows::shape(gpu, &self.decode_shape)
+                .map_or(SegPass::Tiled, SegPass::Rows),
+            SegmentFamily::Tiled => SegPass::Tiled,
         };
         let seg_serial = seg == SegPass::Serial;
         // Queries per tile of the segment pass.
@@ -652,7 +665,7 @@ impl PagedAttention {
                 SegPass::Serial => kernel::pass_cap(gpu, self.kernel, &self.decode_shape)
                     .unwrap_or(u32::MAX)
                     .min(SERIAL_CASCADE_CHUNK_TOKENS),
-                SegPass::Rows(rs) => kernel::rows_pass_cap(gpu, &rs)
+                SegPass::Rows(rs) => super::kernels::rows::pass_cap(gpu, &rs)
                     .unwrap_or(u32::MAX)
                     .min(self.cascade_chunk),
                 SegPass::Tiled => kernel::pass_cap(gpu, Kernel::Tiled, &self.prefill_shape)
@@ -981,6 +994,7 @@ impl PagedAttention {
             cache: cache.id,
             layer,
             variant,
+            pass: Pass::Main,
             act: plan.act,
             prefill: kind == Kind::Prefill,
             split: pt != 0,
@@ -1055,7 +1069,7 @@ impl PagedAttention {
         // their slots (after the suffix pass, which wrote empty partials there).
         if let (Kind::Decode, Some(c)) = (kind, &plan.cascade) {
             let ckey = GroupKey {
-                variant: usize::MAX / 2 - variant,
+                pass: Pass::Segments,
                 prefill: true,
                 ..key.clone()
             };
@@ -1088,7 +1102,7 @@ impl PagedAttention {
         }
         // The reduce's group: same key, another variant slot.
         let rkey = GroupKey {
-            variant: usize::MAX - variant,
+            pass: Pass::Reduce,
             ..key
         };
         if !plan.groups.contains_key(&rkey) {
