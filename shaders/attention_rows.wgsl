@@ -28,7 +28,7 @@
 // outside its own query's sliding window. Table entries outside the pool
 // are skipped; a row with no readable token writes sum 0.
 //
-// Generated (src/gpu/shader.rs, rows_consts): ROWS, TG, WGS = ROWS x LPR x
+// Generated (src/gpu/kernels/rows.rs, consts): ROWS, TG, WGS = ROWS x LPR x
 // TG, and lane_sum (the subgroup sum of a row's lanes).
 
 const LOG2E: f32 = 1.4426950408889634;

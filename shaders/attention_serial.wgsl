@@ -6,7 +6,7 @@
 // One invocation serves one (sequence, KV head, head tile, partition): it
 // holds the HT query rows of its head tile in private memory and walks the
 // partition's tokens one by one. Per token, the generated ser_token
-// (src/gpu/shader.rs, unrolled over rows and vec4s) scores the K row for
+// (src/gpu/kernels/serial.rs, unrolled over rows and vec4s) scores the K row for
 // every row, updates each row's running max (rescaling that row's
 // accumulator only when the max grows) and adds the weighted V row.
 // Invocations never talk to each other. Scores are in log2 units (exp2).
@@ -22,7 +22,7 @@
 // readable token writes zeros (or sum 0).
 
 // WGS (invocations per workgroup) is generated: 64 for decode, fewer for a
-// cascade segment pass (src/gpu/shader.rs: serial_workgroup_size).
+// cascade segment pass (src/gpu/kernels/serial.rs: workgroup_size).
 const LOG2E: f32 = 1.4426950408889634;
 const LN2: f32 = 0.6931471805599453;
 

@@ -41,6 +41,19 @@ pub enum GpuError {
     /// An argument of the wrong size or value.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// An engine's buffer binding the kernels cannot use (see
+    /// [`BindingError`]); nothing was recorded.
+    #[error("{which}: {problem}")]
+    Binding {
+        /// The binding (`q`, `out`, `k`, `v`, or `bindings` for a whole
+        /// bind group).
+        which: &'static str,
+        /// What is wrong with it.
+        problem: BindingError,
+    },
+    /// A pool call refused its arguments (see [`PoolError`]).
+    #[error("{0}")]
+    Pool(PoolError),
     /// A plan handed to a call it was not made for (see [`PlanMismatch`]).
     #[error("{0}")]
     Plan(PlanMismatch),
@@ -105,4 +118,233 @@ pub enum PlanMismatch {
         /// The cache's write step now.
         current: u64,
     },
+}
+
+/// Why a pool call ([`KvCache`](super::KvCache) and its configuration:
+/// the shape, writes, copies, swaps and quantization parameters) refused
+/// its arguments, with the numbers. Nothing was changed.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PoolError {
+    /// `block_size` is not a power of two in 1..=256.
+    #[error("block_size {0} is not a power of two in 1..=256")]
+    BlockSize(u32),
+    /// A zero in the shape.
+    #[error(
+        "num_layers {layers}, num_blocks {blocks} and num_kv_heads {kv_heads} must all be positive"
+    )]
+    EmptyShape {
+        /// Layers asked for.
+        layers: u32,
+        /// Blocks asked for.
+        blocks: u32,
+        /// KV heads asked for.
+        kv_heads: u32,
+    },
+    /// More layers than [`MAX_LAYERS`](super::MAX_LAYERS).
+    #[error("num_layers {layers} is over the limit of {limit}")]
+    TooManyLayers {
+        /// Layers asked for.
+        layers: u32,
+        /// The limit.
+        limit: u32,
+    },
+    /// A layer index past the cache's layers.
+    #[error("layer {layer} out of range (cache has {layers})")]
+    Layer {
+        /// The index given.
+        layer: u32,
+        /// Layers in the cache.
+        layers: u32,
+    },
+    /// K or V rows of the wrong length for the slots given.
+    #[error("write_kv: {slots} slots need K and V of {need} floats each, got {k} and {v}")]
+    KvLength {
+        /// Slots given.
+        slots: u64,
+        /// Floats each of K and V must hold.
+        need: u128,
+        /// Floats of K given.
+        k: u64,
+        /// Floats of V given.
+        v: u64,
+    },
+    /// More work in one call than one dispatch can index.
+    #[error("{count} {what} in one call is too many (at most {limit})")]
+    TooMany {
+        /// What was counted.
+        what: &'static str,
+        /// How many were given.
+        count: u64,
+        /// The most one call takes.
+        limit: u64,
+    },
+    /// A slot outside the pool (and not `SKIP_WRITE`).
+    #[error("slot {slot} outside the pool of {slots} slots")]
+    SlotOutsidePool {
+        /// The slot given.
+        slot: u32,
+        /// Slots in the pool.
+        slots: u64,
+    },
+    /// A slot written twice in one call (the GPU writes tokens in parallel).
+    #[error("slot {slot} is written twice in one write_kv (the GPU writes tokens in parallel)")]
+    SlotTwice {
+        /// The slot.
+        slot: u32,
+    },
+    /// A copy naming a block outside the pool.
+    #[error("copy {pair:?} names a block outside the pool of {blocks}")]
+    CopyOutsidePool {
+        /// The (source, destination) pair.
+        pair: [u32; 2],
+        /// Blocks in the pool.
+        blocks: u32,
+    },
+    /// A call this pool's KV dtype does not take.
+    #[error("{call} on a {dtype} pool ({takes} pools only)")]
+    WrongDtype {
+        /// The call.
+        call: &'static str,
+        /// The pool's dtype.
+        dtype: &'static str,
+        /// The dtypes the call takes.
+        takes: &'static str,
+    },
+    /// A list of the wrong length for the pool's shape.
+    #[error("{len} {what} for {shape} = {expected}")]
+    Count {
+        /// What the list holds.
+        what: &'static str,
+        /// Entries given.
+        len: u64,
+        /// Entries the shape needs.
+        expected: u64,
+        /// The shape, in words ("4 KV heads x head_dim 128").
+        shape: String,
+    },
+    /// A value outside what its list accepts.
+    #[error("{what} {index} is {value:e}: {rule}")]
+    Value {
+        /// What the value is ("K smoothing factor", "K scale of KV head").
+        what: &'static str,
+        /// Its index in its list.
+        index: u32,
+        /// The value given.
+        value: f32,
+        /// What is accepted.
+        rule: &'static str,
+    },
+    /// An outlier channel at or past head_dim.
+    #[error("outlier channel {channel} of KV head {head} is not below head_dim {head_dim}")]
+    OutlierChannel {
+        /// The channel.
+        channel: u32,
+        /// Its KV head.
+        head: u32,
+        /// The head's width.
+        head_dim: u32,
+    },
+    /// An outlier channel named twice for one head.
+    #[error("outlier channel {channel} of KV head {head} is named twice")]
+    OutlierTwice {
+        /// The channel.
+        channel: u32,
+        /// Its KV head.
+        head: u32,
+    },
+    /// A swap space over [`MAX_SWAP_BYTES`](super::MAX_SWAP_BYTES) or this
+    /// platform's memory.
+    #[error("swap space of {blocks} blocks of {block_bytes} bytes is over the {limit}-byte limit")]
+    SwapTooLarge {
+        /// Blocks asked for.
+        blocks: u32,
+        /// Bytes per block, K and V of every layer.
+        block_bytes: u64,
+        /// The limit.
+        limit: u64,
+    },
+    /// A swap space made for a pool of another shape.
+    #[error("the swap space was made for a pool of another shape")]
+    SwapShape,
+    /// A swap pair naming a block outside the pool or the swap space.
+    #[error(
+        "swap pair {pair:?} names a block outside the pool of {pool} or the swap space of {space}"
+    )]
+    SwapOutside {
+        /// The pair.
+        pair: [u32; 2],
+        /// Blocks in the pool.
+        pool: u32,
+        /// Blocks in the swap space.
+        space: u32,
+    },
+    /// Two swap pairs writing one block.
+    #[error("swap pair {pair:?} writes a block another pair writes")]
+    SwapTwice {
+        /// The second pair.
+        pair: [u32; 2],
+    },
+}
+
+impl From<PoolError> for GpuError {
+    fn from(e: PoolError) -> Self {
+        GpuError::Pool(e)
+    }
+}
+
+/// What is wrong with an engine's buffer binding.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum BindingError {
+    /// The buffer was made without `STORAGE` usage.
+    #[error("buffer has usage {usage}, without STORAGE")]
+    NotStorage {
+        /// Its usages, as wgpu prints them.
+        usage: String,
+    },
+    /// The offset is not a multiple of the device's alignment.
+    #[error("offset {offset} is not a multiple of the device's min_storage_buffer_offset_alignment ({align})")]
+    Misaligned {
+        /// The offset given.
+        offset: u64,
+        /// `min_storage_buffer_offset_alignment`.
+        align: u64,
+    },
+    /// The range runs past the buffer's end.
+    #[error("range at offset {offset} of {size} bytes runs past the buffer's {buffer} bytes")]
+    PastEnd {
+        /// The offset given.
+        offset: u64,
+        /// The bytes bound.
+        size: u64,
+        /// The buffer's size.
+        buffer: u64,
+    },
+    /// Fewer bytes bound than the batch reads or writes.
+    #[error("{bound} bytes bound, the batch needs {needed}")]
+    TooSmall {
+        /// The bytes bound.
+        bound: u64,
+        /// The bytes needed.
+        needed: u64,
+    },
+    /// More bytes bound than one storage binding may address.
+    #[error("{bound} bytes bound, over the device's storage binding limit of {limit}")]
+    OverLimit {
+        /// The bytes bound.
+        bound: u64,
+        /// The device's limit.
+        limit: u64,
+    },
+    /// `q` and `out` are ranges of one buffer: a dispatch may not read and
+    /// write the same buffer (WebGPU's usage rule).
+    #[error("q and out are ranges of one buffer: a dispatch may not read and write the same buffer (WebGPU's usage rule), so out must live in another buffer")]
+    SameBuffer,
+    /// wgpu refused the bind group (a buffer from another device?).
+    #[error("wgpu refused the bindings (a buffer from another device?): {0}")]
+    Refused(String),
+    /// wgpu could not resolve a buffer (one from another instance or device).
+    #[error("wgpu could not resolve a buffer: one from another instance or device")]
+    Unresolved,
 }

@@ -3,7 +3,7 @@
 //! (apply a copy-on-write list).
 
 use super::shader::{self, ShaderShape};
-use super::{params, Gpu, GpuError};
+use super::{params, Gpu, GpuError, PoolError};
 
 /// Element type of the pool.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -410,27 +410,45 @@ impl KvCacheConfig {
     /// Checks fp8 scales for [`KvCache::set_fp8_scales`], with no GPU: one
     /// per KV head for K and V, each in [`FP8_SCALE_RANGE`].
     pub fn check_fp8_scales(&self, k_scales: &[f32], v_scales: &[f32]) -> Result<(), GpuError> {
-        let bad = |m: String| Err(GpuError::InvalidArgument(m));
         let h = self.num_kv_heads as usize;
-        for (what, s) in [("K", k_scales), ("V", v_scales)] {
+        for (what, s) in [("K scales", k_scales), ("V scales", v_scales)] {
             if s.len() != h {
-                return bad(format!("{} {what} scales for {h} KV heads", s.len()));
+                return Err(PoolError::Count {
+                    what,
+                    len: s.len() as u64,
+                    expected: h as u64,
+                    shape: format!("{h} KV heads"),
+                }
+                .into());
             }
+            let what = if what == "K scales" {
+                "K scale of KV head"
+            } else {
+                "V scale of KV head"
+            };
             let [lo, hi] = FP8_SCALE_RANGE;
             if let Some((i, x)) = s
                 .iter()
                 .enumerate()
                 .find(|(_, x)| !(x.is_finite() && **x > 0.0))
             {
-                return bad(format!(
-                    "{what} scale of KV head {i} is {x}: fp8 scales must be finite and positive"
-                ));
+                return Err(PoolError::Value {
+                    what,
+                    index: i as u32,
+                    value: *x,
+                    rule: "fp8 scales must be finite and positive",
+                }
+                .into());
             }
             if let Some((i, x)) = s.iter().enumerate().find(|(_, x)| !(lo..=hi).contains(*x)) {
-                return bad(format!(
-                    "{what} scale of KV head {i} is {x:e}: fp8 scales must lie in 2^-100..=2^91 \
-                     (FP8_SCALE_RANGE), where every stored value stays finite"
-                ));
+                return Err(PoolError::Value {
+                    what,
+                    index: i as u32,
+                    value: *x,
+                    rule: "fp8 scales must lie in 2^-100..=2^91 (FP8_SCALE_RANGE), where every \
+                           stored value stays finite",
+                }
+                .into());
             }
         }
         Ok(())
@@ -439,24 +457,31 @@ impl KvCacheConfig {
     /// Checks K smoothing factors for [`KvCache::set_k_smoothing`], with no
     /// GPU: one per (KV head, channel), each in [`K_SMOOTHING_RANGE`].
     pub fn check_k_smoothing(&self, factors: &[f32]) -> Result<(), GpuError> {
-        let bad = |m: String| Err(GpuError::InvalidArgument(m));
         let n = (self.num_kv_heads * self.head_dim) as usize;
         if factors.len() != n {
-            return bad(format!(
-                "{} K smoothing factors for {} KV heads x head_dim {} = {n}",
-                factors.len(),
-                self.num_kv_heads,
-                self.head_dim
-            ));
+            return Err(PoolError::Count {
+                what: "K smoothing factors",
+                len: factors.len() as u64,
+                expected: n as u64,
+                shape: format!(
+                    "{} KV heads x head_dim {}",
+                    self.num_kv_heads, self.head_dim
+                ),
+            }
+            .into());
         }
         if let Some((i, x)) = factors
             .iter()
             .enumerate()
             .find(|(_, x)| !(x.is_finite() && **x > 0.0))
         {
-            return bad(format!(
-                "K smoothing factor {i} is {x}: factors must be finite and positive"
-            ));
+            return Err(PoolError::Value {
+                what: "K smoothing factor",
+                index: i as u32,
+                value: *x,
+                rule: "factors must be finite and positive",
+            }
+            .into());
         }
         let [lo, hi] = K_SMOOTHING_RANGE;
         if let Some((i, x)) = factors
@@ -464,10 +489,14 @@ impl KvCacheConfig {
             .enumerate()
             .find(|(_, x)| !(lo..=hi).contains(*x))
         {
-            return bad(format!(
-                "K smoothing factor {i} is {x:e}: factors must lie in 2^-32..=2^32 \
-                 (K_SMOOTHING_RANGE), so that the query they scale stays finite"
-            ));
+            return Err(PoolError::Value {
+                what: "K smoothing factor",
+                index: i as u32,
+                value: *x,
+                rule: "factors must lie in 2^-32..=2^32 (K_SMOOTHING_RANGE), so that the query \
+                       they scale stays finite",
+            }
+            .into());
         }
         Ok(())
     }
@@ -476,14 +505,15 @@ impl KvCacheConfig {
     /// with no GPU: [`K_OUTLIERS`] per KV head, each below head_dim or
     /// [`K_OUTLIER_UNUSED`], distinct within a head.
     pub fn check_k_outlier_channels(&self, channels: &[u32]) -> Result<(), GpuError> {
-        let bad = |m: String| Err(GpuError::InvalidArgument(m));
         let n = (self.num_kv_heads * K_OUTLIERS) as usize;
         if channels.len() != n {
-            return bad(format!(
-                "{} outlier channels for {} KV heads x {K_OUTLIERS} = {n}",
-                channels.len(),
-                self.num_kv_heads
-            ));
+            return Err(PoolError::Count {
+                what: "outlier channels",
+                len: channels.len() as u64,
+                expected: n as u64,
+                shape: format!("{} KV heads x {K_OUTLIERS}", self.num_kv_heads),
+            }
+            .into());
         }
         for (h, head) in channels.chunks(K_OUTLIERS as usize).enumerate() {
             for (j, &c) in head.iter().enumerate() {
@@ -491,13 +521,19 @@ impl KvCacheConfig {
                     continue;
                 }
                 if c >= self.head_dim {
-                    return bad(format!(
-                        "outlier channel {c} of KV head {h} is not below head_dim {}",
-                        self.head_dim
-                    ));
+                    return Err(PoolError::OutlierChannel {
+                        channel: c,
+                        head: h as u32,
+                        head_dim: self.head_dim,
+                    }
+                    .into());
                 }
                 if head[..j].contains(&c) {
-                    return bad(format!("outlier channel {c} of KV head {h} is named twice"));
+                    return Err(PoolError::OutlierTwice {
+                        channel: c,
+                        head: h as u32,
+                    }
+                    .into());
                 }
             }
         }
@@ -506,12 +542,8 @@ impl KvCacheConfig {
 
     /// Checks the shape on its own (no adapter limits).
     pub fn validate(&self) -> Result<(), GpuError> {
-        let bad = |m: String| Err(GpuError::InvalidArgument(m));
         if !(1..=256).contains(&self.block_size) || !self.block_size.is_power_of_two() {
-            return bad(format!(
-                "block_size {} is not a power of two in 1..=256",
-                self.block_size
-            ));
+            return Err(PoolError::BlockSize(self.block_size).into());
         }
         if self.head_dim == 0 || !self.head_dim.is_multiple_of(4) || self.head_dim > 256 {
             return Err(GpuError::Unsupported(format!(
@@ -520,16 +552,19 @@ impl KvCacheConfig {
             )));
         }
         if self.num_kv_heads == 0 || self.num_layers == 0 || self.num_blocks == 0 {
-            return bad(format!(
-                "num_layers {}, num_blocks {} and num_kv_heads {} must all be positive",
-                self.num_layers, self.num_blocks, self.num_kv_heads
-            ));
+            return Err(PoolError::EmptyShape {
+                layers: self.num_layers,
+                blocks: self.num_blocks,
+                kv_heads: self.num_kv_heads,
+            }
+            .into());
         }
         if self.num_layers > MAX_LAYERS {
-            return bad(format!(
-                "num_layers {} is over the limit of {MAX_LAYERS}",
-                self.num_layers
-            ));
+            return Err(PoolError::TooManyLayers {
+                layers: self.num_layers,
+                limit: MAX_LAYERS,
+            }
+            .into());
         }
         if self.num_kv_heads > MAX_KV_HEADS {
             return Err(GpuError::Unsupported(format!(
@@ -784,12 +819,12 @@ impl KvCache {
 
     /// K and V buffers of `layer`.
     pub fn layer(&self, layer: u32) -> Result<&[wgpu::Buffer; 2], GpuError> {
-        self.layers.get(layer as usize).ok_or_else(|| {
-            GpuError::InvalidArgument(format!(
-                "layer {layer} out of range (cache has {})",
-                self.cfg.num_layers
-            ))
-        })
+        self.layers
+            .get(layer as usize)
+            .ok_or(GpuError::Pool(PoolError::Layer {
+                layer,
+                layers: self.cfg.num_layers,
+            }))
     }
 
     /// Records `write_kv` for `num_tokens` tokens: `k_new`/`v_new` hold
@@ -816,9 +851,12 @@ impl KvCache {
         }
         let threads = num_tokens as u64 * self.cfg.write_threads_per_token();
         if threads > u32::MAX as u64 {
-            return Err(GpuError::InvalidArgument(format!(
-                "{num_tokens} tokens in one write_kv is too many"
-            )));
+            return Err(PoolError::TooMany {
+                what: "write_kv threads",
+                count: threads,
+                limit: u32::MAX as u64,
+            }
+            .into());
         }
         let p = params::WriteKvParams {
             num_tokens,
@@ -850,17 +888,21 @@ impl KvCache {
         let n = slots.len();
         let want = n.checked_mul(row);
         if want != Some(k.len()) || want != Some(v.len()) {
-            return Err(GpuError::InvalidArgument(format!(
-                "write_kv: {n} slots need K and V of {} floats each, got {} and {}",
-                n as u128 * row as u128,
-                k.len(),
-                v.len()
-            )));
+            return Err(PoolError::KvLength {
+                slots: n as u64,
+                need: n as u128 * row as u128,
+                k: k.len() as u64,
+                v: v.len() as u64,
+            }
+            .into());
         }
         if n > u32::MAX as usize {
-            return Err(GpuError::InvalidArgument(format!(
-                "{n} tokens in one write_kv is too many"
-            )));
+            return Err(PoolError::TooMany {
+                what: "write_kv tokens",
+                count: n as u64,
+                limit: u32::MAX as u64,
+            }
+            .into());
         }
         let cap = self.cfg.num_blocks as u64 * self.cfg.block_size as u64;
         // SKIP_WRITE (u32::MAX): a token whose K/V is in the pool already
@@ -869,14 +911,14 @@ impl KvCache {
             .iter()
             .find(|&&s| s as u64 >= cap && s != crate::blocks::SKIP_WRITE)
         {
-            return Err(GpuError::InvalidArgument(format!(
-                "slot {s} outside the pool of {cap} slots"
-            )));
+            return Err(PoolError::SlotOutsidePool {
+                slot: s,
+                slots: cap,
+            }
+            .into());
         }
         if let Some(s) = super::plan::duplicate_slot(slots, &mut Vec::new()) {
-            return Err(GpuError::InvalidArgument(format!(
-                "slot {s} is written twice in one write_kv (the GPU writes tokens in parallel)"
-            )));
+            return Err(PoolError::SlotTwice { slot: s }.into());
         }
         if n == 0 {
             return Ok(());
@@ -907,12 +949,13 @@ impl KvCache {
     ) -> Result<(), GpuError> {
         let _serial = gpu.serial();
         gpu.alive()?;
-        let bad = |m: String| Err(GpuError::InvalidArgument(m));
         if self.cfg.dtype != KvDtype::Fp8E4M3 {
-            return bad(format!(
-                "set_fp8_scales on a {} pool (fp8 pools only)",
-                self.cfg.dtype.name()
-            ));
+            return Err(PoolError::WrongDtype {
+                call: "set_fp8_scales",
+                dtype: self.cfg.dtype.name(),
+                takes: "fp8",
+            }
+            .into());
         }
         let [k, _] = self.layer(layer)?;
         self.cfg.check_fp8_scales(k_scales, v_scales)?;
@@ -938,12 +981,13 @@ impl KvCache {
     pub fn set_k_smoothing(&self, gpu: &Gpu, layer: u32, factors: &[f32]) -> Result<(), GpuError> {
         let _serial = gpu.serial();
         gpu.alive()?;
-        let bad = |m: String| Err(GpuError::InvalidArgument(m));
         if self.cfg.dtype != KvDtype::Int8 {
-            return bad(format!(
-                "set_k_smoothing on a {} pool (int8 pools only)",
-                self.cfg.dtype.name()
-            ));
+            return Err(PoolError::WrongDtype {
+                call: "set_k_smoothing",
+                dtype: self.cfg.dtype.name(),
+                takes: "int8",
+            }
+            .into());
         }
         let [k, _] = self.layer(layer)?;
         self.cfg.check_k_smoothing(factors)?;
@@ -1018,12 +1062,13 @@ impl KvCache {
     ) -> Result<(), GpuError> {
         let _serial = gpu.serial();
         gpu.alive()?;
-        let bad = |m: String| Err(GpuError::InvalidArgument(m));
         if !self.cfg.dtype.quantized() {
-            return bad(format!(
-                "set_k_outlier_channels on a {} pool (int8 and fp8 pools only)",
-                self.cfg.dtype.name()
-            ));
+            return Err(PoolError::WrongDtype {
+                call: "set_k_outlier_channels",
+                dtype: self.cfg.dtype.name(),
+                takes: "int8 and fp8",
+            }
+            .into());
         }
         let [k, _] = self.layer(layer)?;
         self.cfg.check_k_outlier_channels(channels)?;
@@ -1078,9 +1123,12 @@ impl KvCache {
         };
         let threads = num_copies as u64 * self.cfg.copy_threads_per_block();
         if threads > u32::MAX as u64 {
-            return Err(GpuError::InvalidArgument(format!(
-                "{num_copies} copies in one call is too many"
-            )));
+            return Err(PoolError::TooMany {
+                what: "copy_blocks threads",
+                count: threads,
+                limit: u32::MAX as u64,
+            }
+            .into());
         }
         let ub = gpu.uniform("copy_blocks params", &p)?;
         let (x, y) = grid_1d(threads);
@@ -1099,10 +1147,11 @@ impl KvCache {
             .iter()
             .find(|c| c[0] >= self.cfg.num_blocks || c[1] >= self.cfg.num_blocks)
         {
-            return Err(GpuError::InvalidArgument(format!(
-                "copy {:?} names a block outside the pool of {}",
-                c, self.cfg.num_blocks
-            )));
+            return Err(PoolError::CopyOutsidePool {
+                pair: *c,
+                blocks: self.cfg.num_blocks,
+            }
+            .into());
         }
         if copies.is_empty() {
             return Ok(());

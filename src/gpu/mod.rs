@@ -29,7 +29,7 @@ pub use cascade::{
     find_segments, Cascade, CascadeTables, CASCADE_MIN_SAVED_BYTES, SERIAL_CASCADE_MIN_SAVED_BYTES,
 };
 pub use context::{adapter_backends, parse_backends, Counters, Gpu};
-pub use error::{GpuError, PlanMismatch};
+pub use error::{BindingError, GpuError, PlanMismatch, PoolError};
 pub use kernel::{Kernel, PORTABLE_WORKGROUP_BYTES};
 /// Kernel plumbing for the benchmark in the CLI crate (`stream_read`): not
 /// part of the API an engine should rely on.

@@ -24,6 +24,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::attention::{pack_into, PackedMeta};
 use super::cascade::{find_segments, Cascade};
+use super::error::BindingError;
 use super::kernel::{self, Kernel};
 use super::kernels::SegmentFamily;
 use super::kv_cache::{bind_ranges, dispatch, grid_1d, pipeline};
@@ -130,13 +131,15 @@ fn bind_checked(
         }));
         match made {
             Ok(Ok(bg)) => Ok(bg),
-            Ok(Err(GpuError::Validation(m))) => Err(GpuError::InvalidArgument(format!(
-                "wgpu refused the bindings (a buffer from another device?): {m}"
-            ))),
+            Ok(Err(GpuError::Validation(m))) => Err(GpuError::Binding {
+                which: "bindings",
+                problem: BindingError::Refused(m),
+            }),
             Ok(Err(e)) => Err(e),
-            Err(_) => Err(GpuError::InvalidArgument(
-                "wgpu could not resolve a buffer: one from another instance or device".into(),
-            )),
+            Err(_) => Err(GpuError::Binding {
+                which: "bindings",
+                problem: BindingError::Unresolved,
+            }),
         }
     }
     #[cfg(target_arch = "wasm32")]
@@ -158,45 +161,47 @@ fn binding_bytes(b: &wgpu::BufferBinding) -> u64 {
 /// `need` bytes.
 fn check_binding(
     gpu: &Gpu,
-    what: &str,
+    what: &'static str,
     b: &wgpu::BufferBinding,
     need: u64,
 ) -> Result<(), GpuError> {
-    let bad = |m: String| Err(GpuError::InvalidArgument(format!("{what}: {m}")));
+    let bad = |problem| {
+        Err(GpuError::Binding {
+            which: what,
+            problem,
+        })
+    };
     if !b.buffer.usage().contains(wgpu::BufferUsages::STORAGE) {
-        return bad(format!(
-            "buffer has usage {:?}, without STORAGE",
-            b.buffer.usage()
-        ));
+        return bad(BindingError::NotStorage {
+            usage: format!("{:?}", b.buffer.usage()),
+        });
     }
     let align = gpu.limits.min_storage_buffer_offset_alignment as u64;
-    if b.offset % align != 0 {
-        return bad(format!(
-            "offset {} is not a multiple of the device's min_storage_buffer_offset_alignment ({align})",
-            b.offset
-        ));
+    if !b.offset.is_multiple_of(align) {
+        return bad(BindingError::Misaligned {
+            offset: b.offset,
+            align,
+        });
     }
     let end = b.offset.checked_add(binding_bytes(b));
     if end.is_none_or(|e| e > b.buffer.size()) || b.offset > b.buffer.size() {
-        return bad(format!(
-            "range at offset {} of {} bytes runs past the buffer's {} bytes",
-            b.offset,
-            binding_bytes(b),
-            b.buffer.size()
-        ));
+        return bad(BindingError::PastEnd {
+            offset: b.offset,
+            size: binding_bytes(b),
+            buffer: b.buffer.size(),
+        });
     }
     if binding_bytes(b) < need {
-        return bad(format!(
-            "{} bytes bound, the batch needs {need}",
-            binding_bytes(b)
-        ));
+        return bad(BindingError::TooSmall {
+            bound: binding_bytes(b),
+            needed: need,
+        });
     }
     if binding_bytes(b) > gpu.max_binding_bytes() {
-        return bad(format!(
-            "{} bytes bound, over the device's storage binding limit of {}",
-            binding_bytes(b),
-            gpu.max_binding_bytes()
-        ));
+        return bad(BindingError::OverLimit {
+            bound: binding_bytes(b),
+            limit: gpu.max_binding_bytes(),
+        });
     }
     Ok(())
 }
@@ -978,11 +983,10 @@ impl PagedAttention {
         check_binding(gpu, "q", q, q_need)?;
         check_binding(gpu, "out", out, nq * row)?;
         if q.buffer == out.buffer {
-            return bad(
-                "q and out are ranges of one buffer: a dispatch may not read and write the same \
-                 buffer (WebGPU's usage rule), so out must live in another buffer"
-                    .into(),
-            );
+            return Err(GpuError::Binding {
+                which: "q and out",
+                problem: BindingError::SameBuffer,
+            });
         }
         plan.bound = Some((cache.id, epoch));
         if nq == 0 {

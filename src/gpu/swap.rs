@@ -8,7 +8,7 @@
 //! smoothing, outlier channels) stays in the pool.
 
 use super::kv_cache::{KvCache, KvCacheConfig};
-use super::{Gpu, GpuError};
+use super::{Gpu, GpuError, PoolError};
 
 /// Most host memory one [`SwapSpace`] takes: 16 GiB.
 pub const MAX_SWAP_BYTES: u64 = 16 << 30;
@@ -90,16 +90,15 @@ impl KvCache {
             .checked_mul(2 * cfg.num_layers as u64)
             .and_then(|b| b.checked_mul(blocks as u64))
             .filter(|&b| b <= MAX_SWAP_BYTES)
-            .ok_or_else(|| {
-                GpuError::InvalidArgument(format!(
-                    "swap space of {blocks} blocks of {} bytes is over the {MAX_SWAP_BYTES}-byte limit",
-                    cfg.buffer_block_bytes(true) * 2 * cfg.num_layers as u64
-                ))
-            })?;
-        let len = usize::try_from(bytes / 4).map_err(|_| {
-            GpuError::InvalidArgument(format!(
-                "swap space of {bytes} bytes does not fit this platform's memory"
-            ))
+            .ok_or(GpuError::Pool(PoolError::SwapTooLarge {
+                blocks,
+                block_bytes: cfg.buffer_block_bytes(true) * 2 * cfg.num_layers as u64,
+                limit: MAX_SWAP_BYTES,
+            }))?;
+        let len = usize::try_from(bytes / 4).map_err(|_| PoolError::SwapTooLarge {
+            blocks,
+            block_bytes: cfg.buffer_block_bytes(true) * 2 * cfg.num_layers as u64,
+            limit: (usize::MAX as u64).saturating_mul(4),
         })?;
         Ok(SwapSpace {
             cfg,
@@ -116,9 +115,7 @@ impl KvCache {
         pool_at: usize,
     ) -> Result<(), GpuError> {
         if space.cfg != *self.config() {
-            return Err(GpuError::InvalidArgument(
-                "the swap space was made for a pool of another shape".into(),
-            ));
+            return Err(PoolError::SwapShape.into());
         }
         let nb = self.config().num_blocks;
         let mut seen_pool = std::collections::HashSet::new();
@@ -126,10 +123,12 @@ impl KvCache {
         for p in pairs {
             let (b, h) = (p[pool_at], p[1 - pool_at]);
             if b >= nb || h >= space.blocks {
-                return Err(GpuError::InvalidArgument(format!(
-                    "swap pair {p:?} names a block outside the pool of {nb} or the swap space of {}",
-                    space.blocks
-                )));
+                return Err(PoolError::SwapOutside {
+                    pair: *p,
+                    pool: nb,
+                    space: space.blocks,
+                }
+                .into());
             }
             // A block may be read twice (a block two groups share goes to
             // two host blocks), never written twice.
@@ -139,9 +138,7 @@ impl KvCache {
                 seen_pool.insert(b)
             };
             if !fresh {
-                return Err(GpuError::InvalidArgument(format!(
-                    "swap pair {p:?} writes a block another pair writes"
-                )));
+                return Err(PoolError::SwapTwice { pair: *p }.into());
             }
         }
         Ok(())

@@ -578,6 +578,7 @@ fn cache_shapes_that_overflow_are_refused() {
         match KvCache::new(&gpu, cfg) {
             Err(
                 e @ (GpuError::InvalidArgument(_)
+                | GpuError::Pool(_)
                 | GpuError::Unsupported(_)
                 | GpuError::CacheTooLarge { .. }),
             ) => {

@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 use common::*;
 use pagedattn::blocks::{BatchView, BlockError, BlockManager, BlockManagerConfig, SeqId, RELEASED};
 use pagedattn::gpu::{
-    AttnOptions, BatchTables, Gpu, GpuError, KvCache, KvCacheConfig, KvDtype, PagedAttention, Split,
+    AttnOptions, BatchTables, BindingError, Gpu, GpuError, KvCache, KvCacheConfig, KvDtype,
+    PagedAttention, PoolError, Split,
 };
 use pagedattn::reference::{self, rel_l2, AttnParams};
 use pagedattn::rng::SplitMix64;
@@ -215,7 +216,10 @@ fn block_size_not_a_power_of_two() {
             dtype: KvDtype::F32,
         };
         match kv.validate() {
-            Err(GpuError::InvalidArgument(m)) => assert!(m.contains("power of two"), "{m}"),
+            Err(e @ GpuError::Pool(PoolError::BlockSize(b))) => {
+                assert_eq!(b, bs);
+                assert!(e.to_string().contains("power of two"), "{e}")
+            }
             other => panic!("block size {bs}: {other:?}"),
         }
     }
@@ -254,7 +258,10 @@ fn pool_size_out_of_range() {
         };
         f(&mut c);
         assert!(
-            matches!(c.validate(), Err(GpuError::InvalidArgument(_))),
+            matches!(
+                c.validate(),
+                Err(GpuError::Pool(PoolError::EmptyShape { .. }))
+            ),
             "{c:?}"
         );
     };
@@ -374,13 +381,14 @@ fn snapshot(gpu: &Gpu, kv: &KvCache) -> Vec<(Vec<f32>, Vec<f32>)> {
 #[track_caller]
 fn invalid<T: std::fmt::Debug>(r: Result<T, GpuError>, needle: &str) {
     match r {
-        Err(GpuError::InvalidArgument(m)) => {
+        Err(e @ (GpuError::InvalidArgument(_) | GpuError::Pool(_))) => {
+            let m = e.to_string();
             assert!(
                 m.contains(needle),
                 "message {m:?} does not mention {needle:?}"
             )
         }
-        other => panic!("expected InvalidArgument mentioning {needle:?}, got {other:?}"),
+        other => panic!("expected an argument error mentioning {needle:?}, got {other:?}"),
     }
 }
 
@@ -1266,6 +1274,10 @@ fn over_limit<T>(r: &Result<T, GpuError>) -> bool {
         Err(GpuError::InvalidArgument(m)) => {
             m.contains("max_buffer_size") || m.contains("storage binding limit")
         }
+        Err(GpuError::Binding {
+            problem: BindingError::OverLimit { .. },
+            ..
+        }) => true,
         _ => false,
     }
 }

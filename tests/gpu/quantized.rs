@@ -449,7 +449,9 @@ fn calibration_values_are_bounded() {
     let int8 = KvCache::new(&gpu, base).unwrap();
     for bad in [3.4e38f32, 1e-20, 0.0, -1.0, f32::NAN, f32::INFINITY, 1e-45] {
         match int8.set_k_smoothing(&gpu, 0, &[bad; 64]) {
-            Err(GpuError::InvalidArgument(m)) => assert!(m.contains("K smoothing factor 0"), "{m}"),
+            Err(e @ GpuError::Pool(_)) => {
+                assert!(e.to_string().contains("K smoothing factor 0"), "{e}")
+            }
             other => panic!("smoothing {bad}: {other:?}"),
         }
     }
@@ -464,7 +466,7 @@ fn calibration_values_are_bounded() {
         let mut ch = vec![K_OUTLIER_UNUSED; n];
         ch[1] = bad;
         match int8.set_k_outlier_channels(&gpu, 0, &ch) {
-            Err(GpuError::InvalidArgument(m)) => assert!(m.contains("below head_dim"), "{m}"),
+            Err(e @ GpuError::Pool(_)) => assert!(e.to_string().contains("below head_dim"), "{e}"),
             other => panic!("channel {bad}: {other:?}"),
         }
     }
@@ -478,7 +480,7 @@ fn calibration_values_are_bounded() {
     .unwrap();
     for bad in [1e-45f32, 3.4e38, 1e-31, 1e28] {
         match fp8.set_fp8_scales(&gpu, 0, &[bad], &[1.0]) {
-            Err(GpuError::InvalidArgument(m)) => assert!(m.contains("fp8 scales must"), "{m}"),
+            Err(e @ GpuError::Pool(_)) => assert!(e.to_string().contains("fp8 scales must"), "{e}"),
             other => panic!("fp8 scale {bad}: {other:?}"),
         }
     }
@@ -558,16 +560,18 @@ fn bad_fp8_scales_are_refused() {
         .unwrap();
     for bad in [0.0, -1.0, f32::NAN, f32::INFINITY] {
         match cache.set_fp8_scales(&gpu, 0, &[1.0, bad], &[1.0, 1.0]) {
-            Err(GpuError::InvalidArgument(m)) => assert!(m.contains("finite and positive"), "{m}"),
+            Err(e @ GpuError::Pool(_)) => {
+                assert!(e.to_string().contains("finite and positive"), "{e}")
+            }
             other => panic!("scale {bad}: {other:?}"),
         }
     }
     match cache.set_fp8_scales(&gpu, 0, &[1.0], &[1.0, 1.0]) {
-        Err(GpuError::InvalidArgument(m)) => assert!(m.contains("KV heads"), "{m}"),
+        Err(e @ GpuError::Pool(_)) => assert!(e.to_string().contains("KV heads"), "{e}"),
         other => panic!("{other:?}"),
     }
     match cache.set_fp8_scales(&gpu, 1, &[1.0, 1.0], &[1.0, 1.0]) {
-        Err(GpuError::InvalidArgument(m)) => assert!(m.contains("layer"), "{m}"),
+        Err(e @ GpuError::Pool(_)) => assert!(e.to_string().contains("layer"), "{e}"),
         other => panic!("{other:?}"),
     }
     // The scales are still 2: a written 2.0 reads back as 2.0 (1.0 x 2).
@@ -583,7 +587,7 @@ fn bad_fp8_scales_are_refused() {
     )
     .unwrap();
     match f16.set_fp8_scales(&gpu, 0, &[1.0, 1.0], &[1.0, 1.0]) {
-        Err(GpuError::InvalidArgument(m)) => assert!(m.contains("fp8 pools only"), "{m}"),
+        Err(e @ GpuError::Pool(_)) => assert!(e.to_string().contains("fp8 pools only"), "{e}"),
         other => panic!("{other:?}"),
     }
 }
@@ -658,12 +662,14 @@ fn k_smoothing_round_trips_and_refuses_bad_factors() {
         let mut f = vec![1.0; n];
         f[3] = bad;
         match r.cache.set_k_smoothing(&gpu, 0, &f) {
-            Err(GpuError::InvalidArgument(m)) => assert!(m.contains("finite and positive"), "{m}"),
+            Err(e @ GpuError::Pool(_)) => {
+                assert!(e.to_string().contains("finite and positive"), "{e}")
+            }
             other => panic!("{other:?}"),
         }
     }
     match r.cache.set_k_smoothing(&gpu, 0, &[1.0; 3]) {
-        Err(GpuError::InvalidArgument(m)) => assert!(m.contains("smoothing factors"), "{m}"),
+        Err(e @ GpuError::Pool(_)) => assert!(e.to_string().contains("smoothing factors"), "{e}"),
         other => panic!("{other:?}"),
     }
 }
@@ -695,12 +701,12 @@ fn outlier_channels_round_trip_and_refuse_bad_lists() {
             (&[3, 7, m, m, 0, 15, 0, m][..], "named twice"),
         ] {
             match cache.set_k_outlier_channels(&gpu, 0, bad) {
-                Err(GpuError::InvalidArgument(msg)) => assert!(msg.contains(why), "{msg}"),
+                Err(e @ GpuError::Pool(_)) => assert!(e.to_string().contains(why), "{e}"),
                 other => panic!("{bad:?}: {other:?}"),
             }
         }
         match cache.set_k_outlier_channels(&gpu, 1, &good) {
-            Err(GpuError::InvalidArgument(msg)) => assert!(msg.contains("layer"), "{msg}"),
+            Err(e @ GpuError::Pool(_)) => assert!(e.to_string().contains("layer"), "{e}"),
             other => panic!("{other:?}"),
         }
         // Eight rows of head-dim 16 per head; the outlier channels x20.
@@ -763,7 +769,9 @@ fn outlier_channels_round_trip_and_refuse_bad_lists() {
     )
     .unwrap();
     match f16.set_k_outlier_channels(&gpu, 0, &[0, 1, 2, 3]) {
-        Err(GpuError::InvalidArgument(m)) => assert!(m.contains("int8 and fp8 pools only"), "{m}"),
+        Err(e @ GpuError::Pool(_)) => {
+            assert!(e.to_string().contains("int8 and fp8 pools only"), "{e}")
+        }
         other => panic!("{other:?}"),
     }
 }

@@ -88,7 +88,7 @@ fn swap_round_trip_is_byte_identical() {
         // host block written twice.
         for bad in [vec![[12u32, 0]], vec![[0, 6]], vec![[1, 0], [2, 0]]] {
             match cache.swap_out(&gpu, &bad, &mut space) {
-                Err(GpuError::InvalidArgument(_)) => {}
+                Err(GpuError::Pool(_)) => {}
                 r => panic!("{bad:?}: {r:?}"),
             }
         }
@@ -102,7 +102,7 @@ fn swap_round_trip_is_byte_identical() {
         .unwrap();
         assert!(matches!(
             other.swap_in(&gpu, &[[0, 0]], &space),
-            Err(GpuError::InvalidArgument(_))
+            Err(GpuError::Pool(_))
         ));
     }
 }
