@@ -149,7 +149,7 @@ fn reference_out(c: &Case, inp: &Inputs) -> Vec<f64> {
         &inp.writes[0].0,
         &inp.writes[0].1,
         &inp.writes[0].2,
-        stored(c.dtype),
+        Stored::from(c.dtype),
     );
     for &[src, dst] in &inp.copies {
         host.copy(src, dst);
@@ -158,7 +158,7 @@ fn reference_out(c: &Case, inp: &Inputs) -> Vec<f64> {
         &inp.writes[1].0,
         &inp.writes[1].1,
         &inp.writes[1].2,
-        stored(c.dtype),
+        Stored::from(c.dtype),
     );
     let mut p = AttnParams::new(inp.num_heads as usize, cfg.head_dim as usize);
     if let Some(s) = c.opts.scale {

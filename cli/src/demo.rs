@@ -513,16 +513,19 @@ impl Demo {
                     &auto,
                 )?;
                 rep.auto_cascade = self.plain_plan.cascade().is_some();
-                let off = [AttnOptions {
-                    cascade: pagedattn::gpu::Cascade::Off,
-                    ..Default::default()
-                }];
-                self.attn.plan_decode(
-                    gpu,
-                    &mut self.plain_plan,
-                    &DecodeTables::from_view(view),
-                    &off,
-                )?;
+                // Where Auto stays plain, its plan is the plain one to time.
+                if rep.auto_cascade {
+                    let off = [AttnOptions {
+                        cascade: pagedattn::gpu::Cascade::Off,
+                        ..Default::default()
+                    }];
+                    self.attn.plan_decode(
+                        gpu,
+                        &mut self.plain_plan,
+                        &DecodeTables::from_view(view),
+                        &off,
+                    )?;
+                }
             }
         }
         let t0 = now_ms();
@@ -556,7 +559,7 @@ impl Demo {
             host.copy_blocks(&view.copies);
             // SKIP_WRITE (a cached prompt's last token) is outside the pool:
             // not written, as the kernel skips it.
-            host.write(&view.slot_mapping, &k, &v, stored(dtype));
+            host.write(&view.slot_mapping, &k, &v, Stored::from(dtype));
             if step.rows().is_empty() {
                 continue;
             }
@@ -705,15 +708,6 @@ impl Demo {
         rep.logical_tokens = st.logical_tokens as u32;
         self.step = self.step.saturating_add(1);
         Ok(rep)
-    }
-}
-
-/// How the mirror stores a value of a `d` pool: f16 rounded; quantized
-/// pools' exact values (the tolerance bounds the quantization error).
-fn stored(d: KvDtype) -> Stored {
-    match d {
-        KvDtype::F16 => Stored::F16,
-        _ => Stored::Exact,
     }
 }
 

@@ -101,17 +101,8 @@ fn kv_of(layer: u32, token: u32, pos: usize, row: usize) -> (Vec<f32>, Vec<f32>)
     (r.signed_vec(row), r.signed_vec(row))
 }
 
-/// How the mirror stores a value of a `d` pool (the quantized pools'
-/// exact values: the tolerance bounds their rounding).
-fn stored(d: KvDtype) -> Stored {
-    match d {
-        KvDtype::F16 => Stored::F16,
-        _ => Stored::Exact,
-    }
-}
-
 fn round(x: f32, d: KvDtype) -> f32 {
-    stored(d).round(x)
+    Stored::from(d).round(x)
 }
 
 /// Resident set of this process, MiB.
@@ -334,7 +325,7 @@ impl<'a> Soak<'a> {
                 .unwrap();
             let host = &mut self.mirror[layer as usize];
             host.copy_blocks(&view.copies);
-            host.write(&view.slot_mapping, &k, &v, stored(dtype));
+            host.write(&view.slot_mapping, &k, &v, Stored::from(dtype));
             if step.rows().is_empty() {
                 continue;
             }

@@ -32,6 +32,19 @@ pub enum KvDtype {
     Fp8E4M3,
 }
 
+/// How a host mirror ([`HostPool`](crate::reference::HostPool)) stores a
+/// value written to a pool of this dtype: f16 rounded, as the packed pool
+/// holds it; the quantized pools' exact inputs (their rounding is what
+/// their tolerances bound).
+impl From<KvDtype> for crate::reference::Stored {
+    fn from(d: KvDtype) -> Self {
+        match d {
+            KvDtype::F16 => crate::reference::Stored::F16,
+            KvDtype::F32 | KvDtype::Int8 | KvDtype::Fp8E4M3 => crate::reference::Stored::Exact,
+        }
+    }
+}
+
 impl KvDtype {
     /// Bytes per element (scales not included).
     pub fn bytes(self) -> u64 {

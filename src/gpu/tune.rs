@@ -355,7 +355,8 @@ mod tests {
         // The same adapter with 4 KiB of workgroup memory: `lanes` cannot
         // run head_dim 256 there, `serial` (no workgroup memory) can.
         let inst = wgpu::Instance::new(wgpu::InstanceDescriptor::new_without_display_handle());
-        let adapter = pollster::block_on(inst.request_adapter(&Default::default())).ok()?;
+        let adapter = pollster::block_on(inst.request_adapter(&Default::default()))
+            .expect("an adapter: Gpu::new just found one");
         let limits = wgpu::Limits {
             max_compute_workgroup_storage_size: 4096,
             ..adapter.limits()

@@ -2,7 +2,7 @@
 #![allow(dead_code)]
 
 use pagedattn::blocks::{BatchView, BlockManager, BlockManagerConfig, SeqId};
-use pagedattn::gpu::{Gpu, KvDtype};
+use pagedattn::gpu::Gpu;
 use pagedattn::rng::SplitMix64;
 
 /// The default adapter, or `None` (skip) when there is none and
@@ -91,16 +91,6 @@ pub fn round_f16(x: f32) -> f32 {
 /// can use it too.
 #[allow(unused_imports)]
 pub use pagedattn::reference::{HostPool, Stored};
-
-/// How the mirror stores a value written to a pool of `dtype`: f16 rounded
-/// as the packed pool holds it; the quantized pools' exact inputs (their
-/// rounding is what the quantized suites bound).
-pub fn stored(dtype: KvDtype) -> Stored {
-    match dtype {
-        KvDtype::F16 => Stored::F16,
-        _ => Stored::Exact,
-    }
-}
 
 /// Sequences of the given lengths, added to a manager whose free list is
 /// scrambled, so physical blocks come in shuffled order.

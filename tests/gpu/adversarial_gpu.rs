@@ -51,7 +51,7 @@ fn rig(gpu: &Gpu, rng: &mut SplitMix64, lens: &[usize], kvh: u32, group: u32, hd
     let v = rng.signed_vec(ntok * row);
     cache.write_kv(gpu, 0, &k, &v, &view.slot_mapping).unwrap();
     let mut host = HostPool::new(nb as usize, kvh as usize, bs as usize, hd as usize);
-    host.write(&view.slot_mapping, &k, &v, stored(KvDtype::F32));
+    host.write(&view.slot_mapping, &k, &v, Stored::from(KvDtype::F32));
     let attn = PagedAttention::new(gpu, &cache, kvh * group).unwrap();
     Rig {
         cache,

@@ -359,7 +359,7 @@ fn filled(gpu: &Gpu, rng: &mut SplitMix64) -> Filled {
         rng.signed_vec(slots.len() * row),
     );
     let mut host = HostPool::new(nb as usize, KVH as usize, bs as usize, HD as usize);
-    host.write(&slots, &k, &v, stored(KvDtype::F32));
+    host.write(&slots, &k, &v, Stored::from(KvDtype::F32));
     for layer in 0..2 {
         kv.write_kv(gpu, layer, &k, &v, &slots).unwrap();
     }
@@ -922,7 +922,7 @@ fn gpu_nan_and_inf_inputs() {
                 v[7] = val;
             }
             f.kv.write_kv(&gpu, layer, &k, &v, &[slot]).unwrap();
-            host.write(&[slot], &k, &v, stored(KvDtype::F32));
+            host.write(&[slot], &k, &v, Stored::from(KvDtype::F32));
         }
         let got = f
             .attn

@@ -127,7 +127,7 @@ fn batch_shaped(
     let v = rng.signed_vec(slots.len() * row);
     cache.write_kv(gpu, 0, &k, &v, &slots).unwrap();
     let mut host = HostPool::new(nb as usize, kvh as usize, BS as usize, hd as usize);
-    host.write(&slots, &k, &v, stored(dtype));
+    host.write(&slots, &k, &v, Stored::from(dtype));
     Batch {
         cache,
         host,
@@ -323,7 +323,7 @@ fn the_planner_uses_the_cascade_when_it_pays() {
     );
     cache.write_kv(&gpu, 0, &k, &v, &slots).unwrap();
     let mut host = HostPool::new(72, KVH as usize, BS as usize, HD as usize);
-    host.write(&slots, &k, &v, stored(KvDtype::F32));
+    host.write(&slots, &k, &v, Stored::from(KvDtype::F32));
     let b = Batch {
         cache,
         host,

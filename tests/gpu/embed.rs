@@ -231,7 +231,12 @@ fn mirror_step(hosts: &mut [HostPool], st: &Step, view: &BatchView) {
         for c in &view.copies {
             h.copy(c[0], c[1]);
         }
-        h.write(&view.slot_mapping, &st.k[l], &st.v[l], stored(KvDtype::F32));
+        h.write(
+            &view.slot_mapping,
+            &st.k[l],
+            &st.v[l],
+            Stored::from(KvDtype::F32),
+        );
     }
 }
 
@@ -601,7 +606,7 @@ fn fused_qkv_rows_are_read_in_place() {
     let k: Vec<f32> = (0..ntok).flat_map(|t| col(t, qw, kw)).collect();
     let v: Vec<f32> = (0..ntok).flat_map(|t| col(t, qw + kw, kw)).collect();
     let mut host = HostPool::new(16, KVH as usize, BS as usize, HD as usize);
-    host.write(&view.slot_mapping, &k, &v, stored(KvDtype::F32));
+    host.write(&view.slot_mapping, &k, &v, Stored::from(KvDtype::F32));
     let want = reference::prefill(
         &host.view(),
         &AttnParams::new(HEADS as usize, HD as usize),
@@ -715,7 +720,12 @@ fn f16_activations_in_and_out() {
             cache
                 .plan_write(gpu, &mut wplan, &view.slot_mapping, &view.copies)
                 .unwrap();
-            host.write(&view.slot_mapping, &back(&k), &back(&v), stored(dtype));
+            host.write(
+                &view.slot_mapping,
+                &back(&k),
+                &back(&v),
+                Stored::from(dtype),
+            );
             let variants = [
                 AttnOptions {
                     split: pagedattn::gpu::Split::Never,
@@ -909,7 +919,7 @@ fn a_plan_runs_only_on_its_cache_and_step() {
         let (k, v) = (rng.signed_vec(20 * row), rng.signed_vec(20 * row));
         cache.write_kv(gpu, 0, &k, &v, &slots).unwrap();
         let mut host = HostPool::new(8, KVH as usize, BS as usize, HD as usize);
-        host.write(&slots, &k, &v, stored(KvDtype::F32));
+        host.write(&slots, &k, &v, Stored::from(KvDtype::F32));
         pools.push((cache, host));
     }
     let (a, b) = (&pools[0].0, &pools[1].0);
@@ -1016,7 +1026,7 @@ fn plan_run_soak_of_random_tables_bindings_and_caches() {
         );
         cache.write_kv(gpu, 0, &k, &v, &all).unwrap();
         let mut host = HostPool::new(nb as usize, KVH as usize, BS as usize, HD as usize);
-        host.write(&all, &k, &v, stored(KvDtype::F32));
+        host.write(&all, &k, &v, Stored::from(KvDtype::F32));
         let wplan = cache.plan();
         caches.push((cache, host, wplan));
     }

@@ -56,7 +56,7 @@ fn run(gpu: &Gpu, seed: u64, c: &Case, kernel: Kernel) -> f64 {
         c.block_size as usize,
         c.head_dim as usize,
     );
-    host.write(&view.slot_mapping, &k, &v, stored(c.dtype));
+    host.write(&view.slot_mapping, &k, &v, Stored::from(c.dtype));
 
     let num_heads = c.num_kv_heads * c.group;
     let attn = PagedAttention::with_kernel(gpu, &cache, num_heads, kernel).unwrap();
@@ -382,7 +382,7 @@ fn write_kv_scatters_to_slots() {
         let (k, v) = (rng.signed_vec(n), rng.signed_vec(n));
         cache.write_kv(&gpu, 1, &k, &v, &view.slot_mapping).unwrap();
         let mut host = HostPool::new(nb as usize, kvh as usize, bs as usize, hd as usize);
-        host.write(&view.slot_mapping, &k, &v, stored(dtype));
+        host.write(&view.slot_mapping, &k, &v, Stored::from(dtype));
         let (gk, gv) = cache.read_layer(&gpu, 1).unwrap();
         // Only the written slots are defined; compare those.
         for &slot in &view.slot_mapping {

@@ -120,7 +120,7 @@ fn copy_on_write_branches_match_from_scratch() {
                 .unwrap();
             let shared_run = &last_out[i * per..(i + 1) * per];
             let mut host = HostPool::new(8, KVH as usize, bs as usize, HD as usize);
-            host.write(&fv.slot_mapping, hk, hv, stored(dtype));
+            host.write(&fv.slot_mapping, hk, hv, Stored::from(dtype));
             let want = reference::decode(
                 &host.view(),
                 &AttnParams::new(HEADS as usize, HD as usize),
@@ -197,7 +197,7 @@ fn encoder_api_two_layers_one_submit() {
         )
         .unwrap();
         let mut host = HostPool::new(nb as usize, KVH as usize, bs as usize, HD as usize);
-        host.write(&view.slot_mapping, &k, &v, stored(KvDtype::F32));
+        host.write(&view.slot_mapping, &k, &v, Stored::from(KvDtype::F32));
         expect.push(reference::decode(
             &host.view(),
             &AttnParams::new(HEADS as usize, HD as usize),
@@ -237,7 +237,7 @@ fn corrupt_tables_are_skipped_not_read() {
     );
     kv.write_kv(&gpu, 0, &k, &v, &slots).unwrap();
     let mut host = HostPool::new(nb as usize, KVH as usize, bs as usize, HD as usize);
-    host.write(&slots, &k, &v, stored(KvDtype::F32));
+    host.write(&slots, &k, &v, Stored::from(KvDtype::F32));
     // seq 0: a block id past the pool in the middle and u32::MAX at the end;
     // seq 1: repeated block ids; seq 2: only bad ids (all masked -> zeros);
     // seq 3: its CSR range runs past the end of kv_indices.
@@ -320,7 +320,7 @@ fn sliding_window_after_releasing_old_blocks() {
         let (k, v) = (rng.signed_vec(n * row), rng.signed_vec(n * row));
         kv.write_kv(&gpu, 0, &k, &v, &view.slot_mapping).unwrap();
         let mut host = HostPool::new(nb as usize, KVH as usize, bs as usize, HD as usize);
-        host.write(&view.slot_mapping, &k, &v, stored(dtype));
+        host.write(&view.slot_mapping, &k, &v, Stored::from(dtype));
         let q = rng.signed_vec(lens.len() * (HEADS * HD) as usize);
         let opts = AttnOptions {
             sliding_window: Some(window),

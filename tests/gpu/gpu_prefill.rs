@@ -45,7 +45,7 @@ fn run(gpu: &Gpu, seed: u64, c: &Case) -> f64 {
         c.block_size as usize,
         c.head_dim as usize,
     );
-    host.write(&view.slot_mapping, &k, &v, stored(c.dtype));
+    host.write(&view.slot_mapping, &k, &v, Stored::from(c.dtype));
     let num_heads = c.num_kv_heads * c.group;
     let attn = PagedAttention::new(gpu, &cache, num_heads).unwrap();
     let mut qo = vec![0u32];

@@ -109,7 +109,7 @@ fn run_model(gpu: &Gpu, md: &Model, dtype: KvDtype, window: Option<u32>) {
         bs as usize,
         md.head_dim as usize,
     );
-    host.write(&view.slot_mapping, &k, &v, stored(dtype));
+    host.write(&view.slot_mapping, &k, &v, Stored::from(dtype));
     let opts = AttnOptions {
         sliding_window: window,
         soft_cap: md.soft_cap,

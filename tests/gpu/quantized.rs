@@ -116,7 +116,7 @@ fn rig(
     }
     cache.write_kv(gpu, 0, &k, &v, &view.slot_mapping).unwrap();
     let mut host = HostPool::new(nb as usize, kvh as usize, bs as usize, hd as usize);
-    host.write(&view.slot_mapping, &k, &v, stored(dtype));
+    host.write(&view.slot_mapping, &k, &v, Stored::from(dtype));
     Rig {
         cache,
         smoothing,
@@ -383,7 +383,12 @@ fn huge_rows_never_make_decode_non_finite() {
         let slots: Vec<u32> = (0..16).chain(32..48).collect();
         cache.write_kv(&gpu, 0, &k, &v, &slots).unwrap();
         let mut host = HostPool::new(4, kvh as usize, bs as usize, hd as usize);
-        host.write(&slots[16..], &k[16 * row..], &v[16 * row..], stored(dtype));
+        host.write(
+            &slots[16..],
+            &k[16 * row..],
+            &v[16 * row..],
+            Stored::from(dtype),
+        );
         for kernel in PagedAttention::eligible_kernels(&gpu, &cache, kvh * 4) {
             let attn = PagedAttention::with_kernel(&gpu, &cache, kvh * 4, kernel).unwrap();
             let q = rng.signed_vec(2 * (kvh * 4 * hd) as usize);

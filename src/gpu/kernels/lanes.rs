@@ -4,16 +4,13 @@
 //! subgroups, online softmax per slot merged once at the end, exp2. Its
 //! cascade runs on the rows pass (`rows`).
 
-use super::{DecodeKernel, Kernel, SegmentFamily};
+use super::{DecodeKernel, SegmentFamily};
 use crate::gpu::shader::{balanced_head_tile, ShaderShape};
 use crate::gpu::Gpu;
 
 pub(in crate::gpu) struct Lanes;
 
 impl DecodeKernel for Lanes {
-    fn kernel(&self) -> Kernel {
-        Kernel::Lanes
-    }
     fn shader(&self) -> &'static str {
         "attention_lanes"
     }

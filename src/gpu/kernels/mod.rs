@@ -7,7 +7,7 @@
 //! kernel through [`DecodeKernel`]; they do not match on names.
 //!
 //! Adding a decode kernel: its module here, its WGSL file, a `Kernel`
-//! variant, and one entry in [`DECODE`]. The cascade's GPU segment pass
+//! variant, and one arm in [`decode`]. The cascade's GPU segment pass
 //! (`attention_rows.wgsl`, not a decode kernel) is [`rows`].
 
 use super::shader::ShaderShape;
@@ -32,8 +32,6 @@ pub(super) enum SegmentFamily {
 
 /// What a decode kernel is. Every method is a fact of the kernel alone.
 pub(super) trait DecodeKernel: Sync {
-    /// Its variant.
-    fn kernel(&self) -> Kernel;
     /// Its WGSL file, `shaders/<shader>.wgsl`.
     fn shader(&self) -> &'static str;
     /// Its decode shape for `base` (head_dim, group, block size, dtype;
@@ -74,20 +72,23 @@ pub(super) trait DecodeKernel: Sync {
     }
 }
 
-/// Every decode kernel, in [`Kernel::ALL`]'s order: one entry per kernel.
-pub(super) const DECODE: [&dyn DecodeKernel; 3] = [&tiled::Tiled, &lanes::Lanes, &serial::Serial];
-
-/// The kernel behind `k`.
+/// The kernel behind `k`: the one registration line per kernel (the
+/// match is exhaustive, so a new `Kernel` variant does not compile without
+/// its module).
 pub(super) fn decode(k: Kernel) -> &'static dyn DecodeKernel {
-    DECODE
-        .into_iter()
-        .find(|d| d.kernel() == k)
-        .unwrap_or(DECODE[0])
+    match k {
+        Kernel::Tiled => &tiled::Tiled,
+        Kernel::Lanes => &lanes::Lanes,
+        Kernel::Serial => &serial::Serial,
+    }
 }
 
 /// The decode kernel whose WGSL file is `shader`, if any.
 pub(super) fn by_shader(shader: &str) -> Option<&'static dyn DecodeKernel> {
-    DECODE.into_iter().find(|d| d.shader() == shader)
+    Kernel::ALL
+        .into_iter()
+        .map(decode)
+        .find(|d| d.shader() == shader)
 }
 
 #[cfg(test)]
@@ -97,11 +98,11 @@ mod tests {
     /// The registry holds every variant once, each under its own file.
     #[test]
     fn every_kernel_is_registered_once() {
-        for k in Kernel::ALL {
-            assert_eq!(decode(k).kernel(), k);
-            assert_eq!(by_shader(decode(k).shader()).map(|d| d.kernel()), Some(k));
+        let shaders: Vec<&str> = Kernel::ALL.map(|k| decode(k).shader()).to_vec();
+        for (i, s) in shaders.iter().enumerate() {
+            assert!(!shaders[..i].contains(s), "{s} registered twice");
+            assert_eq!(by_shader(s).map(|d| d.shader()), Some(*s));
         }
-        assert_eq!(DECODE.len(), Kernel::ALL.len());
         assert!(
             by_shader("attention_rows").is_none(),
             "a segment pass, not a decode kernel"

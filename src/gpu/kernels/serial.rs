@@ -3,7 +3,7 @@
 //! barriers, no workgroup memory; its per-token code is generated here,
 //! unrolled over rows and vec4s. Its cascade mode holds query slots.
 
-use super::{DecodeKernel, Kernel, SegmentFamily};
+use super::{DecodeKernel, SegmentFamily};
 use crate::gpu::shader::{balanced_head_tile, ShaderShape};
 use crate::gpu::{Gpu, KvDtype};
 
@@ -37,9 +37,6 @@ pub(in crate::gpu) fn cascade_queries(s: &ShaderShape) -> u32 {
 pub(in crate::gpu) struct Serial;
 
 impl DecodeKernel for Serial {
-    fn kernel(&self) -> Kernel {
-        Kernel::Serial
-    }
     fn shader(&self) -> &'static str {
         "attention_serial"
     }

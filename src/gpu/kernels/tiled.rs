@@ -4,7 +4,7 @@
 //! prefill kernel (QTILE queries per workgroup) and the cascade's segment
 //! pass where no other fits.
 
-use super::{DecodeKernel, Kernel};
+use super::DecodeKernel;
 use crate::gpu::shader::{balanced_head_tile, ShaderShape};
 use crate::gpu::Gpu;
 
@@ -14,9 +14,6 @@ const TILED_MAX_ROWS: u32 = 16;
 pub(in crate::gpu) struct Tiled;
 
 impl DecodeKernel for Tiled {
-    fn kernel(&self) -> Kernel {
-        Kernel::Tiled
-    }
     fn shader(&self) -> &'static str {
         "attention"
     }
