@@ -2,8 +2,11 @@
 # CI's end-to-end test of the browser demo: installs Chromium and the test's
 # node dependencies if missing, builds the page (scripts/build-web.sh),
 # serves it on a free port of 127.0.0.1, runs web/test/e2e.mjs in headless
-# Chromium (WebGPU on SwiftShader), and stops the server. Exits non-zero on
-# any failure. Writes web/screenshot.png (or $PAGEDATTN_SCREENSHOT).
+# Chromium (WebGPU on SwiftShader), then web/test/model.mjs (the real model,
+# which needs scripts/fetch-model.sh first), and stops the server. Exits
+# non-zero on any failure. Writes web/screenshot.png and
+# web/screenshot-model.png (or $PAGEDATTN_SCREENSHOT and
+# $PAGEDATTN_MODEL_SCREENSHOT).
 #
 # The first run also installs the wasm-bindgen CLI (about 4 minutes); caching
 # ~/.cargo/bin/wasm-bindgen in CI skips that.
@@ -20,6 +23,12 @@ if [ ! -d web/test/node_modules/playwright-core ]; then
 fi
 
 scripts/build-web.sh
+# The real-model page loads the fetched model from the served folder.
+if [ ! -f models/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
+  echo "models/SmolLM2-135M-Instruct.Q4_1.gguf is missing: run scripts/fetch-model.sh first" >&2
+  exit 1
+fi
+ln -sfn ../models web/models
 
 port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 log=$(mktemp)
@@ -39,5 +48,8 @@ repeat=${PAGEDATTN_WEB_REPEAT:-1}
 for i in $(seq "$repeat"); do
   if [ "$repeat" -gt 1 ]; then echo "== browser test run $i of $repeat"; fi
   timeout 180 node web/test/e2e.mjs "http://127.0.0.1:$port/"
+  # The real model on WebGPU: greedy tokens against the reference fixture,
+  # then 4 beams with the page's block counts against the engine's.
+  timeout 660 node web/test/model.mjs "http://127.0.0.1:$port/"
 done
 if [ "$repeat" -gt 1 ]; then echo "browser test: $repeat runs in a row passed"; fi

@@ -453,6 +453,7 @@ fn pipeline(
 }
 
 /// A readback or poll failure, as the library reports its own.
+#[cfg(not(target_arch = "wasm32"))]
 fn device_err(e: impl std::fmt::Display) -> ModelError {
     ModelError::Gpu(pagedattn::gpu::GpuError::Device(e.to_string()))
 }
@@ -486,7 +487,19 @@ impl Model {
     /// Uploads the weights, makes the cache, the attention and every
     /// pipeline and bind group. Checks the shapes first: nothing is put on
     /// the device for a model this engine cannot run.
+    #[cfg(not(target_arch = "wasm32"))]
     pub fn new(
+        device: &wgpu::Device,
+        queue: &wgpu::Queue,
+        w: &HostWeights,
+        cfg: EngineConfig,
+    ) -> Result<Self, ModelError> {
+        pollster::block_on(Self::new_async(device, queue, w, cfg))
+    }
+
+    /// [`new`](Self::new) without blocking the thread: the path a browser
+    /// takes (its error scopes resolve on the event loop).
+    pub async fn new_async(
         device: &wgpu::Device,
         queue: &wgpu::Queue,
         w: &HostWeights,
@@ -639,10 +652,10 @@ impl Model {
             .into_iter()
             .chain(head_mat.map(|m| m.buf))
             .collect();
-        if let Some(e) = pollster::block_on(oom.pop()) {
-            return Err(ModelError::Gpu(e.into()));
-        }
-        if let Some(e) = pollster::block_on(scope.pop()) {
+        // Both popped (innermost first) before awaiting: no scope guard
+        // lives across an await.
+        let (oe, ve) = (oom.pop(), scope.pop());
+        if let Some(e) = oe.await.or(ve.await) {
             return Err(ModelError::Gpu(e.into()));
         }
         Ok(Self {
@@ -854,7 +867,14 @@ impl Model {
     }
 
     /// Runs one step; returns the logits of `logit_rows`, `[rows][vocab]`.
+    #[cfg(not(target_arch = "wasm32"))]
     pub fn forward(&mut self, s: &StepInput) -> Result<Vec<f32>, ModelError> {
+        pollster::block_on(self.forward_async(s))
+    }
+
+    /// [`forward`](Self::forward) without blocking the thread (the
+    /// browser's path: the readback resolves on the event loop).
+    pub async fn forward_async(&mut self, s: &StepInput<'_>) -> Result<Vec<f32>, ModelError> {
         self.check_step(s)?;
         let sh = self.shape;
         let (m, l) = (s.tokens.len(), s.logit_rows.len());
@@ -993,34 +1013,20 @@ impl Model {
             enc.copy_buffer_to_buffer(&self.logits, 0, &self.staging, 0, bytes);
         }
         q.submit([enc.finish()]);
-        if let Some(e) = pollster::block_on(scope.pop()) {
+        if let Some(e) = scope.pop().await {
             return Err(ModelError::Gpu(e.into()));
         }
         if l == 0 {
             // Wait for the step, so that a failure is this call's.
+            #[cfg(not(target_arch = "wasm32"))]
             gpu.device
                 .poll(wgpu::PollType::wait_indefinitely())
                 .map_err(device_err)?;
             return Ok(Vec::new());
         }
 
-        // 3. One readback.
-        let (tx, rx) = std::sync::mpsc::channel();
-        self.staging
-            .map_async(wgpu::MapMode::Read, 0..bytes, move |r| drop(tx.send(r)));
-        gpu.device
-            .poll(wgpu::PollType::wait_indefinitely())
-            .map_err(device_err)?;
-        rx.recv().map_err(device_err)?.map_err(device_err)?;
-        let out = {
-            let view = self
-                .staging
-                .get_mapped_range(0..bytes)
-                .map_err(device_err)?;
-            bytemuck::cast_slice::<u8, f32>(&view).to_vec()
-        };
-        self.staging.unmap();
-        Ok(out)
+        // 3. One readback, into the engine's own staging buffer.
+        Ok(gpu.map_read::<f32>(&self.staging, bytes).await?)
     }
 
     /// Fills every activation buffer and the logits with NaN (tests: a

@@ -18,10 +18,13 @@
 //! The `pagedattn` library itself stays model-agnostic: this crate uses
 //! only its public API.
 
+#[cfg(not(target_arch = "wasm32"))]
 pub mod bench;
+mod clock;
 pub mod config;
 pub mod engine;
 mod error;
+#[cfg(not(target_arch = "wasm32"))]
 pub mod generate;
 pub mod gguf;
 pub mod load;

@@ -7,8 +7,8 @@
 //! model over the step's rows (copy-on-write and the K/V writes inside its
 //! one encoder), then the sampled tokens back to the scheduler's commit.
 
+use crate::clock::Instant;
 use std::collections::HashMap;
-use std::time::Instant;
 
 use pagedattn::blocks::{
     BlockManagerConfig, Child, GroupOutput, Preemption, RequestId, Scheduler, SchedulerConfig,
@@ -173,6 +173,34 @@ pub struct Server {
     /// Measure the attention share on the first decode step of at least
     /// this many rows (then cleared).
     pub profile: Option<usize>,
+    /// The copy-on-write copies (source, destination block) of the last step.
+    pub last_copies: Vec<[u32; 2]>,
+}
+
+/// A running request as it stands: its live sequences (beams in the order
+/// the scheduler holds them, samples by branch) and those already ended.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Progress {
+    pub live: Vec<Generated>,
+    pub done: Vec<Generated>,
+}
+
+/// The best of three runs of a step, with or without its attention.
+/// Rerunning the step rewrites the same K/V into the same slots.
+async fn time_step(m: &mut Model, input: &StepInput<'_>, skip: bool) -> Result<f64, ModelError> {
+    m.skip_attention = skip;
+    let mut best = f64::INFINITY;
+    for _ in 0..3 {
+        let t = Instant::now();
+        let r = m.forward_async(input).await;
+        best = best.min(t.elapsed().as_secs_f64());
+        if let Err(e) = r {
+            m.skip_attention = false;
+            return Err(e);
+        }
+    }
+    m.skip_attention = false;
+    Ok(best)
 }
 
 fn blocks_for(tokens: usize, bs: usize) -> usize {
@@ -221,6 +249,7 @@ impl Server {
             reqs: HashMap::new(),
             stats: ServeStats::default(),
             profile: None,
+            last_copies: Vec::new(),
         })
     }
 
@@ -301,6 +330,16 @@ impl Server {
         Ok(id)
     }
 
+    /// What `request` has generated so far; `None` once it ended (its
+    /// [`Completion`] came out of a step) or for an unknown id.
+    pub fn progress(&self, request: RequestId) -> Option<Progress> {
+        let st = self.reqs.get(&request)?;
+        Some(Progress {
+            live: st.live.iter().map(|l| l.gen.clone()).collect(),
+            done: st.done.clone(),
+        })
+    }
+
     /// Whether any request is still queued, running or swapped.
     pub fn has_work(&self) -> bool {
         self.sched.has_work()
@@ -308,6 +347,7 @@ impl Server {
 
     /// Runs every request to its end; `on_token(request, sequence, token)`
     /// sees each token as it is chosen.
+    #[cfg(not(target_arch = "wasm32"))]
     pub fn run(
         &mut self,
         on_token: &mut dyn FnMut(RequestId, usize, u32),
@@ -320,12 +360,25 @@ impl Server {
     }
 
     /// One scheduler step; returns the requests that ended in it.
+    #[cfg(not(target_arch = "wasm32"))]
     pub fn step(
+        &mut self,
+        on_token: &mut dyn FnMut(RequestId, usize, u32),
+    ) -> Result<Vec<Completion>, ModelError> {
+        pollster::block_on(self.step_async(on_token))
+    }
+
+    /// [`step`](Self::step) without blocking the thread (the browser's
+    /// path). Swapping blocks natively only: a browser's server has no
+    /// swap space.
+    pub async fn step_async(
         &mut self,
         on_token: &mut dyn FnMut(RequestId, usize, u32),
     ) -> Result<Vec<Completion>, ModelError> {
         let t0 = Instant::now();
         let step = self.sched.schedule()?;
+        self.last_copies.clear();
+        self.last_copies.extend_from_slice(&step.view().copies);
         let mut ended = Vec::new();
         for &r in step.aborted() {
             self.reqs.remove(&r);
@@ -343,7 +396,10 @@ impl Server {
                 ModelError::Request("the scheduler swapped without swap space".into())
             })?;
             if !step.swap_out().is_empty() {
-                self.model.cache.swap_out(gpu, step.swap_out(), space)?;
+                self.model
+                    .cache
+                    .swap_out_async(gpu, step.swap_out(), space)
+                    .await?;
                 self.stats.swapped_out_blocks += step.swap_out().len();
             }
             if !step.swap_in().is_empty() {
@@ -369,12 +425,15 @@ impl Server {
             let started = self.reqs.get(&row.request).is_some_and(|s| s.started);
             prompt_work |= row.positions.len() > 1 || !started;
         }
-        let logits = self.model.forward(&StepInput {
-            view: step.view(),
-            tokens: step.tokens(),
-            positions: &positions,
-            logit_rows: &logit_rows,
-        })?;
+        let logits = self
+            .model
+            .forward_async(&StepInput {
+                view: step.view(),
+                tokens: step.tokens(),
+                positions: &positions,
+                logit_rows: &logit_rows,
+            })
+            .await?;
         let mut profile_secs = 0.0;
         if !prompt_work && self.profile.is_some_and(|r| step.rows().len() >= r) {
             self.profile = None;
@@ -385,21 +444,8 @@ impl Server {
                 positions: &positions,
                 logit_rows: &logit_rows,
             };
-            // Rerunning the step rewrites the same K/V into the same slots.
-            let time = |m: &mut Model, skip: bool| -> Result<f64, ModelError> {
-                m.skip_attention = skip;
-                let mut best = f64::INFINITY;
-                for _ in 0..3 {
-                    let t = Instant::now();
-                    let r = m.forward(&input);
-                    best = best.min(t.elapsed().as_secs_f64());
-                    r?;
-                }
-                m.skip_attention = false;
-                Ok(best)
-            };
-            let full = time(&mut self.model, false)?;
-            let without = time(&mut self.model, true)?;
+            let full = time_step(&mut self.model, &input, false).await?;
+            let without = time_step(&mut self.model, &input, true).await?;
             self.stats.attention_share = Some((1.0 - without / full).clamp(0.0, 1.0));
             self.stats.profiled_rows = step.rows().len();
             profile_secs = tp.elapsed().as_secs_f64();

@@ -167,10 +167,19 @@ fn parallel_samples_match_the_reference_and_share_the_prompt_blocks() {
                 for b in &first {
                     assert_eq!(server.sched.blocks().ref_count(*b), Some(s.n as u32));
                 }
+                // What the browser page shows of a running request: one
+                // live sequence per resident sample, each with its tokens.
+                let p = server.progress(id).expect("running");
+                assert_eq!(p.live.len() + p.done.len(), s.n);
+                assert!(p.live.iter().all(|g| !g.tokens.is_empty()));
                 checked = true;
             }
         }
         assert!(checked, "the samples were never resident together");
+        assert!(
+            server.progress(id).is_none(),
+            "an ended request has no progress"
+        );
         let st = server.sched.blocks().stats();
         assert_eq!(st.free + st.evictable, st.total, "no block leaked");
         slot.replace(server.into_model());

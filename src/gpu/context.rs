@@ -632,13 +632,21 @@ impl Gpu {
         )
     }
 
-    /// Maps a `MAP_READ` buffer once the queue's work is done and reads
-    /// `bytes` bytes of it as `T`s.
-    pub(crate) async fn map_read<T: bytemuck::Pod>(
+    /// Maps a `MAP_READ` buffer once the queue's work is done and reads its
+    /// first `bytes` bytes as `T`s, then unmaps it: an engine's own
+    /// staging buffer, read without blocking the thread (natively it waits
+    /// for the queue; in a browser the map resolves on the event loop).
+    pub async fn map_read<T: bytemuck::Pod>(
         &self,
         staging: &wgpu::Buffer,
         bytes: u64,
     ) -> Result<Vec<T>, GpuError> {
+        if bytes > staging.size() {
+            return Err(GpuError::InvalidArgument(format!(
+                "read of {bytes} bytes from a staging buffer of {}",
+                staging.size()
+            )));
+        }
         let (tx, rx) = futures_channel();
         staging.map_async(wgpu::MapMode::Read, .., move |r| tx.send(r));
         #[cfg(not(target_arch = "wasm32"))]

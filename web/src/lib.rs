@@ -17,6 +17,9 @@ use std::rc::Rc;
 use serde::{Deserialize, Serialize};
 use wasm_bindgen::prelude::*;
 
+mod model;
+pub use model::WebModel;
+
 use pagedattn::gpu::{Gpu, KvCacheConfig, KvDtype};
 use pagedattn_cli::demo::{tolerance, Demo, DemoConfig, StepReport};
 
