@@ -253,7 +253,7 @@ function draw(snap) {
     if (b.refs === 0) {
       c.classList.add('free');
     } else {
-      const bg = colour(b.request < 0 ? 0 : b.request, b.seq);
+      const bg = colour(b.request < 0 ? 0 : b.request, b.sample);
       const fill = Math.round((100 * b.fill) / snap.info.block_size);
       c.style.background = b.refs > 1
         ? (b.request < 0 ? '#444' : `hsl(${hue(b.request)} 65% 30%)`)
@@ -262,7 +262,7 @@ function draw(snap) {
     }
     if (b.copied_to) c.classList.add('copied');
     if (b.copied_from) c.classList.add('source');
-    c.title = `block ${i}: ${b.refs ? `ref count ${b.refs}, ${b.fill} tokens${b.request >= 0 ? `, r${b.request}` : ''}${b.seq >= 0 ? ` seq ${b.seq}` : ''}` : 'free'}`;
+    c.title = `block ${i}: ${b.refs ? `ref count ${b.refs}, ${b.fill} tokens${b.request >= 0 ? `, r${b.request}` : ''}${b.sample >= 0 ? ` seq ${b.sample}` : ''}` : 'free'}`;
     return c;
   });
   grid.replaceChildren(...cells);

@@ -272,15 +272,7 @@ pub fn run(o: &GenerateOptions, out: &mut dyn Write) -> Result<Report, ModelErro
                 .map(|c| {
                     c.sequences
                         .iter()
-                        .map(|g| {
-                            let toks: Vec<u32> = g
-                                .tokens
-                                .iter()
-                                .copied()
-                                .filter(|&t| t != tokenizer.eos_id())
-                                .collect();
-                            tokenizer.decode(&toks)
-                        })
+                        .map(|g| tokenizer.decode_reply(&g.tokens))
                         .collect()
                 })
                 .unwrap_or_default()

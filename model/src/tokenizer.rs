@@ -554,6 +554,17 @@ impl Tokenizer {
         String::from_utf8_lossy(&bytes).into_owned()
     }
 
+    /// Decodes generated `ids` as a reply reads: without the end-of-turn
+    /// token [`eos_id`](Self::eos_id) the model stopped on.
+    pub fn decode_reply(&self, ids: &[u32]) -> String {
+        let kept: Vec<u32> = ids
+            .iter()
+            .copied()
+            .filter(|&t| t != self.eos_id())
+            .collect();
+        self.decode(&kept)
+    }
+
     /// The id of the token spelled `token` in the GGUF (byte-level
     /// characters for normal tokens, e.g. `"Ġthe"`; text for control ones).
     pub fn token_id(&self, token: &str) -> Option<u32> {
@@ -956,5 +967,9 @@ mod tests {
         assert_eq!(ids[0], 1);
         assert_eq!(t.decode(&ids), p);
         assert_eq!(t.encode(" the", false), [t.token_id("Ġthe").unwrap()]);
+        let mut reply = t.encode("Paris.", false);
+        reply.push(t.eos_id());
+        assert_eq!(t.decode_reply(&reply), "Paris.");
+        assert!(t.decode(&reply).ends_with("<|im_end|>"));
     }
 }

@@ -20,6 +20,7 @@ use wasm_bindgen::prelude::*;
 mod model;
 pub use model::WebModel;
 
+use pagedattn::blocks::BlockManager;
 use pagedattn::gpu::{Gpu, KvCacheConfig, KvDtype};
 use pagedattn_cli::demo::{tolerance, Demo, DemoConfig, StepReport};
 
@@ -220,7 +221,7 @@ impl WebDemo {
     }
 }
 
-/// One physical block as drawn.
+/// One physical block as drawn (the demo's page and the model's).
 #[derive(Serialize)]
 struct BlockView {
     /// Reference count (0: free).
@@ -228,7 +229,8 @@ struct BlockView {
     /// Request of the sequences holding it; -1 when free or held by
     /// several requests.
     request: i64,
-    /// Sample index when one sequence holds it, else -1.
+    /// The holding sequence's index in its request (the demo's sample, the
+    /// model's sample or beam) when one sequence holds it, else -1.
     sample: i64,
     /// Tokens filled (the most any holder has written into it).
     fill: u32,
@@ -236,6 +238,138 @@ struct BlockView {
     copied_to: bool,
     /// Source of a copy-on-write copy this step.
     copied_from: bool,
+}
+
+/// The pool recounted from the block tables, for drawing and for checking
+/// the block manager: who holds each block and how full it is, what the
+/// step copied, and every disagreement with the manager's own counts.
+struct Tally {
+    blocks: Vec<BlockView>,
+    holders: Vec<u32>,
+    owner: Vec<Option<u64>>,
+    mixed: Vec<bool>,
+    problems: Vec<String>,
+    block_size: u32,
+    tables: usize,
+}
+
+impl Tally {
+    fn new(m: &BlockManager) -> Self {
+        let n = m.config().num_blocks;
+        Self {
+            blocks: (0..n)
+                .map(|b| BlockView {
+                    refs: m.ref_count(b).unwrap_or(0),
+                    request: -1,
+                    sample: -1,
+                    fill: 0,
+                    copied_to: false,
+                    copied_from: false,
+                })
+                .collect(),
+            holders: vec![0; n as usize],
+            owner: vec![None; n as usize],
+            mixed: vec![false; n as usize],
+            problems: Vec::new(),
+            block_size: m.config().block_size,
+            tables: 0,
+        }
+    }
+
+    /// Counts sequence `id` (index `sample` of `request`), holding `len`
+    /// tokens in `table`.
+    fn add(
+        &mut self,
+        id: impl std::fmt::Display,
+        request: u64,
+        sample: u32,
+        table: &[u32],
+        len: u32,
+    ) {
+        let bs = self.block_size;
+        self.tables += 1;
+        if table.len() as u32 != len.div_ceil(bs) {
+            self.problems.push(format!(
+                "sequence {id} holds {len} tokens in {} blocks",
+                table.len()
+            ));
+        }
+        for (i, &b) in table.iter().enumerate() {
+            let Some(v) = self.blocks.get_mut(b as usize) else {
+                self.problems
+                    .push(format!("sequence {id} maps to block {b} outside the pool"));
+                continue;
+            };
+            let bi = b as usize;
+            self.holders[bi] += 1;
+            match self.owner[bi] {
+                None => self.owner[bi] = Some(request),
+                Some(r) if r != request => self.mixed[bi] = true,
+                _ => {}
+            }
+            v.sample = if self.holders[bi] == 1 {
+                sample as i64
+            } else {
+                -1
+            };
+            v.fill = v.fill.max(len.saturating_sub(i as u32 * bs).min(bs));
+        }
+    }
+
+    /// Marks the step's copy-on-write copies (source, destination).
+    fn copies(&mut self, copies: &[[u32; 2]]) {
+        for c in copies {
+            if let Some(v) = self.blocks.get_mut(c[1] as usize) {
+                v.copied_to = true;
+            }
+            if let Some(v) = self.blocks.get_mut(c[0] as usize) {
+                v.copied_from = true;
+            }
+        }
+    }
+
+    /// Blocks the tables hold, and those more than one table holds.
+    fn held(&self) -> (usize, usize) {
+        let used = self.holders.iter().filter(|&&h| h > 0).count();
+        let shared = self.holders.iter().filter(|&&h| h > 1).count();
+        (used, shared)
+    }
+
+    /// The blocks as drawn, and every disagreement with `m`.
+    fn finish(mut self, m: &BlockManager) -> (Vec<BlockView>, Vec<String>) {
+        for (b, v) in self.blocks.iter_mut().enumerate() {
+            if v.refs != self.holders[b] {
+                self.problems.push(format!(
+                    "block {b}: ref count {} but {} tables hold it",
+                    v.refs, self.holders[b]
+                ));
+            }
+            if let (Some(r), false) = (self.owner[b], self.mixed[b]) {
+                v.request = r as i64;
+            }
+        }
+        let st = m.stats();
+        if st.sequences != self.tables {
+            self.problems.push(format!(
+                "manager has {} sequences, the page tracks {}",
+                st.sequences, self.tables
+            ));
+        }
+        let (used, shared) = self.held();
+        if used != st.used || shared != st.shared {
+            self.problems.push(format!(
+                "tables hold {used} blocks ({shared} shared), manager counts {} ({} shared)",
+                st.used, st.shared
+            ));
+        }
+        if st.used + st.free + st.evictable != st.total {
+            self.problems.push(format!(
+                "used {} + free {} + evictable {} != total {}",
+                st.used, st.free, st.evictable, st.total
+            ));
+        }
+        (self.blocks, self.problems)
+    }
 }
 
 #[derive(Serialize)]
@@ -306,20 +440,7 @@ fn snapshot(s: &mut Inner) -> Result<String, JsValue> {
     let cfg = demo.config();
     let m = demo.manager();
     let bs = cfg.block_size;
-    let mut blocks: Vec<BlockView> = (0..cfg.num_blocks)
-        .map(|b| BlockView {
-            refs: m.ref_count(b).unwrap_or(0),
-            request: -1,
-            sample: -1,
-            fill: 0,
-            copied_to: false,
-            copied_from: false,
-        })
-        .collect();
-    let mut holders = vec![0u32; cfg.num_blocks as usize];
-    let mut owner: Vec<Option<u32>> = vec![None; cfg.num_blocks as usize];
-    let mut mixed = vec![false; cfg.num_blocks as usize];
-    let mut problems = Vec::new();
+    let mut tally = Tally::new(m);
     let mut seqs = Vec::new();
     let mut contiguous_tokens = 0u32;
     for q in demo.sequences() {
@@ -330,31 +451,7 @@ fn snapshot(s: &mut Inner) -> Result<String, JsValue> {
         // its forks share that prompt.
         let prompt = *prompts.entry(q.request).or_insert(len);
         contiguous_tokens += prompt + cfg.max_output;
-        if table.len() as u32 != len.div_ceil(bs) {
-            problems.push(format!(
-                "sequence {id} holds {len} tokens in {} blocks",
-                table.len()
-            ));
-        }
-        for (i, &b) in table.iter().enumerate() {
-            let Some(v) = blocks.get_mut(b as usize) else {
-                problems.push(format!("sequence {id} maps to block {b} outside the pool"));
-                continue;
-            };
-            let bi = b as usize;
-            holders[bi] += 1;
-            match owner[bi] {
-                None => owner[bi] = Some(q.request),
-                Some(r) if r != q.request => mixed[bi] = true,
-                _ => {}
-            }
-            v.sample = if holders[bi] == 1 {
-                q.sample as i64
-            } else {
-                -1
-            };
-            v.fill = v.fill.max((len - i as u32 * bs).min(bs));
-        }
+        tally.add(id, q.request as u64, q.sample, &table, len);
         seqs.push(SeqView {
             id: q.seq.to_string(),
             request: q.request,
@@ -364,49 +461,11 @@ fn snapshot(s: &mut Inner) -> Result<String, JsValue> {
             table,
         });
     }
-    for (b, v) in blocks.iter_mut().enumerate() {
-        if v.refs != holders[b] {
-            problems.push(format!(
-                "block {b}: ref count {} but {} tables hold it",
-                v.refs, holders[b]
-            ));
-        }
-        if let (Some(r), false) = (owner[b], mixed[b]) {
-            v.request = r as i64;
-        }
-    }
     if let Some(r) = last.as_ref() {
-        for c in &r.copies {
-            if let Some(v) = blocks.get_mut(c[1] as usize) {
-                v.copied_to = true;
-            }
-            if let Some(v) = blocks.get_mut(c[0] as usize) {
-                v.copied_from = true;
-            }
-        }
+        tally.copies(&r.copies);
     }
+    let (blocks, problems) = tally.finish(m);
     let st = m.stats();
-    if st.sequences != seqs.len() {
-        problems.push(format!(
-            "manager has {} sequences, the demo tracks {}",
-            st.sequences,
-            seqs.len()
-        ));
-    }
-    let used = holders.iter().filter(|&&h| h > 0).count();
-    let shared = holders.iter().filter(|&&h| h > 1).count();
-    if used != st.used || shared != st.shared {
-        problems.push(format!(
-            "tables hold {used} blocks ({shared} shared), manager counts {} ({} shared)",
-            st.used, st.shared
-        ));
-    }
-    if st.used + st.free + st.evictable != st.total {
-        problems.push(format!(
-            "used {} + free {} + evictable {} != total {}",
-            st.used, st.free, st.evictable, st.total
-        ));
-    }
     let waste_pct = if st.capacity_held == 0 {
         0.0
     } else {

@@ -25,13 +25,13 @@ use pagedattn_model::sample::SamplingParams;
 use pagedattn_model::serve::{Completion, Decoding, Generated, Request, Server, ServerConfig};
 use pagedattn_model::tokenizer::Tokenizer;
 
-use crate::{err, gpu, json};
+use crate::{err, gpu, json, BlockView, Tally};
 
 /// What the page may choose when it loads the model.
 #[derive(Clone, Debug, Deserialize)]
 struct LoadConfig {
-    /// Pool blocks (every layer); the page keeps the pool within the
-    /// device's storage binding limit.
+    /// Pool blocks (every layer); more than the device's binding limit
+    /// holds is refused, with the largest count that fits.
     num_blocks: u32,
     /// Tokens per block.
     block_size: u32,
@@ -86,8 +86,6 @@ struct Inner {
     info: ModelInfo,
     steps: u64,
     last_step_ms: f64,
-    /// Step failures so far (each also rejected its `step` call).
-    errors: Vec<String>,
 }
 
 #[derive(Clone, Serialize)]
@@ -101,15 +99,12 @@ struct ModelInfo {
     kv_heads: usize,
     head_dim: usize,
     vocab: usize,
-    context: usize,
     embed_format: String,
     file_mib: f64,
     num_blocks: u32,
     block_size: u32,
     /// Bytes of K and V one block holds over every layer.
     block_bytes: u64,
-    max_batch_tokens: usize,
-    max_seqs: usize,
 }
 
 /// The model on the page's device, driven one step at a time.
@@ -142,20 +137,6 @@ impl WebModel {
             _ => KvDtype::F32,
         };
         let s = loaded.weights.shape;
-        let block_bytes = 2
-            * s.layers as u64
-            * (lc.block_size as u64 * s.kv_heads as u64 * s.head_dim as u64)
-            * kv_dtype.bytes();
-        let pool = block_bytes * lc.num_blocks as u64;
-        let limit = g.max_binding_bytes();
-        if pool > limit {
-            return Err(err(format!(
-                "a pool of {} blocks takes {:.0} MiB, over this device's storage binding limit of {:.0} MiB: choose fewer blocks",
-                lc.num_blocks,
-                pool as f64 / (1 << 20) as f64,
-                limit as f64 / (1 << 20) as f64
-            )));
-        }
         let ecfg = EngineConfig {
             num_blocks: lc.num_blocks,
             block_size: lc.block_size,
@@ -167,6 +148,9 @@ impl WebModel {
         let model = Model::new_async(&g.device, &g.queue, &loaded.weights, ecfg)
             .await
             .map_err(err)?;
+        // One block over every layer; the pool's size against the device's
+        // limits was checked by the library (KvCache::new).
+        let block_bytes = model.cache.config().block_bytes() * s.layers as u64;
         let info = ModelInfo {
             adapter: g.describe(),
             kernel: model.attn.kernel().to_string(),
@@ -177,14 +161,11 @@ impl WebModel {
             kv_heads: s.kv_heads,
             head_dim: s.head_dim,
             vocab: s.vocab,
-            context: s.context,
             embed_format: format!("{:?}", model.embed_format()),
             file_mib: file_bytes as f64 / (1 << 20) as f64,
             num_blocks: lc.num_blocks,
             block_size: lc.block_size,
             block_bytes,
-            max_batch_tokens: lc.max_batch_tokens,
-            max_seqs: MAX_SEQS,
         };
         let scfg = ServerConfig {
             max_seqs: MAX_SEQS,
@@ -204,7 +185,6 @@ impl WebModel {
                 info,
                 steps: 0,
                 last_step_ms: 0.0,
-                errors: Vec::new(),
             })),
         })
     }
@@ -306,10 +286,7 @@ impl WebModel {
                     }
                 }
                 Ok(None) => {}
-                Err(e) => {
-                    s.errors.push(e.to_string());
-                    return Err(err(e));
-                }
+                Err(e) => return Err(err(e)),
             }
             Ok(JsValue::from_str(&snapshot(&s)?))
         })
@@ -319,19 +296,6 @@ impl WebModel {
     pub fn snapshot(&self) -> Result<String, JsValue> {
         snapshot(&self.inner.borrow())
     }
-}
-
-#[derive(Serialize)]
-struct BlockView {
-    refs: u32,
-    /// The request holding it; -1 when free or held by several requests.
-    request: i64,
-    /// The sequence index (within its request) when one sequence holds it.
-    seq: i64,
-    /// Tokens filled (the most any holder has written into it).
-    fill: u32,
-    copied_to: bool,
-    copied_from: bool,
 }
 
 #[derive(Serialize)]
@@ -366,7 +330,7 @@ struct RequestView {
 
 #[derive(Serialize)]
 struct Numbers {
-    total: u32,
+    total: usize,
     used: usize,
     free: usize,
     /// Blocks the block manager counts as shared (ref count above 1).
@@ -391,7 +355,6 @@ struct Numbers {
 #[derive(Serialize)]
 struct Snapshot<'a> {
     info: &'a ModelInfo,
-    busy: bool,
     done: bool,
     blocks: Vec<BlockView>,
     copies: Vec<[u32; 2]>,
@@ -400,18 +363,11 @@ struct Snapshot<'a> {
     numbers: Numbers,
     /// Disagreements between the recount and the manager (empty when sound).
     problems: Vec<String>,
-    errors: &'a [String],
 }
 
 fn text_of(t: &Tokenizer, g: &Generated, done: bool) -> TextView {
-    let shown: Vec<u32> = g
-        .tokens
-        .iter()
-        .copied()
-        .filter(|&x| x != t.eos_id())
-        .collect();
     TextView {
-        text: t.decode(&shown),
+        text: t.decode_reply(&g.tokens),
         tokens: g.tokens.clone(),
         score: g.score,
         done,
@@ -421,49 +377,16 @@ fn text_of(t: &Tokenizer, g: &Generated, done: bool) -> TextView {
 fn snapshot(s: &Inner) -> Result<String, JsValue> {
     let server = s.server.as_ref().ok_or_else(|| err("a step is running"))?;
     let m = server.sched.blocks();
-    let total = m.config().num_blocks;
-    let bs = m.config().block_size as usize;
-    let mut blocks: Vec<BlockView> = (0..total)
-        .map(|b| BlockView {
-            refs: m.ref_count(b).unwrap_or(0),
-            request: -1,
-            seq: -1,
-            fill: 0,
-            copied_to: false,
-            copied_from: false,
-        })
-        .collect();
-    let mut holders = vec![0u32; total as usize];
-    let mut owner: Vec<Option<RequestId>> = vec![None; total as usize];
-    let mut mixed = vec![false; total as usize];
-    let mut problems = Vec::new();
+    let mut tally = Tally::new(m);
     let mut seqs = Vec::new();
     let mut requests = Vec::new();
     for r in &s.requests {
-        let live = server
-            .sched
-            .sequences(r.id)
-            .map(|v| v.to_vec())
-            .unwrap_or_default();
+        let live = server.sched.sequences(r.id).unwrap_or(&[]);
         for (index, &q) in live.iter().enumerate() {
             let (Ok(table), Ok(len)) = (m.block_table(q), m.seq_len(q)) else {
                 continue;
             };
-            for (i, &b) in table.iter().enumerate() {
-                let Some(v) = blocks.get_mut(b as usize) else {
-                    problems.push(format!("a table maps to block {b} outside the pool"));
-                    continue;
-                };
-                let bi = b as usize;
-                holders[bi] += 1;
-                match owner[bi] {
-                    None => owner[bi] = Some(r.id),
-                    Some(o) if o != r.id => mixed[bi] = true,
-                    _ => {}
-                }
-                v.seq = if holders[bi] == 1 { index as i64 } else { -1 };
-                v.fill = v.fill.max(len.saturating_sub(i * bs).min(bs) as u32);
-            }
+            tally.add(q, r.id.number(), index as u32, table, len as u32);
             seqs.push(SeqView {
                 request: r.id.number(),
                 index,
@@ -499,39 +422,14 @@ fn snapshot(s: &Inner) -> Result<String, JsValue> {
             sequences,
         });
     }
-    let mut shared_recount = 0;
-    for (b, v) in blocks.iter_mut().enumerate() {
-        // Blocks kept by the prefix cache with no holder are evictable, ref 0.
-        if v.refs != holders[b] {
-            problems.push(format!(
-                "block {b}: ref count {} but {} tables hold it",
-                v.refs, holders[b]
-            ));
-        }
-        shared_recount += (holders[b] > 1) as usize;
-        if let (Some(r), false) = (owner[b], mixed[b]) {
-            v.request = r.number() as i64;
-        }
-    }
-    for c in &server.last_copies {
-        if let Some(v) = blocks.get_mut(c[1] as usize) {
-            v.copied_to = true;
-        }
-        if let Some(v) = blocks.get_mut(c[0] as usize) {
-            v.copied_from = true;
-        }
-    }
+    tally.copies(&server.last_copies);
+    let (_, shared_recount) = tally.held();
+    let (blocks, problems) = tally.finish(m);
     let st = m.stats();
-    if st.shared != shared_recount {
-        problems.push(format!(
-            "the manager counts {} shared blocks, the tables {shared_recount}",
-            st.shared
-        ));
-    }
     let ss = &server.stats;
     let rate = |n: usize, secs: f64| if secs > 0.0 { n as f64 / secs } else { 0.0 };
     let numbers = Numbers {
-        total,
+        total: st.total,
         used: st.used,
         free: st.free,
         shared: st.shared,
@@ -550,7 +448,6 @@ fn snapshot(s: &Inner) -> Result<String, JsValue> {
     };
     json(&Snapshot {
         info: &s.info,
-        busy: false,
         done: !server.has_work(),
         blocks,
         copies: server.last_copies.clone(),
@@ -558,6 +455,5 @@ fn snapshot(s: &Inner) -> Result<String, JsValue> {
         requests,
         numbers,
         problems,
-        errors: &s.errors,
     })
 }
