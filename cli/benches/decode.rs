@@ -8,10 +8,10 @@
 use std::time::Duration;
 
 use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
-use pagedattn::gpu::{AttnOptions, BatchTables, Gpu, KvDtype, PagedAttention, Split};
+use pagedattn::gpu::{Gpu, KvDtype, PagedAttention, Split};
 use pagedattn::rng::SplitMix64;
 use pagedattn_cli::bench::{
-    filled_cache, tables, StreamRead, Timer, BLOCK, HEADS, HEAD_DIM, KV_HEADS,
+    decode_plan, filled_cache, tables, StreamRead, Timer, BLOCK, HEADS, HEAD_DIM, KV_HEADS,
 };
 
 fn gpu_time(
@@ -64,21 +64,20 @@ fn decode(c: &mut Criterion) {
             let bytes = 2 * batch as u64 * ctx as u64 * (KV_HEADS * HEAD_DIM) as u64 * 2;
             g.throughput(Throughput::Bytes(bytes));
             for (name, shuffled) in [("paged", true), ("identity", false)] {
-                let (ip, ix, ln) = tables(batch, ctx, shuffled, &mut rng);
-                let t = BatchTables::upload(&gpu, &ip, &ix, &ln, None).unwrap();
-                let opts = AttnOptions::default();
+                let t = tables(batch, ctx, shuffled, &mut rng);
+                let mut plan = decode_plan(&gpu, &attn, &t, Split::Auto).expect("plan");
                 g.bench_function(BenchmarkId::new(name, format!("b{batch}/c{ctx}")), |b| {
                     b.iter_custom(|iters| {
                         gpu_time(&timer, iters, &mut |run, enc| {
-                            attn.encode_decode(
+                            attn.run(
                                 &gpu,
                                 enc,
+                                &mut plan,
                                 &cache,
                                 run as u32 % 2,
-                                &q,
-                                &t,
-                                &out,
-                                &opts,
+                                0,
+                                &q.as_entire_buffer_binding(),
+                                &out.as_entire_buffer_binding(),
                             )
                             .expect("decode");
                         })
@@ -115,25 +114,21 @@ fn decode(c: &mut Criterion) {
             g.throughput(Throughput::Bytes(
                 2 * batch as u64 * ctx as u64 * (KV_HEADS * HEAD_DIM) as u64 * 2,
             ));
-            let (ip, ix, ln) = tables(batch, ctx, true, &mut rng);
-            let t = BatchTables::upload(&gpu, &ip, &ix, &ln, None).unwrap();
+            let t = tables(batch, ctx, true, &mut rng);
             for (name, split) in [("whole", Split::Never), ("split512", Split::Tokens(512))] {
-                let opts = AttnOptions {
-                    split,
-                    ..Default::default()
-                };
+                let mut plan = decode_plan(&gpu, &attn, &t, split).expect("plan");
                 g.bench_function(BenchmarkId::new(name, format!("b{batch}/c{ctx}")), |b| {
                     b.iter_custom(|iters| {
                         gpu_time(&timer, iters, &mut |run, enc| {
-                            attn.encode_decode(
+                            attn.run(
                                 &gpu,
                                 enc,
+                                &mut plan,
                                 &cache,
                                 run as u32 % 2,
-                                &q,
-                                &t,
-                                &out,
-                                &opts,
+                                0,
+                                &q.as_entire_buffer_binding(),
+                                &out.as_entire_buffer_binding(),
                             )
                             .expect("decode");
                         })

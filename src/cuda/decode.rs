@@ -106,13 +106,13 @@ impl CudaAttention {
             kv_indices,
             seq_lens,
         )
-        .map_err(CudaError::InvalidArgument)
+        .map_err(|e| CudaError::InvalidArgument(e.to_string()))
     }
 
     fn check_options(&self, o: &AttnOptions) -> Result<(), CudaError> {
         // The split policy is validated too, though this kernel ignores it.
         o.validate(self.num_heads)
-            .map_err(CudaError::InvalidArgument)
+            .map_err(|e| CudaError::InvalidArgument(e.to_string()))
     }
 
     /// Decode from host slices: validates everything, runs, returns

@@ -2,8 +2,9 @@
 //! an optional split-K path (partitions merged by `reduce`).
 
 use super::kernel::{self, Kernel};
-use super::kv_cache::{bind, dispatch, pipeline};
+use super::kv_cache::pipeline;
 use super::shader::{self, ShaderShape};
+use super::error::{BatchError, OptionError, ShapeError};
 use super::{params, Gpu, GpuError, KvCache};
 
 /// How decode splits long sequences into partitions.
@@ -47,32 +48,34 @@ pub struct AttnOptions {
 impl AttnOptions {
     /// Checks the options for `num_heads` query heads; the message says
     /// what is wrong. Shared by every backend's host path.
-    pub fn validate(&self, num_heads: u32) -> Result<(), String> {
+    pub fn validate(&self, num_heads: u32) -> Result<(), OptionError> {
         if let Split::Tokens(t) = self.split {
             if t == 0 || !t.is_multiple_of(64) {
-                return Err(format!(
-                    "partition of {t} tokens: must be a positive multiple of 64"
-                ));
+                return Err(OptionError::Partition(t));
             }
         }
         if let Some(s) = &self.alibi_slopes {
             if s.len() != num_heads as usize {
-                return Err(format!("{} ALiBi slopes for {num_heads} heads", s.len()));
+                return Err(OptionError::SlopeCount {
+                    slopes: s.len() as u64,
+                    heads: num_heads,
+                });
             }
-            if let Some((h, x)) = s.iter().enumerate().find(|(_, x)| !x.is_finite()) {
-                return Err(format!(
-                    "ALiBi slope of head {h} is {x}: slopes must be finite"
-                ));
+            if let Some((h, &x)) = s.iter().enumerate().find(|(_, x)| !x.is_finite()) {
+                return Err(OptionError::Slope {
+                    head: h as u32,
+                    value: x,
+                });
             }
         }
         if let Some(x) = self.scale.filter(|x| !x.is_finite()) {
-            return Err(format!("scale {x}: must be finite"));
+            return Err(OptionError::Scale(x));
         }
         if let Some(c) = self.soft_cap.filter(|c| !c.is_finite() || *c <= 0.0) {
-            return Err(format!("soft_cap {c}: must be finite and positive"));
+            return Err(OptionError::SoftCap(c));
         }
         if self.sliding_window == Some(0) {
-            return Err("sliding_window of 0 positions: must be at least 1".into());
+            return Err(OptionError::ZeroWindow);
         }
         Ok(())
     }
@@ -90,7 +93,7 @@ pub const MAX_BATCH: u32 = 65535;
 /// A batch's block tables packed as the kernels read them, on the host:
 /// `kv_indptr[n + 1] | seq_lens[n] | kv_indices[m] | alibi slopes[num_heads]`,
 /// and for prefill `| qo_indptr[n + 1] | tile list (sequence, first query)`.
-/// [`BatchTables::upload`] puts it in a GPU buffer.
+/// A plan packs its tables this way into a buffer it reuses.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PackedTables {
     /// The words of the buffer.
@@ -160,18 +163,28 @@ pub(crate) fn pack_into(
     prefill: Option<(&[u32], u32)>,
 ) -> Result<PackedMeta, GpuError> {
     packed.clear();
-    let bad = |m: String| Err(GpuError::InvalidArgument(m));
     let n = seq_lens.len();
     if n > MAX_BATCH as usize {
-        return bad(format!("{n} sequences in one batch (at most {MAX_BATCH})"));
+        return Err(BatchError::TooManySeqs {
+            seqs: n as u64,
+            limit: MAX_BATCH,
+        }
+        .into());
     }
     if let Some((s, &l)) = seq_lens.iter().enumerate().find(|(_, &l)| l > MAX_SEQ_LEN) {
-        return bad(format!(
-            "sequence {s} holds {l} tokens, over the limit of {MAX_SEQ_LEN}"
-        ));
+        return Err(BatchError::TooLong {
+            seq: s as u32,
+            tokens: l,
+            limit: MAX_SEQ_LEN,
+        }
+        .into());
     }
-    if let Some(x) = slopes.and_then(|s| s.iter().find(|x| !x.is_finite())) {
-        return bad(format!("ALiBi slope {x}: slopes must be finite"));
+    if let Some((h, &x)) = slopes.and_then(|s| s.iter().enumerate().find(|(_, x)| !x.is_finite())) {
+        return Err(OptionError::Slope {
+            head: h as u32,
+            value: x,
+        }
+        .into());
     }
     let slopes_len = slopes.map_or(0, |s| s.len());
     let qo_len = prefill.map_or(0, |_| n + 1);
@@ -182,10 +195,11 @@ pub(crate) fn pack_into(
         .and_then(|w| w.checked_add(qo_len))
         .filter(|&w| w <= (u32::MAX / 2) as usize);
     let Some(words) = words else {
-        return bad(format!(
-            "tables of {} block ids and {slopes_len} slopes do not fit u32 offsets",
-            kv_indices.len()
-        ));
+        return Err(BatchError::Offsets {
+            indices: kv_indices.len() as u64,
+            slopes: slopes_len as u64,
+        }
+        .into());
     };
     packed.reserve(words);
     packed.extend_from_slice(&kv_indptr[..kv_indptr.len().min(n + 1)]);
@@ -210,9 +224,12 @@ pub(crate) fn pack_into(
             tiles += nq.div_ceil(qtile) as u64;
         }
         if tiles > MAX_BATCH as u64 {
-            return bad(format!(
-                "{tiles} query tiles of {qtile} in one prefill (at most {MAX_BATCH}; split the batch)"
-            ));
+            return Err(BatchError::TooManyTiles {
+                tiles,
+                qtile,
+                limit: MAX_BATCH,
+            }
+            .into());
         }
         packed.reserve(2 * tiles as usize);
         for s in 0..n {
@@ -235,88 +252,6 @@ pub(crate) fn pack_into(
         num_tiles,
         num_queries,
     })
-}
-
-/// A batch's block tables in one GPU buffer ([`PackedTables`]'s layout).
-pub struct BatchTables {
-    /// The packed buffer.
-    pub buffer: wgpu::Buffer,
-    /// Sequences.
-    pub num_seqs: u32,
-    /// Length of `kv_indices`.
-    pub indices_len: u32,
-    /// Longest sequence (for the split rule).
-    pub max_len: u32,
-    /// The ALiBi slopes packed, if any: they must equal the
-    /// [`AttnOptions::alibi_slopes`] given with these tables.
-    pub slopes: Option<Vec<f32>>,
-    /// Prefill only: offset of `qo_indptr` in the buffer (0 for decode).
-    pub qo_off: u32,
-    /// Prefill only: workgroups of the tile list.
-    pub num_tiles: u32,
-    /// Query rows: `qo_indptr[n]` for prefill, the sequences for decode.
-    pub num_queries: u32,
-    /// Decode only: the packed words kept on the host, so
-    /// [`PagedAttention::encode_decode`] can find shared prefixes and run
-    /// the cascade.
-    host: Option<Vec<u32>>,
-}
-
-impl BatchTables {
-    /// Packs ([`PackedTables::pack`]) and uploads decode tables. No check of
-    /// the tables against a pool: the kernels skip entries outside it.
-    /// [`PagedAttention::check_tables`] checks host input fully.
-    pub fn upload(
-        gpu: &Gpu,
-        kv_indptr: &[u32],
-        kv_indices: &[u32],
-        seq_lens: &[u32],
-        slopes: Option<&[f32]>,
-    ) -> Result<Self, GpuError> {
-        Self::from_packed(
-            gpu,
-            PackedTables::pack(kv_indptr, kv_indices, seq_lens, slopes, None)?,
-        )
-    }
-
-    /// Packs and uploads prefill tables: sequence `s` has queries
-    /// `qo_indptr[s]..qo_indptr[s + 1]`, cut into tiles of `qtile` (see
-    /// [`PagedAttention::prefill_qtile`]).
-    pub fn upload_prefill(
-        gpu: &Gpu,
-        kv_indptr: &[u32],
-        kv_indices: &[u32],
-        seq_lens: &[u32],
-        slopes: Option<&[f32]>,
-        qo_indptr: &[u32],
-        qtile: u32,
-    ) -> Result<Self, GpuError> {
-        Self::from_packed(
-            gpu,
-            PackedTables::pack(
-                kv_indptr,
-                kv_indices,
-                seq_lens,
-                slopes,
-                Some((qo_indptr, qtile)),
-            )?,
-        )
-    }
-
-    /// Uploads packed tables.
-    pub fn from_packed(gpu: &Gpu, p: PackedTables) -> Result<Self, GpuError> {
-        Ok(Self {
-            buffer: gpu.storage_init("tables", &p.words)?,
-            host: (p.qo_off == 0).then(|| p.words.clone()),
-            num_seqs: p.num_seqs,
-            indices_len: p.indices_len,
-            max_len: p.max_len,
-            slopes: p.slopes,
-            qo_off: p.qo_off,
-            num_tiles: p.num_tiles,
-            num_queries: p.num_queries,
-        })
-    }
 }
 
 /// Decode kernels specialised for one cache shape and head count.
@@ -404,7 +339,7 @@ impl PagedAttention {
     }
 
     /// The same built as `config` says (its kernel, its cascade segment
-    /// length); `Unsupported` when its kernel cannot run this shape here.
+    /// length); `GpuError::Shape` when its kernel cannot run this shape here.
     pub fn with_config(
         gpu: &Gpu,
         cache: &KvCache,
@@ -415,7 +350,7 @@ impl PagedAttention {
     }
 
     /// The same with the decode kernel chosen by the caller (an engine that
-    /// tuned itself); `Unsupported` when it cannot run this shape here.
+    /// tuned itself); `GpuError::Shape` when it cannot run this shape here.
     pub fn with_kernel(
         gpu: &Gpu,
         cache: &KvCache,
@@ -515,17 +450,21 @@ impl PagedAttention {
         gpu.require_limits(6)?;
         let c = cache.config();
         if num_heads == 0 || !num_heads.is_multiple_of(c.num_kv_heads) {
-            return Err(GpuError::InvalidArgument(format!(
-                "num_heads {num_heads} is not a positive multiple of num_kv_heads {}",
-                c.num_kv_heads
-            )));
+            return Err(ShapeError::HeadRatio {
+                heads: num_heads,
+                kv_heads: c.num_kv_heads,
+            }
+            .into());
         }
         // Reduce runs a workgroup per query head.
         let max_dim = gpu.limits.max_compute_workgroups_per_dimension;
         if num_heads > max_dim {
-            return Err(GpuError::Unsupported(format!(
-                "{num_heads} query heads: one dispatch dimension holds at most {max_dim} workgroups"
-            )));
+            return Err(ShapeError::Dispatch {
+                what: "query heads",
+                count: num_heads as u64,
+                limit: max_dim,
+            }
+            .into());
         }
         let base = Self::base_shape(c, num_heads, paged);
         let tiled =
@@ -535,17 +474,16 @@ impl PagedAttention {
                 available: gpu.limits.max_compute_workgroup_storage_size as u64,
             })?;
         if c.num_kv_heads as u64 * tiled.head_tiles() as u64 > max_dim as u64 {
-            return Err(GpuError::Unsupported(format!(
-                "{} kv heads x {} head tiles: one dispatch dimension holds at most {max_dim} workgroups",
-                c.num_kv_heads,
-                tiled.head_tiles()
-            )));
+            return Err(ShapeError::Dispatch {
+                what: "kv heads x head tiles",
+                count: c.num_kv_heads as u64 * tiled.head_tiles() as u64,
+                limit: max_dim,
+            }
+            .into());
         }
         let chunk = config.cascade_chunk_tokens;
         if !(16..=4096).contains(&chunk) || !chunk.is_multiple_of(16) {
-            return Err(GpuError::InvalidArgument(format!(
-                "cascade_chunk_tokens {chunk}: a multiple of 16 from 16 to 4096"
-            )));
+            return Err(ShapeError::CascadeChunk(chunk).into());
         }
         let (kernel, strict) = match config.kernel {
             Some(k) => (k, true),
@@ -555,15 +493,15 @@ impl PagedAttention {
             Some(s) => (kernel, s),
             None if !strict => (Kernel::Tiled, tiled),
             None => {
-                return Err(GpuError::Unsupported(format!(
-                    "the {kernel} kernel cannot run {} query heads over {} kv heads at head_dim {} \
-                     on {} (workgroup memory); eligible: {:?}",
-                    num_heads,
-                    c.num_kv_heads,
-                    c.head_dim,
-                    gpu.info.name,
-                    Self::eligible_kernels(gpu, cache, num_heads)
-                )))
+                return Err(ShapeError::Kernel {
+                    kernel,
+                    heads: num_heads,
+                    kv_heads: c.num_kv_heads,
+                    head_dim: c.head_dim,
+                    adapter: gpu.info.name.clone(),
+                    eligible: Self::eligible_kernels(gpu, cache, num_heads),
+                }
+                .into())
             }
         };
         // Prefill tiles stay within WebGPU's default workgroup memory too.
@@ -663,10 +601,12 @@ impl PagedAttention {
             true => {
                 let total = n as u64 * units as u64 * parts as u64;
                 if total > u32::MAX as u64 / 2 {
-                    return Err(GpuError::InvalidArgument(format!(
-                        "{total} decode passes in one dispatch (at most {})",
-                        u32::MAX / 2
-                    )));
+                    return Err(BatchError::Dispatch {
+                        what: "decode passes",
+                        count: total,
+                        limit: u32::MAX as u64 / 2,
+                    }
+                    .into());
                 }
                 let wgs = total.div_ceil(per_wg.max(1) as u64) as u32;
                 let x = wgs.clamp(1, 65535);
@@ -701,42 +641,6 @@ impl PagedAttention {
     /// Query heads.
     pub fn num_heads(&self) -> u32 {
         self.num_heads
-    }
-
-    fn attn_params(
-        &self,
-        t: &BatchTables,
-        o: &AttnOptions,
-        partition_tokens: u32,
-        num_partitions: u32,
-    ) -> Result<params::AttnParams, GpuError> {
-        let n = t.num_seqs;
-        // The offsets of the packed layout; checked, since BatchTables'
-        // fields are public and may not come from `pack`.
-        let off = |parts: &[u32]| {
-            parts
-                .iter()
-                .try_fold(0u32, |a, &b| a.checked_add(b))
-                .ok_or_else(|| {
-                    GpuError::InvalidArgument(format!(
-                        "tables of {n} sequences and {} block ids overflow u32 offsets",
-                        t.indices_len
-                    ))
-                })
-        };
-        off(&[n, 1])?;
-        let indices_off = off(&[n, n, 1])?;
-        let slopes_off = off(&[indices_off, t.indices_len])?;
-        off(&[slopes_off, self.num_heads])?;
-        let meta = PackedMeta {
-            num_seqs: n,
-            indices_len: t.indices_len,
-            max_len: t.max_len,
-            qo_off: t.qo_off,
-            num_tiles: t.num_tiles,
-            num_queries: t.num_queries,
-        };
-        Ok(self.params_for(o, &meta, partition_tokens, num_partitions, slopes_off, 0))
     }
 
     /// The uniform of one option set over packed tables described by
@@ -779,46 +683,16 @@ impl PagedAttention {
         }
     }
 
-    /// Checks what every call checks: the device is alive, `cache` is the
-    /// shape these kernels were built for, the options are valid, and the
-    /// ALiBi slopes packed in `tables` (if any) are the options' slopes.
-    pub(super) fn check_call(
-        &self,
-        gpu: &Gpu,
-        cache: &KvCache,
-        opts: &AttnOptions,
-        tables: Option<&BatchTables>,
-    ) -> Result<(), GpuError> {
+    /// Checks what every run checks: the device is alive and `cache` is
+    /// the shape these kernels were built for.
+    pub(super) fn check_cache(&self, gpu: &Gpu, cache: &KvCache) -> Result<(), GpuError> {
         gpu.alive()?;
         if cache.config() != &self.cache_cfg {
-            return Err(GpuError::InvalidArgument(format!(
-                "this PagedAttention was built for a cache of {:?}, but was given one of {:?}",
-                self.cache_cfg,
-                cache.config()
-            )));
-        }
-        self.check_options(opts)?;
-        if let Some(t) = tables {
-            let same = match (&t.slopes, &opts.alibi_slopes) {
-                (None, None) => true,
-                (Some(a), Some(b)) => {
-                    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
-                }
-                _ => false,
-            };
-            if !same {
-                return Err(GpuError::InvalidArgument(
-                    "the ALiBi slopes packed in the tables differ from AttnOptions::alibi_slopes; \
-                     pass the same slopes to BatchTables::upload and to the options"
-                        .into(),
-                ));
+            return Err(ShapeError::OtherCache {
+                built: format!("{:?}", self.cache_cfg),
+                given: format!("{:?}", cache.config()),
             }
-            if t.max_len > MAX_SEQ_LEN {
-                return Err(GpuError::InvalidArgument(format!(
-                    "a sequence of {} tokens, over the limit of {MAX_SEQ_LEN}",
-                    t.max_len
-                )));
-            }
+            .into());
         }
         Ok(())
     }
@@ -830,22 +704,22 @@ impl PagedAttention {
         &self,
         gpu: &Gpu,
         tokens: u32,
-        what: &str,
+        what: &'static str,
         cap: Option<u32>,
     ) -> Result<(), GpuError> {
         match cap {
-            Some(cap) if tokens > cap => Err(GpuError::Unsupported(format!(
-                "{what} walks {tokens} tokens in one pass, but {} ends loops after 65535 \
-                 iterations per invocation (at most {cap} tokens per pass for the {} kernel at \
-                 head_dim {}): use Split::Auto or Split::Tokens({cap}) or less",
-                gpu.info.name,
-                if what == "decode" {
+            Some(cap) if tokens > cap => Err(GpuError::PassTooLong {
+                what,
+                tokens,
+                cap,
+                adapter: gpu.info.name.clone(),
+                kernel: if what == "decode" {
                     self.kernel
                 } else {
                     Kernel::Tiled
                 },
-                self.head_dim
-            ))),
+                head_dim: self.head_dim,
+            }),
             _ => Ok(()),
         }
     }
@@ -893,7 +767,7 @@ impl PagedAttention {
         gpu: &Gpu,
         pt: u32,
         max_len: u32,
-        what: &str,
+        what: &'static str,
         cap: Option<u32>,
     ) -> Result<(u32, u32), GpuError> {
         self.check_pass_tokens(
@@ -907,81 +781,20 @@ impl PagedAttention {
         }
         let parts = max_len.div_ceil(pt).max(1);
         if parts > 65535 {
-            return Err(GpuError::InvalidArgument(format!(
-                "{parts} partitions (at most 65535)"
-            )));
+            return Err(BatchError::Dispatch {
+                what: "partitions",
+                count: parts as u64,
+                limit: 65535,
+            }
+            .into());
         }
         Ok((pt, parts))
     }
 
-    /// Records chunked prefill into `enc`: `tables` from
-    /// [`BatchTables::upload_prefill`] with this kernel's
-    /// [`prefill_qtile`](Self::prefill_qtile); `q` holds
-    /// `[num_queries][num_heads][head_dim]` (sequence after sequence, as
-    /// `qo_indptr`), `out` the same shape. Each sequence's queries are its
-    /// newest positions and attend causally to its whole paged context,
-    /// including the chunk itself (written beforehand by `write_kv`).
-    #[allow(clippy::too_many_arguments)]
-    pub fn encode_prefill(
-        &self,
-        gpu: &Gpu,
-        enc: &mut wgpu::CommandEncoder,
-        cache: &KvCache,
-        layer: u32,
-        q: &wgpu::Buffer,
-        tables: &BatchTables,
-        out: &wgpu::Buffer,
-        opts: &AttnOptions,
-    ) -> Result<(), GpuError> {
-        let _serial = gpu.serial();
-        self.check_call(gpu, cache, opts, Some(tables))?;
-        let [k, v] = cache.layer(layer)?;
-        if tables.qo_off == 0 {
-            return Err(GpuError::InvalidArgument(
-                "prefill given decode tables (use BatchTables::upload_prefill)".into(),
-            ));
-        }
-        if tables.num_tiles == 0 {
-            return Ok(());
-        }
-        if tables.num_tiles > MAX_BATCH {
-            return Err(GpuError::InvalidArgument(format!(
-                "{} query tiles in one prefill (at most {MAX_BATCH}; split the batch)",
-                tables.num_tiles
-            )));
-        }
-        let nq = tables.num_queries;
-        let (pt, parts) =
-            self.prefill_split(gpu, opts.split, tables.num_tiles, nq, tables.max_len)?;
-        let prefill = self.prefill_pipeline(gpu)?;
-        let p = self.attn_params(tables, opts, pt, parts)?;
-        let ub = gpu.uniform("prefill params", &p)?;
-        let units = self.num_kv_heads * self.prefill_shape.head_tiles();
-        if pt == 0 {
-            let dummy = &self.unused_ml;
-            let bg = bind(gpu, prefill, &[&ub, q, k, v, &tables.buffer, out, dummy]);
-            dispatch(enc, "prefill", prefill, &bg, (tables.num_tiles, units, 1));
-            return Ok(());
-        }
-        // Split-KV: f32 partials per (query row, head, partition), merged by reduce.
-        let rows = nq as u64 * self.num_heads as u64 * parts as u64;
-        let acc = gpu.storage("prefill split acc", rows * self.head_dim as u64 * 4)?;
-        let ml = gpu.storage("prefill split ml", rows * 8)?;
-        let bg = bind(gpu, prefill, &[&ub, q, k, v, &tables.buffer, &acc, &ml]);
-        dispatch(
-            enc,
-            "prefill split",
-            prefill,
-            &bg,
-            (tables.num_tiles, units, parts),
-        );
-        let bg = bind(gpu, &self.reduce, &[&ub, &acc, &ml, out]);
-        dispatch(enc, "reduce", &self.reduce, &bg, (nq, self.num_heads, 1));
-        Ok(())
-    }
-
     /// Prefill from host slices: validates, runs, returns
-    /// `[num_queries][num_heads][head_dim]`. Native only.
+    /// `[num_queries][num_heads][head_dim]`. A one-step plan
+    /// ([`plan_prefill`](Self::plan_prefill), [`run`](Self::run)) made and
+    /// dropped. Native only (blocks on readback).
     #[cfg(not(target_arch = "wasm32"))]
     #[allow(clippy::too_many_arguments)]
     pub fn prefill(
@@ -997,62 +810,13 @@ impl PagedAttention {
         opts: &AttnOptions,
     ) -> Result<Vec<f32>, GpuError> {
         let _serial = gpu.serial();
-        self.check_call(gpu, cache, opts, None)?;
-        cache.layer(layer)?;
-        self.check_tables(kv_indptr, kv_indices, seq_lens)?;
-        let n = seq_lens.len();
-        let bad = |m: String| Err(GpuError::InvalidArgument(m));
-        if qo_indptr.len() != n + 1
-            || qo_indptr[0] != 0
-            || qo_indptr.windows(2).any(|w| w[0] > w[1])
-        {
-            return bad(format!(
-                "qo_indptr must hold {} non-decreasing offsets from 0",
-                n + 1
-            ));
-        }
-        for s in 0..n {
-            let nq = qo_indptr[s + 1] - qo_indptr[s];
-            if nq > seq_lens[s] {
-                return bad(format!(
-                    "sequence {s} has {nq} queries but holds only {} tokens",
-                    seq_lens[s]
-                ));
-            }
-        }
-        let row = self.num_heads as usize * self.head_dim as usize;
-        let nq = qo_indptr[n] as usize;
-        if nq.checked_mul(row) != Some(q.len()) {
-            return bad(format!(
-                "q has {} floats; {nq} queries x {row} need {}",
-                q.len(),
-                nq as u128 * row as u128
-            ));
-        }
-        if nq == 0 {
-            return Ok(Vec::new());
-        }
-        let bytes = (q.len() * 4) as u64;
-        let tables = PackedTables::pack(
+        let t = HostTables {
             kv_indptr,
             kv_indices,
             seq_lens,
-            opts.alibi_slopes.as_deref(),
-            Some((qo_indptr, self.prefill_shape.qtile)),
-        )?;
-        self.prefill_split(gpu, opts.split, tables.num_tiles, nq as u32, tables.max_len)?;
-        let out = gpu.scoped_try(|| {
-            let out = gpu.storage("prefill out", bytes)?;
-            // Poisoned, so a kernel that skips a write cannot pass.
-            gpu.queue
-                .write_buffer(&out, 0, bytemuck::cast_slice(&vec![f32::NAN; q.len()]));
-            let tables = BatchTables::from_packed(gpu, tables)?;
-            let qb = gpu.storage_init("q", q)?;
-            let mut enc = gpu.device.create_command_encoder(&Default::default());
-            self.encode_prefill(gpu, &mut enc, cache, layer, &qb, &tables, &out, opts)?;
-            gpu.queue.submit([enc.finish()]);
-            Ok(out)
-        })?;
+            qo_indptr: Some(qo_indptr),
+        };
+        let (out, bytes) = gpu.scoped_try(|| self.one_step(gpu, cache, layer, q, &t, opts))?;
         gpu.read(&out, bytes)
     }
 
@@ -1071,134 +835,11 @@ impl PagedAttention {
             kv_indices,
             seq_lens,
         )
-        .map_err(GpuError::InvalidArgument)
+        .map_err(GpuError::from)
     }
 
     pub(super) fn check_options(&self, o: &AttnOptions) -> Result<(), GpuError> {
-        o.validate(self.num_heads)
-            .map_err(GpuError::InvalidArgument)
-    }
-
-    /// Records decode into `enc`: `q` holds `[num_seqs][num_heads][head_dim]`
-    /// f32, `out` receives the same shape. Split partials go to scratch
-    /// buffers allocated here. With [`Cascade::On`](super::Cascade::On), or
-    /// `Auto` where the cost model says it pays, and tables whose sequences
-    /// share prefixes (checked against the pool), shared prefixes are read
-    /// once: the call goes through a one-step plan, as the host
-    /// [`decode`](Self::decode) does (see [`plan_decode`](Self::plan_decode)).
-    #[allow(clippy::too_many_arguments)]
-    pub fn encode_decode(
-        &self,
-        gpu: &Gpu,
-        enc: &mut wgpu::CommandEncoder,
-        cache: &KvCache,
-        layer: u32,
-        q: &wgpu::Buffer,
-        tables: &BatchTables,
-        out: &wgpu::Buffer,
-        opts: &AttnOptions,
-    ) -> Result<(), GpuError> {
-        let _serial = gpu.serial();
-        self.check_call(gpu, cache, opts, Some(tables))?;
-        let [k, v] = cache.layer(layer)?;
-        let n = tables.num_seqs;
-        if tables.qo_off != 0 {
-            return Err(GpuError::InvalidArgument(
-                "decode given prefill tables (use encode_prefill)".into(),
-            ));
-        }
-        if n == 0 {
-            return Ok(());
-        }
-        if n > MAX_BATCH {
-            return Err(GpuError::InvalidArgument(format!(
-                "{n} sequences in one decode (at most {MAX_BATCH})"
-            )));
-        }
-        if opts.cascade != super::Cascade::Off {
-            if let Some(mut plan) = self.cascade_plan(gpu, tables, opts)? {
-                return self.run(
-                    gpu,
-                    enc,
-                    &mut plan,
-                    cache,
-                    layer,
-                    0,
-                    &q.as_entire_buffer_binding(),
-                    &out.as_entire_buffer_binding(),
-                );
-            }
-        }
-        let (pt, parts) = self.decode_split(gpu, opts.split, n, tables.max_len)?;
-        let d4 = self.head_dim as u64 / 4;
-        let decode = self.decode_pipeline(gpu)?;
-        if pt == 0 {
-            let grid = self.decode_grid(n, 1)?;
-            let p = self.attn_params(tables, opts, 0, 1)?;
-            let ub = gpu.uniform("decode params", &p)?;
-            let dummy = &self.unused_ml;
-            let bg = bind(gpu, decode, &[&ub, q, k, v, &tables.buffer, out, dummy]);
-            dispatch(enc, "decode", decode, &bg, grid);
-            return Ok(());
-        }
-        let grid = self.decode_grid(n, parts)?;
-        let p = self.attn_params(tables, opts, pt, parts)?;
-        let ub = gpu.uniform("decode params", &p)?;
-        let rows = n as u64 * self.num_heads as u64 * parts as u64;
-        let acc = gpu.storage("split acc", rows * d4 * 16)?;
-        let ml = gpu.storage("split ml", rows * 8)?;
-        let bg = bind(gpu, decode, &[&ub, q, k, v, &tables.buffer, &acc, &ml]);
-        dispatch(enc, "decode split", decode, &bg, grid);
-        let bg = bind(gpu, &self.reduce, &[&ub, &acc, &ml, out]);
-        dispatch(enc, "reduce", &self.reduce, &bg, (n, self.num_heads, 1));
-        Ok(())
-    }
-
-    /// A one-step plan for decode tables whose sequences share blocks, when
-    /// it runs the cascade; `None` for tables without host words, tables the
-    /// pool check refuses (the plain path skips bad entries instead), no
-    /// two sequences starting on one block, or a plan that stays plain.
-    fn cascade_plan(
-        &self,
-        gpu: &Gpu,
-        tables: &BatchTables,
-        opts: &AttnOptions,
-    ) -> Result<Option<super::AttentionPlan>, GpuError> {
-        let Some(w) = &tables.host else {
-            return Ok(None);
-        };
-        let n = tables.num_seqs as usize;
-        let m = tables.indices_len as usize;
-        let (Some(ip), Some(ln), Some(ix)) = (
-            w.get(..n + 1),
-            w.get(n + 1..2 * n + 1),
-            w.get(2 * n + 1..2 * n + 1 + m),
-        ) else {
-            return Ok(None);
-        };
-        if self.check_tables(ip, ix, ln).is_err() {
-            return Ok(None);
-        }
-        let mut firsts: Vec<u32> = (0..n)
-            .filter(|&s| ip[s] < ip[s + 1])
-            .map(|s| ix[ip[s] as usize])
-            .collect();
-        firsts.sort_unstable();
-        if !firsts.windows(2).any(|p| p[0] == p[1]) {
-            return Ok(None);
-        }
-        let mut plan = self.plan();
-        self.plan_decode(
-            gpu,
-            &mut plan,
-            &super::DecodeTables {
-                kv_indptr: ip,
-                kv_indices: ix,
-                seq_lens: ln,
-            },
-            std::slice::from_ref(opts),
-        )?;
-        Ok(plan.cascade().is_some().then_some(plan))
+        o.validate(self.num_heads).map_err(GpuError::from)
     }
 
     /// Decode from host slices: validates everything, runs, returns
@@ -1218,7 +859,7 @@ impl PagedAttention {
     ) -> Result<Vec<f32>, GpuError> {
         let _serial = gpu.serial();
         let (out, bytes) = gpu.scoped_try(|| {
-            self.submit_decode(gpu, cache, layer, q, kv_indptr, kv_indices, seq_lens, opts)
+            self.one_step(gpu, cache, layer, q, &HostTables::decode(kv_indptr, kv_indices, seq_lens), opts)
         })?;
         gpu.read(&out, bytes)
     }
@@ -1238,62 +879,73 @@ impl PagedAttention {
     ) -> Result<Vec<f32>, GpuError> {
         let (out, bytes) = gpu
             .scoped(|| {
-                self.submit_decode(gpu, cache, layer, q, kv_indptr, kv_indices, seq_lens, opts)
+                let t = HostTables::decode(kv_indptr, kv_indices, seq_lens);
+                self.one_step(gpu, cache, layer, q, &t, opts)
             })
             .await??;
         gpu.read_async(&out, bytes).await
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn submit_decode(
+    /// The host calls' one-step plan: checks `q` against the tables,
+    /// poisons a fresh output (so a kernel that skips a write cannot pass),
+    /// plans, records and submits; returns the output and its bytes.
+    fn one_step(
         &self,
         gpu: &Gpu,
         cache: &KvCache,
         layer: u32,
         q: &[f32],
-        kv_indptr: &[u32],
-        kv_indices: &[u32],
-        seq_lens: &[u32],
+        t: &HostTables,
         opts: &AttnOptions,
     ) -> Result<(wgpu::Buffer, u64), GpuError> {
-        self.check_call(gpu, cache, opts, None)?;
+        self.check_cache(gpu, cache)?;
         cache.layer(layer)?;
-        self.check_tables(kv_indptr, kv_indices, seq_lens)?;
-        let n = seq_lens.len();
+        let mut plan = self.plan();
+        let variants = std::slice::from_ref(opts);
+        match t.qo_indptr {
+            None => self.plan_decode(
+                gpu,
+                &mut plan,
+                &super::DecodeTables {
+                    kv_indptr: t.kv_indptr,
+                    kv_indices: t.kv_indices,
+                    seq_lens: t.seq_lens,
+                },
+                variants,
+            )?,
+            Some(qo_indptr) => self.plan_prefill(
+                gpu,
+                &mut plan,
+                &super::PrefillTables {
+                    kv_indptr: t.kv_indptr,
+                    kv_indices: t.kv_indices,
+                    seq_lens: t.seq_lens,
+                    qo_indptr,
+                },
+                variants,
+            )?,
+        }
+        let nq = plan.num_queries() as usize;
         let row = self.num_heads as usize * self.head_dim as usize;
-        if n.checked_mul(row) != Some(q.len()) {
-            return Err(GpuError::InvalidArgument(format!(
-                "q has {} floats; {n} sequences x {} heads x {} need {}",
-                q.len(),
-                self.num_heads,
-                self.head_dim,
-                n * row
-            )));
+        if nq.checked_mul(row) != Some(q.len()) {
+            return Err(BatchError::QLength {
+                floats: q.len() as u64,
+                queries: nq as u64,
+                heads: self.num_heads,
+                head_dim: self.head_dim,
+            }
+            .into());
         }
         let bytes = (q.len() * 4) as u64;
-        let out = gpu.storage("decode out", bytes)?;
-        // Poison the output so a kernel that skips a write cannot pass.
+        let out = gpu.storage("attention out", bytes.max(16))?;
         gpu.queue.write_buffer(
             &out,
             0,
             bytemuck::cast_slice(&vec![f32::NAN; q.len().max(4)]),
         );
-        if n == 0 {
+        if nq == 0 {
             return Ok((out, 0));
         }
-        // Through a one-step plan, so host calls get what plans get (the
-        // cascade over shared prefixes included).
-        let mut plan = self.plan();
-        self.plan_decode(
-            gpu,
-            &mut plan,
-            &super::DecodeTables {
-                kv_indptr,
-                kv_indices,
-                seq_lens,
-            },
-            std::slice::from_ref(opts),
-        )?;
         let qb = gpu.storage_init("q", q)?;
         let mut enc = gpu.device.create_command_encoder(&Default::default());
         self.run(
@@ -1311,58 +963,84 @@ impl PagedAttention {
     }
 }
 
+/// The host calls' tables: decode without `qo_indptr`, prefill with.
+struct HostTables<'a> {
+    kv_indptr: &'a [u32],
+    kv_indices: &'a [u32],
+    seq_lens: &'a [u32],
+    qo_indptr: Option<&'a [u32]>,
+}
+
+impl<'a> HostTables<'a> {
+    fn decode(kv_indptr: &'a [u32], kv_indices: &'a [u32], seq_lens: &'a [u32]) -> Self {
+        Self {
+            kv_indptr,
+            kv_indices,
+            seq_lens,
+            qo_indptr: None,
+        }
+    }
+}
+
 /// Checks CSR block tables for a pool of `num_blocks` blocks of `block_size`
 /// tokens: `kv_indptr` has one entry more than `seq_lens`, starts at 0,
 /// never decreases and ends at `kv_indices.len()`; each sequence's table
 /// covers its length; every entry is in the pool or [`RELEASED`](crate::blocks::RELEASED).
-/// The message says what is wrong. Shared by every backend's host path.
+/// The error says what is wrong. Shared by every backend's host path.
 pub fn check_csr_tables(
     num_blocks: u32,
     block_size: u32,
     kv_indptr: &[u32],
     kv_indices: &[u32],
     seq_lens: &[u32],
-) -> Result<(), String> {
+) -> Result<(), BatchError> {
     let n = seq_lens.len();
     if kv_indptr.len() != n + 1 {
-        return Err(format!(
-            "kv_indptr has {} entries for {n} sequences (need {})",
-            kv_indptr.len(),
-            n + 1
-        ));
+        return Err(BatchError::IndptrLength {
+            entries: kv_indptr.len() as u64,
+            seqs: n as u64,
+        });
     }
     if kv_indptr[0] != 0
         || kv_indptr.windows(2).any(|w| w[0] > w[1])
         || kv_indptr[n] as usize != kv_indices.len()
     {
-        return Err("kv_indptr must start at 0, never decrease and end at kv_indices.len()".into());
+        return Err(BatchError::IndptrOrder {
+            indices: kv_indices.len() as u64,
+        });
     }
     for s in 0..n {
         let blocks = (kv_indptr[s + 1] - kv_indptr[s]) as u64;
         if seq_lens[s] as u64 > blocks * block_size as u64 {
-            return Err(format!(
-                "sequence {s} holds {} tokens but its table has only {blocks} blocks",
-                seq_lens[s]
-            ));
+            return Err(BatchError::ShortTable {
+                seq: s as u32,
+                tokens: seq_lens[s],
+                blocks,
+            });
         }
         if seq_lens[s] > MAX_SEQ_LEN {
-            return Err(format!(
-                "sequence {s} holds {} tokens, over the limit of {MAX_SEQ_LEN}",
-                seq_lens[s]
-            ));
+            return Err(BatchError::TooLong {
+                seq: s as u32,
+                tokens: seq_lens[s],
+                limit: MAX_SEQ_LEN,
+            });
         }
     }
     if n > MAX_BATCH as usize {
-        return Err(format!("{n} sequences in one batch (at most {MAX_BATCH})"));
+        return Err(BatchError::TooManySeqs {
+            seqs: n as u64,
+            limit: MAX_BATCH,
+        });
     }
     // RELEASED marks a block a sliding window dropped: skipped by the kernels.
-    if let Some(b) = kv_indices
+    if let Some(&b) = kv_indices
         .iter()
         .find(|&&b| b >= num_blocks && b != crate::blocks::RELEASED)
     {
-        return Err(format!(
-            "block id {b} outside the pool of {num_blocks} blocks"
-        ));
+        return Err(BatchError::BlockOutsidePool {
+            block: b,
+            blocks: num_blocks,
+        });
     }
     Ok(())
 }

@@ -566,11 +566,10 @@ impl Gpu {
             .max(4)
             .checked_next_multiple_of(4)
             .filter(|&s| s <= self.limits.max_buffer_size)
-            .ok_or_else(|| {
-                GpuError::InvalidArgument(format!(
-                    "buffer {label:?} of {bytes} bytes is over the device's max_buffer_size of {}",
-                    self.limits.max_buffer_size
-                ))
+            .ok_or(GpuError::DeviceLimit {
+                limit: "max_buffer_size",
+                needed: bytes,
+                available: self.limits.max_buffer_size,
             })?;
         self.count_buffer();
         Ok(self.device.create_buffer(&wgpu::BufferDescriptor {
@@ -642,10 +641,10 @@ impl Gpu {
         bytes: u64,
     ) -> Result<Vec<T>, GpuError> {
         if bytes > staging.size() {
-            return Err(GpuError::InvalidArgument(format!(
-                "read of {bytes} bytes from a staging buffer of {}",
-                staging.size()
-            )));
+            return Err(GpuError::ReadPastEnd {
+                bytes,
+                buffer: staging.size(),
+            });
         }
         let (tx, rx) = futures_channel();
         staging.map_async(wgpu::MapMode::Read, .., move |r| tx.send(r));
@@ -677,11 +676,9 @@ impl Gpu {
         let bytes = bytes
             .checked_next_multiple_of(4)
             .filter(|&b| b <= buf.size())
-            .ok_or_else(|| {
-                GpuError::InvalidArgument(format!(
-                    "read of {want} bytes from a buffer of {}",
-                    buf.size()
-                ))
+            .ok_or(GpuError::ReadPastEnd {
+                bytes: want,
+                buffer: buf.size(),
             })?;
         if bytes == 0 {
             return Ok(Vec::new());

@@ -3,7 +3,8 @@
 //! (apply a copy-on-write list).
 
 use super::shader::{self, ShaderShape};
-use super::{params, Gpu, GpuError, PoolError};
+use super::error::ShapeError;
+use super::{Gpu, GpuError, PoolError};
 
 /// Element type of the pool.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -559,10 +560,7 @@ impl KvCacheConfig {
             return Err(PoolError::BlockSize(self.block_size).into());
         }
         if self.head_dim == 0 || !self.head_dim.is_multiple_of(4) || self.head_dim > 256 {
-            return Err(GpuError::Unsupported(format!(
-                "head_dim {} (must be a multiple of 4 between 4 and 256)",
-                self.head_dim
-            )));
+            return Err(ShapeError::HeadDim(self.head_dim).into());
         }
         if self.num_kv_heads == 0 || self.num_layers == 0 || self.num_blocks == 0 {
             return Err(PoolError::EmptyShape {
@@ -580,10 +578,11 @@ impl KvCacheConfig {
             .into());
         }
         if self.num_kv_heads > MAX_KV_HEADS {
-            return Err(GpuError::Unsupported(format!(
-                "num_kv_heads {} is over the limit of {MAX_KV_HEADS} (one dispatch dimension)",
-                self.num_kv_heads
-            )));
+            return Err(ShapeError::KvHeads {
+                kv_heads: self.num_kv_heads,
+                limit: MAX_KV_HEADS,
+            }
+            .into());
         }
         Ok(())
     }
@@ -646,7 +645,7 @@ pub fn pipeline(
     gpu.alive()?;
     gpu.cached_pipeline(kernel, shape, || {
         let src = shader::source(kernel, shape)
-            .ok_or_else(|| GpuError::Unsupported(format!("no kernel {kernel}")))?;
+            .ok_or(ShapeError::NoShader(kernel))?;
         #[cfg(not(target_arch = "wasm32"))]
         {
             gpu.scoped_blocking(|| make_pipeline(gpu, kernel, &src))
@@ -840,50 +839,6 @@ impl KvCache {
             }))
     }
 
-    /// Records `write_kv` for `num_tokens` tokens: `k_new`/`v_new` hold
-    /// `[num_tokens][num_kv_heads][head_dim]` f32, `slots` their slots.
-    /// Slots outside the pool are skipped. The slots must be distinct (the
-    /// tokens are written in parallel; this tier cannot read them to check:
-    /// `plan_write` and `write_kv` refuse a repeated slot).
-    #[allow(clippy::too_many_arguments)]
-    pub fn encode_write_kv(
-        &self,
-        gpu: &Gpu,
-        enc: &mut wgpu::CommandEncoder,
-        layer: u32,
-        k_new: &wgpu::Buffer,
-        v_new: &wgpu::Buffer,
-        slots: &wgpu::Buffer,
-        num_tokens: u32,
-    ) -> Result<(), GpuError> {
-        let _serial = gpu.serial();
-        gpu.alive()?;
-        let [k, v] = self.layer(layer)?;
-        if num_tokens == 0 {
-            return Ok(());
-        }
-        let threads = num_tokens as u64 * self.cfg.write_threads_per_token();
-        if threads > u32::MAX as u64 {
-            return Err(PoolError::TooMany {
-                what: "write_kv threads",
-                count: threads,
-                limit: u32::MAX as u64,
-            }
-            .into());
-        }
-        let p = params::WriteKvParams {
-            num_tokens,
-            num_kv_heads: self.cfg.num_kv_heads,
-            num_slots: self.cfg.num_blocks * self.cfg.block_size,
-            kv_stride: 0,
-        };
-        let ub = gpu.uniform("write_kv params", &p)?;
-        let bg = bind(gpu, &self.write_kv, &[&ub, k_new, v_new, slots, k, v]);
-        let (x, y) = grid_1d(threads);
-        dispatch(enc, "write_kv", &self.write_kv, &bg, (x, y, 1));
-        Ok(())
-    }
-
     /// Writes new tokens' K and V (host slices, `[n][num_kv_heads][head_dim]`)
     /// into `slots` of `layer`, and submits.
     pub fn write_kv(
@@ -917,31 +872,24 @@ impl KvCache {
             }
             .into());
         }
-        let cap = self.cfg.num_blocks as u64 * self.cfg.block_size as u64;
-        // SKIP_WRITE (u32::MAX): a token whose K/V is in the pool already
-        // (the block manager's cache-hit cap); the kernel skips it.
-        if let Some(&s) = slots
-            .iter()
-            .find(|&&s| s as u64 >= cap && s != crate::blocks::SKIP_WRITE)
-        {
-            return Err(PoolError::SlotOutsidePool {
-                slot: s,
-                slots: cap,
-            }
-            .into());
-        }
-        if let Some(s) = super::plan::duplicate_slot(slots, &mut Vec::new()) {
-            return Err(PoolError::SlotTwice { slot: s }.into());
-        }
         if n == 0 {
+            // Still checked like any write (the layer above), but no step.
             return Ok(());
         }
         gpu.scoped_try(|| {
+            let mut plan = self.plan();
+            self.plan_write(gpu, &mut plan, slots, &[])?;
             let kb = gpu.storage_init("k_new", k)?;
             let vb = gpu.storage_init("v_new", v)?;
-            let sb = gpu.storage_init("slots", slots)?;
             let mut enc = gpu.device.create_command_encoder(&Default::default());
-            self.encode_write_kv(gpu, &mut enc, layer, &kb, &vb, &sb, n as u32)?;
+            self.run_write_kv(
+                gpu,
+                &mut enc,
+                &mut plan,
+                layer,
+                &kb.as_entire_buffer_binding(),
+                &vb.as_entire_buffer_binding(),
+            )?;
             gpu.queue.submit([enc.finish()]);
             Ok(())
         })
@@ -1114,65 +1062,18 @@ impl KvCache {
         out
     }
 
-    /// Records `copy_blocks` for every layer (one dispatch per layer, so no
-    /// kernel binds more than two pool buffers) into `enc`.
-    pub fn encode_copy_blocks(
-        &self,
-        gpu: &Gpu,
-        enc: &mut wgpu::CommandEncoder,
-        copies: &wgpu::Buffer,
-        num_copies: u32,
-    ) -> Result<(), GpuError> {
-        let _serial = gpu.serial();
-        gpu.alive()?;
-        if num_copies == 0 {
-            return Ok(());
-        }
-        let p = params::CopyParams {
-            num_copies,
-            num_blocks: self.cfg.num_blocks,
-            block_elems: self.cfg.block_elems4(),
-            _pad: 0,
-        };
-        let threads = num_copies as u64 * self.cfg.copy_threads_per_block();
-        if threads > u32::MAX as u64 {
-            return Err(PoolError::TooMany {
-                what: "copy_blocks threads",
-                count: threads,
-                limit: u32::MAX as u64,
-            }
-            .into());
-        }
-        let ub = gpu.uniform("copy_blocks params", &p)?;
-        let (x, y) = grid_1d(threads);
-        for [k, v] in &self.layers {
-            let bg = bind(gpu, &self.copy_blocks, &[&ub, copies, k, v]);
-            dispatch(enc, "copy_blocks", &self.copy_blocks, &bg, (x, y, 1));
-        }
-        Ok(())
-    }
-
     /// Applies a copy list `(src, dst)` to every layer in one submit.
     pub fn copy_blocks(&self, gpu: &Gpu, copies: &[[u32; 2]]) -> Result<(), GpuError> {
         let _serial = gpu.serial();
         gpu.alive()?;
-        if let Some(c) = copies
-            .iter()
-            .find(|c| c[0] >= self.cfg.num_blocks || c[1] >= self.cfg.num_blocks)
-        {
-            return Err(PoolError::CopyOutsidePool {
-                pair: *c,
-                blocks: self.cfg.num_blocks,
-            }
-            .into());
-        }
         if copies.is_empty() {
             return Ok(());
         }
         gpu.scoped_try(|| {
-            let cb = gpu.storage_init("copies", copies)?;
+            let mut plan = self.plan();
+            self.plan_write(gpu, &mut plan, &[], copies)?;
             let mut enc = gpu.device.create_command_encoder(&Default::default());
-            self.encode_copy_blocks(gpu, &mut enc, &cb, copies.len() as u32)?;
+            self.run_copy_blocks(gpu, &mut enc, &mut plan)?;
             gpu.queue.submit([enc.finish()]);
             Ok(())
         })

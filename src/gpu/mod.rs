@@ -22,14 +22,16 @@ mod swap;
 mod tune;
 
 pub use attention::{
-    check_csr_tables, AttentionConfig, AttnOptions, BatchTables, PackedTables, PagedAttention,
+    check_csr_tables, AttentionConfig, AttnOptions, PackedTables, PagedAttention,
     Split, AUTO_PARTITION_TOKENS, MAX_BATCH, MAX_SEQ_LEN,
 };
 pub use cascade::{
     find_segments, Cascade, CascadeTables, CASCADE_MIN_SAVED_BYTES, SERIAL_CASCADE_MIN_SAVED_BYTES,
 };
 pub use context::{adapter_backends, parse_backends, Counters, Gpu};
-pub use error::{BindingError, GpuError, PlanMismatch, PoolError};
+pub use error::{
+    BatchError, BindingError, GpuError, OptionError, PlanMismatch, PoolError, ShapeError,
+};
 pub use kernel::{Kernel, PORTABLE_WORKGROUP_BYTES};
 /// Kernel plumbing for the benchmark in the CLI crate (`stream_read`): not
 /// part of the API an engine should rely on.

@@ -24,13 +24,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::attention::{pack_into, PackedMeta};
 use super::cascade::{find_segments, Cascade};
-use super::error::BindingError;
+use super::error::{BatchError, BindingError, PoolError};
 use super::kernel::{self, Kernel};
 use super::kernels::SegmentFamily;
 use super::kv_cache::{bind_ranges, dispatch, grid_1d, pipeline};
 use super::shader::{self, ShaderShape};
 use super::{
-    check_csr_tables, params, AttnOptions, Gpu, GpuError, KvCache, PagedAttention, PlanMismatch,
+    params, AttnOptions, Gpu, GpuError, KvCache, PagedAttention, PlanMismatch,
 };
 
 /// The first slot written twice in `slots` (`SKIP_WRITE` aside), found by
@@ -373,6 +373,34 @@ enum SegPass {
     Tiled,
 }
 
+/// A step's tables as `plan_any` takes them: decode without `qo_indptr`.
+struct StepTables<'a> {
+    kv_indptr: &'a [u32],
+    kv_indices: &'a [u32],
+    seq_lens: &'a [u32],
+    qo_indptr: Option<&'a [u32]>,
+}
+
+/// The cascade a step takes: its segments and the kernel of their pass.
+struct CascadeChoice {
+    t: super::CascadeTables,
+    seg: SegPass,
+    /// Queries per tile (query slots, for `serial`) of the segment pass.
+    seg_qtile: u32,
+}
+
+/// Each variant's split, as `variant_splits` chose it.
+struct Splits {
+    /// (partition tokens, partitions or partial slots) per variant.
+    parts: Vec<(u32, u32)>,
+    /// Where each variant's ALiBi slopes start in the packed words.
+    slopes_offs: Vec<u32>,
+    /// With a cascade: each variant's partitions of the suffix pass.
+    suffix_parts: Vec<u32>,
+    /// Rows of partials the largest split needs (0: none splits).
+    max_rows: u64,
+}
+
 /// A planned cascade: shared segments attended once (attention_rows.wgsl
 /// where decode runs `lanes`, the cascade mode of attention_serial.wgsl
 /// where it runs `serial`, else of attention.wgsl), suffixes split, all
@@ -535,15 +563,13 @@ impl PagedAttention {
         t: &DecodeTables,
         variants: &[AttnOptions],
     ) -> Result<(), GpuError> {
-        self.plan_any(
-            gpu,
-            plan,
-            t.kv_indptr,
-            t.kv_indices,
-            t.seq_lens,
-            None,
-            variants,
-        )
+        let t = StepTables {
+            kv_indptr: t.kv_indptr,
+            kv_indices: t.kv_indices,
+            seq_lens: t.seq_lens,
+            qo_indptr: None,
+        };
+        self.plan_any(gpu, plan, &t, variants, true)
     }
 
     /// Plans a prefill (or mixed prefill and decode) step; see
@@ -557,27 +583,48 @@ impl PagedAttention {
         variants: &[AttnOptions],
     ) -> Result<(), GpuError> {
         self.prefill_pipeline(gpu)?;
-        self.plan_any(
-            gpu,
-            plan,
-            t.kv_indptr,
-            t.kv_indices,
-            t.seq_lens,
-            Some(t.qo_indptr),
-            variants,
-        )
+        let t = StepTables {
+            kv_indptr: t.kv_indptr,
+            kv_indices: t.kv_indices,
+            seq_lens: t.seq_lens,
+            qo_indptr: Some(t.qo_indptr),
+        };
+        self.plan_any(gpu, plan, &t, variants, true)
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// Plans a decode step from tables that are not checked against the
+    /// pool: only what the packing itself needs (batch and length limits,
+    /// u32 offsets) is enforced, and no cascade is sought. For tests of
+    /// the kernels' own bounds (entries outside the pool, offsets past the
+    /// indices, lengths past a table are skipped or clipped by the
+    /// shaders); an engine uses [`plan_decode`](Self::plan_decode).
+    #[doc(hidden)]
+    pub fn plan_decode_unchecked(
+        &self,
+        gpu: &Gpu,
+        plan: &mut AttentionPlan,
+        t: &DecodeTables,
+        variants: &[AttnOptions],
+    ) -> Result<(), GpuError> {
+        let t = StepTables {
+            kv_indptr: t.kv_indptr,
+            kv_indices: t.kv_indices,
+            seq_lens: t.seq_lens,
+            qo_indptr: None,
+        };
+        self.plan_any(gpu, plan, &t, variants, false)
+    }
+
+    /// Plans a step: checks it, chooses the cascade, packs and uploads the
+    /// tables, chooses each variant's split and writes its uniform, and
+    /// plans the cascade's segment pass. On an error the plan holds no step.
     fn plan_any(
         &self,
         gpu: &Gpu,
         plan: &mut AttentionPlan,
-        kv_indptr: &[u32],
-        kv_indices: &[u32],
-        seq_lens: &[u32],
-        qo_indptr: Option<&[u32]>,
+        t: &StepTables,
         variants: &[AttnOptions],
+        checked: bool,
     ) -> Result<(), GpuError> {
         let _serial = gpu.serial();
         if plan.owner != self.id {
@@ -586,160 +633,239 @@ impl PagedAttention {
         plan.kind = None;
         plan.bound = None;
         gpu.alive()?;
-        let bad = |m: String| Err(GpuError::InvalidArgument(m));
-        if variants.is_empty() {
-            return bad("a plan needs at least one variant (AttnOptions)".into());
-        }
-        for o in variants {
-            self.check_options(o)?;
-        }
-        check_csr_tables(
-            self.num_blocks,
-            self.block_size,
-            kv_indptr,
-            kv_indices,
-            seq_lens,
-        )
-        .map_err(GpuError::InvalidArgument)?;
-        let n = seq_lens.len();
-        let num_queries = match qo_indptr {
-            None => n as u32,
-            Some(qo) => {
-                if qo.len() != n + 1 || qo[0] != 0 || qo.windows(2).any(|w| w[0] > w[1]) {
-                    return bad(format!(
-                        "qo_indptr must hold {} non-decreasing offsets from 0",
-                        n + 1
-                    ));
-                }
-                if let Some(s) = (0..n).find(|&s| qo[s + 1] - qo[s] > seq_lens[s]) {
-                    return bad(format!(
-                        "sequence {s} has {} queries but holds only {} tokens",
-                        qo[s + 1] - qo[s],
-                        seq_lens[s]
-                    ));
-                }
-                qo[n]
-            }
-        };
-        let row4 = self.num_heads * (self.head_dim / 4);
-        if plan.q_stride != 0 && (plan.q_stride % 4 != 0 || plan.q_stride / 4 < row4) {
-            return bad(format!(
-                "q stride of {} floats: must be a multiple of 4 and at least num_heads x head_dim = {}",
-                plan.q_stride,
-                row4 * 4
-            ));
-        }
-        let qtile = self.prefill_shape.qtile;
-        // Cascade (decode): shared segments from the tables, used when a
-        // variant forces it or the cost model pays; the main tables then
-        // hold each sequence's private suffix.
-        let c = &self.cache_cfg;
-        let bytes_per_token = c.block_bytes() / c.block_size as u64;
-        let forced = variants.iter().any(|o| o.cascade == Cascade::On);
-        // The segment pass runs on the decode kernel's family: the serial
-        // kernel where that is the decode kernel (software adapters), the
-        // rows kernel where it is `lanes` (GPUs), else the tiled kernel in
-        // its multi-query (prefill) shape. Auto may take the cascade on the
-        // serial kernel (SERIAL_CASCADE_AUTO) and, where CASCADE_AUTO
-        // allows, on the rows kernel: skip the search otherwise.
-        let seg_queries = super::kernels::serial::cascade_queries(&self.decode_shape);
-        let seg = match super::kernels::decode(self.kernel).segment_family() {
-            SegmentFamily::Serial => SegPass::Serial,
-            SegmentFamily::Rows => super::kernels::rows::shape(gpu, &self.decode_shape)
-                .map_or(SegPass::Tiled, SegPass::Rows),
-            SegmentFamily::Tiled => SegPass::Tiled,
-        };
-        let seg_serial = seg == SegPass::Serial;
-        // Queries per tile of the segment pass.
-        let seg_qtile = match seg {
-            SegPass::Serial => seg_queries,
-            SegPass::Rows(rs) => rs.qtile,
-            SegPass::Tiled => qtile,
-        };
-        let may_auto = match seg {
-            SegPass::Serial => SERIAL_CASCADE_AUTO,
-            SegPass::Rows(_) => CASCADE_AUTO && !gpu.is_software(),
-            SegPass::Tiled => false,
-        };
-        let cascade = if qo_indptr.is_none()
-            && n >= 2
-            && !variants.iter().any(|o| o.cascade == Cascade::Off)
-            && (forced || may_auto)
-        {
-            let chunk_tokens = match seg {
-                SegPass::Serial => kernel::pass_cap(gpu, self.kernel, &self.decode_shape)
-                    .unwrap_or(u32::MAX)
-                    .min(SERIAL_CASCADE_CHUNK_TOKENS),
-                SegPass::Rows(rs) => super::kernels::rows::pass_cap(gpu, &rs)
-                    .unwrap_or(u32::MAX)
-                    .min(self.cascade_chunk),
-                SegPass::Tiled => kernel::pass_cap(gpu, Kernel::Tiled, &self.prefill_shape)
-                    .unwrap_or(u32::MAX)
-                    .min(CASCADE_CHUNK_TOKENS),
-            };
-            let t = find_segments(
-                self.num_blocks,
-                self.block_size,
-                kv_indptr,
-                kv_indices,
-                seq_lens,
-                (chunk_tokens / self.block_size).max(1),
-            );
-            let partial = 2 * (self.head_dim as u64 * 4 + 8);
-            let heads = self.num_heads as u64;
-            // The serial segment pass pays in K/V loads (token visits), the
-            // rows pass in bytes saved (see CASCADE_AUTO).
-            let auto = may_auto
-                && if seg_serial {
-                    t.pays_serial(seg_queries, bytes_per_token)
-                } else {
-                    t.pays_gpu(bytes_per_token, n as u64 * heads, partial)
-                };
-            // The rows and tiled passes take a workgroup per query tile in x.
-            let tiles: u64 = (0..t.num_segments())
-                .map(|i| (t.seg_qo[i + 1] - t.seg_qo[i]).div_ceil(seg_qtile) as u64)
-                .sum();
-            if !seg_serial && tiles > 65535 && t.num_segments() > 0 {
-                if forced {
-                    return bad(format!(
-                        "a cascade of {tiles} query tiles (at most 65535): use Cascade::Auto or Off"
-                    ));
-                }
-                None
-            } else {
-                (t.num_segments() > 0 && (forced || auto)).then_some(t)
-            }
-        } else {
-            None
+        let num_queries = self.check_step(plan, t, variants, checked)?;
+        let cascade = match checked {
+            true => self.choose_cascade(gpu, t, variants)?,
+            false => None,
         };
         let (ip, ix, ln) = match &cascade {
-            Some(t) => (
-                &t.suffix_indptr[..],
-                &t.suffix_indices[..],
-                &t.suffix_lens[..],
+            Some(c) => (
+                &c.t.suffix_indptr[..],
+                &c.t.suffix_indices[..],
+                &c.t.suffix_lens[..],
             ),
-            None => (kv_indptr, kv_indices, seq_lens),
+            None => (t.kv_indptr, t.kv_indices, t.seq_lens),
         };
+        let qtile = self.prefill_shape.qtile;
         let meta = pack_into(
             &mut plan.words,
             ip,
             ix,
             ln,
             None,
-            qo_indptr.map(|q| (q, qtile)),
+            t.qo_indptr.map(|q| (q, qtile)),
         )?;
-        // Per-variant ALiBi slopes follow the tables.
-        let mut slopes_offs = Vec::with_capacity(variants.len());
-        let mut splits = std::mem::take(&mut plan.splits);
-        splits.clear();
-        let mut max_rows = 0u64;
-        let mut suffix_parts: Vec<u32> = Vec::new();
+        let splits = self.variant_splits(gpu, plan, t, &meta, cascade.as_ref(), variants)?;
+        let pipes = self.pipes_for(gpu, plan.act, t.qo_indptr.is_some())?;
+        // GPU side: nothing above failed, so the plan can change now.
+        plan.pipes = Some(pipes);
+        self.upload_step(gpu, plan, &meta, num_queries, &splits, variants)?;
+        plan.cascade = None;
+        if let Some(c) = &cascade {
+            plan.cascade = Some(self.plan_segments(gpu, plan, c, &splits, variants)?);
+        }
+        // K and V of every token, side words (quantized scales) included:
+        // the same count the cascade's figures use.
+        plan.kv_bytes = t
+            .seq_lens
+            .iter()
+            .map(|&l| l as u64 * self.bytes_per_token())
+            .sum();
+        plan.splits = splits.parts;
+        plan.variants = variants.len();
+        plan.meta = meta;
+        plan.num_queries = num_queries;
+        plan.kind = Some(if t.qo_indptr.is_some() {
+            Kind::Prefill
+        } else {
+            Kind::Decode
+        });
+        Ok(())
+    }
+
+    /// K and V bytes one token takes in the pool (side words included).
+    fn bytes_per_token(&self) -> u64 {
+        let c = &self.cache_cfg;
+        c.block_bytes() / c.block_size as u64
+    }
+
+    /// Checks a step's variants, tables (when `checked`), queries and Q
+    /// stride; returns its query rows.
+    fn check_step(
+        &self,
+        plan: &AttentionPlan,
+        t: &StepTables,
+        variants: &[AttnOptions],
+        checked: bool,
+    ) -> Result<u32, GpuError> {
+        if variants.is_empty() {
+            return Err(BatchError::NoVariant.into());
+        }
         for o in variants {
-            slopes_offs.push(plan.words.len() as u32);
-            if let Some(s) = &o.alibi_slopes {
-                plan.words.extend(s.iter().map(|x| x.to_bits()));
+            self.check_options(o)?;
+        }
+        if checked {
+            self.check_tables(t.kv_indptr, t.kv_indices, t.seq_lens)?;
+        }
+        let n = t.seq_lens.len();
+        let num_queries = match t.qo_indptr {
+            None => n as u32,
+            Some(qo) => {
+                if qo.len() != n + 1 || qo[0] != 0 || qo.windows(2).any(|w| w[0] > w[1]) {
+                    return Err(BatchError::QoIndptr {
+                        need: n as u64 + 1,
+                    }
+                    .into());
+                }
+                if let Some(s) = (0..n).find(|&s| qo[s + 1] - qo[s] > t.seq_lens[s]) {
+                    return Err(BatchError::MoreQueries {
+                        seq: s as u32,
+                        queries: qo[s + 1] - qo[s],
+                        tokens: t.seq_lens[s],
+                    }
+                    .into());
+                }
+                qo[n]
             }
-            let (pt, parts) = match qo_indptr {
+        };
+        let row4 = self.num_heads * (self.head_dim / 4);
+        if plan.q_stride != 0 && (plan.q_stride % 4 != 0 || plan.q_stride / 4 < row4) {
+            return Err(BatchError::Stride {
+                what: "q",
+                stride: plan.q_stride,
+                row: row4 * 4,
+            }
+            .into());
+        }
+        Ok(num_queries)
+    }
+
+    /// The kernel of the cascade's segment pass: the decode kernel's
+    /// family, with its query slots or tile.
+    fn segment_pass(&self, gpu: &Gpu) -> (SegPass, u32) {
+        let seg = match super::kernels::decode(self.kernel).segment_family() {
+            SegmentFamily::Serial => SegPass::Serial,
+            SegmentFamily::Rows => super::kernels::rows::shape(gpu, &self.decode_shape)
+                .map_or(SegPass::Tiled, SegPass::Rows),
+            SegmentFamily::Tiled => SegPass::Tiled,
+        };
+        // Queries per tile of the segment pass.
+        let qtile = match seg {
+            SegPass::Serial => super::kernels::serial::cascade_queries(&self.decode_shape),
+            SegPass::Rows(rs) => rs.qtile,
+            SegPass::Tiled => self.prefill_shape.qtile,
+        };
+        (seg, qtile)
+    }
+
+    /// Cascade (decode): shared segments from the tables, used when a
+    /// variant forces it or the cost model pays; the main tables then hold
+    /// each sequence's private suffix. The segment pass runs on the decode
+    /// kernel's family: the serial kernel where that is the decode kernel
+    /// (software adapters), the rows kernel where it is `lanes` (GPUs),
+    /// else the tiled kernel in its multi-query (prefill) shape. Auto may
+    /// take the cascade on the serial kernel (SERIAL_CASCADE_AUTO) and,
+    /// where CASCADE_AUTO allows, on the rows kernel: the search is skipped
+    /// otherwise.
+    fn choose_cascade(
+        &self,
+        gpu: &Gpu,
+        t: &StepTables,
+        variants: &[AttnOptions],
+    ) -> Result<Option<CascadeChoice>, GpuError> {
+        let forced = variants.iter().any(|o| o.cascade == Cascade::On);
+        let (seg, seg_qtile) = self.segment_pass(gpu);
+        let may_auto = match seg {
+            SegPass::Serial => SERIAL_CASCADE_AUTO,
+            SegPass::Rows(_) => CASCADE_AUTO && !gpu.is_software(),
+            SegPass::Tiled => false,
+        };
+        let n = t.seq_lens.len();
+        if t.qo_indptr.is_some()
+            || n < 2
+            || variants.iter().any(|o| o.cascade == Cascade::Off)
+            || !(forced || may_auto)
+        {
+            return Ok(None);
+        }
+        let chunk_tokens = match seg {
+            SegPass::Serial => kernel::pass_cap(gpu, self.kernel, &self.decode_shape)
+                .unwrap_or(u32::MAX)
+                .min(SERIAL_CASCADE_CHUNK_TOKENS),
+            SegPass::Rows(rs) => super::kernels::rows::pass_cap(gpu, &rs)
+                .unwrap_or(u32::MAX)
+                .min(self.cascade_chunk),
+            SegPass::Tiled => kernel::pass_cap(gpu, Kernel::Tiled, &self.prefill_shape)
+                .unwrap_or(u32::MAX)
+                .min(CASCADE_CHUNK_TOKENS),
+        };
+        let tables = find_segments(
+            self.num_blocks,
+            self.block_size,
+            t.kv_indptr,
+            t.kv_indices,
+            t.seq_lens,
+            (chunk_tokens / self.block_size).max(1),
+        );
+        if tables.num_segments() == 0 {
+            return Ok(None);
+        }
+        let partial = 2 * (self.head_dim as u64 * 4 + 8);
+        let heads = self.num_heads as u64;
+        // The serial segment pass pays in K/V loads (token visits), the
+        // rows pass in bytes saved (see CASCADE_AUTO).
+        let auto = may_auto
+            && match seg {
+                SegPass::Serial => tables.pays_serial(seg_qtile, self.bytes_per_token()),
+                _ => tables.pays_gpu(self.bytes_per_token(), n as u64 * heads, partial),
+            };
+        // The rows and tiled passes take a workgroup per query tile in x.
+        let tiles: u64 = (0..tables.num_segments())
+            .map(|i| (tables.seg_qo[i + 1] - tables.seg_qo[i]).div_ceil(seg_qtile) as u64)
+            .sum();
+        if seg != SegPass::Serial && tiles > 65535 {
+            if forced {
+                return Err(BatchError::Dispatch {
+                    what: "cascade query tiles (use Cascade::Auto or Off)",
+                    count: tiles,
+                    limit: 65535,
+                }
+                .into());
+            }
+            return Ok(None);
+        }
+        Ok((forced || auto).then_some(CascadeChoice {
+            t: tables,
+            seg,
+            seg_qtile,
+        }))
+    }
+
+    /// Each variant's split (partition tokens, partitions) and ALiBi
+    /// slopes (appended to the packed words), and the rows of partials the
+    /// largest split needs.
+    fn variant_splits(
+        &self,
+        gpu: &Gpu,
+        plan: &mut AttentionPlan,
+        t: &StepTables,
+        meta: &PackedMeta,
+        cascade: Option<&CascadeChoice>,
+        variants: &[AttnOptions],
+    ) -> Result<Splits, GpuError> {
+        let mut s = Splits {
+            parts: std::mem::take(&mut plan.splits),
+            slopes_offs: Vec::with_capacity(variants.len()),
+            suffix_parts: Vec::new(),
+            max_rows: 0,
+        };
+        s.parts.clear();
+        for o in variants {
+            s.slopes_offs.push(plan.words.len() as u32);
+            if let Some(sl) = &o.alibi_slopes {
+                plan.words.extend(sl.iter().map(|x| x.to_bits()));
+            }
+            let (pt, parts) = match t.qo_indptr {
                 Some(_) => self.prefill_split(
                     gpu,
                     o.split,
@@ -750,21 +876,26 @@ impl PagedAttention {
                 None => {
                     let (pt, parts) =
                         self.decode_split(gpu, o.split, meta.num_seqs, meta.max_len)?;
-                    match &cascade {
+                    match cascade {
                         None => (pt, parts),
                         // Always partials (one partition when unsplit), and
                         // after the suffix's partitions one slot per
                         // segment depth, written by the segment pass.
-                        Some(t) => {
+                        Some(c) => {
                             let (pt, parts) = if pt == 0 {
                                 (meta.max_len.max(1).div_ceil(64) * 64, 1)
                             } else {
                                 (pt, parts)
                             };
-                            suffix_parts.push(parts);
-                            let slots = parts + t.max_depth;
+                            s.suffix_parts.push(parts);
+                            let slots = parts + c.t.max_depth;
                             if slots > 65535 {
-                                return bad(format!("{slots} partial slots (at most 65535)"));
+                                return Err(BatchError::Dispatch {
+                                    what: "partial slots",
+                                    count: slots as u64,
+                                    limit: 65535,
+                                }
+                                .into());
                             }
                             (pt, slots)
                         }
@@ -772,30 +903,42 @@ impl PagedAttention {
                 }
             };
             if pt != 0 {
-                max_rows = max_rows.max(num_queries as u64 * self.num_heads as u64 * parts as u64);
+                let rows = meta.num_queries as u64 * self.num_heads as u64 * parts as u64;
+                s.max_rows = s.max_rows.max(rows);
             }
-            splits.push((pt, parts));
+            s.parts.push((pt, parts));
         }
-        let pipes = self.pipes_for(gpu, plan.act, qo_indptr.is_some())?;
-        // GPU side: nothing above failed, so the plan can change now.
-        plan.pipes = Some(pipes);
+        Ok(s)
+    }
+
+    /// Uploads the packed tables, sizes the split-K workspace and writes
+    /// each variant's uniform.
+    fn upload_step(
+        &self,
+        gpu: &Gpu,
+        plan: &mut AttentionPlan,
+        meta: &PackedMeta,
+        num_queries: u32,
+        splits: &Splits,
+        variants: &[AttnOptions],
+    ) -> Result<(), GpuError> {
+        debug_assert_eq!(meta.num_queries, num_queries);
         let mut regrown = plan
             .tables
             .ensure(gpu, "plan tables", plan.words.len() as u64 * 4)?;
         gpu.queue
             .write_buffer(plan.tables.get(), 0, bytemuck::cast_slice(&plan.words));
-        if max_rows > 0 {
-            let d4 = self.head_dim as u64 / 4;
-            let scratch = max_rows * d4 * 16;
+        if splits.max_rows > 0 {
+            let scratch = splits.max_rows * self.head_dim as u64 * 4;
             if scratch > gpu.max_binding_bytes() {
-                return bad(format!(
-                    "split partials of {scratch} bytes, over the device's storage binding limit of {}: \
-                     use longer partitions or a smaller batch",
-                    gpu.max_binding_bytes()
-                ));
+                return Err(BatchError::Partials {
+                    bytes: scratch,
+                    limit: gpu.max_binding_bytes(),
+                }
+                .into());
             }
-            regrown |= plan.acc.ensure(gpu, "plan split acc", max_rows * d4 * 16)?;
-            regrown |= plan.ml.ensure(gpu, "plan split ml", max_rows * 8)?;
+            regrown |= plan.acc.ensure(gpu, "plan split acc", scratch)?;
+            regrown |= plan.ml.ensure(gpu, "plan split ml", splits.max_rows * 8)?;
         }
         while plan.params.len() < variants.len() {
             let p = params::AttnParams::default();
@@ -805,121 +948,110 @@ impl PagedAttention {
             plan.groups.clear();
         }
         for (i, o) in variants.iter().enumerate() {
-            let (pt, parts) = splits[i];
-            let p = self.params_for(o, &meta, pt, parts, slopes_offs[i], plan.q_stride / 4);
+            let (pt, parts) = splits.parts[i];
+            let p = self.params_for(o, meta, pt, parts, splits.slopes_offs[i], plan.q_stride / 4);
             gpu.queue
                 .write_buffer(&plan.params[i], 0, bytemuck::bytes_of(&p));
         }
-        // The segment pass: its tables (segments as pseudo-sequences with
-        // their query tiles), the (row, position) map, per-variant slopes
-        // and slots, and per-variant params.
-        plan.cascade = None;
-        if let Some(t) = &cascade {
-            let cmeta = pack_into(
-                &mut plan.c_words,
-                &t.seg_indptr,
-                &t.seg_indices,
-                &t.seg_lens,
-                None,
-                Some((&t.seg_qo, seg_qtile)),
-            )?;
-            let qmap_off = plan.c_words.len() as u32;
-            plan.c_words.extend_from_slice(&t.qmap);
-            let mut offs = Vec::with_capacity(variants.len());
-            for (i, o) in variants.iter().enumerate() {
-                let slopes_off = plan.c_words.len() as u32;
-                if let Some(sl) = &o.alibi_slopes {
-                    plan.c_words.extend(sl.iter().map(|x| x.to_bits()));
-                }
-                let slot_off = plan.c_words.len() as u32;
-                plan.c_words
-                    .extend(t.seg_depth.iter().map(|d| suffix_parts[i] + d));
-                offs.push((slopes_off, slot_off));
-            }
-            let regrown_c =
-                plan.c_tables
-                    .ensure(gpu, "plan cascade tables", plan.c_words.len() as u64 * 4)?;
-            if regrown_c {
-                plan.groups.clear();
-            }
-            gpu.queue
-                .write_buffer(plan.c_tables.get(), 0, bytemuck::cast_slice(&plan.c_words));
-            while plan.c_params.len() < variants.len() {
-                let p = params::AttnParams::default();
-                plan.c_params.push(gpu.uniform("plan cascade params", &p)?);
-            }
-            for (i, o) in variants.iter().enumerate() {
-                let mut p =
-                    self.params_for(o, &cmeta, 0, splits[i].1, offs[i].0, plan.q_stride / 4);
-                p.qmap_off = qmap_off;
-                p.slot_off = offs[i].1;
-                // Positions are past the segment: the window is not cut to
-                // the segment's length.
-                p.sliding_window = o.sliding_window.unwrap_or(0);
-                gpu.queue
-                    .write_buffer(&plan.c_params[i], 0, bytemuck::bytes_of(&p));
-            }
-            let pipe = match (seg, plan.act) {
-                // The rows kernel (f32 partials).
-                (SegPass::Rows(rs), act) => pipeline(
-                    gpu,
-                    "attention_rows",
-                    &ShaderShape {
-                        q_f16: act == ActDtype::F16,
-                        ..rs
-                    },
-                )?,
-                // The serial kernel with `seg_queries` query slots (f32
-                // partials; the split pipeline itself when that is 1).
-                (SegPass::Serial, _) => pipeline(
-                    gpu,
-                    self.kernel.shader(),
-                    &ShaderShape {
-                        qtile: seg_queries,
-                        q_f16: plan.act == ActDtype::F16,
-                        out_f16: false,
-                        ..self.decode_shape
-                    },
-                )?,
-                (SegPass::Tiled, ActDtype::F32) => self.prefill_pipeline(gpu)?.clone(),
-                (SegPass::Tiled, ActDtype::F16) => pipeline(
-                    gpu,
-                    "attention",
-                    &ShaderShape {
-                        q_f16: true,
-                        out_f16: false,
-                        ..self.prefill_shape
-                    },
-                )?,
-            };
-            plan.cascade = Some(CascadeStep {
-                num_tiles: cmeta.num_tiles,
-                serial_wg: seg_serial.then(|| shader::serial_workgroup_size(seg_queries)),
-                head_tiles: match seg {
-                    SegPass::Rows(rs) => rs.head_tiles(),
-                    _ => self.prefill_shape.head_tiles(),
-                },
-                pipe,
-                bytes: (
-                    t.cascade_tokens * bytes_per_token,
-                    t.plain_tokens * bytes_per_token,
-                ),
-                segments: t.num_segments(),
-            });
-        }
-        // K and V of every token, side words (quantized scales) included:
-        // the same count the cascade's figures use.
-        plan.kv_bytes = seq_lens.iter().map(|&l| l as u64 * bytes_per_token).sum();
-        plan.splits = splits;
-        plan.variants = variants.len();
-        plan.meta = meta;
-        plan.num_queries = num_queries;
-        plan.kind = Some(if qo_indptr.is_some() {
-            Kind::Prefill
-        } else {
-            Kind::Decode
-        });
         Ok(())
+    }
+
+    /// The segment pass: its tables (segments as pseudo-sequences with
+    /// their query tiles), the (row, position) map, per-variant slopes and
+    /// slots, per-variant params, and its pipeline.
+    fn plan_segments(
+        &self,
+        gpu: &Gpu,
+        plan: &mut AttentionPlan,
+        c: &CascadeChoice,
+        splits: &Splits,
+        variants: &[AttnOptions],
+    ) -> Result<CascadeStep, GpuError> {
+        let t = &c.t;
+        let cmeta = pack_into(
+            &mut plan.c_words,
+            &t.seg_indptr,
+            &t.seg_indices,
+            &t.seg_lens,
+            None,
+            Some((&t.seg_qo, c.seg_qtile)),
+        )?;
+        let qmap_off = plan.c_words.len() as u32;
+        plan.c_words.extend_from_slice(&t.qmap);
+        let mut offs = Vec::with_capacity(variants.len());
+        for (i, o) in variants.iter().enumerate() {
+            let slopes_off = plan.c_words.len() as u32;
+            if let Some(sl) = &o.alibi_slopes {
+                plan.c_words.extend(sl.iter().map(|x| x.to_bits()));
+            }
+            let slot_off = plan.c_words.len() as u32;
+            plan.c_words
+                .extend(t.seg_depth.iter().map(|d| splits.suffix_parts[i] + d));
+            offs.push((slopes_off, slot_off));
+        }
+        let regrown = plan
+            .c_tables
+            .ensure(gpu, "plan cascade tables", plan.c_words.len() as u64 * 4)?;
+        if regrown {
+            plan.groups.clear();
+        }
+        gpu.queue
+            .write_buffer(plan.c_tables.get(), 0, bytemuck::cast_slice(&plan.c_words));
+        while plan.c_params.len() < variants.len() {
+            let p = params::AttnParams::default();
+            plan.c_params.push(gpu.uniform("plan cascade params", &p)?);
+        }
+        for (i, o) in variants.iter().enumerate() {
+            let parts = splits.parts[i].1;
+            let mut p = self.params_for(o, &cmeta, 0, parts, offs[i].0, plan.q_stride / 4);
+            p.qmap_off = qmap_off;
+            p.slot_off = offs[i].1;
+            // Positions are past the segment: the window is not cut to the
+            // segment's length.
+            p.sliding_window = o.sliding_window.unwrap_or(0);
+            gpu.queue
+                .write_buffer(&plan.c_params[i], 0, bytemuck::bytes_of(&p));
+        }
+        let q_f16 = plan.act == ActDtype::F16;
+        let pipe = match c.seg {
+            // The rows kernel (f32 partials).
+            SegPass::Rows(rs) => pipeline(gpu, "attention_rows", &ShaderShape { q_f16, ..rs })?,
+            // The serial kernel with its query slots (f32 partials; the
+            // split pipeline itself when that is 1).
+            SegPass::Serial => pipeline(
+                gpu,
+                self.kernel.shader(),
+                &ShaderShape {
+                    qtile: c.seg_qtile,
+                    q_f16,
+                    out_f16: false,
+                    ..self.decode_shape
+                },
+            )?,
+            SegPass::Tiled if !q_f16 => self.prefill_pipeline(gpu)?.clone(),
+            SegPass::Tiled => pipeline(
+                gpu,
+                "attention",
+                &ShaderShape {
+                    q_f16: true,
+                    out_f16: false,
+                    ..self.prefill_shape
+                },
+            )?,
+        };
+        let bpt = self.bytes_per_token();
+        Ok(CascadeStep {
+            num_tiles: cmeta.num_tiles,
+            serial_wg: (c.seg == SegPass::Serial)
+                .then(|| shader::serial_workgroup_size(c.seg_qtile)),
+            head_tiles: match c.seg {
+                SegPass::Rows(rs) => rs.head_tiles(),
+                _ => self.prefill_shape.head_tiles(),
+            },
+            pipe,
+            bytes: (t.cascade_tokens * bpt, t.plain_tokens * bpt),
+            segments: t.num_segments(),
+        })
     }
 
     /// Records one layer's attention of a planned step into `enc`: `q` holds
@@ -941,8 +1073,7 @@ impl PagedAttention {
         out: &wgpu::BufferBinding,
     ) -> Result<(), GpuError> {
         let _serial = gpu.serial();
-        self.check_call(gpu, cache, &AttnOptions::default(), None)?;
-        let bad = |m: String| Err(GpuError::InvalidArgument(m));
+        self.check_cache(gpu, cache)?;
         if plan.owner != self.id {
             return Err(GpuError::Plan(PlanMismatch::OtherAttention));
         }
@@ -965,10 +1096,11 @@ impl PagedAttention {
             _ => {}
         }
         if variant >= plan.variants {
-            return bad(format!(
-                "variant {variant} of a plan with {}",
-                plan.variants
-            ));
+            return Err(BatchError::Variant {
+                variant,
+                variants: plan.variants,
+            }
+            .into());
         }
         let [k, v] = cache.layer(layer)?;
         let nq = plan.num_queries as u64;
@@ -1208,7 +1340,6 @@ impl KvCache {
         }
         plan.planned = false;
         gpu.alive()?;
-        let bad = |m: String| Err(GpuError::InvalidArgument(m));
         let cap = self.cfg.num_blocks as u64 * self.cfg.block_size as u64;
         // SKIP_WRITE (u32::MAX): a token whose K/V is in the pool already
         // (a prompt cached to its end); the kernels skip it.
@@ -1216,38 +1347,50 @@ impl KvCache {
             .iter()
             .find(|&&s| s as u64 >= cap && s != crate::blocks::SKIP_WRITE)
         {
-            return bad(format!("slot {s} outside the pool of {cap} slots"));
+            return Err(PoolError::SlotOutsidePool { slot: s, slots: cap }.into());
         }
         if let Some(c) = copies
             .iter()
             .find(|c| c[0] >= self.cfg.num_blocks || c[1] >= self.cfg.num_blocks)
         {
-            return bad(format!(
-                "copy {c:?} names a block outside the pool of {}",
-                self.cfg.num_blocks
-            ));
+            return Err(PoolError::CopyOutsidePool {
+                pair: *c,
+                blocks: self.cfg.num_blocks,
+            }
+            .into());
         }
         // One step writes a slot at most once: the GPU writes a step's
         // tokens in parallel, so two writes of one slot would race.
         if let Some(s) = duplicate_slot(slots, &mut plan.scratch) {
-            return bad(format!("slot {s} is written twice in one step"));
+            return Err(PoolError::SlotTwice { slot: s }.into());
         }
         let row4 = self.cfg.num_kv_heads * self.cfg.head_dim / 4;
         if plan.kv_stride != 0 && (plan.kv_stride % 4 != 0 || plan.kv_stride / 4 < row4) {
-            return bad(format!(
-                "K/V stride of {} floats: must be a multiple of 4 and at least num_kv_heads x head_dim = {}",
-                plan.kv_stride,
-                row4 * 4
-            ));
+            return Err(BatchError::Stride {
+                what: "K/V",
+                stride: plan.kv_stride,
+                row: row4 * 4,
+            }
+            .into());
         }
-        let threads = slots.len() as u64 * self.cfg.write_threads_per_token();
-        let copy_threads = copies.len() as u64 * self.cfg.copy_threads_per_block();
-        if threads > u32::MAX as u64 || copy_threads > u32::MAX as u64 {
-            return bad(format!(
-                "{} tokens and {} copies in one step are too many",
-                slots.len(),
-                copies.len()
-            ));
+        for (what, count) in [
+            (
+                "write_kv threads",
+                slots.len() as u64 * self.cfg.write_threads_per_token(),
+            ),
+            (
+                "copy_blocks threads",
+                copies.len() as u64 * self.cfg.copy_threads_per_block(),
+            ),
+        ] {
+            if count > u32::MAX as u64 {
+                return Err(PoolError::TooMany {
+                    what,
+                    count,
+                    limit: u32::MAX as u64,
+                }
+                .into());
+            }
         }
         let write_pipe = match plan.act {
             ActDtype::F32 => self.write_kv.clone(),

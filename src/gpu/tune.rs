@@ -136,10 +136,12 @@ impl Tuner {
         let c = *cache.config();
         let eligible = PagedAttention::eligible_kernels(gpu, cache, num_heads);
         if eligible.is_empty() {
-            return Err(GpuError::InvalidArgument(format!(
-                "no kernel runs {num_heads} query heads over {} kv heads at head_dim {}",
-                c.num_kv_heads, c.head_dim
-            )));
+            return Err(super::error::ShapeError::NoKernel {
+                heads: num_heads,
+                kv_heads: c.num_kv_heads,
+                head_dim: c.head_dim,
+            }
+            .into());
         }
         let base = PagedAttention::base_shape(&c, num_heads, true);
         let key = kernel::tune_key(gpu, &base, num_heads, c.num_kv_heads);

@@ -1,7 +1,7 @@
 //! The trust guarantees under adversarial use, on a real adapter: device
 //! loss (also from another thread mid-call), errors landing on the call
 //! that caused them, windows near `u32::MAX`, a cache the kernels were not
-//! built for, one source of truth for ALiBi, sizes that overflow, and
+//! built for, sizes that overflow, and
 //! adapters that end long loops early. Every randomized input has a fixed
 //! seed per test (`PAGEDATTN_SEED` overrides; failures print it); outputs
 //! are poisoned (NaN) by the library before each run; f32 tolerance 1e-5.
@@ -14,7 +14,8 @@ use std::time::Duration;
 use common::*;
 use pagedattn::blocks::{BatchView, BlockManager, BlockManagerConfig};
 use pagedattn::gpu::{
-    AttnOptions, BatchTables, Gpu, GpuError, KvCache, KvCacheConfig, KvDtype, PagedAttention, Split,
+    AttnOptions, DecodeTables, Gpu, GpuError, KvCache, KvCacheConfig, KvDtype,
+    PagedAttention, ShapeError, Split,
 };
 use pagedattn::reference::{self, rel_l2, AttnParams};
 use pagedattn::rng::SplitMix64;
@@ -150,23 +151,23 @@ fn device_loss_is_seen_by_every_call() {
     let r = rig(&gpu, &mut rng, &[40, 17], 2, 2, 64);
     let q = r.q(&mut rng);
     assert!(r.decode(&gpu, &q, &AttnOptions::default()).unwrap() < TOL);
-    let tables = BatchTables::upload(
-        &gpu,
-        &r.view.kv_indptr,
-        &r.view.kv_indices,
-        &r.view.seq_lens,
-        None,
-    )
-    .unwrap();
     let qb = gpu.storage_init("q", &q).unwrap();
     let out = gpu.storage("out", (q.len() * 4) as u64).unwrap();
+    let opts = AttnOptions::default();
+    let (mut aplan, mut wplan) = (r.attn.plan(), r.cache.plan());
+    let tables = DecodeTables::from_view(&r.view);
+    r.attn
+        .plan_decode(&gpu, &mut aplan, &tables, std::slice::from_ref(&opts))
+        .unwrap();
+    r.cache
+        .plan_write(&gpu, &mut wplan, &[3], &[[0, 1]])
+        .unwrap();
 
     gpu.device.destroy();
     assert!(gpu.is_lost(), "is_lost right after destroy");
     let row = 2 * 64;
     let k = rng.signed_vec(row);
     let v = &r.view;
-    let opts = AttnOptions::default();
     let calls: Vec<(&str, bool)> = vec![
         (
             "write_kv",
@@ -204,29 +205,38 @@ fn device_loss_is_seen_by_every_call() {
         ("uniform", is_device(&gpu.uniform("x", &[0u32; 4]))),
         ("read", is_device(&gpu.read::<f32>(&out, 16))),
         (
-            "BatchTables::upload",
-            is_device(&BatchTables::upload(&gpu, &[0, 1], &[0], &[3], None)),
+            "plan_decode",
+            is_device(&r.attn.plan_decode(
+                &gpu,
+                &mut r.attn.plan(),
+                &tables,
+                std::slice::from_ref(&opts),
+            )),
+        ),
+        (
+            "plan_write",
+            is_device(&r.cache.plan_write(&gpu, &mut r.cache.plan(), &[3], &[])),
         ),
         ("wait", is_device(&gpu.wait())),
         ("take_error", is_device(&gpu.take_error())),
         ("scoped_blocking", is_device(&gpu.scoped_blocking(|| ()))),
     ];
     let mut enc = gpu.device.create_command_encoder(&Default::default());
+    let (qr, outr) = (qb.as_entire_buffer_binding(), out.as_entire_buffer_binding());
     let enc_calls = [
         (
-            "encode_decode",
-            is_device(
-                &r.attn
-                    .encode_decode(&gpu, &mut enc, &r.cache, 0, &qb, &tables, &out, &opts),
-            ),
+            "run",
+            is_device(&r.attn.run(
+                &gpu, &mut enc, &mut aplan, &r.cache, 0, 0, &qr, &outr,
+            )),
         ),
         (
-            "encode_write_kv",
-            is_device(&r.cache.encode_write_kv(&gpu, &mut enc, 0, &qb, &qb, &qb, 1)),
+            "run_write_kv",
+            is_device(&r.cache.run_write_kv(&gpu, &mut enc, &mut wplan, 0, &qr, &qr)),
         ),
         (
-            "encode_copy_blocks",
-            is_device(&r.cache.encode_copy_blocks(&gpu, &mut enc, &qb, 1)),
+            "run_copy_blocks",
+            is_device(&r.cache.run_copy_blocks(&gpu, &mut enc, &mut wplan)),
         ),
     ];
     let failed: Vec<&str> = calls
@@ -328,8 +338,8 @@ fn device_loss_while_threads_are_busy() {
     assert!(is_device(&d), "{d:?}");
 }
 
-/// Thread A records misuse through the encoder API (a buffer without
-/// STORAGE usage) and submits it; thread B's valid decode, run right after,
+/// Thread A records a misuse of wgpu itself (a copy from a buffer without
+/// COPY_SRC usage) and submits it; thread B's valid decode, run right after,
 /// still returns `Ok` with the right answer; A's own `wait()` reports A's
 /// error, once.
 #[test]
@@ -349,29 +359,16 @@ fn errors_land_on_the_call_that_caused_them() {
             q.clone(),
         );
         std::thread::spawn(move || {
+            let _ = &r;
             let wrong = gpu.device.create_buffer(&wgpu::BufferDescriptor {
-                label: Some("no STORAGE usage"),
+                label: Some("no COPY_SRC usage"),
                 size: (q.len() * 4) as u64,
                 usage: wgpu::BufferUsages::COPY_DST,
                 mapped_at_creation: false,
             });
-            let v = &r.view;
-            let tables =
-                BatchTables::upload(&gpu, &v.kv_indptr, &v.kv_indices, &v.seq_lens, None).unwrap();
             let qb = gpu.storage_init("q", &q).unwrap();
             let mut enc = gpu.device.create_command_encoder(&Default::default());
-            r.attn
-                .encode_decode(
-                    &gpu,
-                    &mut enc,
-                    &r.cache,
-                    0,
-                    &qb,
-                    &tables,
-                    &wrong,
-                    &Default::default(),
-                )
-                .unwrap();
+            enc.copy_buffer_to_buffer(&wrong, 0, &qb, 0, 16);
             gpu.queue.submit([enc.finish()]);
             misused.wait();
             checked.wait();
@@ -420,7 +417,7 @@ fn windows_near_u32_max_are_exact() {
 }
 
 /// A `PagedAttention` refuses a cache of another shape than the one it was
-/// built for, on the host and encoder paths, before anything runs.
+/// built for, on the host path and at `run`, before anything runs.
 #[test]
 fn attention_checks_the_cache_it_is_given() {
     let Some(gpu) = gpu() else { return };
@@ -440,83 +437,39 @@ fn attention_checks_the_cache_it_is_given() {
         &Default::default(),
     );
     match r {
-        Err(GpuError::InvalidArgument(m)) => assert!(m.contains("built for"), "{m}"),
+        Err(e @ GpuError::Shape(ShapeError::OtherCache { .. })) => {
+            assert!(e.to_string().contains("built for"), "{e}")
+        }
         other => panic!("{other:?}"),
     }
-    let tables = BatchTables::upload(&gpu, &v.kv_indptr, &v.kv_indices, &v.seq_lens, None).unwrap();
     let qb = gpu.storage_init("q", &q).unwrap();
     let out = gpu.storage("out", (q.len() * 4) as u64).unwrap();
+    let mut plan = big.attn.plan();
+    big.attn
+        .plan_decode(
+            &gpu,
+            &mut plan,
+            &DecodeTables::from_view(v),
+            &[AttnOptions::default()],
+        )
+        .unwrap();
     let mut enc = gpu.device.create_command_encoder(&Default::default());
-    let r = big.attn.encode_decode(
+    let r = big.attn.run(
         &gpu,
         &mut enc,
+        &mut plan,
         &small.cache,
         0,
-        &qb,
-        &tables,
-        &out,
-        &Default::default(),
+        0,
+        &qb.as_entire_buffer_binding(),
+        &out.as_entire_buffer_binding(),
     );
-    assert!(matches!(r, Err(GpuError::InvalidArgument(_))), "{r:?}");
+    assert!(
+        matches!(r, Err(GpuError::Shape(ShapeError::OtherCache { .. }))),
+        "{r:?}"
+    );
     // The same shape (another cache of it) is fine.
     assert!(big.decode(&gpu, &q, &AttnOptions::default()).unwrap() < TOL);
-    assert!(gpu.take_error().is_ok());
-}
-
-/// ALiBi comes from the options on both paths: tables packed with other
-/// slopes (or none) than the options are refused, equal ones run right.
-#[test]
-fn alibi_has_one_source_of_truth() {
-    let Some(gpu) = gpu() else { return };
-    let mut rng = SplitMix64::new(seed("alibi one source"));
-    let r = rig(&gpu, &mut rng, &[70, 33], 2, 2, 64);
-    let slopes: Vec<f32> = (0..4).map(|h| 2f32.powf(-(h as f32 + 1.0))).collect();
-    let q = r.q(&mut rng);
-    let v = &r.view;
-    let with = AttnOptions {
-        alibi_slopes: Some(slopes.clone()),
-        ..Default::default()
-    };
-    let run = |packed: Option<&[f32]>, o: &AttnOptions| -> Result<Vec<f32>, GpuError> {
-        let tables = BatchTables::upload(&gpu, &v.kv_indptr, &v.kv_indices, &v.seq_lens, packed)?;
-        let qb = gpu.storage_init("q", &q)?;
-        let out = gpu.storage("out", (q.len() * 4) as u64)?;
-        let mut enc = gpu.device.create_command_encoder(&Default::default());
-        r.attn
-            .encode_decode(&gpu, &mut enc, &r.cache, 0, &qb, &tables, &out, o)?;
-        gpu.queue.submit([enc.finish()]);
-        gpu.read(&out, (q.len() * 4) as u64)
-    };
-    let other: Vec<f32> = slopes.iter().map(|s| s * 2.0).collect();
-    for (packed, o, what) in [
-        (None, &with, "options with slopes, tables without"),
-        (
-            Some(&slopes[..]),
-            &AttnOptions::default(),
-            "tables with slopes, options without",
-        ),
-        (Some(&other[..]), &with, "different slopes"),
-    ] {
-        match run(packed, o) {
-            Err(GpuError::InvalidArgument(m)) => assert!(m.contains("ALiBi"), "{what}: {m}"),
-            other => panic!("{what}: {:?}", other.map(|_| ())),
-        }
-    }
-    let got = run(Some(&slopes), &with).unwrap();
-    let want = reference::decode(
-        &r.host.view(),
-        &r.params(&with),
-        &q,
-        &v.kv_indptr,
-        &v.kv_indices,
-        &v.seq_lens,
-    );
-    let e = rel_l2(&got, &want);
-    assert!(e < TOL, "encoder path with ALiBi: {e:.3e}");
-    assert!(
-        r.decode(&gpu, &q, &with).unwrap() < TOL,
-        "host path with ALiBi"
-    );
     assert!(gpu.take_error().is_ok());
 }
 
@@ -577,10 +530,7 @@ fn cache_shapes_that_overflow_are_refused() {
     ] {
         match KvCache::new(&gpu, cfg) {
             Err(
-                e @ (GpuError::InvalidArgument(_)
-                | GpuError::Pool(_)
-                | GpuError::Unsupported(_)
-                | GpuError::CacheTooLarge { .. }),
+                e @ (GpuError::Pool(_) | GpuError::Shape(_) | GpuError::CacheTooLarge { .. }),
             ) => {
                 eprintln!("{what}: {e}")
             }
@@ -597,13 +547,16 @@ fn buffer_sizes_are_checked() {
     let Some(gpu) = gpu() else { return };
     assert!(matches!(
         gpu.storage("huge", u64::MAX),
-        Err(GpuError::InvalidArgument(_))
+        Err(GpuError::DeviceLimit {
+            limit: "max_buffer_size",
+            ..
+        })
     ));
     let b = gpu.storage_init("data", &[1.0f32, 2.0, 3.0, 4.0]).unwrap();
     assert_eq!(gpu.read::<f32>(&b, 16).unwrap(), vec![1.0, 2.0, 3.0, 4.0]);
     for bytes in [u64::MAX, b.size() + 4] {
         match gpu.read::<f32>(&b, bytes) {
-            Err(GpuError::InvalidArgument(m)) => assert!(m.contains("read of"), "{m}"),
+            Err(e @ GpuError::ReadPastEnd { .. }) => assert!(e.to_string().contains("read of"), "{e}"),
             other => panic!("read of {bytes}: {other:?}"),
         }
     }
@@ -638,7 +591,7 @@ fn passes_an_adapter_cannot_finish_are_refused() {
             ..Default::default()
         };
         match r.decode(&gpu, &q, &never) {
-            Err(GpuError::Unsupported(m)) => assert!(m.contains("65535"), "{m}"),
+            Err(e @ GpuError::PassTooLong { .. }) => assert!(e.to_string().contains("65535"), "{e}"),
             other => panic!("unsplit decode past the bound: {other:?}"),
         }
         let e = r.decode(&gpu, &q, &AttnOptions::default()).unwrap();
@@ -650,7 +603,9 @@ fn passes_an_adapter_cannot_finish_are_refused() {
         // Prefill past the bound: refused unsplit, split-KV (and exact)
         // under Split::Auto.
         match r.prefill(&gpu, &mut rng, 2, &never) {
-            Err(GpuError::Unsupported(m)) => assert!(m.contains("prefill"), "{m}"),
+            Err(e @ GpuError::PassTooLong { what: "prefill", .. }) => {
+                assert!(e.to_string().contains("prefill"), "{e}")
+            }
             other => panic!("unsplit prefill past the bound: {other:?}"),
         }
         let e = r
@@ -723,46 +678,6 @@ fn salted_prompts_keep_their_own_kv() {
             assert_eq!(&k[s as usize * 8..][..8], &want[t * 8..][..8], "token {t}");
         }
     }
-}
-
-/// `BatchTables`' fields are public: tables whose offsets overflow `u32`, or
-/// whose length is past the limit, are refused by the encoder calls (in
-/// debug builds too, where the old unchecked sum panicked).
-#[test]
-fn hand_edited_tables_are_refused_not_overflowed() {
-    let Some(gpu) = gpu() else { return };
-    let mut rng = SplitMix64::new(seed("hand-edited tables"));
-    let r = rig(&gpu, &mut rng, &[30], 1, 2, 64);
-    let v = &r.view;
-    let q = r.q(&mut rng);
-    let qb = gpu.storage_init("q", &q).unwrap();
-    let out = gpu.storage("out", (q.len() * 4) as u64).unwrap();
-    let edits: [(&str, fn(&mut BatchTables)); 3] = [
-        ("indices_len u32::MAX", |t| t.indices_len = u32::MAX),
-        ("num_seqs past the limit", |t| t.num_seqs = u32::MAX),
-        ("max_len u32::MAX", |t| t.max_len = u32::MAX),
-    ];
-    for (what, edit) in edits {
-        let mut t =
-            BatchTables::upload(&gpu, &v.kv_indptr, &v.kv_indices, &v.seq_lens, None).unwrap();
-        edit(&mut t);
-        let mut enc = gpu.device.create_command_encoder(&Default::default());
-        let res = r.attn.encode_decode(
-            &gpu,
-            &mut enc,
-            &r.cache,
-            0,
-            &qb,
-            &t,
-            &out,
-            &Default::default(),
-        );
-        match res {
-            Err(GpuError::InvalidArgument(m)) => eprintln!("{what}: {m}"),
-            other => panic!("{what}: {other:?}"),
-        }
-    }
-    assert!(gpu.take_error().is_ok());
 }
 
 /// Devices with small limits get a typed refusal that names the limit, from

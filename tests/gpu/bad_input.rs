@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 use common::*;
 use pagedattn::blocks::{BatchView, BlockError, BlockManager, BlockManagerConfig, SeqId, RELEASED};
 use pagedattn::gpu::{
-    AttnOptions, BatchTables, BindingError, Gpu, GpuError, KvCache, KvCacheConfig, KvDtype,
-    PagedAttention, PoolError, Split,
+    AttnOptions, BatchError, BindingError, DecodeTables, Gpu, GpuError, KvCache, KvCacheConfig,
+    KvDtype, PagedAttention, PoolError, Split,
 };
 use pagedattn::reference::{self, rel_l2, AttnParams};
 use pagedattn::rng::SplitMix64;
@@ -381,7 +381,12 @@ fn snapshot(gpu: &Gpu, kv: &KvCache) -> Vec<(Vec<f32>, Vec<f32>)> {
 #[track_caller]
 fn invalid<T: std::fmt::Debug>(r: Result<T, GpuError>, needle: &str) {
     match r {
-        Err(e @ (GpuError::InvalidArgument(_) | GpuError::Pool(_))) => {
+        Err(
+            e @ (GpuError::Pool(_)
+            | GpuError::Batch(_)
+            | GpuError::Options(_)
+            | GpuError::Shape(_)),
+        ) => {
             let m = e.to_string();
             assert!(
                 m.contains(needle),
@@ -445,13 +450,13 @@ fn gpu_allocation_the_adapter_must_refuse() {
     let Some(gpu) = gpu() else { return };
     let too_big = gpu.limits.max_buffer_size.saturating_add(256) & !3;
     // The library's own helper refuses it before wgpu sees it, naming the limit.
-    match gpu.storage("too big", too_big) {
-        Err(GpuError::InvalidArgument(m)) => assert!(m.contains("max_buffer_size"), "{m}"),
-        other => panic!("{:?}", other.map(|_| ())),
-    }
-    match gpu.storage("u64::MAX", u64::MAX) {
-        Err(GpuError::InvalidArgument(m)) => assert!(m.contains("max_buffer_size"), "{m}"),
-        other => panic!("{:?}", other.map(|_| ())),
+    for bytes in [too_big, u64::MAX] {
+        match gpu.storage("too big", bytes) {
+            Err(e @ GpuError::DeviceLimit { .. }) => {
+                assert!(e.to_string().contains("max_buffer_size"), "{e}")
+            }
+            other => panic!("{:?}", other.map(|_| ())),
+        }
     }
     assert!(
         gpu.take_error().is_ok(),
@@ -532,7 +537,7 @@ fn gpu_head_counts_and_head_dims() {
             ..kv_config(4, 16)
         };
         match KvCache::new(&gpu, cfg) {
-            Err(GpuError::Unsupported(m)) => assert!(m.contains("head_dim"), "{m}"),
+            Err(e @ GpuError::Shape(_)) => assert!(e.to_string().contains("head_dim"), "{e}"),
             other => panic!("head_dim {hd}: {:?}", other.map(|_| ())),
         }
     }
@@ -560,7 +565,7 @@ fn gpu_head_counts_and_head_dims() {
         },
     );
     match many {
-        Err(GpuError::Unsupported(m)) => assert!(m.contains("dispatch"), "{m}"),
+        Err(e @ GpuError::Shape(_)) => assert!(e.to_string().contains("dispatch"), "{e}"),
         other => panic!("{:?}", other.map(|_| ())),
     }
     assert!(gpu.take_error().is_ok());
@@ -666,7 +671,7 @@ fn gpu_wrong_lengths_and_out_of_range_indices() {
         assert!(
             matches!(
                 dec(&q1, &[0, 1], &[3], &[5], o),
-                Err(GpuError::InvalidArgument(_))
+                Err(GpuError::Options(_))
             ),
             "{o:?}"
         );
@@ -720,16 +725,26 @@ fn gpu_corrupt_tables_are_bounded() {
     // u32::MAX itself is refused when the tables are packed (a length
     // the kernels' u32 positions could wrap on); the longest accepted one
     // is cut to its table by the kernel.
-    match BatchTables::upload(
-        &gpu,
-        &kv_indptr,
-        &kv_indices,
-        &[u32::MAX, 64, 40, 30, 16],
-        None,
-    ) {
-        Err(GpuError::InvalidArgument(m)) => assert!(m.contains("over the limit"), "{m}"),
+    let over = [u32::MAX, 64, 40, 30, 16];
+    match run_unchecked(&gpu, &f, &[], &kv_indptr, &kv_indices, &over, &Default::default()) {
+        Err(e @ GpuError::Batch(BatchError::TooLong { .. })) => {
+            assert!(e.to_string().contains("over the limit"), "{e}")
+        }
         other => panic!("{:?}", other.map(|_| ())),
     }
+    // The checked plan refuses these tables outright.
+    let mut plan = f.attn.plan();
+    let checked = f.attn.plan_decode(
+        &gpu,
+        &mut plan,
+        &DecodeTables {
+            kv_indptr: &kv_indptr,
+            kv_indices: &kv_indices,
+            seq_lens: &[64, 64, 40, 30, 16],
+        },
+        &[AttnOptions::default()],
+    );
+    assert!(matches!(checked, Err(GpuError::Batch(_))), "{checked:?}");
     // An over-long length at the limit (refused unsplit where loops are
     // capped) and one a capped adapter can walk unsplit.
     for over in [pagedattn::gpu::MAX_SEQ_LEN, 8000] {
@@ -752,7 +767,7 @@ fn gpu_corrupt_tables_are_bounded() {
                 // not finish.
                 assert!(
                     !matches!(split, Split::Never)
-                        || gpu.caps_loops() && matches!(got, Err(GpuError::Unsupported(_))),
+                        || gpu.caps_loops() && matches!(got, Err(GpuError::PassTooLong { .. })),
                     "{got:?}"
                 );
                 continue;
@@ -802,15 +817,25 @@ fn run_unchecked(
     seq_lens: &[u32],
     opts: &AttnOptions,
 ) -> Result<Vec<f32>, GpuError> {
-    let tables = BatchTables::upload(gpu, kv_indptr, kv_indices, seq_lens, None).unwrap();
+    // Tables past the host check go to the kernels as they are: their own
+    // bounds are what is tested.
+    let mut plan = f.attn.plan();
+    let t = DecodeTables {
+        kv_indptr,
+        kv_indices,
+        seq_lens,
+    };
+    f.attn
+        .plan_decode_unchecked(gpu, &mut plan, &t, std::slice::from_ref(opts))?;
     let qb = gpu.storage_init("q", q).unwrap();
     let bytes = (q.len() * 4) as u64;
-    let out = gpu.storage("out", bytes).unwrap();
+    let out = gpu.storage("out", bytes.max(4)).unwrap();
     gpu.queue
-        .write_buffer(&out, 0, bytemuck::cast_slice(&vec![f32::NAN; q.len()]));
+        .write_buffer(&out, 0, bytemuck::cast_slice(&vec![f32::NAN; q.len().max(1)]));
     let mut enc = gpu.device.create_command_encoder(&Default::default());
+    let (qr, outr) = (qb.as_entire_buffer_binding(), out.as_entire_buffer_binding());
     f.attn
-        .encode_decode(gpu, &mut enc, &f.kv, 0, &qb, &tables, &out, opts)?;
+        .run(gpu, &mut enc, &mut plan, &f.kv, 0, 0, &qr, &outr)?;
     gpu.queue.submit([enc.finish()]);
     gpu.read(&out, bytes)
 }
@@ -992,67 +1017,65 @@ fn gpu_nan_and_inf_inputs() {
             &opts,
         );
         match got {
-            Err(GpuError::InvalidArgument(m)) => assert!(m.contains("scale"), "{m}"),
+            Err(e @ GpuError::Options(_)) => assert!(e.to_string().contains("scale"), "{e}"),
             other => panic!("scale {x}: {other:?}"),
         }
     }
     assert!(gpu.take_error().is_ok());
 }
 
-/// The encoder-level API takes GPU buffers as they are: one of the wrong
-/// kind (no STORAGE usage) is a wgpu validation error outside any scope.
-/// It is recorded, not a panic, and the next `wait` reports it once; a
-/// buffer that is merely short is bounds-checked by WebGPU (no error, no
-/// out-of-bounds access, undefined values) and the pool is untouched.
+/// The plan/run calls take an engine's GPU buffers, and check them before
+/// recording: one of the wrong kind (no STORAGE usage) or too short for the
+/// step is refused with a typed binding error, nothing reaches wgpu (no
+/// validation error later) and the pool is untouched.
 #[test]
-fn gpu_encoder_api_wrong_buffers() {
+fn gpu_run_refuses_wrong_buffers() {
     let Some(gpu) = gpu() else { return };
-    let mut rng = SplitMix64::new(seed("encoder buffers"));
+    let mut rng = SplitMix64::new(seed("run buffers"));
     let f = filled(&gpu, &mut rng);
     let before = snapshot(&gpu, &f.kv);
     let per = (HEADS * HD) as usize;
     let q = gpu.storage_init("q", &rng.signed_vec(per)).unwrap();
-    let tables = BatchTables::upload(&gpu, &[0, 1], &[2], &[9], None).unwrap();
+    let out = gpu.storage("out", (per * 4) as u64).unwrap();
     let wrong = gpu.device.create_buffer(&wgpu::BufferDescriptor {
         label: Some("not a storage buffer"),
         size: (per * 4) as u64,
         usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
         mapped_at_creation: false,
     });
-    let opts = AttnOptions::default();
-    let mut enc = gpu.device.create_command_encoder(&Default::default());
+    let short = gpu.storage("short", 4).unwrap();
+    let mut plan = f.attn.plan();
+    let t = DecodeTables {
+        kv_indptr: &[0, 1],
+        kv_indices: &[2],
+        seq_lens: &[9],
+    };
     f.attn
-        .encode_decode(&gpu, &mut enc, &f.kv, 0, &q, &tables, &wrong, &opts)
+        .plan_decode(&gpu, &mut plan, &t, &[AttnOptions::default()])
         .unwrap();
-    gpu.queue.submit([enc.finish()]);
-    let r = gpu.wait();
-    assert!(matches!(r, Err(GpuError::Validation(_))), "{r:?}");
-    assert!(gpu.wait().is_ok(), "reported once");
-    // Short buffers: one float of output, no K/V for the tokens written.
-    let short = |label| gpu.storage(label, 4).unwrap();
-    let (q_short, out_short, k_short, v_short) = (short("q"), short("out"), short("k"), short("v"));
+    let mut wplan = f.kv.plan();
+    f.kv.plan_write(&gpu, &mut wplan, &[5, 6, 7], &[]).unwrap();
+    fn b(x: &wgpu::Buffer) -> wgpu::BufferBinding<'_> {
+        x.as_entire_buffer_binding()
+    }
     let mut enc = gpu.device.create_command_encoder(&Default::default());
-    f.attn
-        .encode_decode(
-            &gpu, &mut enc, &f.kv, 0, &q_short, &tables, &out_short, &opts,
-        )
-        .unwrap();
-    let slots = gpu.storage_init("slots", &[5u32, 6, 7]).unwrap();
-    f.kv.encode_write_kv(&gpu, &mut enc, 1, &k_short, &v_short, &slots, 3)
-        .unwrap();
+    for (what, qb, ob) in [
+        ("out without STORAGE", &q, &wrong),
+        ("short q", &short, &out),
+        ("short out", &q, &short),
+    ] {
+        let r = f
+            .attn
+            .run(&gpu, &mut enc, &mut plan, &f.kv, 0, 0, &b(qb), &b(ob));
+        assert!(matches!(r, Err(GpuError::Binding { .. })), "{what}: {r:?}");
+    }
+    let r = f
+        .kv
+        .run_write_kv(&gpu, &mut enc, &mut wplan, 1, &b(&short), &b(&short));
+    assert!(matches!(r, Err(GpuError::Binding { .. })), "short K/V: {r:?}");
     gpu.queue.submit([enc.finish()]);
     gpu.wait().unwrap();
-    let after = snapshot(&gpu, &f.kv);
-    // Layer 0 untouched; in layer 1 only slots 5..8 may have changed.
-    assert!(before[0] == after[0]);
-    let row = (KVH * HD) as usize;
-    let (bs, d) = (f.bs as usize, HD as usize);
-    for (i, (a, b)) in before[1].0.iter().zip(&after[1].0).enumerate() {
-        let (blk, o) = (i / (row * bs), i / d % bs);
-        if blk != 0 || !(5..8).contains(&o) {
-            assert_eq!(a, b, "element {i} outside the written slots changed");
-        }
-    }
+    assert!(before == snapshot(&gpu, &f.kv), "the pool changed");
 }
 
 /// Empty batches everywhere: valid, do nothing, return empty results.
@@ -1097,15 +1120,28 @@ fn gpu_empty_batches() {
         )
         .unwrap();
     assert!(out.is_empty());
-    // Encoder level: zero tokens, zero copies, zero sequences record nothing.
-    let empty = gpu.storage_init::<u32>("empty", &[]).unwrap();
-    let tables = BatchTables::upload(&gpu, &[0], &[], &[], None).unwrap();
-    let mut enc = gpu.device.create_command_encoder(&Default::default());
-    f.kv.encode_write_kv(&gpu, &mut enc, 0, &empty, &empty, &empty, 0)
-        .unwrap();
-    f.kv.encode_copy_blocks(&gpu, &mut enc, &empty, 0).unwrap();
+    // Plan/run: zero tokens, zero copies, zero sequences record nothing.
+    let (empty, empty_out) = (
+        gpu.storage_init::<u32>("empty", &[]).unwrap(),
+        gpu.storage_init::<u32>("empty out", &[]).unwrap(),
+    );
+    let (mut wplan, mut aplan) = (f.kv.plan(), f.attn.plan());
+    f.kv.plan_write(&gpu, &mut wplan, &[], &[]).unwrap();
+    let t = DecodeTables {
+        kv_indptr: &[0],
+        kv_indices: &[],
+        seq_lens: &[],
+    };
     f.attn
-        .encode_decode(&gpu, &mut enc, &f.kv, 0, &empty, &tables, &empty, &opts)
+        .plan_decode(&gpu, &mut aplan, &t, std::slice::from_ref(&opts))
+        .unwrap();
+    let (e, eo) = (empty.as_entire_buffer_binding(), empty_out.as_entire_buffer_binding());
+    let mut enc = gpu.device.create_command_encoder(&Default::default());
+    f.kv.run_copy_blocks(&gpu, &mut enc, &mut wplan).unwrap();
+    f.kv.run_write_kv(&gpu, &mut enc, &mut wplan, 0, &e, &e)
+        .unwrap();
+    f.attn
+        .run(&gpu, &mut enc, &mut aplan, &f.kv, 0, 0, &e, &eo)
         .unwrap();
     gpu.queue.submit([enc.finish()]);
     gpu.wait().unwrap();
@@ -1271,9 +1307,7 @@ fn gpu_device_lost() {
 fn over_limit<T>(r: &Result<T, GpuError>) -> bool {
     match r {
         Err(GpuError::Validation(_)) => true,
-        Err(GpuError::InvalidArgument(m)) => {
-            m.contains("max_buffer_size") || m.contains("storage binding limit")
-        }
+        Err(GpuError::DeviceLimit { .. } | GpuError::Batch(BatchError::Partials { .. })) => true,
         Err(GpuError::Binding {
             problem: BindingError::OverLimit { .. },
             ..

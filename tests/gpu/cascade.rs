@@ -388,49 +388,6 @@ fn the_planner_uses_the_cascade_when_it_pays() {
     assert!(rep.is_none());
 }
 
-/// The encoder-level API runs the cascade too: `encode_decode` over
-/// uploaded `BatchTables` with `Cascade::On` matches the reference with
-/// every decode kernel; on the tiled kernel it builds the cascade pass (a
-/// multi-query pipeline plain decode never builds), so the cascade ran.
-/// `Off` stays plain and matches too.
-#[test]
-fn encode_decode_runs_the_cascade() {
-    use pagedattn::gpu::BatchTables;
-    let Some(gpu) = gpu() else { return };
-    let s = seed("cascade encode_decode");
-    let mut rng = SplitMix64::new(s);
-    let b = batch(&gpu, &mut rng, KvDtype::F32, 12, 2);
-    let heads = KVH * GROUP;
-    let q = rng.signed_vec(b.lens.len() * (heads * HD) as usize);
-    let p = AttnParams::new(heads as usize, HD as usize);
-    let want = reference::decode(&b.host.view(), &p, &q, &b.indptr, &b.indices, &b.lens);
-    let tables = BatchTables::upload(&gpu, &b.indptr, &b.indices, &b.lens, None).unwrap();
-    let qb = gpu.storage_init("q", &q).unwrap();
-    for kernel in PagedAttention::eligible_kernels(&gpu, &b.cache, heads) {
-        let attn = PagedAttention::with_kernel(&gpu, &b.cache, heads, kernel).unwrap();
-        for cascade in [Cascade::Off, Cascade::On] {
-            let before = gpu.counters().pipelines;
-            let out = gpu.storage_init("out", &vec![f32::NAN; q.len()]).unwrap();
-            let o = AttnOptions {
-                cascade,
-                ..Default::default()
-            };
-            let mut enc = gpu.device.create_command_encoder(&Default::default());
-            attn.encode_decode(&gpu, &mut enc, &b.cache, 0, &qb, &tables, &out, &o)
-                .unwrap();
-            gpu.queue.submit([enc.finish()]);
-            let got = gpu.read(&out, q.len() as u64 * 4).unwrap();
-            let e = rel_l2(&got, &want);
-            eprintln!("encode_decode [{kernel}] {cascade:?}: rel L2 {e:.2e}");
-            assert!(e < 1e-5, "[{kernel}] {cascade:?}: {e:.3e} (seed {s})");
-            let built = gpu.counters().pipelines - before;
-            if kernel == Kernel::Tiled && cascade == Cascade::On {
-                assert!(built > 0, "Cascade::On built no cascade pass (seed {s})");
-            }
-        }
-    }
-}
-
 /// The cascade over quantized pools (int8, fp8, with outlier channels set so
 /// the residuals are read too) gives plain decode's output on every decode
 /// kernel: the segment pass dequantizes as every kernel does.

@@ -379,7 +379,12 @@ fn engine_buffer_misuse_is_refused_before_recording() {
     let q_bytes = (2 * HEADS * HD * 4) as u64;
     let fine = e.range(0, 0, q_bytes);
     let invalid = |r: Result<(), GpuError>, what: &str, says: &str| match r {
-        Err(e @ (GpuError::InvalidArgument(_) | GpuError::Pool(_) | GpuError::Binding { .. })) => {
+        Err(
+            e @ (GpuError::Batch(_)
+            | GpuError::Pool(_)
+            | GpuError::Plan(_)
+            | GpuError::Binding { .. }),
+        ) => {
             let m = e.to_string();
             assert!(m.contains(says), "{what}: {m}")
         }
@@ -1171,12 +1176,15 @@ fn plan_run_soak_of_random_tables_bindings_and_caches() {
                         &e.range(0, 1, q_bytes),
                     )
                 } else {
-                    Err(GpuError::InvalidArgument("not tried".into()))
+                    Err(GpuError::Binding {
+                        which: "not tried",
+                        problem: pagedattn::gpu::BindingError::SameBuffer,
+                    })
                 };
                 assert!(
                     matches!(
                         r,
-                        Err(GpuError::InvalidArgument(_) | GpuError::Binding { .. })
+                        Err(GpuError::Binding { .. })
                     ),
                     "{what}: {r:?}"
                 );

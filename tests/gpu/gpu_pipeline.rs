@@ -1,13 +1,13 @@
 //! End-to-end paths on a real adapter: copy-on-write across forked branches,
-//! the encoder-level API an engine uses (its own buffers, one submit for
-//! several layers), and corrupt block tables (defined, bounds-safe result).
+//! and corrupt block tables (defined, bounds-safe result). The engine's
+//! plan/run path over its own buffers is `embed`'s.
 
 use crate::common;
 
 use common::*;
 use pagedattn::blocks::{BlockManager, BlockManagerConfig};
 use pagedattn::gpu::{
-    AttnOptions, BatchTables, Gpu, KvCache, KvCacheConfig, KvDtype, PagedAttention,
+    AttnOptions, DecodeTables, Gpu, KvCache, KvCacheConfig, KvDtype, PagedAttention,
 };
 use pagedattn::reference::{self, rel_l2, AttnParams};
 use pagedattn::rng::SplitMix64;
@@ -145,80 +145,9 @@ fn attn_for(gpu: &Gpu, kv: &KvCache) -> PagedAttention {
     PagedAttention::new(gpu, kv, HEADS).unwrap()
 }
 
-/// The engine path: Q, new K/V and slots already in GPU buffers; write_kv and
-/// decode of two layers recorded into one encoder, one submit.
-#[test]
-fn encoder_api_two_layers_one_submit() {
-    let Some(gpu) = gpu() else { return };
-    let s = seed("encoder api");
-    let mut rng = SplitMix64::new(s);
-    let (bs, lens) = (16u32, [5usize, 33, 100]);
-    let nb = blocks_for(&lens, bs, 4);
-    let (_m, _ids, view) = shuffled_batch(&mut rng, nb, bs, &lens);
-    let kv = cache(&gpu, 2, nb, bs, KvDtype::F32);
-    let attn = PagedAttention::new(&gpu, &kv, HEADS).unwrap();
-    let row = (KVH * HD) as usize;
-    let ntok = view.slot_mapping.len();
-    let tables = BatchTables::upload(
-        &gpu,
-        &view.kv_indptr,
-        &view.kv_indices,
-        &view.seq_lens,
-        None,
-    )
-    .unwrap();
-    let slots = gpu.storage_init("slots", &view.slot_mapping).unwrap();
-    let qlen = lens.len() * (HEADS * HD) as usize;
-    let mut enc = gpu.device.create_command_encoder(&Default::default());
-    let mut expect = Vec::new();
-    let mut outs = Vec::new();
-    for layer in 0..2 {
-        let (k, v) = (rng.signed_vec(ntok * row), rng.signed_vec(ntok * row));
-        let q = rng.signed_vec(qlen);
-        let (kb, vb, qb) = (
-            gpu.storage_init("k", &k).unwrap(),
-            gpu.storage_init("v", &v).unwrap(),
-            gpu.storage_init("q", &q).unwrap(),
-        );
-        let out = gpu.storage("out", (qlen * 4) as u64).unwrap();
-        gpu.queue
-            .write_buffer(&out, 0, bytemuck::cast_slice(&vec![f32::NAN; qlen]));
-        kv.encode_write_kv(&gpu, &mut enc, layer, &kb, &vb, &slots, ntok as u32)
-            .unwrap();
-        attn.encode_decode(
-            &gpu,
-            &mut enc,
-            &kv,
-            layer,
-            &qb,
-            &tables,
-            &out,
-            &AttnOptions::default(),
-        )
-        .unwrap();
-        let mut host = HostPool::new(nb as usize, KVH as usize, bs as usize, HD as usize);
-        host.write(&view.slot_mapping, &k, &v, Stored::from(KvDtype::F32));
-        expect.push(reference::decode(
-            &host.view(),
-            &AttnParams::new(HEADS as usize, HD as usize),
-            &q,
-            &view.kv_indptr,
-            &view.kv_indices,
-            &view.seq_lens,
-        ));
-        outs.push(out);
-    }
-    gpu.queue.submit([enc.finish()]);
-    for (layer, (out, want)) in outs.iter().zip(&expect).enumerate() {
-        let got: Vec<f32> = gpu.read(out, (qlen * 4) as u64).unwrap();
-        let e = rel_l2(&got, want);
-        eprintln!("layer {layer}: rel L2 {e:.2e}");
-        assert!(e < 1e-5, "layer {layer}: {e:.2e} (seed {s})");
-    }
-}
-
 /// Table entries outside the pool, and a CSR range past kv_indices, through
-/// the unchecked encoder path: the kernel skips those tokens (the reference
+/// the unchecked plan (`plan_decode_unchecked`, a test hook past the host
+/// check): the kernel skips those tokens (the reference
 /// does the same), reads nothing out of bounds, and writes finite values; a
 /// sequence with no readable token gets zeros.
 #[test]
@@ -247,23 +176,22 @@ fn corrupt_tables_are_skipped_not_read() {
     let n = seq_lens.len();
     let qlen = n * (HEADS * HD) as usize;
     let q = rng.signed_vec(qlen);
-    let tables = BatchTables::upload(&gpu, &kv_indptr, &kv_indices, &seq_lens, None).unwrap();
+    let mut plan = attn.plan();
+    let t = DecodeTables {
+        kv_indptr: &kv_indptr,
+        kv_indices: &kv_indices,
+        seq_lens: &seq_lens,
+    };
+    attn.plan_decode_unchecked(&gpu, &mut plan, &t, &[AttnOptions::default()])
+        .unwrap();
     let qb = gpu.storage_init("q", &q).unwrap();
     let out = gpu.storage("out", (qlen * 4) as u64).unwrap();
     gpu.queue
         .write_buffer(&out, 0, bytemuck::cast_slice(&vec![f32::NAN; qlen]));
     let mut enc = gpu.device.create_command_encoder(&Default::default());
-    attn.encode_decode(
-        &gpu,
-        &mut enc,
-        &kv,
-        0,
-        &qb,
-        &tables,
-        &out,
-        &AttnOptions::default(),
-    )
-    .unwrap();
+    let (qr, outr) = (qb.as_entire_buffer_binding(), out.as_entire_buffer_binding());
+    attn.run(&gpu, &mut enc, &mut plan, &kv, 0, 0, &qr, &outr)
+        .unwrap();
     gpu.queue.submit([enc.finish()]);
     let got: Vec<f32> = gpu.read(&out, (qlen * 4) as u64).unwrap();
     let want = reference::decode(

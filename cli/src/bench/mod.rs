@@ -13,9 +13,52 @@ use pagedattn::blocks::{
     SeqId,
 };
 use pagedattn::gpu::{
-    AttnOptions, BatchTables, Gpu, GpuError, KvCache, KvCacheConfig, KvDtype, PagedAttention, Split,
+    AttentionPlan, AttnOptions, DecodeTables, Gpu, GpuError, KvCache, KvCacheConfig, KvDtype,
+    PagedAttention, Split,
 };
 use pagedattn::rng::SplitMix64;
+
+/// Why the bench stopped: a GPU call, the block manager, or a setting.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    /// A GPU call failed.
+    #[error(transparent)]
+    Gpu(#[from] GpuError),
+    /// The block manager refused a call.
+    #[error(transparent)]
+    Blocks(#[from] pagedattn::blocks::BlockError),
+    /// A setting the bench cannot run.
+    #[error("{0}")]
+    Config(String),
+}
+
+/// Host block tables of one batch: (kv_indptr, kv_indices, seq_lens).
+pub type HostTables = (Vec<u32>, Vec<u32>, Vec<u32>);
+
+/// The decode tables of `t`.
+pub fn decode_tables(t: &HostTables) -> DecodeTables<'_> {
+    DecodeTables {
+        kv_indptr: &t.0,
+        kv_indices: &t.1,
+        seq_lens: &t.2,
+    }
+}
+
+/// A decode plan of `t` under `split`, made once and run many times.
+pub fn decode_plan(
+    gpu: &Gpu,
+    attn: &PagedAttention,
+    t: &HostTables,
+    split: Split,
+) -> Result<AttentionPlan, GpuError> {
+    let mut plan = attn.plan();
+    let opts = AttnOptions {
+        split,
+        ..Default::default()
+    };
+    attn.plan_decode(gpu, &mut plan, &decode_tables(t), &[opts])?;
+    Ok(plan)
+}
 
 /// What to measure.
 #[derive(Clone, Debug)]
@@ -41,15 +84,15 @@ pub const SECTIONS: &[&str] = &[
 
 impl BenchConfig {
     /// Checks the settings: `max_seconds` finite and not negative.
-    pub fn validate(&self) -> Result<(), GpuError> {
+    pub fn validate(&self) -> Result<(), BenchError> {
         if !(self.max_seconds.is_finite() && self.max_seconds >= 0.0) {
-            return Err(GpuError::InvalidArgument(format!(
+            return Err(BenchError::Config(format!(
                 "max_seconds {} is not a finite number of seconds, at least 0",
                 self.max_seconds
             )));
         }
         if let Some(bad) = self.only.iter().find(|o| !SECTIONS.contains(&o.as_str())) {
-            return Err(GpuError::InvalidArgument(format!(
+            return Err(BenchError::Config(format!(
                 "no bench section {bad:?} (sections: {})",
                 SECTIONS.join(", ")
             )));
@@ -351,25 +394,28 @@ impl DecodeRig<'_> {
     fn time_interleaved(
         &self,
         timer: &Timer,
-        variants: &[(&PagedAttention, &BatchTables, Split)],
+        variants: &[(&PagedAttention, &HostTables, Split)],
     ) -> Result<Vec<f64>, GpuError> {
+        // Each variant planned once; a run only records.
+        let mut plans = variants
+            .iter()
+            .map(|(a, t, split)| decode_plan(self.gpu, a, t, *split))
+            .collect::<Result<Vec<_>, _>>()?;
         let mut err = None;
-        let mut one = |run: usize, v: &(&PagedAttention, &BatchTables, Split)| {
-            let opts = AttnOptions {
-                split: v.2,
-                ..Default::default()
-            };
+        let mut one = |run: usize, i: usize| {
+            let attn = variants[i].0;
+            let plan = &mut plans[i];
             timer.once(run, &mut |run, enc| {
                 let layer = run as u32 % self.layers;
-                if let Err(e) = v.0.encode_decode(
+                if let Err(e) = attn.run(
                     self.gpu,
                     enc,
+                    plan,
                     &self.cache,
                     layer,
-                    &self.q,
-                    v.1,
-                    &self.out,
-                    &opts,
+                    0,
+                    &self.q.as_entire_buffer_binding(),
+                    &self.out.as_entire_buffer_binding(),
                 ) {
                     err = Some(e);
                 }
@@ -377,8 +423,8 @@ impl DecodeRig<'_> {
         };
         // Warm-up of every variant; its time decides how many runs follow.
         let mut slowest: f64 = 0.0;
-        for v in variants {
-            slowest = slowest.max(one(0, v)?);
+        for i in 0..variants.len() {
+            slowest = slowest.max(one(0, i)?);
         }
         let runs = if slowest > timer::SLOW_RUN_MS {
             3
@@ -387,8 +433,8 @@ impl DecodeRig<'_> {
         };
         let mut times = vec![Vec::with_capacity(runs); variants.len()];
         for run in 1..=runs {
-            for (i, v) in variants.iter().enumerate() {
-                times[i].push(one(run, v)?);
+            for (i, t) in times.iter_mut().enumerate() {
+                t.push(one(run, i)?);
             }
         }
         if let Some(e) = err {
@@ -627,7 +673,7 @@ pub struct HostStep {
 
 /// Measures [`HostStep`] at 32 layers, batch 64, context 2048 (tiny heads:
 /// the host work depends on the tables, not on the head shape).
-pub fn host_step(gpu: &Gpu, steps: usize) -> Result<HostStep, GpuError> {
+pub fn host_step(gpu: &Gpu, steps: usize) -> Result<HostStep, BenchError> {
     use pagedattn::gpu::{DecodeTables, KvCacheConfig, PagedAttention};
     let (layers, batch, context) = (32u32, 64u32, 2048u32);
     let (kvh, hd) = (1u32, 16u32);
@@ -646,14 +692,14 @@ pub fn host_step(gpu: &Gpu, steps: usize) -> Result<HostStep, GpuError> {
     )?;
     let attn = PagedAttention::new(gpu, &cache, 2 * kvh)?;
     let mut m = BlockManager::new(BlockManagerConfig::new(num_blocks, BLOCK))
-        .map_err(|e| GpuError::InvalidArgument(e.to_string()))?;
+        ?;
     let ids: Vec<SeqId> = (0..batch)
         .map(|i| m.add_sequence(&vec![i; context as usize - 1 - steps]))
         .collect::<Result<_, _>>()
-        .map_err(|e| GpuError::InvalidArgument(e.to_string()))?;
+        ?;
     let mut view = BatchView::default();
     m.batch_view_into(&ids, &mut view)
-        .map_err(|e| GpuError::InvalidArgument(e.to_string()))?;
+        ?;
     let q = gpu.storage("host step q", (batch * 2 * kvh * hd * 4) as u64)?;
     let out = gpu.storage("host step out", (batch * 2 * kvh * hd * 4) as u64)?;
     let kv = gpu.storage("host step k/v", (batch * kvh * hd * 4) as u64)?;
@@ -668,10 +714,10 @@ pub fn host_step(gpu: &Gpu, steps: usize) -> Result<HostStep, GpuError> {
         let t0 = std::time::Instant::now();
         for &id in &ids {
             m.append(id, &[step as u32])
-                .map_err(|e| GpuError::InvalidArgument(e.to_string()))?;
+                ?;
         }
         m.batch_view_into(&ids, &mut view)
-            .map_err(|e| GpuError::InvalidArgument(e.to_string()))?;
+            ?;
         cache.plan_write(gpu, &mut wplan, &view.slot_mapping, &view.copies)?;
         attn.plan_decode(gpu, &mut aplan, &DecodeTables::from_view(&view), &opts)?;
         let mut enc = gpu.device.create_command_encoder(&Default::default());
@@ -710,7 +756,7 @@ pub fn host_step(gpu: &Gpu, steps: usize) -> Result<HostStep, GpuError> {
 }
 
 /// Runs the benchmark.
-pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, GpuError> {
+pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, BenchError> {
     cfg.validate()?;
     let timer = Timer::new(gpu, cfg.wall_clock);
     let mut rng = SplitMix64::new(0x5eed);
@@ -797,10 +843,8 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, GpuError> {
                         .into_iter()
                         .map(|k| PagedAttention::with_kernel(gpu, &r.cache, HEADS, k))
                         .collect::<Result<_, _>>()?;
-                let (ip, ix, ln) = tables(batch, context, true, &mut rng);
-                let shuffled = BatchTables::upload(gpu, &ip, &ix, &ln, None)?;
-                let (ip, ix, ln) = tables(batch, context, false, &mut rng);
-                let identity = BatchTables::upload(gpu, &ip, &ix, &ln, None)?;
+                let shuffled = tables(batch, context, true, &mut rng);
+                let identity = tables(batch, context, false, &mut rng);
                 let split = Split::Auto;
                 let mut cells = vec![
                     (&paged, &shuffled, split),
@@ -937,8 +981,7 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, GpuError> {
             continue;
         };
         let attn = attention(gpu, &picks, &r.cache)?;
-        let (ip, ix, ln) = tables(batch, context, true, &mut rng);
-        let t = BatchTables::upload(gpu, &ip, &ix, &ln, None)?;
+        let t = tables(batch, context, true, &mut rng);
         let auto_partition = attn.partition_tokens(gpu, Split::Auto, batch, context);
         // One pass per sequence only where the adapter can finish it.
         let whole_ok = attn.partition_tokens(
@@ -1058,10 +1101,10 @@ fn attention(
     gpu: &Gpu,
     picks: &pagedattn::gpu::Tuner,
     cache: &KvCache,
-) -> Result<PagedAttention, GpuError> {
+) -> Result<PagedAttention, BenchError> {
     let cfg = crate::env::attention_config(picks.kept(gpu, cache, HEADS))
-        .map_err(GpuError::InvalidArgument)?;
-    PagedAttention::with_config(gpu, cache, HEADS, &cfg)
+        .map_err(BenchError::Config)?;
+    Ok(PagedAttention::with_config(gpu, cache, HEADS, &cfg)?)
 }
 
 fn cascade_row(
@@ -1071,7 +1114,7 @@ fn cascade_row(
     rng: &mut SplitMix64,
     n: u32,
     prompt: u32,
-) -> Result<Option<CascadeRow>, GpuError> {
+) -> Result<Option<CascadeRow>, BenchError> {
     use pagedattn::gpu::{Cascade, DecodeTables};
     let private: Vec<u32> = (0..n).map(|_| rng.below(257) as u32).collect();
     let pblocks = prompt / BLOCK;
@@ -1150,7 +1193,7 @@ fn dtype_rows(
     rng: &mut SplitMix64,
     batch: u32,
     context: u32,
-) -> Result<Vec<DtypeRow>, GpuError> {
+) -> Result<Vec<DtypeRow>, BenchError> {
     let all = [
         (KvDtype::F32, false),
         (KvDtype::F16, false),
@@ -1176,15 +1219,23 @@ fn dtype_rows(
             _ => dtype.name(),
         };
         let attn = attention(gpu, picks, &r.cache)?;
-        let (ip, ix, ln) = tables(batch, context, true, rng);
-        let t = BatchTables::upload(gpu, &ip, &ix, &ln, None)?;
-        rigs.push((name, r, attn, t));
+        let t = tables(batch, context, true, rng);
+        let plan = decode_plan(gpu, &attn, &t, Split::Auto)?;
+        rigs.push((name, r, attn, plan));
     }
-    let opts = AttnOptions::default();
     let ms = interleaved_medians(timer, rigs.len(), &mut |i, run, enc| {
-        let (_, r, attn, t) = &rigs[i];
+        let (_, r, attn, plan) = &mut rigs[i];
         let layer = run as u32 % r.layers;
-        attn.encode_decode(gpu, enc, &r.cache, layer, &r.q, t, &r.out, &opts)
+        attn.run(
+            gpu,
+            enc,
+            plan,
+            &r.cache,
+            layer,
+            0,
+            &r.q.as_entire_buffer_binding(),
+            &r.out.as_entire_buffer_binding(),
+        )
     })?;
     let f16_block = KvCacheConfig {
         num_layers: 1,
@@ -1226,10 +1277,10 @@ fn write_and_copy(
     gpu: &Gpu,
     timer: &Timer,
     rng: &mut SplitMix64,
-) -> Result<(f64, f64, f64, f64), GpuError> {
+) -> Result<(f64, f64, f64, f64), BenchError> {
     let blocks = 1024u32;
     let cache = filled_cache(gpu, blocks * BLOCK, KvDtype::F32, 1, rng)?
-        .ok_or_else(|| GpuError::Unsupported("bench pool does not fit".into()))?;
+        .ok_or_else(|| BenchError::Config("bench pool does not fit".into()))?;
     let ntok = 256u32;
     let row = (KV_HEADS * HEAD_DIM) as usize;
     let k = gpu.storage_init("k", &rng.signed_vec(ntok as usize * row))?;
@@ -1237,10 +1288,12 @@ fn write_and_copy(
     let mut slots: Vec<u32> = (0..blocks * BLOCK).collect();
     rng.shuffle(&mut slots);
     slots.truncate(ntok as usize);
-    let sb = gpu.storage_init("slots", &slots)?;
+    let mut plan = cache.plan();
+    cache.plan_write(gpu, &mut plan, &slots, &[])?;
     let mut err = None;
     let ms = timer.median(|_, enc| {
-        if let Err(e) = cache.encode_write_kv(gpu, enc, 0, &k, &v, &sb, ntok) {
+        let (k, v) = (k.as_entire_buffer_binding(), v.as_entire_buffer_binding());
+        if let Err(e) = cache.run_write_kv(gpu, enc, &mut plan, 0, &k, &v) {
             err = Some(e);
         }
     })?;
@@ -1252,14 +1305,14 @@ fn write_and_copy(
     let copies: Vec<[u32; 2]> = (0..ncopies as usize)
         .map(|i| [ids[2 * i], ids[2 * i + 1]])
         .collect();
-    let cb = gpu.storage_init("copies", &copies)?;
+    cache.plan_write(gpu, &mut plan, &[], &copies)?;
     let ms_c = timer.median(|_, enc| {
-        if let Err(e) = cache.encode_copy_blocks(gpu, enc, &cb, ncopies) {
+        if let Err(e) = cache.run_copy_blocks(gpu, enc, &mut plan) {
             err = Some(e);
         }
     })?;
     if let Some(e) = err {
-        return Err(e);
+        return Err(e.into());
     }
     // K and V of every layer.
     let block_bytes = cache.config().block_bytes() as f64 * cache.config().num_layers as f64;
