@@ -1,10 +1,10 @@
 //! Paged attention kernels on the GPU: decode (one query per sequence), with
 //! an optional split-K path (partitions merged by `reduce`).
 
+use super::error::{BatchError, OptionError, ShapeError};
 use super::kernel::{self, Kernel};
 use super::kv_cache::pipeline;
 use super::shader::{self, ShaderShape};
-use super::error::{BatchError, OptionError, ShapeError};
 use super::{params, Gpu, GpuError, KvCache};
 
 /// How decode splits long sequences into partitions.
@@ -859,7 +859,14 @@ impl PagedAttention {
     ) -> Result<Vec<f32>, GpuError> {
         let _serial = gpu.serial();
         let (out, bytes) = gpu.scoped_try(|| {
-            self.one_step(gpu, cache, layer, q, &HostTables::decode(kv_indptr, kv_indices, seq_lens), opts)
+            self.one_step(
+                gpu,
+                cache,
+                layer,
+                q,
+                &HostTables::decode(kv_indptr, kv_indices, seq_lens),
+                opts,
+            )
         })?;
         gpu.read(&out, bytes)
     }

@@ -2,8 +2,8 @@
 //! `write_kv` (scatter new tokens into their slots) and `copy_blocks`
 //! (apply a copy-on-write list).
 
-use super::shader::{self, ShaderShape};
 use super::error::ShapeError;
+use super::shader::{self, ShaderShape};
 use super::{Gpu, GpuError, PoolError};
 
 /// Element type of the pool.
@@ -644,8 +644,7 @@ pub fn pipeline(
     let _serial = gpu.serial();
     gpu.alive()?;
     gpu.cached_pipeline(kernel, shape, || {
-        let src = shader::source(kernel, shape)
-            .ok_or(ShapeError::NoShader(kernel))?;
+        let src = shader::source(kernel, shape).ok_or(ShapeError::NoShader(kernel))?;
         #[cfg(not(target_arch = "wasm32"))]
         {
             gpu.scoped_blocking(|| make_pipeline(gpu, kernel, &src))
@@ -878,7 +877,7 @@ impl KvCache {
         }
         gpu.scoped_try(|| {
             let mut plan = self.plan();
-            self.plan_write(gpu, &mut plan, slots, &[])?;
+            self.plan_write_step(gpu, &mut plan, slots, &[], false)?;
             let kb = gpu.storage_init("k_new", k)?;
             let vb = gpu.storage_init("v_new", v)?;
             let mut enc = gpu.device.create_command_encoder(&Default::default());
@@ -1071,7 +1070,7 @@ impl KvCache {
         }
         gpu.scoped_try(|| {
             let mut plan = self.plan();
-            self.plan_write(gpu, &mut plan, &[], copies)?;
+            self.plan_write_step(gpu, &mut plan, &[], copies, false)?;
             let mut enc = gpu.device.create_command_encoder(&Default::default());
             self.run_copy_blocks(gpu, &mut enc, &mut plan)?;
             gpu.queue.submit([enc.finish()]);

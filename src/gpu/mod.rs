@@ -22,8 +22,8 @@ mod swap;
 mod tune;
 
 pub use attention::{
-    check_csr_tables, AttentionConfig, AttnOptions, PackedTables, PagedAttention,
-    Split, AUTO_PARTITION_TOKENS, MAX_BATCH, MAX_SEQ_LEN,
+    check_csr_tables, AttentionConfig, AttnOptions, PackedTables, PagedAttention, Split,
+    AUTO_PARTITION_TOKENS, MAX_BATCH, MAX_SEQ_LEN,
 };
 pub use cascade::{
     find_segments, Cascade, CascadeTables, CASCADE_MIN_SAVED_BYTES, SERIAL_CASCADE_MIN_SAVED_BYTES,

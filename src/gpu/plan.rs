@@ -29,9 +29,7 @@ use super::kernel::{self, Kernel};
 use super::kernels::SegmentFamily;
 use super::kv_cache::{bind_ranges, dispatch, grid_1d, pipeline};
 use super::shader::{self, ShaderShape};
-use super::{
-    params, AttnOptions, Gpu, GpuError, KvCache, PagedAttention, PlanMismatch,
-};
+use super::{params, AttnOptions, Gpu, GpuError, KvCache, PagedAttention, PlanMismatch};
 
 /// The first slot written twice in `slots` (`SKIP_WRITE` aside), found by
 /// sorting a copy in `scratch`.
@@ -712,10 +710,7 @@ impl PagedAttention {
             None => n as u32,
             Some(qo) => {
                 if qo.len() != n + 1 || qo[0] != 0 || qo.windows(2).any(|w| w[0] > w[1]) {
-                    return Err(BatchError::QoIndptr {
-                        need: n as u64 + 1,
-                    }
-                    .into());
+                    return Err(BatchError::QoIndptr { need: n as u64 + 1 }.into());
                 }
                 if let Some(s) = (0..n).find(|&s| qo[s + 1] - qo[s] > t.seq_lens[s]) {
                     return Err(BatchError::MoreQueries {
@@ -989,9 +984,9 @@ impl PagedAttention {
                 .extend(t.seg_depth.iter().map(|d| splits.suffix_parts[i] + d));
             offs.push((slopes_off, slot_off));
         }
-        let regrown = plan
-            .c_tables
-            .ensure(gpu, "plan cascade tables", plan.c_words.len() as u64 * 4)?;
+        let regrown =
+            plan.c_tables
+                .ensure(gpu, "plan cascade tables", plan.c_words.len() as u64 * 4)?;
         if regrown {
             plan.groups.clear();
         }
@@ -1334,6 +1329,20 @@ impl KvCache {
         slots: &[u32],
         copies: &[[u32; 2]],
     ) -> Result<(), GpuError> {
+        self.plan_write_step(gpu, plan, slots, copies, true)
+    }
+
+    /// [`plan_write`](Self::plan_write); `new_step: false` for the host
+    /// calls' one-call plans (`write_kv`, `copy_blocks`), which write into
+    /// the step under way and so leave its attention plans current.
+    pub(super) fn plan_write_step(
+        &self,
+        gpu: &Gpu,
+        plan: &mut WritePlan,
+        slots: &[u32],
+        copies: &[[u32; 2]],
+        new_step: bool,
+    ) -> Result<(), GpuError> {
         let _serial = gpu.serial();
         if plan.owner != self.id {
             return Err(GpuError::Plan(PlanMismatch::OtherCache));
@@ -1347,7 +1356,11 @@ impl KvCache {
             .iter()
             .find(|&&s| s as u64 >= cap && s != crate::blocks::SKIP_WRITE)
         {
-            return Err(PoolError::SlotOutsidePool { slot: s, slots: cap }.into());
+            return Err(PoolError::SlotOutsidePool {
+                slot: s,
+                slots: cap,
+            }
+            .into());
         }
         if let Some(c) = copies
             .iter()
@@ -1455,8 +1468,10 @@ impl KvCache {
         plan.num_copies = copies.len() as u32;
         plan.planned = true;
         // A new write step: attention plans of the last one are stale.
-        self.write_epoch
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if new_step {
+            self.write_epoch
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
         Ok(())
     }
 

@@ -14,8 +14,8 @@ use std::time::Duration;
 use common::*;
 use pagedattn::blocks::{BatchView, BlockManager, BlockManagerConfig};
 use pagedattn::gpu::{
-    AttnOptions, DecodeTables, Gpu, GpuError, KvCache, KvCacheConfig, KvDtype,
-    PagedAttention, ShapeError, Split,
+    AttnOptions, DecodeTables, Gpu, GpuError, KvCache, KvCacheConfig, KvDtype, PagedAttention,
+    ShapeError, Split,
 };
 use pagedattn::reference::{self, rel_l2, AttnParams};
 use pagedattn::rng::SplitMix64;
@@ -222,17 +222,24 @@ fn device_loss_is_seen_by_every_call() {
         ("scoped_blocking", is_device(&gpu.scoped_blocking(|| ()))),
     ];
     let mut enc = gpu.device.create_command_encoder(&Default::default());
-    let (qr, outr) = (qb.as_entire_buffer_binding(), out.as_entire_buffer_binding());
+    let (qr, outr) = (
+        qb.as_entire_buffer_binding(),
+        out.as_entire_buffer_binding(),
+    );
     let enc_calls = [
         (
             "run",
-            is_device(&r.attn.run(
-                &gpu, &mut enc, &mut aplan, &r.cache, 0, 0, &qr, &outr,
-            )),
+            is_device(
+                &r.attn
+                    .run(&gpu, &mut enc, &mut aplan, &r.cache, 0, 0, &qr, &outr),
+            ),
         ),
         (
             "run_write_kv",
-            is_device(&r.cache.run_write_kv(&gpu, &mut enc, &mut wplan, 0, &qr, &qr)),
+            is_device(
+                &r.cache
+                    .run_write_kv(&gpu, &mut enc, &mut wplan, 0, &qr, &qr),
+            ),
         ),
         (
             "run_copy_blocks",
@@ -529,9 +536,7 @@ fn cache_shapes_that_overflow_are_refused() {
         ),
     ] {
         match KvCache::new(&gpu, cfg) {
-            Err(
-                e @ (GpuError::Pool(_) | GpuError::Shape(_) | GpuError::CacheTooLarge { .. }),
-            ) => {
+            Err(e @ (GpuError::Pool(_) | GpuError::Shape(_) | GpuError::CacheTooLarge { .. })) => {
                 eprintln!("{what}: {e}")
             }
             other => panic!("{what}: {:?}", other.map(|_| ())),
@@ -556,7 +561,9 @@ fn buffer_sizes_are_checked() {
     assert_eq!(gpu.read::<f32>(&b, 16).unwrap(), vec![1.0, 2.0, 3.0, 4.0]);
     for bytes in [u64::MAX, b.size() + 4] {
         match gpu.read::<f32>(&b, bytes) {
-            Err(e @ GpuError::ReadPastEnd { .. }) => assert!(e.to_string().contains("read of"), "{e}"),
+            Err(e @ GpuError::ReadPastEnd { .. }) => {
+                assert!(e.to_string().contains("read of"), "{e}")
+            }
             other => panic!("read of {bytes}: {other:?}"),
         }
     }
@@ -591,7 +598,9 @@ fn passes_an_adapter_cannot_finish_are_refused() {
             ..Default::default()
         };
         match r.decode(&gpu, &q, &never) {
-            Err(e @ GpuError::PassTooLong { .. }) => assert!(e.to_string().contains("65535"), "{e}"),
+            Err(e @ GpuError::PassTooLong { .. }) => {
+                assert!(e.to_string().contains("65535"), "{e}")
+            }
             other => panic!("unsplit decode past the bound: {other:?}"),
         }
         let e = r.decode(&gpu, &q, &AttnOptions::default()).unwrap();
@@ -603,7 +612,11 @@ fn passes_an_adapter_cannot_finish_are_refused() {
         // Prefill past the bound: refused unsplit, split-KV (and exact)
         // under Split::Auto.
         match r.prefill(&gpu, &mut rng, 2, &never) {
-            Err(e @ GpuError::PassTooLong { what: "prefill", .. }) => {
+            Err(
+                e @ GpuError::PassTooLong {
+                    what: "prefill", ..
+                },
+            ) => {
                 assert!(e.to_string().contains("prefill"), "{e}")
             }
             other => panic!("unsplit prefill past the bound: {other:?}"),

@@ -382,10 +382,8 @@ fn snapshot(gpu: &Gpu, kv: &KvCache) -> Vec<(Vec<f32>, Vec<f32>)> {
 fn invalid<T: std::fmt::Debug>(r: Result<T, GpuError>, needle: &str) {
     match r {
         Err(
-            e @ (GpuError::Pool(_)
-            | GpuError::Batch(_)
-            | GpuError::Options(_)
-            | GpuError::Shape(_)),
+            e
+            @ (GpuError::Pool(_) | GpuError::Batch(_) | GpuError::Options(_) | GpuError::Shape(_)),
         ) => {
             let m = e.to_string();
             assert!(
@@ -669,10 +667,7 @@ fn gpu_wrong_lengths_and_out_of_range_indices() {
     ];
     for o in &bad_opts {
         assert!(
-            matches!(
-                dec(&q1, &[0, 1], &[3], &[5], o),
-                Err(GpuError::Options(_))
-            ),
+            matches!(dec(&q1, &[0, 1], &[3], &[5], o), Err(GpuError::Options(_))),
             "{o:?}"
         );
     }
@@ -726,7 +721,15 @@ fn gpu_corrupt_tables_are_bounded() {
     // the kernels' u32 positions could wrap on); the longest accepted one
     // is cut to its table by the kernel.
     let over = [u32::MAX, 64, 40, 30, 16];
-    match run_unchecked(&gpu, &f, &[], &kv_indptr, &kv_indices, &over, &Default::default()) {
+    match run_unchecked(
+        &gpu,
+        &f,
+        &[],
+        &kv_indptr,
+        &kv_indices,
+        &over,
+        &Default::default(),
+    ) {
         Err(e @ GpuError::Batch(BatchError::TooLong { .. })) => {
             assert!(e.to_string().contains("over the limit"), "{e}")
         }
@@ -830,10 +833,16 @@ fn run_unchecked(
     let qb = gpu.storage_init("q", q).unwrap();
     let bytes = (q.len() * 4) as u64;
     let out = gpu.storage("out", bytes.max(4)).unwrap();
-    gpu.queue
-        .write_buffer(&out, 0, bytemuck::cast_slice(&vec![f32::NAN; q.len().max(1)]));
+    gpu.queue.write_buffer(
+        &out,
+        0,
+        bytemuck::cast_slice(&vec![f32::NAN; q.len().max(1)]),
+    );
     let mut enc = gpu.device.create_command_encoder(&Default::default());
-    let (qr, outr) = (qb.as_entire_buffer_binding(), out.as_entire_buffer_binding());
+    let (qr, outr) = (
+        qb.as_entire_buffer_binding(),
+        out.as_entire_buffer_binding(),
+    );
     f.attn
         .run(gpu, &mut enc, &mut plan, &f.kv, 0, 0, &qr, &outr)?;
     gpu.queue.submit([enc.finish()]);
@@ -1069,10 +1078,12 @@ fn gpu_run_refuses_wrong_buffers() {
             .run(&gpu, &mut enc, &mut plan, &f.kv, 0, 0, &b(qb), &b(ob));
         assert!(matches!(r, Err(GpuError::Binding { .. })), "{what}: {r:?}");
     }
-    let r = f
-        .kv
-        .run_write_kv(&gpu, &mut enc, &mut wplan, 1, &b(&short), &b(&short));
-    assert!(matches!(r, Err(GpuError::Binding { .. })), "short K/V: {r:?}");
+    let r =
+        f.kv.run_write_kv(&gpu, &mut enc, &mut wplan, 1, &b(&short), &b(&short));
+    assert!(
+        matches!(r, Err(GpuError::Binding { .. })),
+        "short K/V: {r:?}"
+    );
     gpu.queue.submit([enc.finish()]);
     gpu.wait().unwrap();
     assert!(before == snapshot(&gpu, &f.kv), "the pool changed");
@@ -1135,7 +1146,10 @@ fn gpu_empty_batches() {
     f.attn
         .plan_decode(&gpu, &mut aplan, &t, std::slice::from_ref(&opts))
         .unwrap();
-    let (e, eo) = (empty.as_entire_buffer_binding(), empty_out.as_entire_buffer_binding());
+    let (e, eo) = (
+        empty.as_entire_buffer_binding(),
+        empty_out.as_entire_buffer_binding(),
+    );
     let mut enc = gpu.device.create_command_encoder(&Default::default());
     f.kv.run_copy_blocks(&gpu, &mut enc, &mut wplan).unwrap();
     f.kv.run_write_kv(&gpu, &mut enc, &mut wplan, 0, &e, &e)

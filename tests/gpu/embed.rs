@@ -1181,13 +1181,7 @@ fn plan_run_soak_of_random_tables_bindings_and_caches() {
                         problem: pagedattn::gpu::BindingError::SameBuffer,
                     })
                 };
-                assert!(
-                    matches!(
-                        r,
-                        Err(GpuError::Binding { .. })
-                    ),
-                    "{what}: {r:?}"
-                );
+                assert!(matches!(r, Err(GpuError::Binding { .. })), "{what}: {r:?}");
                 gpu.queue.submit([enc.finish()]);
                 reached[4] += 1;
             }

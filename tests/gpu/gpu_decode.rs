@@ -82,7 +82,9 @@ fn run(gpu: &Gpu, seed: u64, c: &Case, kernel: Kernel) -> f64 {
         // An adapter that ends long loops early refuses an unsplit pass
         // past the kernel's cap (tests/adversarial_gpu.rs checks the cap);
         // the case then runs split as Split::Auto would.
-        Err(e @ GpuError::PassTooLong { .. }) if c.opts.split != Split::Auto && gpu.caps_loops() => {
+        Err(e @ GpuError::PassTooLong { .. })
+            if c.opts.split != Split::Auto && gpu.caps_loops() =>
+        {
             assert!(e.to_string().contains("ends loops"), "{e}");
             decode(&AttnOptions {
                 split: Split::Auto,

@@ -189,7 +189,10 @@ fn corrupt_tables_are_skipped_not_read() {
     gpu.queue
         .write_buffer(&out, 0, bytemuck::cast_slice(&vec![f32::NAN; qlen]));
     let mut enc = gpu.device.create_command_encoder(&Default::default());
-    let (qr, outr) = (qb.as_entire_buffer_binding(), out.as_entire_buffer_binding());
+    let (qr, outr) = (
+        qb.as_entire_buffer_binding(),
+        out.as_entire_buffer_binding(),
+    );
     attn.run(&gpu, &mut enc, &mut plan, &kv, 0, 0, &qr, &outr)
         .unwrap();
     gpu.queue.submit([enc.finish()]);

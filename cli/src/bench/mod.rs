@@ -691,15 +691,12 @@ pub fn host_step(gpu: &Gpu, steps: usize) -> Result<HostStep, BenchError> {
         },
     )?;
     let attn = PagedAttention::new(gpu, &cache, 2 * kvh)?;
-    let mut m = BlockManager::new(BlockManagerConfig::new(num_blocks, BLOCK))
-        ?;
+    let mut m = BlockManager::new(BlockManagerConfig::new(num_blocks, BLOCK))?;
     let ids: Vec<SeqId> = (0..batch)
         .map(|i| m.add_sequence(&vec![i; context as usize - 1 - steps]))
-        .collect::<Result<_, _>>()
-        ?;
+        .collect::<Result<_, _>>()?;
     let mut view = BatchView::default();
-    m.batch_view_into(&ids, &mut view)
-        ?;
+    m.batch_view_into(&ids, &mut view)?;
     let q = gpu.storage("host step q", (batch * 2 * kvh * hd * 4) as u64)?;
     let out = gpu.storage("host step out", (batch * 2 * kvh * hd * 4) as u64)?;
     let kv = gpu.storage("host step k/v", (batch * kvh * hd * 4) as u64)?;
@@ -713,11 +710,9 @@ pub fn host_step(gpu: &Gpu, steps: usize) -> Result<HostStep, BenchError> {
         }
         let t0 = std::time::Instant::now();
         for &id in &ids {
-            m.append(id, &[step as u32])
-                ?;
+            m.append(id, &[step as u32])?;
         }
-        m.batch_view_into(&ids, &mut view)
-            ?;
+        m.batch_view_into(&ids, &mut view)?;
         cache.plan_write(gpu, &mut wplan, &view.slot_mapping, &view.copies)?;
         attn.plan_decode(gpu, &mut aplan, &DecodeTables::from_view(&view), &opts)?;
         let mut enc = gpu.device.create_command_encoder(&Default::default());
@@ -1102,8 +1097,8 @@ fn attention(
     picks: &pagedattn::gpu::Tuner,
     cache: &KvCache,
 ) -> Result<PagedAttention, BenchError> {
-    let cfg = crate::env::attention_config(picks.kept(gpu, cache, HEADS))
-        .map_err(BenchError::Config)?;
+    let cfg =
+        crate::env::attention_config(picks.kept(gpu, cache, HEADS)).map_err(BenchError::Config)?;
     Ok(PagedAttention::with_config(gpu, cache, HEADS, &cfg)?)
 }
 

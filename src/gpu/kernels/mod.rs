@@ -16,6 +16,7 @@ use super::{Gpu, Kernel};
 pub(super) mod lanes;
 pub(super) mod rows;
 pub(super) mod serial;
+pub(super) mod template;
 pub(super) mod tiled;
 
 /// The pass a decode kernel's cascade runs its shared segments on.
