@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
-use pagedattn::gpu::{Gpu, KvDtype, PagedAttention, Split};
+use pagedattn::gpu::{AttentionPlan, Gpu, KvCache, KvDtype, PagedAttention, Split};
 use pagedattn::rng::SplitMix64;
 use pagedattn_cli::bench::{
     decode_plan, filled_cache, tables, StreamRead, Timer, BLOCK, HEADS, HEAD_DIM, KV_HEADS,
@@ -24,6 +24,52 @@ fn gpu_time(
         total += timer.once(i as usize, record).expect("GPU run");
     }
     Duration::from_secs_f64(total / 1e3)
+}
+
+/// One decode cell: a filled two-layer cache, its kernels, Q and output.
+struct Cell<'a> {
+    gpu: &'a Gpu,
+    cache: KvCache,
+    attn: PagedAttention,
+    q: wgpu::Buffer,
+    out: wgpu::Buffer,
+}
+
+impl<'a> Cell<'a> {
+    fn new(gpu: &'a Gpu, cache: KvCache, batch: u32, rng: &mut SplitMix64) -> Self {
+        let attn = PagedAttention::new(gpu, &cache, HEADS).expect("kernels");
+        let q = gpu
+            .storage_init("q", &rng.signed_vec((batch * HEADS * HEAD_DIM) as usize))
+            .unwrap();
+        let out = gpu
+            .storage("out", (batch * HEADS * HEAD_DIM * 4) as u64)
+            .unwrap();
+        Self {
+            gpu,
+            cache,
+            attn,
+            q,
+            out,
+        }
+    }
+
+    /// GPU time of `iters` runs of `plan`, layers alternating.
+    fn time(&self, timer: &Timer, iters: u64, plan: &mut AttentionPlan) -> Duration {
+        gpu_time(timer, iters, &mut |run, enc| {
+            self.attn
+                .run(
+                    self.gpu,
+                    enc,
+                    plan,
+                    &self.cache,
+                    run as u32 % 2,
+                    0,
+                    &self.q.as_entire_buffer_binding(),
+                    &self.out.as_entire_buffer_binding(),
+                )
+                .expect("decode");
+        })
+    }
 }
 
 fn decode(c: &mut Criterion) {
@@ -54,34 +100,16 @@ fn decode(c: &mut Criterion) {
                 eprintln!("decode b{batch} c{ctx}: over the adapter's binding limit, skipped");
                 continue;
             };
-            let attn = PagedAttention::new(&gpu, &cache, HEADS).expect("kernels");
-            let q = gpu
-                .storage_init("q", &rng.signed_vec((batch * HEADS * HEAD_DIM) as usize))
-                .unwrap();
-            let out = gpu
-                .storage("out", (batch * HEADS * HEAD_DIM * 4) as u64)
-                .unwrap();
+            let cell = Cell::new(&gpu, cache, batch, &mut rng);
+            let attn = &cell.attn;
             let bytes = 2 * batch as u64 * ctx as u64 * (KV_HEADS * HEAD_DIM) as u64 * 2;
             g.throughput(Throughput::Bytes(bytes));
             for (name, shuffled) in [("paged", true), ("identity", false)] {
                 let t = tables(batch, ctx, shuffled, &mut rng);
-                let mut plan = decode_plan(&gpu, &attn, &t, Split::Auto).expect("plan");
-                g.bench_function(BenchmarkId::new(name, format!("b{batch}/c{ctx}")), |b| {
-                    b.iter_custom(|iters| {
-                        gpu_time(&timer, iters, &mut |run, enc| {
-                            attn.run(
-                                &gpu,
-                                enc,
-                                &mut plan,
-                                &cache,
-                                run as u32 % 2,
-                                0,
-                                &q.as_entire_buffer_binding(),
-                                &out.as_entire_buffer_binding(),
-                            )
-                            .expect("decode");
-                        })
-                    })
+                let mut plan = decode_plan(&gpu, attn, &t, Split::Auto).expect("plan");
+                let id = BenchmarkId::new(name, format!("b{batch}/c{ctx}"));
+                g.bench_function(id, |b| {
+                    b.iter_custom(|iters| cell.time(&timer, iters, &mut plan))
                 });
             }
         }
@@ -104,35 +132,17 @@ fn decode(c: &mut Criterion) {
                 );
                 continue;
             };
-            let attn = PagedAttention::new(&gpu, &cache, HEADS).expect("kernels");
-            let q = gpu
-                .storage_init("q", &rng.signed_vec((batch * HEADS * HEAD_DIM) as usize))
-                .unwrap();
-            let out = gpu
-                .storage("out", (batch * HEADS * HEAD_DIM * 4) as u64)
-                .unwrap();
+            let cell = Cell::new(&gpu, cache, batch, &mut rng);
+            let attn = &cell.attn;
             g.throughput(Throughput::Bytes(
                 2 * batch as u64 * ctx as u64 * (KV_HEADS * HEAD_DIM) as u64 * 2,
             ));
             let t = tables(batch, ctx, true, &mut rng);
             for (name, split) in [("whole", Split::Never), ("split512", Split::Tokens(512))] {
-                let mut plan = decode_plan(&gpu, &attn, &t, split).expect("plan");
-                g.bench_function(BenchmarkId::new(name, format!("b{batch}/c{ctx}")), |b| {
-                    b.iter_custom(|iters| {
-                        gpu_time(&timer, iters, &mut |run, enc| {
-                            attn.run(
-                                &gpu,
-                                enc,
-                                &mut plan,
-                                &cache,
-                                run as u32 % 2,
-                                0,
-                                &q.as_entire_buffer_binding(),
-                                &out.as_entire_buffer_binding(),
-                            )
-                            .expect("decode");
-                        })
-                    })
+                let mut plan = decode_plan(&gpu, attn, &t, split).expect("plan");
+                let id = BenchmarkId::new(name, format!("b{batch}/c{ctx}"));
+                g.bench_function(id, |b| {
+                    b.iter_custom(|iters| cell.time(&timer, iters, &mut plan))
                 });
             }
         }

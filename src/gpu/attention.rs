@@ -4,6 +4,7 @@
 use super::error::{BatchError, OptionError, ShapeError};
 use super::kernel::{self, Kernel};
 use super::kv_cache::pipeline;
+use super::plan::StepTables;
 use super::shader::{self, ShaderShape};
 use super::{params, Gpu, GpuError, KvCache};
 
@@ -366,27 +367,17 @@ impl PagedAttention {
         )
     }
 
-    /// The same kernels with `paged == false`: no per-token table lookup,
-    /// each sequence's blocks assumed consecutive from its first table entry.
-    /// A contiguous-KV baseline of the same design, for benchmarks.
-    pub fn contiguous(gpu: &Gpu, cache: &KvCache, num_heads: u32) -> Result<Self, GpuError> {
-        Self::with_layout(gpu, cache, num_heads, false, &AttentionConfig::default())
-    }
-
-    /// [`contiguous`](Self::contiguous) with a given decode kernel.
-    pub fn contiguous_with_kernel(
+    /// The kernels `config` says with `paged == false`: no per-token table
+    /// lookup, each sequence's blocks assumed consecutive from its first
+    /// table entry. A contiguous-KV baseline of the same design, for the
+    /// bench's paged / contiguous ratio.
+    pub fn contiguous(
         gpu: &Gpu,
         cache: &KvCache,
         num_heads: u32,
-        kernel: Kernel,
+        config: &AttentionConfig,
     ) -> Result<Self, GpuError> {
-        Self::with_layout(
-            gpu,
-            cache,
-            num_heads,
-            false,
-            &AttentionConfig::new().kernel(kernel),
-        )
+        Self::with_layout(gpu, cache, num_heads, false, config)
     }
 
     /// The decode kernel variant in use.
@@ -810,7 +801,7 @@ impl PagedAttention {
         opts: &AttnOptions,
     ) -> Result<Vec<f32>, GpuError> {
         let _serial = gpu.serial();
-        let t = HostTables {
+        let t = StepTables {
             kv_indptr,
             kv_indices,
             seq_lens,
@@ -864,7 +855,7 @@ impl PagedAttention {
                 cache,
                 layer,
                 q,
-                &HostTables::decode(kv_indptr, kv_indices, seq_lens),
+                &StepTables::decode(kv_indptr, kv_indices, seq_lens),
                 opts,
             )
         })?;
@@ -886,7 +877,7 @@ impl PagedAttention {
     ) -> Result<Vec<f32>, GpuError> {
         let (out, bytes) = gpu
             .scoped(|| {
-                let t = HostTables::decode(kv_indptr, kv_indices, seq_lens);
+                let t = StepTables::decode(kv_indptr, kv_indices, seq_lens);
                 self.one_step(gpu, cache, layer, q, &t, opts)
             })
             .await??;
@@ -902,36 +893,13 @@ impl PagedAttention {
         cache: &KvCache,
         layer: u32,
         q: &[f32],
-        t: &HostTables,
+        t: &StepTables,
         opts: &AttnOptions,
     ) -> Result<(wgpu::Buffer, u64), GpuError> {
         self.check_cache(gpu, cache)?;
         cache.layer(layer)?;
         let mut plan = self.plan();
-        let variants = std::slice::from_ref(opts);
-        match t.qo_indptr {
-            None => self.plan_decode(
-                gpu,
-                &mut plan,
-                &super::DecodeTables {
-                    kv_indptr: t.kv_indptr,
-                    kv_indices: t.kv_indices,
-                    seq_lens: t.seq_lens,
-                },
-                variants,
-            )?,
-            Some(qo_indptr) => self.plan_prefill(
-                gpu,
-                &mut plan,
-                &super::PrefillTables {
-                    kv_indptr: t.kv_indptr,
-                    kv_indices: t.kv_indices,
-                    seq_lens: t.seq_lens,
-                    qo_indptr,
-                },
-                variants,
-            )?,
-        }
+        self.plan_any(gpu, &mut plan, t, std::slice::from_ref(opts), true)?;
         let nq = plan.num_queries() as usize;
         let row = self.num_heads as usize * self.head_dim as usize;
         if nq.checked_mul(row) != Some(q.len()) {
@@ -967,25 +935,6 @@ impl PagedAttention {
         )?;
         gpu.queue.submit([enc.finish()]);
         Ok((out, bytes))
-    }
-}
-
-/// The host calls' tables: decode without `qo_indptr`, prefill with.
-struct HostTables<'a> {
-    kv_indptr: &'a [u32],
-    kv_indices: &'a [u32],
-    seq_lens: &'a [u32],
-    qo_indptr: Option<&'a [u32]>,
-}
-
-impl<'a> HostTables<'a> {
-    fn decode(kv_indptr: &'a [u32], kv_indices: &'a [u32], seq_lens: &'a [u32]) -> Self {
-        Self {
-            kv_indptr,
-            kv_indices,
-            seq_lens,
-            qo_indptr: None,
-        }
     }
 }
 

@@ -372,11 +372,22 @@ enum SegPass {
 }
 
 /// A step's tables as `plan_any` takes them: decode without `qo_indptr`.
-struct StepTables<'a> {
-    kv_indptr: &'a [u32],
-    kv_indices: &'a [u32],
-    seq_lens: &'a [u32],
-    qo_indptr: Option<&'a [u32]>,
+pub(super) struct StepTables<'a> {
+    pub(super) kv_indptr: &'a [u32],
+    pub(super) kv_indices: &'a [u32],
+    pub(super) seq_lens: &'a [u32],
+    pub(super) qo_indptr: Option<&'a [u32]>,
+}
+
+impl<'a> StepTables<'a> {
+    pub(super) fn decode(kv_indptr: &'a [u32], kv_indices: &'a [u32], seq_lens: &'a [u32]) -> Self {
+        Self {
+            kv_indptr,
+            kv_indices,
+            seq_lens,
+            qo_indptr: None,
+        }
+    }
 }
 
 /// The cascade a step takes: its segments and the kernel of their pass.
@@ -561,12 +572,7 @@ impl PagedAttention {
         t: &DecodeTables,
         variants: &[AttnOptions],
     ) -> Result<(), GpuError> {
-        let t = StepTables {
-            kv_indptr: t.kv_indptr,
-            kv_indices: t.kv_indices,
-            seq_lens: t.seq_lens,
-            qo_indptr: None,
-        };
+        let t = StepTables::decode(t.kv_indptr, t.kv_indices, t.seq_lens);
         self.plan_any(gpu, plan, &t, variants, true)
     }
 
@@ -604,19 +610,14 @@ impl PagedAttention {
         t: &DecodeTables,
         variants: &[AttnOptions],
     ) -> Result<(), GpuError> {
-        let t = StepTables {
-            kv_indptr: t.kv_indptr,
-            kv_indices: t.kv_indices,
-            seq_lens: t.seq_lens,
-            qo_indptr: None,
-        };
+        let t = StepTables::decode(t.kv_indptr, t.kv_indices, t.seq_lens);
         self.plan_any(gpu, plan, &t, variants, false)
     }
 
     /// Plans a step: checks it, chooses the cascade, packs and uploads the
     /// tables, chooses each variant's split and writes its uniform, and
     /// plans the cascade's segment pass. On an error the plan holds no step.
-    fn plan_any(
+    pub(super) fn plan_any(
         &self,
         gpu: &Gpu,
         plan: &mut AttentionPlan,

@@ -120,3 +120,85 @@ pub fn blocks_for(lens: &[usize], block_size: u32, slack: u32) -> u32 {
         .sum::<u32>()
         + slack
 }
+
+/// Random K/V for a shuffled batch, written into a fresh one-layer pool
+/// and into its host mirror (the reference's view of it).
+pub struct FilledPool {
+    /// The batch's tables and slots.
+    pub view: BatchView,
+    /// The pool on the GPU.
+    pub cache: pagedattn::gpu::KvCache,
+    /// The mirror, rounded as the pool stores.
+    pub host: HostPool,
+}
+
+/// A [`FilledPool`] of sequences of `lens` in blocks of `block_size` (and
+/// `slack` free ones), `kv_heads` x `head_dim`, stored as `dtype`.
+pub fn filled_pool(
+    gpu: &Gpu,
+    rng: &mut SplitMix64,
+    lens: &[usize],
+    block_size: u32,
+    slack: u32,
+    (kv_heads, head_dim): (u32, u32),
+    dtype: pagedattn::gpu::KvDtype,
+) -> FilledPool {
+    let nb = blocks_for(lens, block_size, slack);
+    let (_m, _ids, view) = shuffled_batch(rng, nb, block_size, lens);
+    let cfg = pagedattn::gpu::KvCacheConfig {
+        num_layers: 1,
+        num_blocks: nb,
+        block_size,
+        num_kv_heads: kv_heads,
+        head_dim,
+        dtype,
+    };
+    let cache = pagedattn::gpu::KvCache::new(gpu, cfg).unwrap();
+    let row = (kv_heads * head_dim) as usize;
+    let ntok = view.slot_mapping.len();
+    let (k, v) = (rng.signed_vec(ntok * row), rng.signed_vec(ntok * row));
+    cache.write_kv(gpu, 0, &k, &v, &view.slot_mapping).unwrap();
+    let mut host = HostPool::new(
+        nb as usize,
+        kv_heads as usize,
+        block_size as usize,
+        head_dim as usize,
+    );
+    host.write(&view.slot_mapping, &k, &v, Stored::from(dtype));
+    FilledPool { view, cache, host }
+}
+
+/// The reference's parameters for `opts` over `num_heads` heads.
+pub fn ref_params(
+    num_heads: u32,
+    head_dim: u32,
+    opts: &pagedattn::gpu::AttnOptions,
+) -> pagedattn::reference::AttnParams {
+    let mut p = pagedattn::reference::AttnParams::new(num_heads as usize, head_dim as usize);
+    p.scale = opts.scale.unwrap_or(p.scale);
+    p.soft_cap = opts.soft_cap;
+    p.sliding_window = opts.sliding_window;
+    p.alibi_slopes = opts.alibi_slopes.clone();
+    p
+}
+
+/// Host decode of layer 0 over `view`'s tables.
+pub fn decode_view(
+    attn: &pagedattn::gpu::PagedAttention,
+    gpu: &Gpu,
+    cache: &pagedattn::gpu::KvCache,
+    q: &[f32],
+    view: &BatchView,
+    opts: &pagedattn::gpu::AttnOptions,
+) -> Result<Vec<f32>, pagedattn::gpu::GpuError> {
+    attn.decode(
+        gpu,
+        cache,
+        0,
+        q,
+        &view.kv_indptr,
+        &view.kv_indices,
+        &view.seq_lens,
+        opts,
+    )
+}

@@ -179,16 +179,7 @@ fn device_loss_is_seen_by_every_call() {
         ),
         (
             "decode",
-            is_device(&r.attn.decode(
-                &gpu,
-                &r.cache,
-                0,
-                &q,
-                &v.kv_indptr,
-                &v.kv_indices,
-                &v.seq_lens,
-                &opts,
-            )),
+            is_device(&decode_view(&r.attn, &gpu, &r.cache, &q, &v, &opts)),
         ),
         ("prefill", is_device(&r.prefill(&gpu, &mut rng, 1, &opts))),
         ("read_layer", is_device(&r.cache.read_layer(&gpu, 0))),
@@ -280,18 +271,7 @@ fn device_loss_while_threads_are_busy() {
                     let q = r.q(&mut rng);
                     let v = &r.view;
                     let res: Result<(), GpuError> = match (t + i) % 4 {
-                        0 => r
-                            .attn
-                            .decode(
-                                &gpu,
-                                &r.cache,
-                                0,
-                                &q,
-                                &v.kv_indptr,
-                                &v.kv_indices,
-                                &v.seq_lens,
-                                &Default::default(),
-                            )
+                        0 => decode_view(&r.attn, &gpu, &r.cache, &q, v, &Default::default())
                             .map(|_| ()),
                         1 => r
                             .cache
@@ -332,16 +312,7 @@ fn device_loss_while_threads_are_busy() {
     assert!(gpu.is_lost());
     let q = r.q(&mut rng);
     let v = &r.view;
-    let d = r.attn.decode(
-        &gpu,
-        &r.cache,
-        0,
-        &q,
-        &v.kv_indptr,
-        &v.kv_indices,
-        &v.seq_lens,
-        &Default::default(),
-    );
+    let d = decode_view(&r.attn, &gpu, &r.cache, &q, &v, &Default::default());
     assert!(is_device(&d), "{d:?}");
 }
 
@@ -433,16 +404,7 @@ fn attention_checks_the_cache_it_is_given() {
     let small = rig(&gpu, &mut rng, &[40], 2, 2, 64);
     let q = big.q(&mut rng);
     let v = &big.view;
-    let r = big.attn.decode(
-        &gpu,
-        &small.cache,
-        0,
-        &q,
-        &v.kv_indptr,
-        &v.kv_indices,
-        &v.seq_lens,
-        &Default::default(),
-    );
+    let r = decode_view(&big.attn, &gpu, &small.cache, &q, &v, &Default::default());
     match r {
         Err(e @ GpuError::Shape(ShapeError::OtherCache { .. })) => {
             assert!(e.to_string().contains("built for"), "{e}")

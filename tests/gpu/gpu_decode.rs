@@ -34,29 +34,9 @@ fn tol(d: KvDtype) -> f64 {
 /// Runs one case on one decode kernel and returns the relative L2 error.
 fn run(gpu: &Gpu, seed: u64, c: &Case, kernel: Kernel) -> f64 {
     let mut rng = SplitMix64::new(seed);
-    let nb = blocks_for(&c.lens, c.block_size, 7);
-    let (_m, _ids, view) = shuffled_batch(&mut rng, nb, c.block_size, &c.lens);
-    let cfg = KvCacheConfig {
-        num_layers: 1,
-        num_blocks: nb,
-        block_size: c.block_size,
-        num_kv_heads: c.num_kv_heads,
-        head_dim: c.head_dim,
-        dtype: c.dtype,
-    };
-    let cache = KvCache::new(gpu, cfg).unwrap();
-    let row = (c.num_kv_heads * c.head_dim) as usize;
-    let ntok = view.slot_mapping.len();
-    let k = rng.signed_vec(ntok * row);
-    let v = rng.signed_vec(ntok * row);
-    cache.write_kv(gpu, 0, &k, &v, &view.slot_mapping).unwrap();
-    let mut host = HostPool::new(
-        nb as usize,
-        c.num_kv_heads as usize,
-        c.block_size as usize,
-        c.head_dim as usize,
-    );
-    host.write(&view.slot_mapping, &k, &v, Stored::from(c.dtype));
+    let kv = (c.num_kv_heads, c.head_dim);
+    let FilledPool { view, cache, host } =
+        filled_pool(gpu, &mut rng, &c.lens, c.block_size, 7, kv, c.dtype);
 
     let num_heads = c.num_kv_heads * c.group;
     let attn = PagedAttention::with_kernel(gpu, &cache, num_heads, kernel).unwrap();
@@ -66,18 +46,7 @@ fn run(gpu: &Gpu, seed: u64, c: &Case, kernel: Kernel) -> f64 {
         .iter()
         .map(|x| x * 2.0)
         .collect();
-    let decode = |o: &AttnOptions| {
-        attn.decode(
-            gpu,
-            &cache,
-            0,
-            &q,
-            &view.kv_indptr,
-            &view.kv_indices,
-            &view.seq_lens,
-            o,
-        )
-    };
+    let decode = |o: &AttnOptions| decode_view(&attn, gpu, &cache, &q, &view, o);
     let out = match decode(&c.opts) {
         // An adapter that ends long loops early refuses an unsplit pass
         // past the kernel's cap (tests/adversarial_gpu.rs checks the cap);
@@ -94,13 +63,7 @@ fn run(gpu: &Gpu, seed: u64, c: &Case, kernel: Kernel) -> f64 {
         }
         r => r.unwrap(),
     };
-    let mut p = AttnParams::new(num_heads as usize, c.head_dim as usize);
-    if let Some(s) = c.opts.scale {
-        p.scale = s;
-    }
-    p.soft_cap = c.opts.soft_cap;
-    p.sliding_window = c.opts.sliding_window;
-    p.alibi_slopes = c.opts.alibi_slopes.clone();
+    let p = ref_params(num_heads, c.head_dim, &c.opts);
     let want = reference::decode(
         &host.view(),
         &p,
@@ -336,18 +299,7 @@ fn f16_storage_error_against_exact_inputs() {
     exact.write(&view.slot_mapping, &k, &v, Stored::Exact);
     let attn = PagedAttention::new(&gpu, &cache, heads).unwrap();
     let q = rng.signed_vec(lens.len() * (heads * hd) as usize);
-    let out = attn
-        .decode(
-            &gpu,
-            &cache,
-            0,
-            &q,
-            &view.kv_indptr,
-            &view.kv_indices,
-            &view.seq_lens,
-            &AttnOptions::default(),
-        )
-        .unwrap();
+    let out = decode_view(&attn, &gpu, &cache, &q, &view, &AttnOptions::default()).unwrap();
     let want = reference::decode(
         &exact.view(),
         &AttnParams::new(heads as usize, hd as usize),

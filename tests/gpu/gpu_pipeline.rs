@@ -74,18 +74,8 @@ fn copy_on_write_branches_match_from_scratch() {
                 hist[i].1.extend_from_slice(&v[i * row..(i + 1) * row]);
             }
             last_q = rng.signed_vec(2 * (HEADS * HD) as usize);
-            last_out = attn
-                .decode(
-                    &gpu,
-                    &kv,
-                    0,
-                    &last_q,
-                    &view.kv_indptr,
-                    &view.kv_indices,
-                    &view.seq_lens,
-                    &AttnOptions::default(),
-                )
-                .unwrap();
+            last_out =
+                decode_view(&attn, &gpu, &kv, &last_q, &view, &AttnOptions::default()).unwrap();
         }
         assert_eq!(
             copies, 1,
@@ -257,18 +247,7 @@ fn sliding_window_after_releasing_old_blocks() {
             sliding_window: Some(window),
             ..Default::default()
         };
-        let before = attn
-            .decode(
-                &gpu,
-                &kv,
-                0,
-                &q,
-                &view.kv_indptr,
-                &view.kv_indices,
-                &view.seq_lens,
-                &opts,
-            )
-            .unwrap();
+        let before = decode_view(&attn, &gpu, &kv, &q, &view, &opts).unwrap();
         let free0 = m.stats().free;
         let released: usize = ids
             .iter()
@@ -281,18 +260,7 @@ fn sliding_window_after_releasing_old_blocks() {
         );
         assert_eq!(m.stats().free, free0 + released);
         let after_view = m.batch_view(&ids).unwrap();
-        let after = attn
-            .decode(
-                &gpu,
-                &kv,
-                0,
-                &q,
-                &after_view.kv_indptr,
-                &after_view.kv_indices,
-                &after_view.seq_lens,
-                &opts,
-            )
-            .unwrap();
+        let after = decode_view(&attn, &gpu, &kv, &q, &after_view, &opts).unwrap();
         let mut p = AttnParams::new(HEADS as usize, HD as usize);
         p.sliding_window = Some(window);
         let want = reference::decode(

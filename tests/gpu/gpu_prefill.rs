@@ -7,7 +7,7 @@ use crate::common;
 
 use common::*;
 use pagedattn::gpu::{AttnOptions, Gpu, KvCache, KvCacheConfig, KvDtype, PagedAttention};
-use pagedattn::reference::{self, rel_l2, AttnParams};
+use pagedattn::reference::{self, rel_l2};
 use pagedattn::rng::SplitMix64;
 
 struct Case {
@@ -24,28 +24,9 @@ struct Case {
 fn run(gpu: &Gpu, seed: u64, c: &Case) -> f64 {
     let mut rng = SplitMix64::new(seed);
     let lens: Vec<usize> = c.seqs.iter().map(|s| s.0).collect();
-    let nb = blocks_for(&lens, c.block_size, 5);
-    let (_m, _ids, view) = shuffled_batch(&mut rng, nb, c.block_size, &lens);
-    let cfg = KvCacheConfig {
-        num_layers: 1,
-        num_blocks: nb,
-        block_size: c.block_size,
-        num_kv_heads: c.num_kv_heads,
-        head_dim: c.head_dim,
-        dtype: c.dtype,
-    };
-    let cache = KvCache::new(gpu, cfg).unwrap();
-    let row = (c.num_kv_heads * c.head_dim) as usize;
-    let ntok = view.slot_mapping.len();
-    let (k, v) = (rng.signed_vec(ntok * row), rng.signed_vec(ntok * row));
-    cache.write_kv(gpu, 0, &k, &v, &view.slot_mapping).unwrap();
-    let mut host = HostPool::new(
-        nb as usize,
-        c.num_kv_heads as usize,
-        c.block_size as usize,
-        c.head_dim as usize,
-    );
-    host.write(&view.slot_mapping, &k, &v, Stored::from(c.dtype));
+    let kv = (c.num_kv_heads, c.head_dim);
+    let FilledPool { view, cache, host } =
+        filled_pool(gpu, &mut rng, &lens, c.block_size, 5, kv, c.dtype);
     let num_heads = c.num_kv_heads * c.group;
     let attn = PagedAttention::new(gpu, &cache, num_heads).unwrap();
     let mut qo = vec![0u32];
@@ -66,11 +47,7 @@ fn run(gpu: &Gpu, seed: u64, c: &Case) -> f64 {
             &c.opts,
         )
         .unwrap();
-    let mut p = AttnParams::new(num_heads as usize, c.head_dim as usize);
-    p.scale = c.opts.scale.unwrap_or(p.scale);
-    p.soft_cap = c.opts.soft_cap;
-    p.sliding_window = c.opts.sliding_window;
-    p.alibi_slopes = c.opts.alibi_slopes.clone();
+    let p = ref_params(num_heads, c.head_dim, &c.opts);
     let want = reference::prefill(
         &host.view(),
         &p,

@@ -169,18 +169,7 @@ fn decode_and_prefill_within_the_bounds() {
                         split,
                         ..Default::default()
                     };
-                    let out = attn
-                        .decode(
-                            &gpu,
-                            &r.cache,
-                            0,
-                            &q,
-                            &v.kv_indptr,
-                            &v.kv_indices,
-                            &v.seq_lens,
-                            &o,
-                        )
-                        .unwrap();
+                    let out = decode_view(&attn, &gpu, &r.cache, &q, &v, &o).unwrap();
                     let e = rel_l2(&out, &want);
                     eprintln!(
                         "{name} decode [{kernel} {split:?}]: rel L2 {e:.3e} (bound {:.1e})",
@@ -867,18 +856,8 @@ fn serial_wide_loads_reach_every_word_of_the_pool() {
             );
             for kernel in [Kernel::Serial, Kernel::Tiled] {
                 let attn = PagedAttention::with_kernel(&gpu, &cache, heads, kernel).unwrap();
-                let out = attn
-                    .decode(
-                        &gpu,
-                        &cache,
-                        0,
-                        &q,
-                        &view.kv_indptr,
-                        &view.kv_indices,
-                        &view.seq_lens,
-                        &AttnOptions::default(),
-                    )
-                    .unwrap();
+                let out =
+                    decode_view(&attn, &gpu, &cache, &q, &view, &AttnOptions::default()).unwrap();
                 let e = rel_l2(&out, &want);
                 eprintln!("{name} [{kernel}]: rel L2 {e:.3e}");
                 assert!(e < 1e-5, "{name} [{kernel}]: {e:.3e} (seed {s})");

@@ -831,8 +831,12 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, BenchError> {
                     continue;
                 };
                 let paged = PagedAttention::with_kernel(gpu, &r.cache, HEADS, chosen)?;
-                let contiguous =
-                    PagedAttention::contiguous_with_kernel(gpu, &r.cache, HEADS, chosen)?;
+                let contiguous = PagedAttention::contiguous(
+                    gpu,
+                    &r.cache,
+                    HEADS,
+                    &pagedattn::gpu::AttentionConfig::new().kernel(chosen),
+                )?;
                 let others: Vec<PagedAttention> =
                     PagedAttention::eligible_kernels(gpu, &r.cache, HEADS)
                         .into_iter()
