@@ -1069,6 +1069,117 @@ impl PagedAttention {
         out: &wgpu::BufferBinding,
     ) -> Result<(), GpuError> {
         let _serial = gpu.serial();
+        let kind = self.check_run(gpu, plan, cache, (layer, variant), q, out)?;
+        plan.bound = Some((cache.id, cache.write_epoch()));
+        if plan.num_queries == 0 || (kind == Kind::Prefill && plan.meta.num_tiles == 0) {
+            return Ok(());
+        }
+        let [k, v] = cache.layer(layer)?;
+        let (k, v) = (k.as_entire_buffer_binding(), v.as_entire_buffer_binding());
+        let (pt, parts) = plan.splits[variant];
+        let [main, split_pipe, reduce] = plan.pipes.clone().expect("planned");
+        let key = GroupKey {
+            cache: cache.id,
+            layer,
+            variant,
+            pass: Pass::Main,
+            act: plan.act,
+            prefill: kind == Kind::Prefill,
+            split: pt != 0,
+            q: RangeKey::of(q),
+            out: RangeKey::of(out),
+        };
+        if plan.groups.len() > 4096 {
+            plan.groups.clear();
+        }
+        let params = plan.params[variant].as_entire_buffer_binding();
+        let tables = plan.tables.get().as_entire_buffer_binding();
+        let grid = |parts: u32| -> Result<(u32, u32, u32), GpuError> {
+            match kind {
+                Kind::Prefill => {
+                    let units = self.num_kv_heads * self.prefill_shape.head_tiles();
+                    Ok((plan.meta.num_tiles, units, parts))
+                }
+                Kind::Decode => self.decode_grid(plan.meta.num_seqs, parts),
+            }
+        };
+        let (grid1, grid_parts) = (grid(1)?, grid(parts)?);
+        if pt == 0 {
+            // One pass writes the output.
+            let unused = self.unused_ml.as_entire_buffer_binding();
+            let entries = [params, q.clone(), k, v, tables, out.clone(), unused];
+            let bg = cached_group(&mut plan.groups, key, gpu, &main, &entries)?;
+            let label = match kind {
+                Kind::Prefill => "prefill",
+                Kind::Decode => "decode",
+            };
+            dispatch(enc, label, &main, bg, grid1);
+            return Ok(());
+        }
+        // Split: partials per (query row, head, partition), then the merge.
+        let acc = plan.acc.get().as_entire_buffer_binding();
+        let ml = plan.ml.get().as_entire_buffer_binding();
+        let entries = [
+            params.clone(),
+            q.clone(),
+            k.clone(),
+            v.clone(),
+            tables,
+            acc.clone(),
+            ml.clone(),
+        ];
+        let bg = cached_group(&mut plan.groups, key.clone(), gpu, &split_pipe, &entries)?;
+        dispatch(enc, "attention split", &split_pipe, bg, grid_parts);
+        // Cascade: the shared segments, once for all their queries, into
+        // their slots (after the suffix pass, which wrote empty partials there).
+        if let (Kind::Decode, Some(c)) = (kind, &plan.cascade) {
+            let ckey = GroupKey {
+                pass: Pass::Segments,
+                prefill: true,
+                ..key.clone()
+            };
+            let entries = [
+                plan.c_params[variant].as_entire_buffer_binding(),
+                q.clone(),
+                k,
+                v,
+                plan.c_tables.get().as_entire_buffer_binding(),
+                acc.clone(),
+                ml.clone(),
+            ];
+            let bg = cached_group(&mut plan.groups, ckey, gpu, &c.pipe, &entries)?;
+            if c.num_tiles > 0 {
+                let grid = match c.serial_wg {
+                    Some(wg) => self.serial_grid(c.num_tiles, 1, wg)?,
+                    None => (c.num_tiles, self.num_kv_heads * c.head_tiles, 1),
+                };
+                dispatch(enc, "cascade", &c.pipe, bg, grid);
+            }
+        }
+        // The reduce's group: same key, another pass.
+        let rkey = GroupKey {
+            pass: Pass::Reduce,
+            ..key
+        };
+        let entries = [params, acc, ml, out.clone()];
+        let bg = cached_group(&mut plan.groups, rkey, gpu, &reduce, &entries)?;
+        let grid = (plan.num_queries, self.num_heads, 1);
+        dispatch(enc, "reduce", &reduce, bg, grid);
+        Ok(())
+    }
+
+    /// What `run` checks before recording anything: the cache, the plan's
+    /// owner, step and cache, the layer and variant, and the bindings of
+    /// `q` and `out`. Returns the plan's kind.
+    fn check_run(
+        &self,
+        gpu: &Gpu,
+        plan: &AttentionPlan,
+        cache: &KvCache,
+        (layer, variant): (u32, usize),
+        q: &wgpu::BufferBinding,
+        out: &wgpu::BufferBinding,
+    ) -> Result<Kind, GpuError> {
         self.check_cache(gpu, cache)?;
         if plan.owner != self.id {
             return Err(GpuError::Plan(PlanMismatch::OtherAttention));
@@ -1098,7 +1209,7 @@ impl PagedAttention {
             }
             .into());
         }
-        let [k, v] = cache.layer(layer)?;
+        cache.layer(layer)?;
         let nq = plan.num_queries as u64;
         let elem = plan.act.bytes();
         let row = self.num_heads as u64 * self.head_dim as u64 * elem;
@@ -1116,140 +1227,22 @@ impl PagedAttention {
                 problem: BindingError::SameBuffer,
             });
         }
-        plan.bound = Some((cache.id, epoch));
-        if nq == 0 {
-            return Ok(());
-        }
-        let (pt, parts) = plan.splits[variant];
-        let [main, split_pipe, reduce] = plan.pipes.clone().expect("planned");
-        let key = GroupKey {
-            cache: cache.id,
-            layer,
-            variant,
-            pass: Pass::Main,
-            act: plan.act,
-            prefill: kind == Kind::Prefill,
-            split: pt != 0,
-            q: RangeKey::of(q),
-            out: RangeKey::of(out),
-        };
-        if plan.groups.len() > 4096 {
-            plan.groups.clear();
-        }
-        let params = plan.params[variant].as_entire_buffer_binding();
-        let tables = plan.tables.get().as_entire_buffer_binding();
-        let n = plan.meta.num_seqs;
-        let units = |shape: &ShaderShape| self.num_kv_heads * shape.head_tiles();
-        let grid = |parts: u32| -> Result<(u32, u32, u32), GpuError> {
-            match kind {
-                Kind::Prefill => Ok((plan.meta.num_tiles, units(&self.prefill_shape), parts)),
-                Kind::Decode => self.decode_grid(n, parts),
-            }
-        };
-        if kind == Kind::Prefill && plan.meta.num_tiles == 0 {
-            return Ok(());
-        }
-        if pt == 0 {
-            // One pass writes the output.
-            if !plan.groups.contains_key(&key) {
-                let made = bind_checked(
-                    gpu,
-                    &main,
-                    &[
-                        params,
-                        q.clone(),
-                        k.as_entire_buffer_binding(),
-                        v.as_entire_buffer_binding(),
-                        tables,
-                        out.clone(),
-                        self.unused_ml.as_entire_buffer_binding(),
-                    ],
-                )?;
-                plan.groups.insert(key.clone(), made);
-            }
-            let bg = &plan.groups[&key];
-            let label = if kind == Kind::Prefill {
-                "prefill"
-            } else {
-                "decode"
-            };
-            dispatch(enc, label, &main, bg, grid(1)?);
-            return Ok(());
-        }
-        // Split: partials per (query row, head, partition), then the merge.
-        let acc = plan.acc.get().as_entire_buffer_binding();
-        let ml = plan.ml.get().as_entire_buffer_binding();
-        if !plan.groups.contains_key(&key) {
-            let made = bind_checked(
-                gpu,
-                &split_pipe,
-                &[
-                    params.clone(),
-                    q.clone(),
-                    k.as_entire_buffer_binding(),
-                    v.as_entire_buffer_binding(),
-                    tables,
-                    acc.clone(),
-                    ml.clone(),
-                ],
-            )?;
-            plan.groups.insert(key.clone(), made);
-        }
-        let bg = &plan.groups[&key];
-        dispatch(enc, "attention split", &split_pipe, bg, grid(parts)?);
-        // Cascade: the shared segments, once for all their queries, into
-        // their slots (after the suffix pass, which wrote empty partials there).
-        if let (Kind::Decode, Some(c)) = (kind, &plan.cascade) {
-            let ckey = GroupKey {
-                pass: Pass::Segments,
-                prefill: true,
-                ..key.clone()
-            };
-            if !plan.groups.contains_key(&ckey) {
-                let made = bind_checked(
-                    gpu,
-                    &c.pipe,
-                    &[
-                        plan.c_params[variant].as_entire_buffer_binding(),
-                        q.clone(),
-                        k.as_entire_buffer_binding(),
-                        v.as_entire_buffer_binding(),
-                        plan.c_tables.get().as_entire_buffer_binding(),
-                        acc.clone(),
-                        ml.clone(),
-                    ],
-                )?;
-                plan.groups.insert(ckey.clone(), made);
-            }
-            if c.num_tiles > 0 {
-                let bg = &plan.groups[&ckey];
-                let grid = if let Some(wg) = c.serial_wg {
-                    self.serial_grid(c.num_tiles, 1, wg)?
-                } else {
-                    let units = self.num_kv_heads * c.head_tiles;
-                    (c.num_tiles, units, 1)
-                };
-                dispatch(enc, "cascade", &c.pipe, bg, grid);
-            }
-        }
-        // The reduce's group: same key, another variant slot.
-        let rkey = GroupKey {
-            pass: Pass::Reduce,
-            ..key
-        };
-        if !plan.groups.contains_key(&rkey) {
-            let made = bind_checked(gpu, &reduce, &[params, acc, ml, out.clone()])?;
-            plan.groups.insert(rkey.clone(), made);
-        }
-        let bg = &plan.groups[&rkey];
-        dispatch(
-            enc,
-            "reduce",
-            &reduce,
-            bg,
-            (plan.num_queries, self.num_heads, 1),
-        );
-        Ok(())
+        Ok(kind)
+    }
+}
+
+/// The bind group of `key`, made (checked) on first use and kept.
+fn cached_group<'g, K: std::hash::Hash + Eq>(
+    groups: &'g mut HashMap<K, wgpu::BindGroup>,
+    key: K,
+    gpu: &Gpu,
+    pipe: &wgpu::ComputePipeline,
+    entries: &[wgpu::BufferBinding],
+) -> Result<&'g wgpu::BindGroup, GpuError> {
+    use std::collections::hash_map::Entry;
+    match groups.entry(key) {
+        Entry::Occupied(e) => Ok(e.into_mut()),
+        Entry::Vacant(e) => Ok(e.insert(bind_checked(gpu, pipe, entries)?)),
     }
 }
 
@@ -1350,62 +1343,7 @@ impl KvCache {
         }
         plan.planned = false;
         gpu.alive()?;
-        let cap = self.cfg.num_blocks as u64 * self.cfg.block_size as u64;
-        // SKIP_WRITE (u32::MAX): a token whose K/V is in the pool already
-        // (a prompt cached to its end); the kernels skip it.
-        if let Some(&s) = slots
-            .iter()
-            .find(|&&s| s as u64 >= cap && s != crate::blocks::SKIP_WRITE)
-        {
-            return Err(PoolError::SlotOutsidePool {
-                slot: s,
-                slots: cap,
-            }
-            .into());
-        }
-        if let Some(c) = copies
-            .iter()
-            .find(|c| c[0] >= self.cfg.num_blocks || c[1] >= self.cfg.num_blocks)
-        {
-            return Err(PoolError::CopyOutsidePool {
-                pair: *c,
-                blocks: self.cfg.num_blocks,
-            }
-            .into());
-        }
-        // One step writes a slot at most once: the GPU writes a step's
-        // tokens in parallel, so two writes of one slot would race.
-        if let Some(s) = duplicate_slot(slots, &mut plan.scratch) {
-            return Err(PoolError::SlotTwice { slot: s }.into());
-        }
-        let row4 = self.cfg.num_kv_heads * self.cfg.head_dim / 4;
-        if plan.kv_stride != 0 && (plan.kv_stride % 4 != 0 || plan.kv_stride / 4 < row4) {
-            return Err(BatchError::Stride {
-                what: "K/V",
-                stride: plan.kv_stride,
-                row: row4 * 4,
-            }
-            .into());
-        }
-        for (what, count) in [
-            (
-                "write_kv threads",
-                slots.len() as u64 * self.cfg.write_threads_per_token(),
-            ),
-            (
-                "copy_blocks threads",
-                copies.len() as u64 * self.cfg.copy_threads_per_block(),
-            ),
-        ] {
-            if count > u32::MAX as u64 {
-                return Err(PoolError::TooMany {
-                    what,
-                    count,
-                    limit: u32::MAX as u64,
-                }
-                .into());
-            }
-        }
+        self.check_write(plan, slots, copies)?;
         let write_pipe = match plan.act {
             ActDtype::F32 => self.write_kv.clone(),
             ActDtype::F16 => pipeline(
@@ -1472,6 +1410,73 @@ impl KvCache {
         if new_step {
             self.write_epoch
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// What `plan_write` checks: slots and copies in the pool, no slot
+    /// twice, the K/V stride, and thread counts one dispatch indexes.
+    fn check_write(
+        &self,
+        plan: &mut WritePlan,
+        slots: &[u32],
+        copies: &[[u32; 2]],
+    ) -> Result<(), GpuError> {
+        let cap = self.cfg.num_blocks as u64 * self.cfg.block_size as u64;
+        // SKIP_WRITE (u32::MAX): a token whose K/V is in the pool already
+        // (a prompt cached to its end); the kernels skip it.
+        if let Some(&s) = slots
+            .iter()
+            .find(|&&s| s as u64 >= cap && s != crate::blocks::SKIP_WRITE)
+        {
+            return Err(PoolError::SlotOutsidePool {
+                slot: s,
+                slots: cap,
+            }
+            .into());
+        }
+        if let Some(c) = copies
+            .iter()
+            .find(|c| c[0] >= self.cfg.num_blocks || c[1] >= self.cfg.num_blocks)
+        {
+            return Err(PoolError::CopyOutsidePool {
+                pair: *c,
+                blocks: self.cfg.num_blocks,
+            }
+            .into());
+        }
+        // One step writes a slot at most once: the GPU writes a step's
+        // tokens in parallel, so two writes of one slot would race.
+        if let Some(s) = duplicate_slot(slots, &mut plan.scratch) {
+            return Err(PoolError::SlotTwice { slot: s }.into());
+        }
+        let row4 = self.cfg.num_kv_heads * self.cfg.head_dim / 4;
+        if plan.kv_stride != 0 && (plan.kv_stride % 4 != 0 || plan.kv_stride / 4 < row4) {
+            return Err(BatchError::Stride {
+                what: "K/V",
+                stride: plan.kv_stride,
+                row: row4 * 4,
+            }
+            .into());
+        }
+        for (what, count) in [
+            (
+                "write_kv threads",
+                slots.len() as u64 * self.cfg.write_threads_per_token(),
+            ),
+            (
+                "copy_blocks threads",
+                copies.len() as u64 * self.cfg.copy_threads_per_block(),
+            ),
+        ] {
+            if count > u32::MAX as u64 {
+                return Err(PoolError::TooMany {
+                    what,
+                    count,
+                    limit: u32::MAX as u64,
+                }
+                .into());
+            }
         }
         Ok(())
     }

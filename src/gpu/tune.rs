@@ -162,42 +162,9 @@ impl Tuner {
             }
         }
         let blocks_per_seq = tokens.div_ceil(c.block_size);
-        let scratch = KvCache::new(
-            gpu,
-            KvCacheConfig {
-                num_layers: 1,
-                num_blocks: TUNE_SEQS * blocks_per_seq,
-                ..c
-            },
-        )?;
         // Random K/V and queries: the timing must not see a constant input.
         let mut rng = crate::rng::SplitMix64::new(0x7475_6e65);
-        let [k, v] = scratch.layer(0)?;
-        let elems = (k.size() / 4) as usize;
-        let words: Vec<u32> = (0..elems)
-            .map(|_| match c.dtype {
-                super::KvDtype::F32 => rng.next_signed().to_bits(),
-                super::KvDtype::F16 => {
-                    let a = half::f16::from_f32(rng.next_signed()).to_bits() as u32;
-                    let b = half::f16::from_f32(rng.next_signed()).to_bits() as u32;
-                    a | b << 16
-                }
-                // Four random bytes; E4M3's NaN pattern avoided.
-                _ => (rng.next_u64() as u32) & 0x7777_7777,
-            })
-            .collect();
-        let mut words = words;
-        let mut v_words = words[..(v.size() / 4) as usize].to_vec();
-        if c.dtype.quantized() {
-            // Scales of 1 after the data, no outlier channels.
-            let at = scratch.config().data_words() as usize;
-            let init = scratch.config().side_and_tail_init(true);
-            words[at..at + init.len()].copy_from_slice(&init);
-            let init = scratch.config().side_and_tail_init(false);
-            v_words[at..at + init.len()].copy_from_slice(&init);
-        }
-        gpu.queue.write_buffer(k, 0, bytemuck::cast_slice(&words));
-        gpu.queue.write_buffer(v, 0, bytemuck::cast_slice(&v_words));
+        let scratch = random_scratch(gpu, &c, TUNE_SEQS * blocks_per_seq, &mut rng)?;
         let q: Vec<f32> = (0..(TUNE_SEQS * num_heads * c.head_dim))
             .map(|_| rng.next_signed())
             .collect();
@@ -311,6 +278,51 @@ fn read_tune_file(path: &Path) -> Option<String> {
         .read_to_string(&mut text)
         .ok()?;
     Some(text)
+}
+
+/// A one-layer pool shaped like `c` with `num_blocks` blocks of random K/V
+/// (quantized pools: random bytes with scales of 1 and no outlier channels).
+fn random_scratch(
+    gpu: &Gpu,
+    c: &KvCacheConfig,
+    num_blocks: u32,
+    rng: &mut crate::rng::SplitMix64,
+) -> Result<KvCache, GpuError> {
+    let scratch = KvCache::new(
+        gpu,
+        KvCacheConfig {
+            num_layers: 1,
+            num_blocks,
+            ..*c
+        },
+    )?;
+    let [k, v] = scratch.layer(0)?;
+    let elems = (k.size() / 4) as usize;
+    let words: Vec<u32> = (0..elems)
+        .map(|_| match c.dtype {
+            super::KvDtype::F32 => rng.next_signed().to_bits(),
+            super::KvDtype::F16 => {
+                let a = half::f16::from_f32(rng.next_signed()).to_bits() as u32;
+                let b = half::f16::from_f32(rng.next_signed()).to_bits() as u32;
+                a | b << 16
+            }
+            // Four random bytes; E4M3's NaN pattern avoided.
+            _ => (rng.next_u64() as u32) & 0x7777_7777,
+        })
+        .collect();
+    let mut words = words;
+    let mut v_words = words[..(v.size() / 4) as usize].to_vec();
+    if c.dtype.quantized() {
+        // Scales of 1 after the data, no outlier channels.
+        let at = scratch.config().data_words() as usize;
+        let init = scratch.config().side_and_tail_init(true);
+        words[at..at + init.len()].copy_from_slice(&init);
+        let init = scratch.config().side_and_tail_init(false);
+        v_words[at..at + init.len()].copy_from_slice(&init);
+    }
+    gpu.queue.write_buffer(k, 0, bytemuck::cast_slice(&words));
+    gpu.queue.write_buffer(v, 0, bytemuck::cast_slice(&v_words));
+    Ok(scratch)
 }
 
 #[cfg(test)]
