@@ -23,9 +23,6 @@ pub enum Split {
     Tokens(u32),
 }
 
-/// Partition tokens of the bench's fixed split configuration.
-pub const AUTO_PARTITION_TOKENS: u32 = 512;
-
 /// The attention variant and its options.
 #[derive(Clone, Debug, PartialEq, Default)]
 pub struct AttnOptions {

@@ -111,7 +111,7 @@ impl CascadeTables {
 
     /// The cost model of `Cascade::Auto` on the `serial` kernel: at most
     /// 3/4 of plain decode's token visits ([`serial_visits`](Self::serial_visits)),
-    /// and visits saved worth at least [`SERIAL_CASCADE_MIN_SAVED_BYTES`]
+    /// and visits saved worth at least `SERIAL_CASCADE_MIN_SAVED_BYTES`
     /// at `bytes_per_token` (K and V of every KV head).
     pub fn pays_serial(&self, slots: u32, bytes_per_token: u64) -> bool {
         if self.num_segments() == 0 {
@@ -129,7 +129,7 @@ impl CascadeTables {
 /// tokens, 1 KiB of K/V per token) save about 0.3 MiB and measured slower
 /// with the cascade (0.69 vs 0.48 ms a step); the bench's smallest shared
 /// cell (4 over 512 tokens) saves 4 MiB and measured 1.25x.
-pub const SERIAL_CASCADE_MIN_SAVED_BYTES: u64 = 1 << 20;
+pub(crate) const SERIAL_CASCADE_MIN_SAVED_BYTES: u64 = 1 << 20;
 
 /// K/V bytes a layer's cascade must save before `Auto` takes it on a GPU
 /// (the rows segment pass). Measured on an NVIDIA H200 (Vulkan, 2026-11-30,

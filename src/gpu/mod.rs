@@ -22,12 +22,13 @@ mod swap;
 mod tune;
 
 pub use attention::{
-    check_csr_tables, AttentionConfig, AttnOptions, PackedTables, PagedAttention, Split,
-    AUTO_PARTITION_TOKENS, MAX_BATCH, MAX_SEQ_LEN,
+    check_csr_tables, AttentionConfig, AttnOptions, PagedAttention, Split, MAX_BATCH, MAX_SEQ_LEN,
 };
-pub use cascade::{
-    find_segments, Cascade, CascadeTables, CASCADE_MIN_SAVED_BYTES, SERIAL_CASCADE_MIN_SAVED_BYTES,
-};
+/// The host packing of block tables (what a plan uploads), for the fuzz
+/// targets and tests of its bounds: not API an engine needs.
+#[doc(hidden)]
+pub use attention::PackedTables;
+pub use cascade::{find_segments, Cascade, CascadeTables, CASCADE_MIN_SAVED_BYTES};
 pub use context::{adapter_backends, parse_backends, Counters, Gpu};
 pub use error::{
     BatchError, BindingError, GpuError, OptionError, PlanMismatch, PoolError, ShapeError,
@@ -45,7 +46,7 @@ pub use kv_cache::{
 };
 pub use plan::{
     ActDtype, AttentionPlan, DecodeTables, PrefillTables, WritePlan, CASCADE_AUTO,
-    CASCADE_CHUNK_TOKENS, SERIAL_CASCADE_AUTO, SERIAL_CASCADE_CHUNK_TOKENS,
+    CASCADE_CHUNK_TOKENS, SERIAL_CASCADE_AUTO,
 };
 pub use swap::{SwapSpace, MAX_SWAP_BYTES};
 pub use tune::{TuneReport, Tuner};

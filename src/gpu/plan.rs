@@ -349,7 +349,7 @@ pub const CASCADE_AUTO: bool = true;
 /// Longest shared segment of a cascade pass on the `serial` kernel (one
 /// invocation per tile of query slots, head tile and segment): shorter, so
 /// a few shared prefixes still make enough invocations for every core.
-pub const SERIAL_CASCADE_CHUNK_TOKENS: u32 = 512;
+pub(crate) const SERIAL_CASCADE_CHUNK_TOKENS: u32 = 512;
 
 /// Whether `Cascade::Auto` takes the cascade where the segment pass runs on
 /// the `serial` kernel (the decode kernel of software adapters) and
