@@ -58,7 +58,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// the rows pass, f16 activations, the contiguous baseline).
 fn shapes(kernel: &str) -> Vec<ShaderShape> {
     let mut out = Vec::new();
-    for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Int8, KvDtype::Fp8E4M3] {
+    for dtype in KvDtype::ALL {
         let base = ShaderShape {
             head_dim: 128,
             group: 4,

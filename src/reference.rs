@@ -41,6 +41,9 @@ pub enum Stored {
     Exact,
     /// Rounded through IEEE binary16, as a packed f16 pool stores it.
     F16,
+    /// Rounded to bfloat16 (nearest, ties to even), as a bf16 pool stores
+    /// it.
+    Bf16,
 }
 
 impl Stored {
@@ -49,6 +52,7 @@ impl Stored {
         match self {
             Stored::Exact => x,
             Stored::F16 => half::f16::from_f32(x).to_f32(),
+            Stored::Bf16 => half::bf16::from_f32(x).to_f32(),
         }
     }
 }

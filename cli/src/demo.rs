@@ -295,12 +295,13 @@ pub struct Demo {
     idle: u32,
 }
 
-/// Tolerance of the demo's check: f32 KV 1e-5, packed f16 2e-3 (the mirror
-/// holds the same rounded values, so both are loose bounds); int8 1e-2 and
-/// fp8 5e-2 against the exact values (the library's quantization bounds).
+/// Tolerance of the demo's check: f32 and bf16 KV 1e-5, packed f16 2e-3
+/// (the mirror holds the same rounded values, so these are loose bounds);
+/// int8 1e-2 and fp8 5e-2 against the exact values (the library's
+/// quantization bounds).
 pub fn tolerance(dtype: KvDtype) -> f64 {
     match dtype {
-        KvDtype::F32 => 1e-5,
+        KvDtype::F32 | KvDtype::Bf16 => 1e-5,
         KvDtype::F16 => 2e-3,
         KvDtype::Int8 => 1e-2,
         KvDtype::Fp8E4M3 => 5e-2,
@@ -743,10 +744,8 @@ mod dtype_name {
     }
 }
 
-/// A KV dtype by name (`--kv-dtype`): f32, f16, int8 or fp8.
+/// A KV dtype by name (`--kv-dtype`): f32, f16, bf16, int8 or fp8.
 pub fn parse_kv_dtype(s: &str) -> Result<KvDtype, String> {
-    [KvDtype::F32, KvDtype::F16, KvDtype::Int8, KvDtype::Fp8E4M3]
-        .into_iter()
-        .find(|d| d.name() == s)
-        .ok_or_else(|| format!("--kv-dtype {s}: not one of f32, f16, int8, fp8"))
+    KvDtype::from_name(s)
+        .ok_or_else(|| format!("--kv-dtype {s}: not one of f32, f16, bf16, int8, fp8"))
 }

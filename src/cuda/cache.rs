@@ -46,7 +46,7 @@ impl CudaKvCache {
     pub fn new(cuda: &Cuda, cfg: KvCacheConfig) -> Result<Self, CudaError> {
         cfg.validate()
             .map_err(|e| CudaError::InvalidArgument(e.to_string()))?;
-        if cfg.dtype.quantized() {
+        if !matches!(cfg.dtype, KvDtype::F32 | KvDtype::F16) {
             return Err(CudaError::Unsupported(format!(
                 "the CUDA twin has no {} pools (f32 and f16 only)",
                 cfg.dtype.name()
@@ -209,7 +209,7 @@ impl CudaKvCache {
                         .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
                         .collect(),
                     // Refused by `new`.
-                    KvDtype::Int8 | KvDtype::Fp8E4M3 => Vec::new(),
+                    KvDtype::Bf16 | KvDtype::Int8 | KvDtype::Fp8E4M3 => Vec::new(),
                 }
             };
             let s = cuda.stream();

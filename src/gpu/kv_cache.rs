@@ -14,6 +14,10 @@ pub enum KvDtype {
     /// IEEE half floats packed two per `u32` (read with `unpack2x16float`,
     /// so no `shader-f16` feature is needed).
     F16,
+    /// bfloat16 (an f32's high 16 bits: f32's range, 8 bits of mantissa),
+    /// packed two per `u32`: read by a shift, written rounded to nearest
+    /// (ties to even) on the GPU. The native dtype of most checkpoints.
+    Bf16,
     /// Symmetric int8, four per `u32`, with one scale per (token, KV head)
     /// in the row's side word after the layer's blocks: `write_kv`
     /// quantizes on the GPU (scale = the row's largest |x|, rounded up to
@@ -41,17 +45,32 @@ impl From<KvDtype> for crate::reference::Stored {
     fn from(d: KvDtype) -> Self {
         match d {
             KvDtype::F16 => crate::reference::Stored::F16,
+            KvDtype::Bf16 => crate::reference::Stored::Bf16,
             KvDtype::F32 | KvDtype::Int8 | KvDtype::Fp8E4M3 => crate::reference::Stored::Exact,
         }
     }
 }
 
 impl KvDtype {
+    /// Every dtype, in the order the CLI and the bench list them.
+    pub const ALL: [KvDtype; 5] = [
+        KvDtype::F32,
+        KvDtype::F16,
+        KvDtype::Bf16,
+        KvDtype::Int8,
+        KvDtype::Fp8E4M3,
+    ];
+
+    /// The dtype of a [`name`](Self::name).
+    pub fn from_name(name: &str) -> Option<KvDtype> {
+        Self::ALL.into_iter().find(|d| d.name() == name)
+    }
+
     /// Bytes per element (scales not included).
     pub fn bytes(self) -> u64 {
         match self {
             KvDtype::F32 => 4,
-            KvDtype::F16 => 2,
+            KvDtype::F16 | KvDtype::Bf16 => 2,
             KvDtype::Int8 | KvDtype::Fp8E4M3 => 1,
         }
     }
@@ -66,6 +85,7 @@ impl KvDtype {
         match self {
             KvDtype::F32 => "f32",
             KvDtype::F16 => "f16",
+            KvDtype::Bf16 => "bf16",
             KvDtype::Int8 => "int8",
             KvDtype::Fp8E4M3 => "fp8",
         }
@@ -104,6 +124,10 @@ pub(super) fn dequantize(cfg: &KvCacheConfig, raw: &[u8], k_raw: &[u8], is_k: bo
     match cfg.dtype {
         KvDtype::F32 => bytemuck::cast_slice(raw).to_vec(),
         KvDtype::F16 => bytemuck::cast_slice::<u8, half::f16>(raw)
+            .iter()
+            .map(|h| h.to_f32())
+            .collect(),
+        KvDtype::Bf16 => bytemuck::cast_slice::<u8, half::bf16>(raw)
             .iter()
             .map(|h| h.to_f32())
             .collect(),
@@ -311,7 +335,7 @@ impl KvCacheConfig {
     pub fn side_words_per_block(&self, is_k: bool) -> u64 {
         let rows = self.num_kv_heads as u64 * self.block_size as u64;
         match (self.dtype, is_k) {
-            (KvDtype::F32 | KvDtype::F16, _) => 0,
+            (KvDtype::F32 | KvDtype::F16 | KvDtype::Bf16, _) => 0,
             (_, true) => rows,
             (KvDtype::Int8, false) if self.block_size >= 2 => rows / 2,
             (KvDtype::Int8, false) => rows,

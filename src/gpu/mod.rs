@@ -21,13 +21,13 @@ pub mod shader;
 mod swap;
 mod tune;
 
-pub use attention::{
-    check_csr_tables, AttentionConfig, AttnOptions, PagedAttention, Split, MAX_BATCH, MAX_SEQ_LEN,
-};
 /// The host packing of block tables (what a plan uploads), for the fuzz
 /// targets and tests of its bounds: not API an engine needs.
 #[doc(hidden)]
 pub use attention::PackedTables;
+pub use attention::{
+    check_csr_tables, AttentionConfig, AttnOptions, PagedAttention, Split, MAX_BATCH, MAX_SEQ_LEN,
+};
 pub use cascade::{find_segments, Cascade, CascadeTables, CASCADE_MIN_SAVED_BYTES};
 pub use context::{adapter_backends, parse_backends, Counters, Gpu};
 pub use error::{

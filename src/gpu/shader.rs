@@ -126,6 +126,7 @@ mod shared {
     /// The KV codecs: `KV4`, `kv_load`, `kv_store`, per pool dtype.
     pub const KV_F32: &str = include_str!("../../shaders/shared/kv_f32.wgsl");
     pub const KV_F16: &str = include_str!("../../shaders/shared/kv_f16.wgsl");
+    pub const KV_BF16: &str = include_str!("../../shaders/shared/kv_bf16.wgsl");
     pub const KV_INT8: &str = include_str!("../../shaders/shared/kv_int8.wgsl");
     pub const KV_FP8: &str = include_str!("../../shaders/shared/kv_fp8.wgsl");
     /// Activations (`ACT4`) and outputs (`OUT4`), f32 or packed f16.
@@ -152,6 +153,7 @@ pub const SHARED: &[(&str, &str)] = &[
     ("saturate", shared::SATURATE),
     ("kv_f32", shared::KV_F32),
     ("kv_f16", shared::KV_F16),
+    ("kv_bf16", shared::KV_BF16),
     ("kv_int8", shared::KV_INT8),
     ("kv_fp8", shared::KV_FP8),
     ("act_f32", shared::ACT_F32),
@@ -173,7 +175,7 @@ pub const SHARED: &[(&str, &str)] = &[
 /// for the quantized pools).
 fn scale_helpers(dtype: KvDtype) -> [&'static str; 2] {
     match dtype {
-        KvDtype::F32 | KvDtype::F16 => [shared::SCALES_PLAIN, ""],
+        KvDtype::F32 | KvDtype::F16 | KvDtype::Bf16 => [shared::SCALES_PLAIN, ""],
         KvDtype::Int8 => [shared::SCALES_INT8, shared::Q_RES],
         KvDtype::Fp8E4M3 => [shared::SCALES_FP8, shared::Q_RES],
     }
@@ -187,6 +189,7 @@ pub fn prelude(s: &ShaderShape) -> String {
     let kv = match s.dtype {
         KvDtype::F32 => shared::KV_F32,
         KvDtype::F16 => shared::KV_F16,
+        KvDtype::Bf16 => shared::KV_BF16,
         KvDtype::Int8 => shared::KV_INT8,
         KvDtype::Fp8E4M3 => shared::KV_FP8,
     };

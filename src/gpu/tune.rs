@@ -306,6 +306,11 @@ fn random_scratch(
                 let b = half::f16::from_f32(rng.next_signed()).to_bits() as u32;
                 a | b << 16
             }
+            super::KvDtype::Bf16 => {
+                let a = half::bf16::from_f32(rng.next_signed()).to_bits() as u32;
+                let b = half::bf16::from_f32(rng.next_signed()).to_bits() as u32;
+                a | b << 16
+            }
             // Four random bytes; E4M3's NaN pattern avoided.
             _ => (rng.next_u64() as u32) & 0x7777_7777,
         })

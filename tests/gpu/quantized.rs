@@ -278,13 +278,13 @@ fn write_then_read_round_trips_within_the_rounding() {
 
 /// Every pool saturates what it stores, never inf or NaN: fp8 at +-448
 /// times the scale (infinities too; NaN is stored as 0); int8 at +-KV_MAX
-/// (2^100; NaN as 0); f16 at +-65504; f32 at +-KV_MAX. (f32 and f16 store
+/// (2^100; NaN as 0); f16 at +-65504; f32 and bf16 at +-KV_MAX. (f32 and f16 store
 /// an engine's NaN as given.)
 #[test]
 fn out_of_range_values_saturate_never_nan() {
     let Some(gpu) = gpu() else { return };
     let max = pagedattn::gpu::KV_MAX;
-    for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Int8, KvDtype::Fp8E4M3] {
+    for dtype in KvDtype::ALL {
         let cfg = KvCacheConfig {
             num_layers: 1,
             num_blocks: 1,
@@ -322,6 +322,11 @@ fn out_of_range_values_saturate_never_nan() {
                 vec![65504.0, -65504.0, 65504.0, -65504.0, 0.0, 1.0, -500.0, 65504.0]
             ),
             KvDtype::F32 => assert_eq!(got, vec![1e30, -1e30, max, -max, 0.0, 1.0, -500.0, max]),
+            // bf16 keeps f32's range: 1e30 rounded, the rest at +-KV_MAX.
+            KvDtype::Bf16 => {
+                let b = half::bf16::from_f32(1e30).to_f32();
+                assert_eq!(got, vec![b, -b, max, -max, 0.0, 1.0, -500.0, max])
+            }
             KvDtype::Int8 => {
                 // Row scale KV_MAX (the saturated infinities): 1e30 within
                 // half a step (KV_MAX / 254) of itself, NaN as 0, and the
@@ -348,7 +353,7 @@ fn huge_rows_never_make_decode_non_finite() {
     let mut rng = SplitMix64::new(s);
     // The shape of the rig above (its kernels are compiled already).
     let (kvh, hd, bs) = (2u32, 128u32, 16u32);
-    for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Int8, KvDtype::Fp8E4M3] {
+    for dtype in KvDtype::ALL {
         let cfg = KvCacheConfig {
             num_layers: 1,
             num_blocks: 4,

@@ -44,7 +44,7 @@ fn fill(gpu: &pagedattn::gpu::Gpu, cache: &KvCache, rng: &mut SplitMix64) {
 #[test]
 fn swap_round_trip_is_byte_identical() {
     let Some(gpu) = gpu() else { return };
-    for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Int8, KvDtype::Fp8E4M3] {
+    for dtype in KvDtype::ALL {
         let mut rng = SplitMix64::new(seed(&format!("swap {}", dtype.name())));
         let cfg = KvCacheConfig {
             num_layers: 3,
@@ -115,7 +115,7 @@ fn decode_after_a_swap_round_trip_is_identical() {
     use pagedattn::blocks::{BlockManager, BlockManagerConfig};
     use pagedattn::gpu::{AttnOptions, PagedAttention};
     let Some(gpu) = gpu() else { return };
-    for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Int8, KvDtype::Fp8E4M3] {
+    for dtype in KvDtype::ALL {
         let mut rng = SplitMix64::new(seed(&format!("swap decode {}", dtype.name())));
         let cfg = KvCacheConfig {
             num_layers: 2,

@@ -86,7 +86,7 @@ struct WebConfig {
     samples: u32,
     block_size: u32,
     num_blocks: u32,
-    /// "f16" (default), "f32", "int8" or "fp8".
+    /// "f16" (default), "f32", "bf16", "int8" or "fp8".
     #[serde(default)]
     kv_dtype: Option<String>,
 }
@@ -101,12 +101,11 @@ impl WebConfig {
             num_blocks: self.num_blocks,
             // Packed f16 (the default) needs no `shader-f16` (SwiftShader
             // has none); int8 and fp8 need no feature either.
-            dtype: match self.kv_dtype.as_deref() {
-                Some("int8") => KvDtype::Int8,
-                Some("fp8") => KvDtype::Fp8E4M3,
-                Some("f32") => KvDtype::F32,
-                _ => KvDtype::F16,
-            },
+            dtype: self
+                .kv_dtype
+                .as_deref()
+                .and_then(KvDtype::from_name)
+                .unwrap_or(KvDtype::F16),
             ..DemoConfig::default()
         }
     }
@@ -558,6 +557,12 @@ pub async fn kernel_check(seed: u64) -> Result<String, JsValue> {
                 KvDtype::F32 => g.queue.write_buffer(buf, 0, bytemuck::cast_slice(host)),
                 KvDtype::F16 => {
                     let h: Vec<half::f16> = host.iter().map(|&x| half::f16::from_f32(x)).collect();
+                    host.iter_mut().zip(&h).for_each(|(x, y)| *x = y.to_f32());
+                    g.queue.write_buffer(buf, 0, bytemuck::cast_slice(&h));
+                }
+                KvDtype::Bf16 => {
+                    let h: Vec<half::bf16> =
+                        host.iter().map(|&x| half::bf16::from_f32(x)).collect();
                     host.iter_mut().zip(&h).for_each(|(x, y)| *x = y.to_f32());
                     g.queue.write_buffer(buf, 0, bytemuck::cast_slice(&h));
                 }

@@ -336,6 +336,14 @@ pub fn filled_cache(
                 .collect();
             bytemuck::cast_slice(&h).to_vec()
         }
+        KvDtype::Bf16 => {
+            let h: Vec<half::bf16> = rng
+                .signed_vec(1 << 17)
+                .iter()
+                .map(|&x| half::bf16::from_f32(x))
+                .collect();
+            bytemuck::cast_slice(&h).to_vec()
+        }
         // Random bytes (E4M3's NaN pattern avoided); scales written below.
         KvDtype::Int8 | KvDtype::Fp8E4M3 => (0..1 << 18)
             .map(|_| (rng.next_u64() as u8) & 0x77)
@@ -1196,6 +1204,7 @@ fn dtype_rows(
     let all = [
         (KvDtype::F32, false),
         (KvDtype::F16, false),
+        (KvDtype::Bf16, false),
         (KvDtype::Int8, false),
         (KvDtype::Fp8E4M3, false),
         (KvDtype::Int8, true),
