@@ -540,7 +540,7 @@ pub async fn kernel_check(seed: u64) -> Result<String, JsValue> {
     let heads = kvh * group;
     let q = rng.signed_vec(lens.len() * (heads * hd) as usize);
     let mut results = Vec::new();
-    for dtype in [KvDtype::F32, KvDtype::F16] {
+    for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Bf16] {
         let cfg = KvCacheConfig {
             num_layers: 1,
             num_blocks: nb,
@@ -600,7 +600,7 @@ pub async fn kernel_check(seed: u64) -> Result<String, JsValue> {
                 };
                 results.push(KernelCheck {
                     kernel: kernel.name(),
-                    dtype: if dtype == KvDtype::F32 { "f32" } else { "f16" },
+                    dtype: dtype.name(),
                     rel_l2: rel,
                     error,
                 });
