@@ -371,9 +371,8 @@ fn narrower_kv_pools_stay_close_to_f32() {
     // Agreement of the greedy tokens with f32's (the first divergence ends
     // the comparison of a prompt) and the logprob drift of the tokens the
     // f32 run chose, over the steps before any divergence. Bounds: about
-    // twice the values measured on lavapipe (f16 1.00 / 2.8e-3, bf16 1.00 /
-    // 2.6e-2, int8 1.00 /
-    // 0.15, fp8 1.00 / 0.38), stated in the README.
+    // twice the values measured on lavapipe (f16 1.00 / 2.8e-3, bf16 1.00
+    // / 2.6e-2, int8 1.00 / 0.15, fp8 1.00 / 0.38).
     for (dtype, min_agree, max_drift) in [
         (KvDtype::F16, 0.95, 0.01),
         // bf16: 3 mantissa bits fewer than f16.
