@@ -111,14 +111,25 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
 
     var t_begin = 0u;
     var t_end = select(min(pos0 + q_count, len), len, qmap);
-    if p.partition_tokens != 0u {
-        t_begin = min(part * p.partition_tokens, t_end);
-        t_end = min(t_begin + p.partition_tokens, t_end);
+    let windowed = !qmap && p.sliding_window != 0u && pos0 + 1u > p.sliding_window;
+    var keys = Keys(0u, 0u, 0u, 0u);
+    if windowed && p.sink_tokens != 0u {
+        // The first query's window (the widest of the tile) and the sink
+        // tokens, as one run; each row's own window is masked below.
+        keys = sink_keys(p, pos0 + 1u - p.sliding_window, t_end, part);
+    } else {
+        if p.partition_tokens != 0u {
+            t_begin = min(part * p.partition_tokens, t_end);
+            t_end = min(t_begin + p.partition_tokens, t_end);
+        }
+        if windowed {
+            t_begin = max(t_begin, pos0 + 1u - p.sliding_window);
+            t_end = max(t_end, t_begin);
+        }
+        keys = Keys(t_begin, t_end, 0u, 0u);
     }
-    if !qmap && p.sliding_window != 0u && pos0 + 1u > p.sliding_window {
-        t_begin = max(t_begin, pos0 + 1u - p.sliding_window);
-        t_end = max(t_end, t_begin);
-    }
+    t_begin = keys.begin;
+    t_end = keys.end;
 
     for (var i = lid; i < NROW * HEAD_DIM4; i += WG) {
         let qi = i / (HT * HEAD_DIM4);
@@ -156,9 +167,9 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         // 1. Score: thread lid takes tokens tile + lid + k * WG, every row.
         for (var k = 0u; k < TPT; k++) {
             let t = lid + k * WG;
-            let tok = tile + t;
+            let tok = key_at(keys, tile + t);
             var row = INVALID;
-            if tok < t_end {
+            if tile + t < t_end {
                 row = token_row(p, span, kvh, tok);
             }
             row_of[buf][t] = row;
@@ -188,7 +199,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
                 let q_pos = qpos[qi];
                 var v = NEG_INF;
                 // q_pos - tok, never tok + window: exact for any u32 window.
-                let in_window = p.sliding_window == 0u || q_pos - tok < p.sliding_window;
+                let in_window = p.sliding_window == 0u || q_pos - tok < p.sliding_window || tok < p.sink_tokens;
                 if row != INVALID && qi < q_count && tok <= q_pos && in_window {
                     let slope = bitcast<f32>(table_at(p.slopes_off + h0 + r % HT));
                     v = logit(p, s[r] * ks, slope, q_pos, tok);

@@ -61,8 +61,8 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     let span = seq_span(p, seq);
     let q_pos = max(span.len, 1u) - 1u;
     let range = decode_range(p, span.len, part);
-    let t_begin = range.x;
-    let t_end = range.y;
+    let t_begin = range.begin;
+    let t_end = range.end;
 
     let q_stride = select(p.num_heads * HEAD_DIM4, p.q_stride, p.q_stride != 0u);
     var slope = array<f32, HT>();
@@ -90,9 +90,9 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
 
     var buf = 0u;
     for (var base = t_begin; base < t_end; base += NT) {
-        let tok = base + slot;
+        let tok = key_at(range, base + slot);
         var row = INVALID;
-        if tok < t_end {
+        if base + slot < t_end {
             row = token_row(p, span, kvh, tok);
         }
         for (var r = 0u; r < HT; r++) {

@@ -61,7 +61,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
     // Per slot: the query row, or INVALID for an empty slot; the tokens
     // walked; where the output (or the partial: slot `slot` of np) goes.
     var q_rows: array<u32, QTILE>;
-    var range = vec2<u32>(0u, 0u);
+    var range = Keys(0u, 0u, 0u, 0u);
     var slot = 0u;
     var span: Span;
     if p.qmap_off != 0u {
@@ -81,7 +81,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
         let nq = max(table_at(p.qo_off + seq + 1u), q0) - q0;
         let first = table_at(tiles_off + 2u * e + 1u);
         span = seq_span(p, seq);
-        range = vec2<u32>(span.len, span.len);
+        range = Keys(span.len, span.len, 0u, 0u);
         for (var s = 0u; s < QTILE; s++) {
             q_rows[s] = INVALID;
             if first + s < nq {
@@ -94,7 +94,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
                 if p.sliding_window != 0u && qpos[s] + 1u > p.sliding_window {
                     begin = min(qpos[s] + 1u - p.sliding_window, span.len);
                 }
-                range.x = min(range.x, begin);
+                range.begin = min(range.begin, begin);
             }
         }
         slot = table_at(p.slot_off + seq);
@@ -135,7 +135,8 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
         }
     }
 
-    for (var tok = range.x; tok < range.y; tok++) {
+    for (var i = range.begin; i < range.end; i++) {
+        let tok = key_at(range, i);
         let row = token_row(p, span, kvh, tok);
         if row != INVALID {
             ser_token(row, kvh, tok);

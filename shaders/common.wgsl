@@ -53,8 +53,12 @@ struct AttnParams {
     // pairs and of each segment's partial slot in the table; 0: off.
     qmap_off: u32,
     slot_off: u32,
-    _pad0: u32,
-    _pad1: u32,
+    // Attention sink logit per query head at table[sinks_off + head]
+    // (bitcast f32), joined to the denominator by reduce.wgsl; 0: none.
+    sinks_off: u32,
+    // StreamingLLM: positions [0, sink_tokens) stay visible beside the
+    // sliding window (0: none; only set with a window).
+    sink_tokens: u32,
 }
 
 // -f32::MAX written exactly: Tint (Chrome's WebGPU) rejects the decimal

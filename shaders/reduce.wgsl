@@ -9,6 +9,8 @@
 @group(0) @binding(2) var<storage, read> part_ml: array<vec2<f32>>;
 // [num_seqs][num_heads][HEAD_DIM4]
 @group(0) @binding(3) var<storage, read_write> out: array<OUT4>;
+// The packed tables: the sink logits at sinks_off (PackedTables).
+@group(0) @binding(4) var<storage, read> table: array<u32>;
 
 @compute @workgroup_size(64)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) c: u32) {
@@ -21,6 +23,13 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) c
     for (var i = 0u; i < np; i++) {
         m = max(m, part_ml[o * np + i].x);
     }
+    // A sink joins the denominator once per row, with no value; a row that
+    // attended no key stays zero.
+    var sink = NEG_INF;
+    if params.sinks_off != 0u {
+        sink = bitcast<f32>(table[min(params.sinks_off + wg.y, arrayLength(&table) - 1u)]);
+        m = max(m, sink);
+    }
     var l = 0.0;
     var a = vec4<f32>(0.0);
     for (var i = 0u; i < np; i++) {
@@ -31,5 +40,9 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) c
             a += part_acc[(o * np + i) * HEAD_DIM4 + c] * w;
         }
     }
-    out[o * HEAD_DIM4 + c] = out_store(select(a / l, vec4<f32>(0.0), l == 0.0));
+    let attended = l > 0.0;
+    if params.sinks_off != 0u {
+        l += exp(sink - m);
+    }
+    out[o * HEAD_DIM4 + c] = out_store(select(vec4<f32>(0.0), a / l, attended));
 }

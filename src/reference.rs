@@ -174,6 +174,12 @@ pub struct AttnParams {
     pub soft_cap: Option<f32>,
     /// ALiBi slope per query head; bias `slope * (key_pos - query_pos)`.
     pub alibi_slopes: Option<Vec<f32>>,
+    /// Attention sink logit per query head (gpt-oss): `exp(sink)` joins
+    /// the softmax denominator and adds no value.
+    pub sinks: Option<Vec<f32>>,
+    /// StreamingLLM: positions below this stay visible beside the sliding
+    /// window.
+    pub sink_tokens: Option<u32>,
 }
 
 impl AttnParams {
@@ -185,6 +191,8 @@ impl AttnParams {
             sliding_window: None,
             soft_cap: None,
             alibi_slopes: None,
+            sinks: None,
+            sink_tokens: None,
         }
     }
 
@@ -195,7 +203,8 @@ impl AttnParams {
             return None;
         }
         if let Some(w) = self.sliding_window {
-            if q_pos - k_pos >= w as usize {
+            let sink = k_pos < self.sink_tokens.unwrap_or(0) as usize;
+            if q_pos - k_pos >= w as usize && !sink {
                 return None;
             }
         }
@@ -235,10 +244,17 @@ impl Partial {
 
     /// The normalised output (zeros when no key was attended).
     pub fn output(&self) -> Vec<f64> {
+        self.output_with_sink(None)
+    }
+
+    /// The output with a sink logit in the denominator: `acc / (sum +
+    /// exp(sink - max))` (zeros when no key was attended).
+    pub fn output_with_sink(&self, sink: Option<f64>) -> Vec<f64> {
         if self.sum == 0.0 {
             return vec![0.0; self.acc.len()];
         }
-        self.acc.iter().map(|a| a / self.sum).collect()
+        let l = self.sum + sink.map_or(0.0, |s| (s - self.max).exp());
+        self.acc.iter().map(|a| a / l).collect()
     }
 }
 
@@ -371,7 +387,8 @@ pub fn prefill(
             for h in 0..hq {
                 let qv = &q[(row * hq + h) * d..][..d];
                 let part = partial(pool, p, h, qv, q_pos, table, 0, len);
-                out[(row * hq + h) * d..][..d].copy_from_slice(&part.output());
+                let sink = p.sinks.as_ref().map(|s| s[h] as f64);
+                out[(row * hq + h) * d..][..d].copy_from_slice(&part.output_with_sink(sink));
             }
         }
     }

@@ -52,8 +52,8 @@ fn tol(d: KvDtype) -> f64 {
     match d {
         KvDtype::F32 => 1e-5,
         KvDtype::F16 => 2e-3,
-        // The CUDA twin refuses quantized pools; no case uses them.
-        KvDtype::Int8 | KvDtype::Fp8E4M3 => 0.0,
+        // The CUDA twin refuses quantized and bf16 pools; no case uses them.
+        KvDtype::Int8 | KvDtype::Fp8E4M3 | KvDtype::Bf16 => 0.0,
     }
 }
 

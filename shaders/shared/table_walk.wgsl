@@ -43,19 +43,50 @@ fn token_row(p: AttnParams, s: Span, kvh: u32, tok: u32) -> u32 {
     }
     return ((blk * p.num_kv_heads + kvh) * BLOCK_SIZE + tok % BLOCK_SIZE) * HEAD_DIM4;
 }
-// Decode: the tokens [begin, end) partition `part` walks; the query sits at
-// len - 1 and sees the last `sliding_window` positions when one is set.
-fn decode_range(p: AttnParams, len: u32, part: u32) -> vec2<u32> {
+// The keys a walk visits: indices [begin, end) of a run whose index i is
+// position i below `sinks` and position i + skip from there on. Without
+// sink tokens sinks = skip = 0 and an index is its position.
+struct Keys {
+    begin: u32,
+    end: u32,
+    sinks: u32,
+    skip: u32,
+}
+fn key_at(r: Keys, i: u32) -> u32 {
+    return select(i + r.skip, i, i < r.sinks);
+}
+// StreamingLLM: positions [0, sink_tokens) beside the window's [first, end),
+// as one run (no position twice: the sinks stop at `first`), partitioned
+// over the run when split. The blocks between may have been released.
+fn sink_keys(p: AttnParams, first: u32, end: u32, part: u32) -> Keys {
+    let k = min(p.sink_tokens, first);
+    let n = k + (max(end, first) - first);
+    var b = 0u;
+    var e = n;
+    if p.partition_tokens != 0u {
+        b = min(part * p.partition_tokens, n);
+        e = min(b + p.partition_tokens, n);
+    }
+    return Keys(b, e, k, first - k);
+}
+// Decode: the keys partition `part` walks; the query sits at len - 1 and
+// sees the last `sliding_window` positions when one is set (and the first
+// `sink_tokens` beside them).
+fn decode_range(p: AttnParams, len: u32, part: u32) -> Keys {
     let q_pos = max(len, 1u) - 1u;
+    let windowed = p.sliding_window != 0u && q_pos + 1u > p.sliding_window;
+    if windowed && p.sink_tokens != 0u {
+        return sink_keys(p, q_pos + 1u - p.sliding_window, len, part);
+    }
     var t_begin = 0u;
     var t_end = len;
     if p.partition_tokens != 0u {
         t_begin = min(part * p.partition_tokens, t_end);
         t_end = min(t_begin + p.partition_tokens, t_end);
     }
-    if p.sliding_window != 0u && q_pos + 1u > p.sliding_window {
+    if windowed {
         t_begin = max(t_begin, q_pos + 1u - p.sliding_window);
         t_end = max(t_end, t_begin);
     }
-    return vec2<u32>(t_begin, t_end);
+    return Keys(t_begin, t_end, 0u, 0u);
 }

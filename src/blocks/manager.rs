@@ -696,6 +696,23 @@ impl BlockManager {
         id: SeqId,
         window: usize,
     ) -> Result<usize, BlockError> {
+        self.release_outside_sinks_and_window(id, 0, window)
+    }
+
+    /// StreamingLLM: attention that sees the first `sink_tokens` positions
+    /// beside a sliding window (`AttnOptions::sink_tokens`) never reads the
+    /// blocks between them. Drops this sequence's references to the blocks
+    /// that lie wholly after its sink tokens and before its window (and its
+    /// pending tokens), leaving [`RELEASED`] in their table entries: the
+    /// table keeps its length, so every position stays where it was, and
+    /// the kernels skip the released middle. Returns how many entries were
+    /// released. `sink_tokens` 0 is [`Self::release_outside_window`].
+    pub fn release_outside_sinks_and_window(
+        &mut self,
+        id: SeqId,
+        sink_tokens: usize,
+        window: usize,
+    ) -> Result<usize, BlockError> {
         let s = self.resident(id)?;
         if window == 0 {
             return Err(BlockError::ZeroWindow);
@@ -703,11 +720,13 @@ impl BlockManager {
         let bs = self.cfg.block_size as usize;
         let keep_from = s.tokens.len().saturating_sub(window.max(s.pending));
         let dead = keep_from / bs;
-        let victims: Vec<(usize, u32)> = s.table[..dead]
+        // The blocks holding a sink token stay.
+        let first = sink_tokens.div_ceil(bs).min(dead);
+        let victims: Vec<(usize, u32)> = s.table[first..dead]
             .iter()
             .enumerate()
             .filter(|(_, &b)| b != RELEASED)
-            .map(|(i, &b)| (i, b))
+            .map(|(i, &b)| (first + i, b))
             .collect();
         if !victims.is_empty() {
             self.epoch += 1;

@@ -112,7 +112,18 @@ impl CudaAttention {
     fn check_options(&self, o: &AttnOptions) -> Result<(), CudaError> {
         // The split policy is validated too, though this kernel ignores it.
         o.validate(self.num_heads)
-            .map_err(|e| CudaError::InvalidArgument(e.to_string()))
+            .map_err(|e| CudaError::InvalidArgument(e.to_string()))?;
+        if o.sinks.is_some() {
+            return Err(CudaError::Unsupported(
+                "the CUDA twin has no attention sinks".into(),
+            ));
+        }
+        if o.sink_tokens.is_some() {
+            return Err(CudaError::Unsupported(
+                "the CUDA twin has no sink tokens".into(),
+            ));
+        }
+        Ok(())
     }
 
     /// Decode from host slices: validates everything, runs, returns

@@ -34,6 +34,19 @@ pub struct AttnOptions {
     pub sliding_window: Option<u32>,
     /// ALiBi slope per query head.
     pub alibi_slopes: Option<Vec<f32>>,
+    /// Attention sink logit per query head (gpt-oss): `exp(sink)` joins
+    /// the softmax denominator and adds no value. In the units of the
+    /// scaled scores; applied once per query row, where the partials are
+    /// merged (a plan with sinks always writes partials), so split-K, the
+    /// cascade and prefill all take it.
+    pub sinks: Option<Vec<f32>>,
+    /// StreamingLLM: the first `k` positions stay visible beside the
+    /// sliding window (which it needs). The blocks between may be released
+    /// ([`crate::blocks::BlockManager::release_outside_sinks_and_window`]):
+    /// their table entries stay, as [`crate::blocks::RELEASED`], so
+    /// positions stay right. Decode and prefill on every kernel; `Auto`
+    /// takes no cascade with it.
+    pub sink_tokens: Option<u32>,
     /// Split-K policy.
     pub split: Split,
     /// Shared prefixes read once (cascade decode; plan/run API, decode
@@ -66,6 +79,20 @@ impl AttnOptions {
                 });
             }
         }
+        if let Some(s) = &self.sinks {
+            if s.len() != num_heads as usize {
+                return Err(OptionError::SinkCount {
+                    sinks: s.len() as u64,
+                    heads: num_heads,
+                });
+            }
+            if let Some((h, &x)) = s.iter().enumerate().find(|(_, x)| !x.is_finite()) {
+                return Err(OptionError::Sink {
+                    head: h as u32,
+                    value: x,
+                });
+            }
+        }
         if let Some(x) = self.scale.filter(|x| !x.is_finite()) {
             return Err(OptionError::Scale(x));
         }
@@ -74,6 +101,14 @@ impl AttnOptions {
         }
         if self.sliding_window == Some(0) {
             return Err(OptionError::ZeroWindow);
+        }
+        if let Some(k) = self.sink_tokens {
+            if k == 0 || self.sliding_window.is_none() {
+                return Err(OptionError::SinkTokens(k));
+            }
+            if self.cascade == super::Cascade::On {
+                return Err(OptionError::CascadeWithSinkTokens);
+            }
         }
         Ok(())
     }
@@ -667,6 +702,12 @@ impl PagedAttention {
             slopes_off,
             qo_off: meta.qo_off,
             q_stride: q_stride4,
+            // Only with a window: without one every position is visible.
+            sink_tokens: if window != 0 {
+                o.sink_tokens.unwrap_or(0)
+            } else {
+                0
+            },
             ..Default::default()
         }
     }

@@ -624,6 +624,22 @@ pub enum OptionError {
         /// The value.
         value: f32,
     },
+    /// Attention sinks of the wrong count.
+    #[error("{sinks} attention sinks for {heads} heads")]
+    SinkCount {
+        /// Sinks given.
+        sinks: u64,
+        /// Query heads.
+        heads: u32,
+    },
+    /// A sink logit that is not finite.
+    #[error("attention sink of head {head} is {value}: sinks must be finite")]
+    Sink {
+        /// Its head.
+        head: u32,
+        /// The value.
+        value: f32,
+    },
     /// A scale that is not finite.
     #[error("scale {0}: must be finite")]
     Scale(f32),
@@ -633,6 +649,14 @@ pub enum OptionError {
     /// A window of no positions.
     #[error("sliding_window of 0 positions: must be at least 1")]
     ZeroWindow,
+    /// Sink tokens of 0 positions, or without a sliding window (every
+    /// position is visible then).
+    #[error("sink_tokens {0:?}: must be at least 1 and come with a sliding_window")]
+    SinkTokens(u32),
+    /// The cascade asked for (`Cascade::On`) with sink tokens: a segment's
+    /// positions are relative to it, so it cannot tell the sinks apart.
+    #[error("the cascade does not take sink_tokens; use Cascade::Auto or Cascade::Off")]
+    CascadeWithSinkTokens,
 }
 
 impl From<ShapeError> for GpuError {

@@ -52,8 +52,11 @@ pub struct AttnParams {
     pub qmap_off: u32,
     /// Cascade passes: offset of each segment's partial slot.
     pub slot_off: u32,
-    pub _pad0: u32,
-    pub _pad1: u32,
+    /// Offset of the per-head sink logits in the table (0: no sinks).
+    pub sinks_off: u32,
+    /// StreamingLLM: the first positions stay visible beside the sliding
+    /// window (0: none; only set with a window).
+    pub sink_tokens: u32,
 }
 const _: () = assert!(size_of::<AttnParams>() == 80);
 

@@ -404,6 +404,8 @@ struct Splits {
     parts: Vec<(u32, u32)>,
     /// Where each variant's ALiBi slopes start in the packed words.
     slopes_offs: Vec<u32>,
+    /// Where each variant's sink logits start (0: none).
+    sinks_offs: Vec<u32>,
     /// With a cascade: each variant's partitions of the suffix pass.
     suffix_parts: Vec<u32>,
     /// Rows of partials the largest split needs (0: none splits).
@@ -780,6 +782,9 @@ impl PagedAttention {
         if t.qo_indptr.is_some()
             || n < 2
             || variants.iter().any(|o| o.cascade == Cascade::Off)
+            // A segment's positions are relative to it: no sink tokens
+            // (Cascade::On with them is refused by validate).
+            || variants.iter().any(|o| o.sink_tokens.is_some())
             || !(forced || may_auto)
         {
             return Ok(None);
@@ -852,6 +857,7 @@ impl PagedAttention {
         let mut s = Splits {
             parts: std::mem::take(&mut plan.splits),
             slopes_offs: Vec::with_capacity(variants.len()),
+            sinks_offs: Vec::with_capacity(variants.len()),
             suffix_parts: Vec::new(),
             max_rows: 0,
         };
@@ -861,6 +867,14 @@ impl PagedAttention {
             if let Some(sl) = &o.alibi_slopes {
                 plan.words.extend(sl.iter().map(|x| x.to_bits()));
             }
+            s.sinks_offs.push(match &o.sinks {
+                Some(sk) => {
+                    let at = plan.words.len() as u32;
+                    plan.words.extend(sk.iter().map(|x| x.to_bits()));
+                    at
+                }
+                None => 0,
+            });
             let (pt, parts) = match t.qo_indptr {
                 Some(_) => self.prefill_split(
                     gpu,
@@ -898,6 +912,21 @@ impl PagedAttention {
                     }
                 }
             };
+            // Sinks join the denominator where partials merge: one
+            // partition of partials when the variant would not split.
+            let (pt, parts) = match (pt, &o.sinks) {
+                (0, Some(_)) => (meta.max_len.max(1).div_ceil(64) * 64, 1),
+                _ => (pt, parts),
+            };
+            // The merge runs a workgroup per query row in x.
+            if pt != 0 && meta.num_queries > 65535 {
+                return Err(BatchError::Dispatch {
+                    what: "query rows merged from partials",
+                    count: meta.num_queries as u64,
+                    limit: 65535,
+                }
+                .into());
+            }
             if pt != 0 {
                 let rows = meta.num_queries as u64 * self.num_heads as u64 * parts as u64;
                 s.max_rows = s.max_rows.max(rows);
@@ -945,7 +974,9 @@ impl PagedAttention {
         }
         for (i, o) in variants.iter().enumerate() {
             let (pt, parts) = splits.parts[i];
-            let p = self.params_for(o, meta, pt, parts, splits.slopes_offs[i], plan.q_stride / 4);
+            let mut p =
+                self.params_for(o, meta, pt, parts, splits.slopes_offs[i], plan.q_stride / 4);
+            p.sinks_off = splits.sinks_offs[i];
             gpu.queue
                 .write_buffer(&plan.params[i], 0, bytemuck::bytes_of(&p));
         }
@@ -1124,7 +1155,7 @@ impl PagedAttention {
             q.clone(),
             k.clone(),
             v.clone(),
-            tables,
+            tables.clone(),
             acc.clone(),
             ml.clone(),
         ];
@@ -1161,7 +1192,7 @@ impl PagedAttention {
             pass: Pass::Reduce,
             ..key
         };
-        let entries = [params, acc, ml, out.clone()];
+        let entries = [params, acc, ml, out.clone(), tables];
         let bg = cached_group(&mut plan.groups, rkey, gpu, &reduce, &entries)?;
         let grid = (plan.num_queries, self.num_heads, 1);
         dispatch(enc, "reduce", &reduce, bg, grid);

@@ -207,6 +207,12 @@ fn options(c: &mut Cursor, r: &mut Reached) {
         },
         // Not read by `validate`; the corpus bytes stay as they were.
         cascade: pagedattn::gpu::Cascade::Auto,
+        // Read last, so the bytes before mean what they meant.
+        sinks: opt(c).then(|| {
+            let n = c.byte() as usize % 5;
+            (0..n).map(|_| c.f32()).collect()
+        }),
+        sink_tokens: opt(c).then(|| c.u32() % 3),
     };
     let want = o.scale.is_none_or(f32::is_finite)
         && o.soft_cap.is_none_or(|x| x.is_finite() && x > 0.0)
@@ -214,6 +220,11 @@ fn options(c: &mut Cursor, r: &mut Reached) {
         && o.alibi_slopes
             .as_ref()
             .is_none_or(|s| s.len() == num_heads as usize && s.iter().all(|x| x.is_finite()))
+        && o.sinks
+            .as_ref()
+            .is_none_or(|s| s.len() == num_heads as usize && s.iter().all(|x| x.is_finite()))
+        && o.sink_tokens
+            .is_none_or(|k| k > 0 && o.sliding_window.is_some())
         && match o.split {
             Split::Tokens(t) => t > 0 && t % 64 == 0,
             _ => true,

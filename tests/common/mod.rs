@@ -179,6 +179,8 @@ pub fn ref_params(
     p.soft_cap = opts.soft_cap;
     p.sliding_window = opts.sliding_window;
     p.alibi_slopes = opts.alibi_slopes.clone();
+    p.sinks = opts.sinks.clone();
+    p.sink_tokens = opts.sink_tokens;
     p
 }
 

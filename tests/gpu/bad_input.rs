@@ -664,6 +664,14 @@ fn gpu_wrong_lengths_and_out_of_range_indices() {
             alibi_slopes: Some(vec![0.5; HEADS as usize - 1]),
             ..Default::default()
         },
+        AttnOptions {
+            sinks: Some(vec![0.5; HEADS as usize + 1]),
+            ..Default::default()
+        },
+        AttnOptions {
+            sinks: Some(vec![f32::INFINITY; HEADS as usize]),
+            ..Default::default()
+        },
     ];
     for o in &bad_opts {
         assert!(

@@ -183,6 +183,7 @@ fn params(o: &AttnOptions) -> AttnParams {
     p.soft_cap = o.soft_cap;
     p.sliding_window = o.sliding_window;
     p.alibi_slopes = o.alibi_slopes.clone();
+    p.sinks = o.sinks.clone();
     p
 }
 
@@ -220,6 +221,16 @@ fn cascade_matches_the_reference_on_random_trees() {
             AttnOptions {
                 split: Split::Tokens(64),
                 alibi_slopes: Some(slopes.clone()),
+                ..Default::default()
+            },
+        ),
+        (
+            // Sinks join the denominator once, where the shared segments'
+            // and the suffixes' partials merge.
+            "sinks, split-K suffixes",
+            AttnOptions {
+                split: Split::Tokens(64),
+                sinks: Some((0..heads).map(|h| h as f32 * 0.5 - 1.5).collect()),
                 ..Default::default()
             },
         ),

@@ -185,6 +185,44 @@ fn mixed_batch_bf16() {
     );
 }
 
+/// Attention sinks (gpt-oss): a logit per query head in the softmax
+/// denominator, on every kernel: unsplit (one partition of partials) and
+/// split-K (partitions without the sink, added once where they merge).
+#[test]
+fn attention_sinks() {
+    let sinks: Vec<f32> = (0..8).map(|h| h as f32 * 0.75 - 2.0).collect();
+    for split in [Split::Never, Split::Tokens(64)] {
+        check(
+            &format!("sinks {split:?}"),
+            with(case(16, 2, 4, 64, KvDtype::F32, &[1, 17, 300]), |o| {
+                o.sinks = Some(sinks.clone());
+                o.split = split;
+            }),
+        );
+    }
+}
+
+/// StreamingLLM: the first positions stay visible beside the window, on
+/// every kernel, unsplit and split-K (partitions over the sinks and the
+/// window as one run): sinks inside one block and across a block edge, a
+/// window shorter and longer than the sequences, sinks reaching into the
+/// window.
+#[test]
+fn sink_tokens_beside_the_window() {
+    for (sinks, window) in [(4, 100), (20, 37), (90, 100)] {
+        for split in [Split::Never, Split::Tokens(64)] {
+            check(
+                &format!("sink tokens {sinks} window {window} {split:?}"),
+                with(case(16, 2, 4, 64, KvDtype::F32, &[1, 17, 120, 700]), |o| {
+                    o.sink_tokens = Some(sinks);
+                    o.sliding_window = Some(window);
+                    o.split = split;
+                }),
+            );
+        }
+    }
+}
+
 fn with(mut c: Case, f: impl FnOnce(&mut AttnOptions)) -> Case {
     f(&mut c.opts);
     c

@@ -281,3 +281,142 @@ fn sliding_window_after_releasing_old_blocks() {
         );
     }
 }
+
+/// StreamingLLM through the block manager: a 6000-token sequence keeps its
+/// 4 sink tokens and a 256-token window, and the blocks between are
+/// released (counted: the pool gets them back). The table keeps its length
+/// (the released middle is `RELEASED`), so positions stay right: decode on
+/// every kernel, unsplit and split-K, is bit-identical before and after the
+/// release and matches the f64 reference; a prefill chunk appended after
+/// the release matches it too.
+#[test]
+fn streaming_llm_releases_the_middle_blocks() {
+    use pagedattn::blocks::RELEASED;
+    use pagedattn::gpu::{Kernel, Split};
+    let Some(gpu) = gpu() else { return };
+    let s = seed("streaming llm");
+    let mut rng = SplitMix64::new(s);
+    let (bs, sinks, window) = (16u32, 4u32, 256u32);
+    let lens = [6000usize, 40];
+    let chunk = 24usize;
+    let nb = blocks_for(&lens, bs, 4);
+    let (mut m, ids, view) = shuffled_batch(&mut rng, nb, bs, &lens);
+    let kv = cache(&gpu, 1, nb, bs, KvDtype::F16);
+    let row = (KVH * HD) as usize;
+    let n = view.slot_mapping.len();
+    let (k, v) = (rng.signed_vec(n * row), rng.signed_vec(n * row));
+    kv.write_kv(&gpu, 0, &k, &v, &view.slot_mapping).unwrap();
+    let mut host = HostPool::new(nb as usize, KVH as usize, bs as usize, HD as usize);
+    host.write(&view.slot_mapping, &k, &v, Stored::F16);
+    let q = rng.signed_vec(lens.len() * (HEADS * HD) as usize);
+    let base = AttnOptions {
+        sliding_window: Some(window),
+        sink_tokens: Some(sinks),
+        ..Default::default()
+    };
+    let variants = [Split::Never, Split::Tokens(64)].map(|split| AttnOptions {
+        split,
+        ..base.clone()
+    });
+    let mut before = Vec::new();
+    for kernel in Kernel::ALL {
+        let attn = PagedAttention::with_kernel(&gpu, &kv, HEADS, kernel).unwrap();
+        for o in &variants {
+            before.push(decode_view(&attn, &gpu, &kv, &q, &view, o).unwrap());
+        }
+    }
+
+    let free0 = m.stats().free;
+    let released = m
+        .release_outside_sinks_and_window(ids[0], sinks as usize, window as usize)
+        .unwrap();
+    // Blocks wholly before the window: (6000 - 256) / 16 = 359; the first
+    // holds the sink tokens and stays.
+    assert_eq!(released, 358, "the middle blocks are released");
+    assert_eq!(m.release_outside_window(ids[1], window as usize), Ok(0));
+    assert_eq!(m.stats().free, free0 + released, "the pool gets them back");
+    let after_view = m.batch_view(&ids).unwrap();
+    assert_eq!(
+        after_view.kv_indptr, view.kv_indptr,
+        "the tables keep their length"
+    );
+    let gone = after_view
+        .kv_indices
+        .iter()
+        .filter(|&&b| b == RELEASED)
+        .count();
+    assert_eq!(gone, released);
+    assert_ne!(after_view.kv_indices[0], RELEASED, "the sink block stays");
+    let p = ref_params(HEADS, HD, &base);
+    let want = reference::decode(
+        &host.view(),
+        &p,
+        &q,
+        &after_view.kv_indptr,
+        &after_view.kv_indices,
+        &after_view.seq_lens,
+    );
+    let mut i = 0;
+    for kernel in Kernel::ALL {
+        let attn = PagedAttention::with_kernel(&gpu, &kv, HEADS, kernel).unwrap();
+        for o in &variants {
+            let after = decode_view(&attn, &gpu, &kv, &q, &after_view, o).unwrap();
+            let e = rel_l2(&after, &want);
+            eprintln!(
+                "[{kernel}, {:?}]: {released} of {} blocks released, rel L2 {e:.2e}",
+                o.split,
+                lens[0].div_ceil(bs as usize)
+            );
+            assert!(e < 1e-5, "[{kernel}, {:?}] {e:.2e} (seed {s})", o.split);
+            assert!(
+                after == before[i],
+                "[{kernel}, {:?}] releasing the middle blocks changed the output",
+                o.split
+            );
+            i += 1;
+        }
+    }
+
+    // A chunk appended after the release: its rows see the sinks and their
+    // windows, at the right positions.
+    let toks: Vec<u32> = (0..chunk).map(|_| rng.below(32000) as u32).collect();
+    m.append(ids[0], &toks).unwrap();
+    let cv = m.batch_view(&ids[..1]).unwrap();
+    assert_eq!(cv.slot_mapping.len(), chunk);
+    let (k, v) = (rng.signed_vec(chunk * row), rng.signed_vec(chunk * row));
+    kv.write_kv(&gpu, 0, &k, &v, &cv.slot_mapping).unwrap();
+    host.write(&cv.slot_mapping, &k, &v, Stored::F16);
+    let q = rng.signed_vec(chunk * (HEADS * HD) as usize);
+    let qo = [0, chunk as u32];
+    let want = reference::prefill(
+        &host.view(),
+        &p,
+        &q,
+        &qo,
+        &cv.kv_indptr,
+        &cv.kv_indices,
+        &cv.seq_lens,
+    );
+    let attn = PagedAttention::new(&gpu, &kv, HEADS).unwrap();
+    for o in [&base, &variants[1]] {
+        let out = attn
+            .prefill(
+                &gpu,
+                &kv,
+                0,
+                &q,
+                &qo,
+                &cv.kv_indptr,
+                &cv.kv_indices,
+                &cv.seq_lens,
+                o,
+            )
+            .unwrap();
+        let e = rel_l2(&out, &want);
+        eprintln!(
+            "prefill chunk after the release, {:?}: rel L2 {e:.2e}",
+            o.split
+        );
+        assert!(e < 1e-5, "prefill {:?}: {e:.2e} (seed {s})", o.split);
+    }
+}

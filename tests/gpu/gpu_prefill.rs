@@ -6,7 +6,7 @@
 use crate::common;
 
 use common::*;
-use pagedattn::gpu::{AttnOptions, Gpu, KvCache, KvCacheConfig, KvDtype, PagedAttention};
+use pagedattn::gpu::{AttnOptions, Gpu, KvCache, KvCacheConfig, KvDtype, PagedAttention, Split};
 use pagedattn::reference::{self, rel_l2};
 use pagedattn::rng::SplitMix64;
 
@@ -103,6 +103,34 @@ fn whole_prompts_and_chunks_mixed() {
                 case(bs, 2, group, hd, dtype, &seqs),
             );
         }
+    }
+}
+
+/// Prefill with attention sinks, unsplit and split-KV.
+#[test]
+fn prefill_with_sinks() {
+    let seqs = [(1, 1), (40, 9), (333, 70)];
+    let sinks: Vec<f32> = (0..8).map(|h| 1.0 - h as f32 * 0.5).collect();
+    for split in [Split::Never, Split::Auto] {
+        let mut c = case(16, 2, 4, 64, KvDtype::F32, &seqs);
+        c.opts.sinks = Some(sinks.clone());
+        c.opts.split = split;
+        check(&format!("prefill sinks {split:?}"), c);
+    }
+}
+
+/// Prefill with StreamingLLM sink tokens beside a window, unsplit and
+/// split-KV: each query row sees the first 5 positions and its own window
+/// (the tile walks the sinks and its first row's window as one run).
+#[test]
+fn prefill_with_sink_tokens() {
+    let seqs = [(1, 1), (40, 9), (333, 70), (700, 33)];
+    for split in [Split::Never, Split::Auto] {
+        let mut c = case(16, 2, 4, 64, KvDtype::F16, &seqs);
+        c.opts.sink_tokens = Some(5);
+        c.opts.sliding_window = Some(50);
+        c.opts.split = split;
+        check(&format!("prefill sink tokens {split:?}"), c);
     }
 }
 

@@ -260,6 +260,23 @@ fn options_must_be_finite() {
             sliding_window: Some(0),
             ..Default::default()
         },
+        // Sink tokens need a window, at least one position, and no forced
+        // cascade.
+        AttnOptions {
+            sink_tokens: Some(4),
+            ..Default::default()
+        },
+        AttnOptions {
+            sink_tokens: Some(0),
+            sliding_window: Some(8),
+            ..Default::default()
+        },
+        AttnOptions {
+            sink_tokens: Some(4),
+            sliding_window: Some(8),
+            cascade: pagedattn::gpu::Cascade::On,
+            ..Default::default()
+        },
         AttnOptions {
             split: Split::Tokens(0),
             ..Default::default()
@@ -280,8 +297,16 @@ fn options_must_be_finite() {
         alibi_slopes: Some(vec![0.5, -0.25]),
         split: Split::Tokens(64),
         cascade: pagedattn::gpu::Cascade::On,
+        sinks: Some(vec![-1.0, 3.0]),
+        sink_tokens: None,
     };
     assert_eq!(good.validate(2), Ok(()));
+    let streaming = AttnOptions {
+        sliding_window: Some(128),
+        sink_tokens: Some(4),
+        ..Default::default()
+    };
+    assert_eq!(streaming.validate(2), Ok(()));
 }
 
 /// `check_csr_tables` refuses a length the kernels cannot bound: past

@@ -622,3 +622,50 @@ fn decode_of_an_empty_sequence_is_zero() {
     let out = reference::decode(&b.pool(), &p, &q, &kv_indptr, &b.kv_indices, &[5, 0]);
     assert_eq!(&out[8..], &[0.0; 8]);
 }
+
+/// A sink logit joins the denominator with no value: one key of logit 0
+/// and a sink of 0 give half the key's value; no key attended gives zeros.
+/// StreamingLLM in the reference: a position below `sink_tokens` is
+/// visible however far before the window, the others between are masked.
+#[test]
+fn sink_tokens_stay_visible_beside_the_window() {
+    let mut p = AttnParams::new(1, 4);
+    p.sliding_window = Some(10);
+    assert!(p.logit(0, 1.0, 1000, 0).is_none());
+    p.sink_tokens = Some(4);
+    for k in 0..4 {
+        assert!(p.logit(0, 1.0, 1000, k).is_some(), "sink {k}");
+    }
+    for k in [4, 500, 990] {
+        assert!(p.logit(0, 1.0, 1000, k).is_none(), "position {k}");
+    }
+    for k in 991..=1000 {
+        assert!(p.logit(0, 1.0, 1000, k).is_some(), "window {k}");
+    }
+    assert!(p.logit(0, 1.0, 1000, 1001).is_none(), "causal");
+}
+
+#[test]
+fn a_sink_joins_the_denominator_only() {
+    let mut p = AttnParams {
+        scale: 1.0,
+        ..AttnParams::new(1, 2)
+    };
+    p.sinks = Some(vec![0.0]);
+    let pool_k = vec![0.0f32, 0.0];
+    let pool_v = vec![4.0f32, -2.0];
+    let pool = pagedattn::reference::PagedPool {
+        k: &pool_k,
+        v: &pool_v,
+        num_kv_heads: 1,
+        block_size: 1,
+        head_dim: 2,
+    };
+    let out = pagedattn::reference::decode(&pool, &p, &[1.0, 1.0], &[0, 1], &[0], &[1]);
+    assert!(
+        (out[0] - 2.0).abs() < 1e-12 && (out[1] + 1.0).abs() < 1e-12,
+        "{out:?}"
+    );
+    let none = pagedattn::reference::decode(&pool, &p, &[1.0, 1.0], &[0, 0], &[], &[0]);
+    assert_eq!(none, vec![0.0, 0.0]);
+}
