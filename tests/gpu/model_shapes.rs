@@ -1,8 +1,9 @@
 //! Every real model shape in the table, decode (every kernel variant) and
-//! chunked prefill, f32 and f16 KV, against the f64 reference on a real
-//! adapter: fresh random inputs (seed printed), shuffled blocks, output
-//! poisoned (NaN) first. Tolerance: relative L2 < 1e-5 (f32 KV), < 2e-3
-//! (f16). Each kernel stays within WebGPU's default 16 KiB of workgroup
+//! chunked prefill, f32 and f16 KV (and bf16 for the 2025-26 rows), with
+//! each model's window, sinks, soft-cap or ALiBi, against the f64
+//! reference on a real adapter: fresh random inputs (seed printed),
+//! shuffled blocks, output poisoned (NaN) first. Tolerance: relative L2 <
+//! 1e-5 (f32 and bf16 KV over the rounded mirror), < 2e-3 (f16). Each kernel stays within WebGPU's default 16 KiB of workgroup
 //! memory, and no GQA group is refused: large and odd groups are tiled.
 
 use crate::common;
@@ -12,7 +13,7 @@ use pagedattn::gpu::{
     AttnOptions, Gpu, Kernel, KvCache, KvCacheConfig, KvDtype, PagedAttention,
     PORTABLE_WORKGROUP_BYTES,
 };
-use pagedattn::reference::{self, rel_l2, AttnParams};
+use pagedattn::reference::{self, rel_l2};
 use pagedattn::rng::SplitMix64;
 
 struct Model {
@@ -21,8 +22,15 @@ struct Model {
     kv_heads: u32,
     head_dim: u32,
     window: Option<u32>,
+    /// Some layers have no window (gpt-oss alternates, Gemma-3 has one
+    /// global layer in six): those run too.
+    global_layers: bool,
     soft_cap: Option<f32>,
     alibi: bool,
+    /// A learned sink logit per query head (gpt-oss).
+    sinks: bool,
+    /// A bf16 pool runs too (the 2025-26 rows: their checkpoints' dtype).
+    bf16: bool,
 }
 
 const fn m(name: &'static str, heads: u32, kv_heads: u32, head_dim: u32) -> Model {
@@ -32,9 +40,17 @@ const fn m(name: &'static str, heads: u32, kv_heads: u32, head_dim: u32) -> Mode
         kv_heads,
         head_dim,
         window: None,
+        global_layers: false,
         soft_cap: None,
         alibi: false,
+        sinks: false,
+        bf16: false,
     }
+}
+
+/// A 2025-26 row: its bf16 pool runs too.
+const fn new(md: Model) -> Model {
+    Model { bf16: true, ..md }
 }
 
 fn models() -> Vec<Model> {
@@ -61,7 +77,35 @@ fn models() -> Vec<Model> {
             alibi: true,
             ..m("MPT-7B", 32, 32, 128)
         },
+        // 2025-26 models.
+        Model {
+            window: Some(128),
+            global_layers: true,
+            sinks: true,
+            bf16: true,
+            ..m("gpt-oss-20b", 64, 8, 64)
+        },
+        Model {
+            window: Some(1024),
+            global_layers: true,
+            bf16: true,
+            ..m("Gemma-3-4B", 8, 4, 256)
+        },
+        Model {
+            window: Some(1024),
+            global_layers: true,
+            bf16: true,
+            ..m("Gemma-3-27B", 32, 16, 128)
+        },
+        new(m("Qwen3-8B", 32, 8, 128)),
+        new(m("Qwen3-0.6B", 16, 8, 128)),
+        new(m("SmolLM2-135M", 9, 3, 64)),
     ]
+}
+
+/// Sink logits of `n` heads, spread over the range a trained model shows.
+fn sink_logits(n: u32) -> Vec<f32> {
+    (0..n).map(|h| (h as f32 * 0.37).sin() * 3.0).collect()
 }
 
 /// ALiBi slopes of `n` heads (n a power of two): 2^(-8 (h + 1) / n).
@@ -114,13 +158,14 @@ fn run_model(gpu: &Gpu, md: &Model, dtype: KvDtype, window: Option<u32>) {
         sliding_window: window,
         soft_cap: md.soft_cap,
         alibi_slopes: md.alibi.then(|| alibi(md.heads)),
+        sinks: md.sinks.then(|| sink_logits(md.heads)),
         ..Default::default()
     };
-    let mut p = AttnParams::new(md.heads as usize, md.head_dim as usize);
-    p.soft_cap = opts.soft_cap;
-    p.sliding_window = opts.sliding_window;
-    p.alibi_slopes = opts.alibi_slopes.clone();
-    let tol = if dtype == KvDtype::F32 { 1e-5 } else { 2e-3 };
+    let p = ref_params(md.heads, md.head_dim, &opts);
+    // The host mirror holds the pool's rounded values: f32 and bf16 pools
+    // agree to f32 rounding (as gpu_decode::mixed_batch_bf16 checks); f16
+    // at the bound this table has always used.
+    let tol = if dtype == KvDtype::F16 { 2e-3 } else { 1e-5 };
     let hd = md.head_dim as usize;
     let nh = md.heads as usize;
 
@@ -186,10 +231,17 @@ fn model_shape_table() {
         for dtype in [KvDtype::F32, KvDtype::F16] {
             run_model(&gpu, &md, dtype, md.window);
         }
+        if md.bf16 {
+            run_model(&gpu, &md, KvDtype::Bf16, md.window);
+        }
         // The models with a window: one shorter than the contexts too, so
         // the window cuts through them.
         if md.window.is_some() {
             run_model(&gpu, &md, KvDtype::F16, Some(100));
+        }
+        // The layers without one, where a model mixes them.
+        if md.global_layers {
+            run_model(&gpu, &md, KvDtype::F16, None);
         }
     }
 }
