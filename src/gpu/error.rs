@@ -88,6 +88,10 @@ pub enum GpuError {
     /// A plan handed to a call it was not made for (see [`PlanMismatch`]).
     #[error("{0}")]
     Plan(PlanMismatch),
+    /// An export or import refused its arguments (see [`TransferError`]);
+    /// nothing was written.
+    #[error("{0}")]
+    Transfer(TransferError),
     /// The device's limits cannot hold what was asked for: `limit` names
     /// the `wgpu::Limits` field.
     #[error("the device's {limit} is {available}; this needs {needed}")]
@@ -316,6 +320,84 @@ pub enum PoolError {
         /// The second pair.
         pair: [u32; 2],
     },
+}
+
+/// Why an export or import of blocks was refused, with the numbers.
+/// Nothing was written.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum TransferError {
+    /// An empty layer range, or one past the pool's layers.
+    #[error("layers {first}..{end}: not a non-empty range within the pool's {layers}")]
+    Layers {
+        /// First layer asked for.
+        first: u32,
+        /// One past the last.
+        end: u32,
+        /// Layers in the pool.
+        layers: u32,
+    },
+    /// A block id past the pool.
+    #[error("block {block} is outside the pool of {pool} blocks")]
+    Block {
+        /// The id given.
+        block: u32,
+        /// Blocks in the pool.
+        pool: u32,
+    },
+    /// An import writing one block twice.
+    #[error("block {block} is written twice by one import")]
+    BlockTwice {
+        /// The id given twice.
+        block: u32,
+    },
+    /// Bytes of the wrong length (truncated, or for another block count).
+    #[error("{got} bytes where this transfer takes {want}")]
+    Bytes {
+        /// Bytes given.
+        got: u64,
+        /// Bytes the transfer takes.
+        want: u64,
+    },
+    /// A transfer over [`MAX_SWAP_BYTES`](super::MAX_SWAP_BYTES).
+    #[error("a transfer of {bytes} bytes is over the limit of {limit}")]
+    TooLarge {
+        /// Bytes it would take.
+        bytes: u64,
+        /// The limit.
+        limit: u64,
+    },
+    /// Descriptor bytes that are not a [`KvLayout`](super::KvLayout).
+    #[error("not a KV layout descriptor: {0}")]
+    Descriptor(&'static str),
+    /// A descriptor of another layout version.
+    #[error("KV layout version {got}; this library reads {want}")]
+    Version {
+        /// The descriptor's version.
+        got: u32,
+        /// The version this library writes and reads.
+        want: u32,
+    },
+    /// A descriptor of another shape than the destination pool's.
+    #[error("KV layout mismatch: {field} is {got}, the pool's is {want}")]
+    Mismatch {
+        /// The field that differs.
+        field: &'static str,
+        /// The descriptor's value.
+        got: u64,
+        /// The pool's value.
+        want: u64,
+    },
+    /// Blocks of layers whose fp8 scales, int8 K smoothing or outlier
+    /// channels differ from the destination's: they would be misread.
+    #[error("the layers' per-layer state (fp8 scales, K smoothing, outlier channels) differs from the pool's")]
+    LayerState,
+}
+
+impl From<TransferError> for GpuError {
+    fn from(e: TransferError) -> Self {
+        GpuError::Transfer(e)
+    }
 }
 
 impl From<PoolError> for GpuError {

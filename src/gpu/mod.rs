@@ -19,6 +19,7 @@ mod plan;
 #[doc(hidden)]
 pub mod shader;
 mod swap;
+mod transfer;
 mod tune;
 
 /// The host packing of block tables (what a plan uploads), for the fuzz
@@ -32,6 +33,7 @@ pub use cascade::{find_segments, Cascade, CascadeTables, CASCADE_MIN_SAVED_BYTES
 pub use context::{adapter_backends, parse_backends, Counters, Gpu};
 pub use error::{
     BatchError, BindingError, GpuError, OptionError, PlanMismatch, PoolError, ShapeError,
+    TransferError,
 };
 pub use kernel::{Kernel, PORTABLE_WORKGROUP_BYTES};
 /// Kernel plumbing for the benchmark in the CLI crate (`stream_read`): not
@@ -49,4 +51,5 @@ pub use plan::{
     CASCADE_CHUNK_TOKENS, SERIAL_CASCADE_AUTO,
 };
 pub use swap::{SwapSpace, MAX_SWAP_BYTES};
+pub use transfer::{KvLayout, KV_LAYOUT_BYTES, KV_LAYOUT_VERSION};
 pub use tune::{TuneReport, Tuner};

@@ -26,3 +26,4 @@ mod gpu_prefill;
 mod model_shapes;
 mod quantized;
 mod swap;
+mod transfer;
