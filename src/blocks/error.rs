@@ -59,6 +59,10 @@ pub enum BlockError {
     /// A sliding window must cover at least one position.
     #[error("sliding window of 0 positions")]
     ZeroWindow,
+    /// Remote prefix blocks asked of a manager without prefix caching
+    /// (they join the prefix cache).
+    #[error("remote prefix blocks need prefix caching on")]
+    PrefixCachingOff,
     /// A prompt must hold at least one token.
     #[error("empty prompt")]
     EmptyPrompt,

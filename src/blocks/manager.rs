@@ -135,6 +135,33 @@ pub struct BlockManager {
     /// a source and a destination in the same list.
     awaiting_copy: Vec<u32>,
     prefix_hit_tokens: u64,
+    /// Prompt tokens whose blocks a remote store supplied.
+    remote_hit_tokens: u64,
+    /// Cache events since the last `take_events` (`None`: not recorded).
+    events: Option<Vec<KvEvent>>,
+}
+
+/// What happened to a block of the prefix cache, for a router or a remote
+/// prefix store ([`BlockManager::record_events`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KvEvent {
+    /// A full block is cached under its chain digest: its contents never
+    /// change while it is cached, so it may be exported, once the step
+    /// that writes its last tokens has run (or at once, for a block
+    /// [`BlockManager::add_sequence_with_remote`] filled).
+    Stored {
+        /// The chain digest (tenant salt and every token up to the block's end).
+        hash: [u8; 32],
+        /// The pool block.
+        block: u32,
+    },
+    /// A cached block was evicted: its digest finds nothing here any more.
+    Removed {
+        /// The digest it was cached under.
+        hash: [u8; 32],
+        /// The pool block (now reused).
+        block: u32,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -262,6 +289,8 @@ impl BlockManager {
             copies: Vec::new(),
             awaiting_copy: Vec::new(),
             prefix_hit_tokens: 0,
+            remote_hit_tokens: 0,
+            events: None,
         })
     }
 
@@ -443,6 +472,7 @@ impl BlockManager {
                     .expect("caller checked availability");
                 if let Some(h) = self.block_hash.remove(&b) {
                     self.cache.remove(&h);
+                    self.event(KvEvent::Removed { hash: h, block: b });
                 }
                 b
             }
@@ -531,12 +561,57 @@ impl BlockManager {
         prompt: &[u32],
         cache_salt: &[u8],
     ) -> Result<SeqId, BlockError> {
+        self.add_sequence_with_remote(prompt, cache_salt, 0)
+            .map(|(id, _)| id)
+    }
+
+    /// The chain digests of `prompt`'s full blocks in `cache_salt`'s
+    /// namespace, in order: the keys to ask a remote prefix store for (one
+    /// tenant's salt never yields another's digests).
+    pub fn prompt_hashes(&self, prompt: &[u32], cache_salt: &[u8]) -> Vec<[u8; 32]> {
+        let mut h = chain_root(cache_salt);
+        prompt
+            .chunks_exact(self.cfg.block_size as usize)
+            .map(|chunk| {
+                h = chain_hash(&h, chunk);
+                h
+            })
+            .collect()
+    }
+
+    /// [`add_sequence_salted`](Self::add_sequence_salted), with the next
+    /// `remote` full blocks of the prompt after the local cache hits found
+    /// in a remote prefix store (the leading ones of
+    /// [`prompt_hashes`](Self::prompt_hashes) it holds; more than the prompt
+    /// has are cut). They get fresh blocks, returned as `(block, digest)`:
+    /// import their K/V (`KvCache::import_blocks`) before the sequence's
+    /// first step; their tokens are not computed again, and the blocks
+    /// join the local prefix cache. Should an import fail, [`uncache`](Self::uncache)
+    /// the blocks and free the sequence, then add it again without them.
+    /// Needs prefix caching on when `remote > 0`.
+    pub fn add_sequence_with_remote(
+        &mut self,
+        prompt: &[u32],
+        cache_salt: &[u8],
+        remote: usize,
+    ) -> Result<(SeqId, Vec<(u32, [u8; 32])>), BlockError> {
         if prompt.is_empty() {
             return Err(BlockError::EmptyPrompt);
         }
         self.check_len(prompt.len())?;
+        if remote > 0 && !self.cfg.prefix_caching {
+            return Err(BlockError::PrefixCachingOff);
+        }
         let root = chain_root(cache_salt);
-        let (matched, hashes) = self.lookup(prompt, &root);
+        let (matched, mut hashes) = self.lookup(prompt, &root);
+        let all = self.prompt_hashes(prompt, cache_salt);
+        let remote_hashes: Vec<ChainDigest> = all
+            .get(matched.len()..)
+            .unwrap_or_default()
+            .iter()
+            .take(remote)
+            .copied()
+            .collect();
         let needed = self.blocks_for(prompt.len()) - matched.len();
         let revived = self.revived(&matched);
         let available = self.available_blocks() - revived;
@@ -550,20 +625,37 @@ impl BlockManager {
             self.retain(b);
         }
         let mut table = matched;
+        let local_tokens = table.len() * self.cfg.block_size as usize;
+        let mut imports = Vec::with_capacity(remote_hashes.len());
+        for &h in &remote_hashes {
+            let b = self.take_block();
+            table.push(b);
+            hashes.push(h);
+            // A block of the chain past a gap may still be cached here:
+            // the fresh one takes its digest.
+            if let Some(old) = self.cache.insert(h, b) {
+                self.block_hash.remove(&old);
+            }
+            self.block_hash.insert(b, h);
+            self.event(KvEvent::Stored { hash: h, block: b });
+            imports.push((b, h));
+        }
         let cached_tokens = table.len() * self.cfg.block_size as usize;
+        let remote_tokens = cached_tokens - local_tokens;
+        self.remote_hit_tokens += remote_tokens as u64;
         // The cache-hit cap: a prompt cached to its last token still
         // computes that token (its logits start the decode). Its K/V is in
         // the shared block already, so the step skips the write
         // (SKIP_WRITE) and the block stays shared.
         let skip_first = cached_tokens == prompt.len();
         let pending = (prompt.len() - cached_tokens).max(1);
-        self.prefix_hit_tokens += (prompt.len() - pending) as u64;
-        for _ in 0..needed {
+        self.prefix_hit_tokens += (prompt.len() - pending).saturating_sub(remote_tokens) as u64;
+        for _ in 0..needed - imports.len() {
             let b = self.take_block();
             table.push(b);
         }
         self.epoch += 1;
-        Ok(self.insert_seq(Sequence {
+        let id = self.insert_seq(Sequence {
             table,
             tokens: prompt.to_vec(),
             pending,
@@ -571,7 +663,49 @@ impl BlockManager {
             swapped: false,
             hashes,
             root,
-        }))
+        });
+        Ok((id, imports))
+    }
+
+    /// Drops `blocks` from the prefix cache (a failed import's: their
+    /// contents are not what their digests say); whoever holds them keeps
+    /// them. Blocks not cached are passed over. Returns how many were
+    /// dropped.
+    pub fn uncache(&mut self, blocks: &[u32]) -> usize {
+        let mut n = 0;
+        for b in blocks {
+            if let Some(h) = self.block_hash.remove(b) {
+                self.cache.remove(&h);
+                self.event(KvEvent::Removed { hash: h, block: *b });
+                n += 1;
+            }
+        }
+        if n > 0 {
+            self.epoch += 1;
+        }
+        n
+    }
+
+    /// Records [`KvEvent`]s from now on (`on`), or stops and drops them.
+    pub fn record_events(&mut self, on: bool) {
+        self.events = on.then(Vec::new);
+    }
+
+    /// The events since the last call (empty unless recording).
+    pub fn take_events(&mut self) -> Vec<KvEvent> {
+        self.events.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    fn event(&mut self, e: KvEvent) {
+        if let Some(ev) = self.events.as_mut() {
+            ev.push(e);
+        }
+    }
+
+    /// Prompt tokens whose blocks a remote store supplied
+    /// ([`add_sequence_with_remote`](Self::add_sequence_with_remote)).
+    pub fn remote_hit_tokens(&self) -> u64 {
+        self.remote_hit_tokens
     }
 
     /// Cached blocks matching the leading full blocks of `prompt`, with
@@ -805,6 +939,7 @@ impl BlockManager {
         while let Some((_, b)) = self.evictable.pop_first() {
             if let Some(h) = self.block_hash.remove(&b) {
                 self.cache.remove(&h);
+                self.event(KvEvent::Removed { hash: h, block: b });
             }
             self.free.push(b);
         }
@@ -967,6 +1102,9 @@ impl BlockManager {
                 if let std::collections::hash_map::Entry::Vacant(e) = self.cache.entry(h) {
                     e.insert(b);
                     self.block_hash.insert(b, h);
+                    if let Some(ev) = self.events.as_mut() {
+                        ev.push(KvEvent::Stored { hash: h, block: b });
+                    }
                 }
             }
         }

@@ -25,5 +25,6 @@ mod gpu_pipeline;
 mod gpu_prefill;
 mod model_shapes;
 mod quantized;
+mod remote_prefix;
 mod swap;
 mod transfer;

@@ -1035,3 +1035,85 @@ fn sliding_window_releases_blocks_wholly_outside_it() {
     m.free(b).unwrap();
     assert_eq!(m.stats().free, 16, "every block back");
 }
+
+/// Remote prefix blocks: `prompt_hashes` are the chain digests the local
+/// cache uses (per salt), `add_sequence_with_remote` gives the found
+/// blocks fresh ids that join the cache and skips their tokens, events
+/// report what is stored and evicted, and `uncache` undoes a failed
+/// import.
+#[test]
+fn remote_prefix_blocks_join_the_cache_and_skip_their_tokens() {
+    use pagedattn::blocks::KvEvent;
+    let cfg = BlockManagerConfig::new(8, 4).with_prefix_caching(true);
+    let prompt: Vec<u32> = (0..14).collect();
+    let mut a = BlockManager::new(cfg).unwrap();
+    a.record_events(true);
+    let ida = a.add_sequence_salted(&prompt, b"t1").unwrap();
+    a.batch_view(&[ida]).unwrap();
+    let stored: Vec<[u8; 32]> = a
+        .take_events()
+        .into_iter()
+        .map(|e| match e {
+            KvEvent::Stored { hash, .. } => hash,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    let hashes = a.prompt_hashes(&prompt, b"t1");
+    assert_eq!(stored, hashes, "the stored digests are the prompt's");
+    assert_eq!(hashes.len(), 3);
+    assert!(a
+        .prompt_hashes(&prompt, b"t2")
+        .iter()
+        .all(|h| !hashes.contains(h)));
+
+    let mut b = BlockManager::new(cfg).unwrap();
+    b.record_events(true);
+    // More than the prompt's full blocks are cut to them.
+    let (idb, imports) = b.add_sequence_with_remote(&prompt, b"t1", 9).unwrap();
+    assert_eq!(imports.len(), 3);
+    assert_eq!(imports.iter().map(|i| i.1).collect::<Vec<_>>(), hashes);
+    assert_eq!(b.pending_tokens(idb).unwrap(), 2);
+    assert_eq!(b.remote_hit_tokens(), 12);
+    assert_eq!(b.prefix_hit_tokens(), 0);
+    assert_eq!(
+        b.block_table(idb).unwrap()[..3],
+        imports.iter().map(|i| i.0).collect::<Vec<_>>()[..]
+    );
+    assert_eq!(b.take_events().len(), 3);
+    // A second sequence shares them from the local cache.
+    let id2 = b.add_sequence_salted(&prompt, b"t1").unwrap();
+    assert_eq!(
+        b.block_table(id2).unwrap()[..3],
+        b.block_table(idb).unwrap()[..3]
+    );
+    assert_eq!(b.prefix_hit_tokens(), 12);
+    // A failed import: uncached, freed, added again without them.
+    let blocks: Vec<u32> = imports.iter().map(|i| i.0).collect();
+    assert_eq!(b.uncache(&blocks), 3);
+    assert_eq!(b.uncache(&blocks), 0);
+    let removed = b.take_events();
+    assert!(removed.iter().all(|e| matches!(e, KvEvent::Removed { .. })));
+    assert_eq!(removed.len(), 3);
+    b.free(id2).unwrap();
+    b.free(idb).unwrap();
+    let id3 = b.add_sequence_salted(&prompt, b"t1").unwrap();
+    assert_eq!(
+        b.pending_tokens(id3).unwrap(),
+        14,
+        "nothing is found after uncache"
+    );
+
+    // Without prefix caching, remote blocks are refused and nothing changes.
+    let mut c = BlockManager::new(BlockManagerConfig::new(8, 4)).unwrap();
+    let before = c.clone();
+    assert_eq!(
+        c.add_sequence_with_remote(&prompt, b"", 1),
+        Err(pagedattn::blocks::BlockError::PrefixCachingOff)
+    );
+    assert_eq!(c, before);
+    // Out of blocks with the remote ones counted: refused, unchanged.
+    let mut d = BlockManager::new(BlockManagerConfig::new(3, 4).with_prefix_caching(true)).unwrap();
+    let before = d.clone();
+    assert!(d.add_sequence_with_remote(&prompt, b"t1", 3).is_err());
+    assert_eq!(d, before);
+}
