@@ -141,6 +141,10 @@ pub struct BlockManager {
     events: Option<Vec<KvEvent>>,
 }
 
+/// A block [`BlockManager::add_sequence_with_remote`] took for a remote
+/// prefix block: `(pool block, chain digest)`, to import into.
+pub type RemoteBlock = (u32, [u8; 32]);
+
 /// What happened to a block of the prefix cache, for a router or a remote
 /// prefix store ([`BlockManager::record_events`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -594,7 +598,7 @@ impl BlockManager {
         prompt: &[u32],
         cache_salt: &[u8],
         remote: usize,
-    ) -> Result<(SeqId, Vec<(u32, [u8; 32])>), BlockError> {
+    ) -> Result<(SeqId, Vec<RemoteBlock>), BlockError> {
         if prompt.is_empty() {
             return Err(BlockError::EmptyPrompt);
         }

@@ -8,7 +8,7 @@ mod manager;
 mod scheduler;
 
 pub use error::BlockError;
-pub use manager::{BlockManager, BlockManagerConfig, KvEvent, StepPlan, MAX_BLOCKS};
+pub use manager::{BlockManager, BlockManagerConfig, KvEvent, RemoteBlock, StepPlan, MAX_BLOCKS};
 pub use scheduler::{
     Child, Finished, GroupOutput, Preemption, RequestId, Row, Scheduler, SchedulerConfig,
     SchedulerError, SchedulerStats, Step,
