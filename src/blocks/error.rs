@@ -59,6 +59,18 @@ pub enum BlockError {
     /// A sliding window must cover at least one position.
     #[error("sliding window of 0 positions")]
     ZeroWindow,
+    /// A block that holds nothing (or is outside the pool) cannot be pinned.
+    #[error("block {block} holds nothing to pin (free, or outside the pool)")]
+    NotPinnable {
+        /// The block.
+        block: u32,
+    },
+    /// An unpin of a block not pinned (that many times).
+    #[error("block {block} is not pinned")]
+    NotPinned {
+        /// The block.
+        block: u32,
+    },
     /// Remote prefix blocks asked of a manager without prefix caching
     /// (they join the prefix cache).
     #[error("remote prefix blocks need prefix caching on")]

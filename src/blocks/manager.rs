@@ -139,6 +139,8 @@ pub struct BlockManager {
     remote_hit_tokens: u64,
     /// Cache events since the last `take_events` (`None`: not recorded).
     events: Option<Vec<KvEvent>>,
+    /// References held by `pin_blocks`, per block.
+    pins: HashMap<u32, u32>,
 }
 
 /// A block [`BlockManager::add_sequence_with_remote`] took for a remote
@@ -165,6 +167,13 @@ pub enum KvEvent {
         hash: [u8; 32],
         /// The pool block (now reused).
         block: u32,
+    },
+    /// A sequence was freed: its blocks lost its references (shared and
+    /// cached ones stay; [`BlockManager::pin_blocks`] keeps others while
+    /// a transfer of them runs).
+    SequenceEnded {
+        /// The sequence.
+        seq: SeqId,
     },
 }
 
@@ -295,6 +304,7 @@ impl BlockManager {
             prefix_hit_tokens: 0,
             remote_hit_tokens: 0,
             events: None,
+            pins: HashMap::new(),
         })
     }
 
@@ -690,6 +700,49 @@ impl BlockManager {
         n
     }
 
+    /// Holds a reference to each of `blocks` (held by a sequence, or
+    /// cached), so none is reused while an export of it runs, even if its
+    /// sequences end; [`unpin_blocks`](Self::unpin_blocks) drops them. A
+    /// block that holds nothing (plain free) or is outside the pool is
+    /// refused, and nothing changes.
+    pub fn pin_blocks(&mut self, blocks: &[u32]) -> Result<(), BlockError> {
+        for &b in blocks {
+            let held = self.ref_counts.get(b as usize).is_some_and(|&r| r > 0);
+            if !held && !self.block_hash.contains_key(&b) {
+                return Err(BlockError::NotPinnable { block: b });
+            }
+        }
+        for &b in blocks {
+            self.retain(b);
+            *self.pins.entry(b).or_insert(0) += 1;
+        }
+        Ok(())
+    }
+
+    /// Drops references [`pin_blocks`](Self::pin_blocks) took (one per
+    /// occurrence). A block not pinned that many times is refused, and
+    /// nothing changes.
+    pub fn unpin_blocks(&mut self, blocks: &[u32]) -> Result<(), BlockError> {
+        let mut need: HashMap<u32, u32> = HashMap::new();
+        for &b in blocks {
+            *need.entry(b).or_insert(0) += 1;
+        }
+        for (&b, &n) in &need {
+            if self.pins.get(&b).copied().unwrap_or(0) < n {
+                return Err(BlockError::NotPinned { block: b });
+            }
+        }
+        for &b in blocks {
+            let p = self.pins.get_mut(&b).expect("checked");
+            *p -= 1;
+            if *p == 0 {
+                self.pins.remove(&b);
+            }
+            self.release(b);
+        }
+        Ok(())
+    }
+
     /// Records [`KvEvent`]s from now on (`on`), or stops and drops them.
     pub fn record_events(&mut self, on: bool) {
         self.events = on.then(Vec::new);
@@ -902,6 +955,7 @@ impl BlockManager {
     pub fn free(&mut self, id: SeqId) -> Result<(), BlockError> {
         self.seq(id)?;
         self.epoch += 1;
+        self.event(KvEvent::SequenceEnded { seq: id });
         let s = self.remove_seq(id);
         if s.swapped {
             for &h in s.table.iter().filter(|&&b| b != RELEASED) {

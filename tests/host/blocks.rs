@@ -1117,3 +1117,45 @@ fn remote_prefix_blocks_join_the_cache_and_skip_their_tokens() {
     assert!(d.add_sequence_with_remote(&prompt, b"t1", 3).is_err());
     assert_eq!(d, before);
 }
+
+/// Pins keep a block a transfer reads from being reused after its
+/// sequence ends; unpins must match them; a freed sequence is an event.
+#[test]
+fn pinned_blocks_outlive_their_sequence() {
+    use pagedattn::blocks::{BlockError, KvEvent};
+    let mut m = BlockManager::new(BlockManagerConfig::new(4, 4)).unwrap();
+    m.record_events(true);
+    let a = m.add_sequence(&[1, 2, 3, 4, 5]).unwrap();
+    m.batch_view(&[a]).unwrap();
+    let table = m.block_table(a).unwrap().to_vec();
+    let free = m.available_blocks();
+    assert_eq!(
+        m.pin_blocks(&[table[0], 3]),
+        Err(BlockError::NotPinnable { block: 3 })
+    );
+    assert_eq!(
+        m.pin_blocks(&[99]),
+        Err(BlockError::NotPinnable { block: 99 })
+    );
+    assert_eq!(m.available_blocks(), free, "a refused pin changes nothing");
+    m.pin_blocks(&[table[0]]).unwrap();
+    m.free(a).unwrap();
+    assert_eq!(m.take_events(), vec![KvEvent::SequenceEnded { seq: a }]);
+    assert_eq!(m.ref_count(table[0]), Some(1), "the pin holds it");
+    assert_eq!(m.available_blocks(), 3);
+    // A new sequence cannot take the pinned block.
+    let b = m.add_sequence(&[9; 12]).unwrap();
+    assert!(!m.block_table(b).unwrap().contains(&table[0]));
+    assert_eq!(
+        m.unpin_blocks(&[table[0], table[0]]),
+        Err(BlockError::NotPinned { block: table[0] })
+    );
+    m.unpin_blocks(&[table[0]]).unwrap();
+    assert_eq!(m.ref_count(table[0]), Some(0));
+    assert_eq!(
+        m.unpin_blocks(&[table[0]]),
+        Err(BlockError::NotPinned { block: table[0] })
+    );
+    m.free(b).unwrap();
+    assert_eq!(m.stats().free, 4);
+}
