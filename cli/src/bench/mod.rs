@@ -79,7 +79,7 @@ pub struct BenchConfig {
 
 /// The bench's sections, as `--only` names them.
 pub const SECTIONS: &[&str] = &[
-    "decode", "dtypes", "cascade", "split", "host", "copy", "swap", "model",
+    "decode", "dtypes", "cascade", "split", "host", "copy", "swap", "transfer", "model",
 ];
 
 impl BenchConfig {
@@ -292,6 +292,20 @@ pub struct BenchReport {
     pub swap_out_gbs: f64,
     /// Swap-in (host memory to pool): GB/s.
     pub swap_in_gbs: f64,
+    /// Export of blocks to caller-owned bytes (`KvCache::export_blocks`,
+    /// wall clock with the readback and the reordering): GB/s.
+    pub export_gbs: f64,
+    /// Import of exported blocks into other ids (`import_blocks`, with its
+    /// descriptor check): GB/s.
+    pub import_gbs: f64,
+    /// Time to first token of the attention path (K/V written and prefill
+    /// attention, every layer) of a prompt computed in full, ms.
+    pub ttft_cold_ms: f64,
+    /// The same prompt with its shared prefix's blocks imported instead
+    /// (a remote prefix hit: import, then only the suffix), ms.
+    pub ttft_remote_hit_ms: f64,
+    /// Prompt tokens and shared-prefix tokens of those two.
+    pub ttft_tokens: (usize, usize),
     /// The library `Scheduler` (schedule + commit) per decode step at batch
     /// 256, microseconds per sequence.
     pub scheduler_us_per_seq: f64,
@@ -633,6 +647,116 @@ fn swap_rates(gpu: &Gpu) -> Result<(f64, f64), GpuError> {
         v[v.len() / 2]
     };
     Ok((bytes / med(&mut to) / 1e9, bytes / med(&mut ti) / 1e9))
+}
+
+/// Export and import throughput (GB/s, wall clock, median of 5) of 128
+/// scattered blocks of every layer of the swap bench's pool, into other
+/// block ids.
+fn transfer_rates(gpu: &Gpu) -> Result<(f64, f64), GpuError> {
+    let cfg = KvCacheConfig {
+        num_layers: 4,
+        num_blocks: 256,
+        block_size: BLOCK,
+        num_kv_heads: KV_HEADS,
+        head_dim: HEAD_DIM,
+        dtype: KvDtype::F16,
+    };
+    let cache = KvCache::new(gpu, cfg)?;
+    let from: Vec<u32> = (0..128).map(|i| i * 2).collect();
+    let to: Vec<u32> = (0..128).map(|i| i * 2 + 1).collect();
+    let mut bytes = vec![0u8; cache.export_bytes(from.len(), 0..4)? as usize];
+    let (mut te, mut ti) = (Vec::new(), Vec::new());
+    for _ in 0..5 {
+        let t = std::time::Instant::now();
+        let layout = cache.export_blocks(gpu, &from, 0..4, &mut bytes)?;
+        te.push(t.elapsed().as_secs_f64());
+        let t = std::time::Instant::now();
+        cache.import_blocks(gpu, &layout, &bytes, &to)?;
+        gpu.wait()?;
+        ti.push(t.elapsed().as_secs_f64());
+    }
+    let med = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let n = bytes.len() as f64;
+    Ok((n / med(&mut te) / 1e9, n / med(&mut ti) / 1e9))
+}
+
+/// Time to first token of the attention path, 4 layers of the grid's
+/// shape: a prompt of `total` tokens whose first `shared` tokens are a
+/// prefix another engine computed. Cold: every token's K/V written and
+/// the whole prompt's prefill attention, per layer. Remote hit: the
+/// prefix's blocks imported (bytes exported from a pool that computed
+/// them), then only the suffix written and attended. Best of 3, wall
+/// clock, the output read back each layer.
+fn remote_ttft(
+    gpu: &Gpu,
+    total: usize,
+    shared: usize,
+    rng: &mut SplitMix64,
+) -> Result<(f64, f64), GpuError> {
+    let layers = 4u32;
+    let nb = total.div_ceil(BLOCK as usize) as u32;
+    let cfg = KvCacheConfig {
+        num_layers: layers,
+        num_blocks: nb,
+        block_size: BLOCK,
+        num_kv_heads: KV_HEADS,
+        head_dim: HEAD_DIM,
+        dtype: KvDtype::F16,
+    };
+    let (a, b) = (KvCache::new(gpu, cfg)?, KvCache::new(gpu, cfg)?);
+    let attn = PagedAttention::new(gpu, &a, HEADS)?;
+    let row = (KV_HEADS * HEAD_DIM) as usize;
+    let (k, v) = (rng.signed_vec(total * row), rng.signed_vec(total * row));
+    let q = rng.signed_vec(total * (HEADS * HEAD_DIM) as usize);
+    let table: Vec<u32> = (0..nb).collect();
+    let slots: Vec<u32> = (0..total as u32).collect();
+    let opts = AttnOptions::default();
+    let shared_blocks = shared / BLOCK as usize;
+    let prefix = shared_blocks * BLOCK as usize;
+    // The exporter computed the prefix.
+    for l in 0..layers {
+        a.write_kv(
+            gpu,
+            l,
+            &k[..prefix * row],
+            &v[..prefix * row],
+            &slots[..prefix],
+        )?;
+    }
+    let blocks: Vec<u32> = (0..shared_blocks as u32).collect();
+    let mut bytes = vec![0u8; a.export_bytes(blocks.len(), 0..layers)? as usize];
+    let layout = a.export_blocks(gpu, &blocks, 0..layers, &mut bytes)?;
+    let run = |from: usize| -> Result<f64, GpuError> {
+        let t = std::time::Instant::now();
+        if from > 0 {
+            b.import_blocks(gpu, &layout, &bytes, &blocks)?;
+        }
+        let n = total - from;
+        for l in 0..layers {
+            b.write_kv(gpu, l, &k[from * row..], &v[from * row..], &slots[from..])?;
+            attn.prefill(
+                gpu,
+                &b,
+                l,
+                &q[from * (HEADS * HEAD_DIM) as usize..],
+                &[0, n as u32],
+                &[0, nb],
+                &table,
+                &[total as u32],
+                &opts,
+            )?;
+        }
+        Ok(t.elapsed().as_secs_f64() * 1e3)
+    };
+    let (mut cold, mut hit) = (f64::INFINITY, f64::INFINITY);
+    for _ in 0..3 {
+        cold = cold.min(run(0)?);
+        hit = hit.min(run(prefix)?);
+    }
+    Ok((cold, hit))
 }
 
 fn bookkeeping(steps: usize, prefix: bool) -> f64 {
@@ -1037,6 +1161,18 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, BenchError> {
     } else {
         (0.0, 0.0)
     };
+    let ttft_tokens = if cfg.quick { (256, 192) } else { (1024, 768) };
+    let (export_gbs, import_gbs, ttft_cold_ms, ttft_remote_hit_ms) = if cfg.runs("transfer") {
+        progress(
+            cfg,
+            "export / import, time to first token with a remote prefix hit",
+        );
+        let (e, i) = transfer_rates(gpu)?;
+        let (c, h) = remote_ttft(gpu, ttft_tokens.0, ttft_tokens.1, &mut rng)?;
+        (e, i, c, h)
+    } else {
+        (0.0, 0.0, 0.0, 0.0)
+    };
     if cfg.progress {
         use std::io::Write as _;
         let _ = writeln!(std::io::stderr(), "\r\x1b[2K[bench] done");
@@ -1061,6 +1197,11 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, BenchError> {
         copy_blocks_gbs: cb_gbs,
         swap_out_gbs,
         swap_in_gbs,
+        export_gbs,
+        import_gbs,
+        ttft_cold_ms,
+        ttft_remote_hit_ms,
+        ttft_tokens,
         scheduler_us_per_seq: sched_us,
     })
 }
@@ -1491,6 +1632,22 @@ pub fn render(r: &BenchReport) -> String {
             s,
             "swap (128 scattered blocks, 4 layers, wall clock): out {:.2} GB/s, in {:.2} GB/s (copy_buffer_to_buffer {:.2} GB/s)",
             r.swap_out_gbs, r.swap_in_gbs, r.memcpy_gbs
+        );
+    }
+    if r.export_gbs > 0.0 {
+        let _ = writeln!(
+            s,
+            "export / import (128 scattered blocks, 4 layers, wall clock): export {:.2} GB/s, import {:.2} GB/s",
+            r.export_gbs, r.import_gbs
+        );
+        let _ = writeln!(
+            s,
+            "time to first token, attention path (4 layers, {} prompt tokens, {} from a remote prefix): cold {:.1} ms, remote hit {:.1} ms ({:.2}x)",
+            r.ttft_tokens.0,
+            r.ttft_tokens.1,
+            r.ttft_cold_ms,
+            r.ttft_remote_hit_ms,
+            r.ttft_cold_ms / r.ttft_remote_hit_ms
         );
     }
     if r.scheduler_us_per_seq > 0.0 {
