@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use pagedattn::blocks::{
     BlockManagerConfig, Child, GroupOutput, Preemption, RequestId, Scheduler, SchedulerConfig,
 };
-use pagedattn::gpu::SwapSpace;
+use pagedattn::gpu::{KvLayout, SwapSpace};
 
 use crate::engine::{Model, StepInput};
 use crate::sample::{beam_step, log_softmax, top_k, Sampler, SamplingParams};
@@ -175,6 +175,12 @@ pub struct Server {
     pub profile: Option<usize>,
     /// The copy-on-write copies (source, destination block) of the last step.
     pub last_copies: Vec<[u32; 2]>,
+    /// Remote prefix blocks of requests not yet admitted
+    /// ([`add_with_remote`](Self::add_with_remote)): descriptor and bytes,
+    /// in prompt order.
+    remote: HashMap<RequestId, Vec<(KvLayout, Vec<u8>)>>,
+    /// Blocks imported from remote prefixes.
+    pub imported_blocks: usize,
 }
 
 /// A running request as it stands: its live sequences (beams in the order
@@ -250,6 +256,8 @@ impl Server {
             stats: ServeStats::default(),
             profile: None,
             last_copies: Vec::new(),
+            remote: HashMap::new(),
+            imported_blocks: 0,
         })
     }
 
@@ -265,6 +273,20 @@ impl Server {
 
     /// Queues a request, after checking it against the model and the pool.
     pub fn add(&mut self, req: Request) -> Result<RequestId, ModelError> {
+        self.add_with_remote(req, Vec::new())
+    }
+
+    /// [`add`](Self::add) for a request whose prompt's leading full blocks
+    /// another engine computed: `remote` holds them in prompt order (the
+    /// blocks of the first digests of `sched.blocks().prompt_hashes`, each
+    /// with its descriptor, as `KvCache::export_blocks` wrote them). At
+    /// admission the ones the local cache lacks are imported and their
+    /// tokens are not computed; an import refused fails that step.
+    pub fn add_with_remote(
+        &mut self,
+        req: Request,
+        remote: Vec<(KvLayout, Vec<u8>)>,
+    ) -> Result<RequestId, ModelError> {
         let shape = self.model.shape;
         let bad = |m: String| Err(ModelError::Request(m));
         let (p, n) = (req.prompt.len(), req.max_tokens);
@@ -316,7 +338,12 @@ impl Server {
                 "prompt of {p} tokens, {w} sequences of up to {n} more need up to {need} blocks of {bs}; the pool holds {pool}"
             ));
         }
-        let id = self.sched.add_request(&req.prompt, w, &req.salt)?;
+        let id = self
+            .sched
+            .add_request_with_remote(&req.prompt, w, &req.salt, remote.len())?;
+        if !remote.is_empty() {
+            self.remote.insert(id, remote);
+        }
         self.stats.contiguous_blocks += w * blocks_for(p + n, bs);
         self.reqs.insert(
             id,
@@ -382,6 +409,7 @@ impl Server {
         let mut ended = Vec::new();
         for &r in step.aborted() {
             self.reqs.remove(&r);
+            self.remote.remove(&r);
             self.stats.aborted += 1;
             ended.push(Completion {
                 request: r,
@@ -391,6 +419,20 @@ impl Server {
         }
         self.stats.preempted += step.preempted().len();
         let gpu = &self.model.gpu;
+        for (r, blocks) in step.imports() {
+            let found = self.remote.remove(r).unwrap_or_default();
+            // The local cache's hits come first: the imports are the last.
+            let skip = found.len().checked_sub(blocks.len()).ok_or_else(|| {
+                ModelError::Request(format!("{r:?}: more imports than remote blocks"))
+            })?;
+            for ((block, _), (layout, bytes)) in blocks.iter().zip(&found[skip..]) {
+                self.model
+                    .cache
+                    .import_blocks_async(gpu, layout, bytes, &[*block])
+                    .await?;
+                self.imported_blocks += 1;
+            }
+        }
         if !step.swap_out().is_empty() || !step.swap_in().is_empty() {
             let space = self.swap.as_mut().ok_or_else(|| {
                 ModelError::Request("the scheduler swapped without swap space".into())

@@ -294,6 +294,86 @@ fn a_prefix_cache_hit_gives_identical_tokens() {
     }
 }
 
+/// A remote prefix hit (issue: KV beyond one machine): engine A serves a
+/// prompt and exports the full blocks its block manager reports stored;
+/// a second server, with its own scheduler and block manager over a pool
+/// overwritten with noise (so nothing of A's K/V is left in place), gets
+/// A's blocks for the prompt, imports them at admission and computes only
+/// the rest: the same greedy tokens as the reference, with the imported
+/// tokens' prefill skipped.
+#[test]
+fn a_remote_prefix_hit_gives_identical_tokens() {
+    let Some(mut m) = model("remote prefix") else {
+        return;
+    };
+    let f = fixture();
+    let n = 12;
+    let g = &f.greedy[0];
+    let req = greedy_request(g, n, 0);
+    let salt = req.salt.clone();
+    let model = m.take().expect("model");
+    let mut a = pagedattn_model::serve::Server::new(model, cfg()).expect("server A");
+    a.sched.record_events(true);
+    let ra = a.add(greedy_request(g, n, 0)).expect("a");
+    let done = a.run(&mut |_, _, _| {}).expect("run A");
+    let got = done.iter().find(|x| x.request == ra).expect("A finished");
+    assert_eq!(got.sequences[0].tokens, g.tokens[..n]);
+    // A's stored blocks, by digest: what a store would hold.
+    let layers = a.model.cache.config().num_layers;
+    let mut store = std::collections::HashMap::new();
+    for e in a.sched.take_events() {
+        if let pagedattn::blocks::KvEvent::Stored { hash, block } = e {
+            let mut bytes =
+                vec![0u8; a.model.cache.export_bytes(1, 0..layers).expect("size") as usize];
+            let layout = a
+                .model
+                .cache
+                .export_blocks(&a.model.gpu, &[block], 0..layers, &mut bytes)
+                .expect("export");
+            store.insert(hash, (layout, bytes));
+        }
+    }
+    let model = a.into_model();
+    // Noise over every slot of every layer: A's K/V is gone from the pool.
+    let c = *model.cache.config();
+    let slots: Vec<u32> = (0..c.num_blocks * c.block_size).collect();
+    let mut rng = pagedattn::rng::SplitMix64::new(0x6E01_5E00);
+    for l in 0..c.num_layers {
+        let n = slots.len() * (c.num_kv_heads * c.head_dim) as usize;
+        let (k, v) = (rng.signed_vec(n), rng.signed_vec(n));
+        model
+            .cache
+            .write_kv(&model.gpu, l, &k, &v, &slots)
+            .expect("noise");
+    }
+    let mut b = pagedattn_model::serve::Server::new(model, cfg()).expect("server B");
+    let hashes = b.sched.blocks().prompt_hashes(&g.prompt_ids, &salt);
+    let remote: Vec<_> = hashes.iter().map_while(|h| store.get(h).cloned()).collect();
+    let full = g.prompt_ids.len() / c.block_size as usize;
+    assert_eq!(remote.len(), full, "every full prompt block of A is found");
+    let rb = b
+        .add_with_remote(greedy_request(g, n, 0), remote)
+        .expect("b");
+    let done = b.run(&mut |_, _, _| {}).expect("run B");
+    let imported = b.imported_blocks;
+    let hits = b.sched.blocks().remote_hit_tokens();
+    let prefill = b.stats.prefill_tokens;
+    *m = Some(b.into_model());
+    let got = done.iter().find(|x| x.request == rb).expect("B finished");
+    eprintln!(
+        "remote prefix: {imported} blocks imported ({hits} tokens), {prefill} prompt tokens computed of {}",
+        g.prompt_ids.len()
+    );
+    assert_eq!(imported, full);
+    assert_eq!(hits as usize, full * c.block_size as usize);
+    assert!(prefill < g.prompt_ids.len(), "B skips the imported tokens");
+    assert_eq!(
+        got.sequences[0].tokens,
+        g.tokens[..n],
+        "B's tokens equal the reference's"
+    );
+}
+
 #[test]
 fn preemption_by_recompute_and_by_swap_keeps_the_tokens() {
     let Some(mut m) = model("preempt") else {

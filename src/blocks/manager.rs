@@ -593,11 +593,12 @@ impl BlockManager {
             .collect()
     }
 
-    /// [`add_sequence_salted`](Self::add_sequence_salted), with the next
-    /// `remote` full blocks of the prompt after the local cache hits found
-    /// in a remote prefix store (the leading ones of
-    /// [`prompt_hashes`](Self::prompt_hashes) it holds; more than the prompt
-    /// has are cut). They get fresh blocks, returned as `(block, digest)`:
+    /// [`add_sequence_salted`](Self::add_sequence_salted), with the
+    /// prompt's first `remote` full blocks held by a remote prefix store
+    /// (the leading digests of [`prompt_hashes`](Self::prompt_hashes) it
+    /// holds; more than the prompt has are cut). Those the local cache
+    /// lacks get fresh blocks, returned in order as `(block, digest)`: the
+    /// last `len` of the `remote` (the local hits come first):
     /// import their K/V (`KvCache::import_blocks`) before the sequence's
     /// first step; their tokens are not computed again, and the blocks
     /// join the local prefix cache. Should an import fail, [`uncache`](Self::uncache)
@@ -620,12 +621,9 @@ impl BlockManager {
         let (matched, mut hashes) = self.lookup(prompt, &root);
         let all = self.prompt_hashes(prompt, cache_salt);
         let remote_hashes: Vec<ChainDigest> = all
-            .get(matched.len()..)
+            .get(matched.len()..remote.min(all.len()))
             .unwrap_or_default()
-            .iter()
-            .take(remote)
-            .copied()
-            .collect();
+            .to_vec();
         let needed = self.blocks_for(prompt.len()) - matched.len();
         let revived = self.revived(&matched);
         let available = self.available_blocks() - revived;

@@ -182,6 +182,7 @@ pub struct Step {
     preempted: Vec<(RequestId, Preemption)>,
     sample: Vec<RequestId>,
     aborted: Vec<RequestId>,
+    imports: Vec<(RequestId, Vec<super::RemoteBlock>)>,
     number: u64,
     owner: u32,
 }
@@ -237,6 +238,13 @@ impl Step {
         &self.aborted
     }
 
+    /// Remote prefix blocks admitted this step, per request
+    /// ([`Scheduler::add_request_with_remote`]): `(pool block, digest)` to
+    /// import (`KvCache::import_blocks`) before the step runs.
+    pub fn imports(&self) -> &[(RequestId, Vec<super::RemoteBlock>)] {
+        &self.imports
+    }
+
     /// Number of the step in its scheduler (1 for the first).
     pub fn number(&self) -> u64 {
         self.number
@@ -270,6 +278,8 @@ pub struct SchedulerStats {
 struct Group {
     id: RequestId,
     salt: Vec<u8>,
+    /// Leading full prompt blocks a remote store holds (first admission).
+    remote: usize,
     width: usize,
     /// Live sequences (running or swapped).
     seqs: Vec<SeqId>,
@@ -408,6 +418,17 @@ impl Scheduler {
         &self.blocks
     }
 
+    /// Records the block manager's [`KvEvent`](super::KvEvent)s (blocks
+    /// stored and evicted, sequences ended), or stops.
+    pub fn record_events(&mut self, on: bool) {
+        self.blocks.record_events(on);
+    }
+
+    /// The block manager's events since the last call.
+    pub fn take_events(&mut self) -> Vec<super::KvEvent> {
+        self.blocks.take_events()
+    }
+
     /// Reorders the block manager's free list with a seeded shuffle
     /// (tests and demos see scrambled physical blocks).
     pub fn scramble_free_list(&mut self, seed: u64) {
@@ -457,6 +478,25 @@ impl Scheduler {
         width: usize,
         cache_salt: &[u8],
     ) -> Result<RequestId, SchedulerError> {
+        self.add_request_with_remote(prompt, width, cache_salt, 0)
+    }
+
+    /// [`add_request`](Self::add_request) for a prompt whose first
+    /// `remote_blocks` full blocks a remote prefix store holds (the
+    /// leading digests of [`BlockManager::prompt_hashes`] it has): at
+    /// admission, those the local cache lacks get fresh blocks, listed in
+    /// the step's [`imports`](Step::imports), to import before the step
+    /// runs; their tokens are not computed.
+    pub fn add_request_with_remote(
+        &mut self,
+        prompt: &[u32],
+        width: usize,
+        cache_salt: &[u8],
+        remote_blocks: usize,
+    ) -> Result<RequestId, SchedulerError> {
+        if remote_blocks > 0 && !self.blocks.config().prefix_caching {
+            return Err(BlockError::PrefixCachingOff.into());
+        }
         if prompt.is_empty() {
             return Err(BlockError::EmptyPrompt.into());
         }
@@ -491,6 +531,7 @@ impl Scheduler {
         self.waiting.push_back(Group {
             id,
             salt: cache_salt.to_vec(),
+            remote: remote_blocks,
             width,
             seqs: Vec::new(),
             sources: vec![prompt.to_vec()],
@@ -911,8 +952,13 @@ impl Scheduler {
                 g.seqs.push(id);
                 g.targets.push((0..g.sources.len()).collect());
             } else {
+                let remote = std::mem::take(&mut g.remote);
                 for s in std::mem::take(&mut g.sources) {
-                    let id = self.blocks.add_sequence_salted(&s, &g.salt)?;
+                    let (id, imports) =
+                        self.blocks.add_sequence_with_remote(&s, &g.salt, remote)?;
+                    if !imports.is_empty() {
+                        step.imports.push((g.id, imports));
+                    }
                     g.seqs.push(id);
                 }
             }

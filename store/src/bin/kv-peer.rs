@@ -149,7 +149,9 @@ fn run() -> Result<(), String> {
         .map_err(|e| e.to_string())?;
     let mut refused = fetch.refused.len();
     let mut imported = 0;
-    for ((block, _), fb) in imports.iter().zip(&fetch.blocks) {
+    // The local cache's hits come first: the imports are the last found.
+    let skip = fetch.blocks.len() - imports.len();
+    for ((block, _), fb) in imports.iter().zip(&fetch.blocks[skip..]) {
         match kv.import_blocks(&gpu, &fb.layout, &fb.bytes, &[*block]) {
             Ok(()) => imported += 1,
             Err(e) => {
@@ -173,7 +175,7 @@ fn run() -> Result<(), String> {
         // The mirror of the imported blocks, from the same function.
         for (i, (block, _)) in imports.iter().enumerate() {
             let slots: Vec<u32> = (0..BS).map(|o| block * BS + o).collect();
-            mirror(&mut host, &prompt, i * BS as usize, &slots);
+            mirror(&mut host, &prompt, (skip + i) * BS as usize, &slots);
         }
     }
 
