@@ -6,7 +6,9 @@
 //! checks that, `src/bin/kv-peer.rs`). Then the faults: another tenant's
 //! salt misses; corrupt and truncated values are refused, deleted and
 //! recomputed; a pool of another layout refuses the blocks and recomputes;
-//! with Redis killed, B recomputes with a warning. Without `redis-server`
+//! B given A's whole prompt returns A's output; with Redis killed mid-run
+//! (after B's lookup) B finishes and its publish fails with a warning; with
+//! Redis down from the start B recomputes with a warning. Without `redis-server`
 //! the test skips, unless `PAGEDATTN_REQUIRE_REDIS=1`; without a GPU
 //! adapter likewise, unless `PAGEDATTN_REQUIRE_GPU=1`.
 
@@ -117,6 +119,11 @@ fn peer(
         o.status
     );
     let line = String::from_utf8_lossy(&o.stdout).into_owned();
+    parse(tag, &line, &out, stderr)
+}
+
+fn parse(tag: &str, stdout: &str, out: &Path, stderr: String) -> Option<Run> {
+    let line = stdout.lines().last().unwrap_or("").to_string();
     let w: Vec<&str> = line.split_whitespace().collect();
     let num = |key: &str| -> usize {
         let i = w
@@ -170,6 +177,12 @@ fn two_processes_share_prefill_through_redis() {
     assert_eq!(b.imported, 3, "{b:?}");
     assert_eq!(b.computed, b.total - 48, "B computes only its suffix");
     assert!(b.out == cold.out, "B's output differs from the cold run's");
+
+    // B given A's whole prompt: every full block imported, A's output.
+    let same = peer(&url, "tenant-1", 1, "f16", &dir, "B with A's prompt").unwrap();
+    assert_eq!(same.imported, a.total / 16);
+    assert_eq!(same.computed, a.total - same.imported * 16);
+    assert!(same.out == a.out, "B's output differs from A's");
 
     // Another tenant's salt: a miss.
     let t2 = peer(&url, "tenant-2", 2, "f16", &dir, "B as tenant 2").unwrap();
@@ -234,8 +247,47 @@ fn two_processes_share_prefill_through_redis() {
     assert!(bt.refused >= 1);
     assert!(bt.out == cold.out);
 
-    // Redis killed: B recomputes, with a warning.
+    // Redis killed mid-run, after B's lookup and before it publishes: B
+    // finishes with its imported blocks, the publish fails with a warning.
+    let out = dir.join("mid.bin");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kv-peer"))
+        .args([
+            "--redis",
+            &url,
+            "--salt",
+            "tenant-1",
+            "--dtype",
+            "f16",
+            "--suffix-seed",
+            "3",
+        ])
+        .args(["--pause-ms", "1500", "--out"])
+        .arg(&out)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("kv-peer runs");
+    let mut stdout = std::io::BufReader::new(child.stdout.take().expect("piped"));
+    let mut first = String::new();
+    std::io::BufRead::read_line(&mut stdout, &mut first).unwrap();
+    assert_eq!(first.trim(), "looked-up", "{first}");
     drop(r);
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut stdout, &mut rest).unwrap();
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().expect("piped"), &mut stderr).unwrap();
+    assert!(child.wait().unwrap().success(), "{stderr}");
+    let mid = parse("B with Redis killed mid-run", &rest, &out, stderr).unwrap();
+    assert_eq!(mid.imported, 3, "{mid:?}");
+    assert!(
+        mid.stderr.contains("publishing a block failed"),
+        "{}",
+        mid.stderr
+    );
+    let cold3 = peer("none", "tenant-1", 3, "f16", &dir, "B3 cold").unwrap();
+    assert!(mid.out == cold3.out);
+
+    // Redis down from the start: B recomputes, with a warning.
     let down = peer(&url, "tenant-1", 2, "f16", &dir, "B with Redis down").unwrap();
     assert!(down.unavailable, "{down:?}");
     assert_eq!((down.imported, down.computed), (0, down.total));

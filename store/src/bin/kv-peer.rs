@@ -12,7 +12,8 @@
 //! `imported N computed M of T refused R unavailable U rel_l2 E`, writing
 //! the output's f32 bytes to `--out`.
 //!
-//! `kv-peer --redis URL|none --salt S --suffix-seed N [--dtype f16|f32] --out FILE`
+//! `kv-peer --redis URL|none --salt S --suffix-seed N [--dtype f16|f32]
+//! [--pause-ms MS] --out FILE`
 //! (exit 3: no GPU adapter).
 
 use std::collections::HashMap;
@@ -177,6 +178,16 @@ fn run() -> Result<(), String> {
             let slots: Vec<u32> = (0..BS).map(|o| block * BS + o).collect();
             mirror(&mut host, &prompt, (skip + i) * BS as usize, &slots);
         }
+    }
+
+    // A pause before the rest (`--pause-ms`): the two-process test kills
+    // Redis here, mid-run, once this line is out.
+    if let Some(ms) = a.get("pause-ms") {
+        let ms: u64 = ms.parse().map_err(|e| format!("--pause-ms: {e}"))?;
+        println!("looked-up");
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+        std::thread::sleep(std::time::Duration::from_millis(ms));
     }
 
     // Compute the rest (one prefill step's K/V), publish the full blocks.
