@@ -6,30 +6,9 @@
 
 use crate::common;
 
-use common::{gpu, seed};
+use common::{block_bytes as block, gpu, raw_layer as raw, seed};
 use pagedattn::gpu::{GpuError, KvCache, KvCacheConfig, KvDtype};
 use pagedattn::rng::SplitMix64;
-
-fn raw(gpu: &pagedattn::gpu::Gpu, cache: &KvCache, layer: u32) -> [Vec<u8>; 2] {
-    let [k, v] = cache.layer(layer).unwrap();
-    let c = cache.config();
-    [
-        gpu.read(k, c.layer_bytes()).unwrap(),
-        gpu.read(v, c.v_layer_bytes()).unwrap(),
-    ]
-}
-
-/// The bytes of block `b` in a layer buffer: its data, then (quantized
-/// pools) its rows' side words.
-fn block(cfg: &KvCacheConfig, buf: &[u8], b: u32, is_k: bool) -> Vec<u8> {
-    let rows = (cfg.num_kv_heads * cfg.block_size) as usize;
-    let data = rows * cfg.head_dim as usize * cfg.dtype.bytes() as usize;
-    let mut out = buf[b as usize * data..(b as usize + 1) * data].to_vec();
-    let side = cfg.side_words_per_block(is_k) as usize * 4;
-    let at = cfg.data_words() as usize * 4 + b as usize * side;
-    out.extend_from_slice(&buf[at..at + side]);
-    out
-}
 
 fn fill(gpu: &pagedattn::gpu::Gpu, cache: &KvCache, rng: &mut SplitMix64) {
     let cfg = cache.config();
