@@ -8,6 +8,7 @@
 //! smoothing, outlier channels) stays in the pool.
 
 use super::kv_cache::{KvCache, KvCacheConfig};
+use super::transfer::runs;
 use super::{Gpu, GpuError, PoolError};
 
 /// Most host memory one [`SwapSpace`] takes: 16 GiB.
@@ -62,21 +63,6 @@ fn block_ranges(cfg: &KvCacheConfig, b: u32, is_k: bool) -> [(u64, u64); 2] {
     let side = cfg.side_words_per_block(is_k) * 4;
     let second = (cfg.data_words() * 4 + b as u64 * side, side);
     [first, second]
-}
-
-/// Runs of `pairs` (in order) whose pool blocks are consecutive: `(first
-/// pair, pairs in the run)`.
-fn runs(pool: impl Iterator<Item = u32>) -> Vec<(usize, usize)> {
-    let mut out: Vec<(usize, usize)> = Vec::new();
-    let mut prev: Option<u32> = None;
-    for (i, b) in pool.enumerate() {
-        match (out.last_mut(), prev) {
-            (Some(r), Some(p)) if p.checked_add(1) == Some(b) => r.1 += 1,
-            _ => out.push((i, 1)),
-        }
-        prev = Some(b);
-    }
-    out
 }
 
 impl KvCache {
@@ -174,7 +160,7 @@ impl KvCache {
         let cfg = *self.config();
         let bytes = pairs.len() as u64 * space.block_bytes();
         let staging = gpu.staging("swap-out staging", bytes)?;
-        let runs = runs(pairs.iter().map(|p| p[0]));
+        let runs = runs(&pairs.iter().map(|p| p[0]).collect::<Vec<_>>());
         // Staging layout: [layer][K, V][pair][block words].
         let plane = pairs.len() as u64 * space.words as u64 * 4;
         gpu.scoped_try(|| {
@@ -238,7 +224,7 @@ impl KvCache {
         }
         let cfg = *self.config();
         let w = space.words;
-        let runs = runs(pairs.iter().map(|p| p[1]));
+        let runs = runs(&pairs.iter().map(|p| p[1]).collect::<Vec<_>>());
         // Gather to the staging layout of swap_out, [layer][K, V][pair][words]
         // with each run's data ranges before its scale ranges.
         let mut words = vec![0u32; pairs.len() * w * 2 * cfg.num_layers as usize];
@@ -280,20 +266,5 @@ impl KvCache {
             gpu.queue.submit([enc.finish()]);
             Ok(())
         })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::runs;
-
-    #[test]
-    fn runs_of_consecutive_blocks() {
-        assert_eq!(
-            runs([3u32, 4, 5, 9, 10, 2].into_iter()),
-            vec![(0, 3), (3, 2), (5, 1)]
-        );
-        assert_eq!(runs(std::iter::empty()), vec![]);
-        assert_eq!(runs([u32::MAX, 0].into_iter()), vec![(0, 1), (1, 1)]);
     }
 }

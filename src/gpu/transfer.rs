@@ -233,8 +233,8 @@ fn part_ranges(cfg: &KvCacheConfig, b: u32, is_k: bool) -> [(u64, u64); 2] {
 }
 
 /// Runs of consecutive pool blocks in `blocks` (in order): `(first index,
-/// blocks in the run)`.
-fn runs(blocks: &[u32]) -> Vec<(usize, usize)> {
+/// blocks in the run)`; swap's copies coalesce the same way.
+pub(super) fn runs(blocks: &[u32]) -> Vec<(usize, usize)> {
     let mut out: Vec<(usize, usize)> = Vec::new();
     for (i, &b) in blocks.iter().enumerate() {
         match out.last_mut() {
@@ -245,7 +245,73 @@ fn runs(blocks: &[u32]) -> Vec<(usize, usize)> {
     out
 }
 
+/// Where each part of each block lies in the staging planes
+/// (`[layer][K data, K side, V data, V side][block]`) and in the
+/// block-major bytes: `(plane offset, block-major offset, length)`.
+fn plane_map(parts: &[u64; 4], layers: u32, n: u64) -> Vec<(usize, usize, usize)> {
+    let per_layer: u64 = parts.iter().sum();
+    let bb = per_layer * layers as u64;
+    let mut out = Vec::new();
+    for li in 0..layers as u64 {
+        let mut plane = li * per_layer * n;
+        let mut within = li * per_layer;
+        for &len in parts {
+            for i in 0..n {
+                out.push((
+                    (plane + i * len) as usize,
+                    (i * bb + within) as usize,
+                    len as usize,
+                ));
+            }
+            plane += len * n;
+            within += len;
+        }
+    }
+    out
+}
+
 impl KvCache {
+    /// Records the copies between the pool's `blocks` of `layers` and the
+    /// staging planes (see [`plane_map`]), pool to staging or (`into_pool`)
+    /// back; runs of consecutive blocks go as one copy per layer and part.
+    fn copy_planes(
+        &self,
+        enc: &mut wgpu::CommandEncoder,
+        layers: &Range<u32>,
+        blocks: &[u32],
+        parts: &[u64; 4],
+        staging: &wgpu::Buffer,
+        into_pool: bool,
+    ) -> Result<(), GpuError> {
+        let cfg = self.config();
+        let n = blocks.len() as u64;
+        let per_layer: u64 = parts.iter().sum();
+        let runs = runs(blocks);
+        for (li, l) in layers.clone().enumerate() {
+            let bufs = self.layer(l)?;
+            let mut plane = li as u64 * per_layer * n;
+            for (kv, buf) in bufs.iter().enumerate() {
+                for pi in 0..2 {
+                    let len = parts[kv * 2 + pi];
+                    for &(i, r) in &runs {
+                        let (off, _) = part_ranges(cfg, blocks[i], kv == 0)[pi];
+                        let at = plane + i as u64 * len;
+                        if len == 0 {
+                            continue;
+                        }
+                        if into_pool {
+                            enc.copy_buffer_to_buffer(staging, at, buf, off, len * r as u64);
+                        } else {
+                            enc.copy_buffer_to_buffer(buf, off, staging, at, len * r as u64);
+                        }
+                    }
+                    plane += len * n;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// The descriptor of `layers` of this pool with the given layer-state
     /// digest.
     fn layout_with(&self, layers: Range<u32>, layer_state: [u8; 32]) -> KvLayout {
@@ -405,47 +471,18 @@ impl KvCache {
         // Staging: [layer][K data, K side, V data, V side][block] planes,
         // then the layers' tails.
         let staging = gpu.staging("export staging", total)?;
-        let runs = runs(blocks);
         let parts = self.layout_with(layers.clone(), [0; 32]).parts;
-        let per_layer: u64 = parts.iter().sum();
         gpu.scoped_try(|| {
             let mut enc = gpu.device.create_command_encoder(&Default::default());
-            for (li, l) in layers.clone().enumerate() {
-                let bufs = self.layer(l)?;
-                let mut plane = li as u64 * per_layer * n;
-                for (kv, buf) in bufs.iter().enumerate() {
-                    for pi in 0..2 {
-                        let len = parts[kv * 2 + pi];
-                        for &(i, r) in &runs {
-                            let (off, _) = part_ranges(&cfg, blocks[i], kv == 0)[pi];
-                            if len > 0 {
-                                let at = plane + i as u64 * len;
-                                enc.copy_buffer_to_buffer(buf, off, &staging, at, len * r as u64);
-                            }
-                        }
-                        plane += len * n;
-                    }
-                }
-            }
+            self.copy_planes(&mut enc, &layers, blocks, &parts, &staging, false)?;
             self.copy_tails(&mut enc, &layers, &staging, want)?;
             gpu.queue.submit([enc.finish()]);
             Ok(())
         })?;
         let bytes: Vec<u8> = gpu.map_read(&staging, total).await?;
         // Planes to block-major.
-        let bb = per_layer * (layers.end - layers.start) as u64;
-        for li in 0..(layers.end - layers.start) as u64 {
-            let mut plane = li * per_layer * n;
-            let mut within = li * per_layer;
-            for &len in &parts {
-                for i in 0..n {
-                    let src = (plane + i * len) as usize;
-                    let dst = (i * bb + within) as usize;
-                    out[dst..dst + len as usize].copy_from_slice(&bytes[src..src + len as usize]);
-                }
-                plane += len * n;
-                within += len;
-            }
+        for (plane, block, len) in plane_map(&parts, layers.end - layers.start, n) {
+            out[block..block + len].copy_from_slice(&bytes[plane..plane + len]);
         }
         let mut state = Sha256::new();
         state.update(&bytes[want as usize..]);
@@ -493,49 +530,18 @@ impl KvCache {
         if want == 0 {
             return Ok(());
         }
-        let cfg = *self.config();
         let layers = layout.layers.clone();
         let n = blocks.len() as u64;
         let parts = mine.parts;
-        let per_layer: u64 = parts.iter().sum();
-        let bb = mine.block_bytes();
         // Block-major to the planes export uses.
         let mut planes = vec![0u8; want as usize];
-        for li in 0..(layers.end - layers.start) as u64 {
-            let mut plane = li * per_layer * n;
-            let mut within = li * per_layer;
-            for &len in &parts {
-                for i in 0..n {
-                    let dst = (plane + i * len) as usize;
-                    let src = (i * bb + within) as usize;
-                    planes[dst..dst + len as usize]
-                        .copy_from_slice(&bytes[src..src + len as usize]);
-                }
-                plane += len * n;
-                within += len;
-            }
+        for (plane, block, len) in plane_map(&parts, layers.end - layers.start, n) {
+            planes[plane..plane + len].copy_from_slice(&bytes[block..block + len]);
         }
-        let runs = runs(blocks);
         gpu.scoped_try(|| {
             let staging = gpu.storage_init("import staging", &planes)?;
             let mut enc = gpu.device.create_command_encoder(&Default::default());
-            for (li, l) in layers.clone().enumerate() {
-                let bufs = self.layer(l)?;
-                let mut plane = li as u64 * per_layer * n;
-                for (kv, buf) in bufs.iter().enumerate() {
-                    for pi in 0..2 {
-                        let len = parts[kv * 2 + pi];
-                        for &(i, r) in &runs {
-                            let (off, _) = part_ranges(&cfg, blocks[i], kv == 0)[pi];
-                            if len > 0 {
-                                let at = plane + i as u64 * len;
-                                enc.copy_buffer_to_buffer(&staging, at, buf, off, len * r as u64);
-                            }
-                        }
-                        plane += len * n;
-                    }
-                }
-            }
+            self.copy_planes(&mut enc, &layers, blocks, &parts, &staging, true)?;
             gpu.queue.submit([enc.finish()]);
             Ok(())
         })
