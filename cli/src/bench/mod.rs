@@ -615,18 +615,32 @@ pub fn scheduler_us_per_seq(steps: usize) -> f64 {
     t0.elapsed().as_secs_f64() * 1e6 / (steps * batch) as f64
 }
 
+/// The pool the swap and transfer rates move blocks of: 4 layers, 256
+/// blocks of the grid's shape, f16.
+fn transfer_pool(gpu: &Gpu) -> Result<KvCache, GpuError> {
+    KvCache::new(
+        gpu,
+        KvCacheConfig {
+            num_layers: 4,
+            num_blocks: 256,
+            block_size: BLOCK,
+            num_kv_heads: KV_HEADS,
+            head_dim: HEAD_DIM,
+            dtype: KvDtype::F16,
+        },
+    )
+}
+
+/// The median of `v` (sorted in place).
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
 /// Swap-out and swap-in throughput (GB/s, wall clock, median of 5) of 128
 /// scattered blocks of a 4-layer f16 pool of the grid's shape.
 fn swap_rates(gpu: &Gpu) -> Result<(f64, f64), GpuError> {
-    let cfg = KvCacheConfig {
-        num_layers: 4,
-        num_blocks: 256,
-        block_size: BLOCK,
-        num_kv_heads: KV_HEADS,
-        head_dim: HEAD_DIM,
-        dtype: KvDtype::F16,
-    };
-    let cache = KvCache::new(gpu, cfg)?;
+    let cache = transfer_pool(gpu)?;
     let mut space = cache.swap_space(128)?;
     // Every other block: no runs to coalesce (the worst case).
     let out: Vec<[u32; 2]> = (0..128).map(|i| [i * 2, i]).collect();
@@ -642,26 +656,14 @@ fn swap_rates(gpu: &Gpu) -> Result<(f64, f64), GpuError> {
         gpu.wait()?;
         ti.push(t.elapsed().as_secs_f64());
     }
-    let med = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    Ok((bytes / med(&mut to) / 1e9, bytes / med(&mut ti) / 1e9))
+    Ok((bytes / median(&mut to) / 1e9, bytes / median(&mut ti) / 1e9))
 }
 
 /// Export and import throughput (GB/s, wall clock, median of 5) of 128
 /// scattered blocks of every layer of the swap bench's pool, into other
 /// block ids.
 fn transfer_rates(gpu: &Gpu) -> Result<(f64, f64), GpuError> {
-    let cfg = KvCacheConfig {
-        num_layers: 4,
-        num_blocks: 256,
-        block_size: BLOCK,
-        num_kv_heads: KV_HEADS,
-        head_dim: HEAD_DIM,
-        dtype: KvDtype::F16,
-    };
-    let cache = KvCache::new(gpu, cfg)?;
+    let cache = transfer_pool(gpu)?;
     let from: Vec<u32> = (0..128).map(|i| i * 2).collect();
     let to: Vec<u32> = (0..128).map(|i| i * 2 + 1).collect();
     let mut bytes = vec![0u8; cache.export_bytes(from.len(), 0..4)? as usize];
@@ -675,12 +677,8 @@ fn transfer_rates(gpu: &Gpu) -> Result<(f64, f64), GpuError> {
         gpu.wait()?;
         ti.push(t.elapsed().as_secs_f64());
     }
-    let med = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
     let n = bytes.len() as f64;
-    Ok((n / med(&mut te) / 1e9, n / med(&mut ti) / 1e9))
+    Ok((n / median(&mut te) / 1e9, n / median(&mut ti) / 1e9))
 }
 
 /// Time to first token of the attention path, 4 layers of the grid's
