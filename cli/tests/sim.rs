@@ -426,6 +426,34 @@ fn quantized_kv_buys_concurrency_under_the_same_memory() {
     assert_eq!(plain.scenarios[0].policies[0].steps, f16.steps);
 }
 
+/// A bf16 model's pool: two bytes a value like f16, so the same memory
+/// holds the same tokens and the paged run is step for step f16's.
+#[test]
+fn bf16_kv_holds_what_f16_holds() {
+    let r = small(&[
+        "--kv-dtype",
+        "f16,bf16",
+        "--policies",
+        "paged",
+        "--sampling",
+        "single",
+        "--arrival",
+        "all",
+        "--requests",
+        "300",
+    ]);
+    let p = &r.scenarios[0].policies;
+    assert_eq!(p.len(), 2);
+    let (f16, bf16) = (&p[0], &p[1]);
+    assert_eq!(
+        (f16.kv_dtype.as_str(), bf16.kv_dtype.as_str()),
+        ("f16", "bf16")
+    );
+    assert_eq!(bf16.capacity_tokens, f16.capacity_tokens);
+    assert_eq!(bf16.steps, f16.steps);
+    assert!(bf16.capacity_tokens > 0);
+}
+
 /// The K/V attention reads per generated token, plain and with the cascade:
 /// equal when nothing is shared, lower for parallel samples, lowest for
 /// beams (which share most of their history).

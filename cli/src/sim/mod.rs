@@ -187,7 +187,8 @@ pub struct SimulateArgs {
     /// Seed of every random draw.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// KV element types to compare (comma-separated: f32, f16, int8, fp8).
+    /// KV element types to compare (comma-separated: f32, f16, bf16, int8,
+    /// fp8).
     /// `--budget` is the memory of that many f16 tokens; each dtype gets as
     /// many tokens as the same bytes hold (int8 stores a 4-byte scale per
     /// token and KV head, fp8 one per layer and KV head).
