@@ -425,13 +425,28 @@ impl Server {
             let skip = found.len().checked_sub(blocks.len()).ok_or_else(|| {
                 ModelError::Request(format!("{r:?}: more imports than remote blocks"))
             })?;
-            for ((block, _), (layout, bytes)) in blocks.iter().zip(&found[skip..]) {
+            let found = &found[skip..];
+            let Some((layout, _)) = found.first() else {
+                continue;
+            };
+            // One import (one descriptor check, one upload) for the
+            // request's blocks; blocks of mixed layouts go one by one.
+            let ids: Vec<u32> = blocks.iter().map(|b| b.0).collect();
+            if found.iter().all(|(l, _)| l == layout) {
+                let bytes: Vec<u8> = found.iter().flat_map(|(_, b)| b.iter().copied()).collect();
                 self.model
                     .cache
-                    .import_blocks_async(gpu, layout, bytes, &[*block])
+                    .import_blocks_async(gpu, layout, &bytes, &ids)
                     .await?;
-                self.imported_blocks += 1;
+            } else {
+                for (id, (layout, bytes)) in ids.iter().zip(found) {
+                    self.model
+                        .cache
+                        .import_blocks_async(gpu, layout, bytes, &[*id])
+                        .await?;
+                }
             }
+            self.imported_blocks += ids.len();
         }
         if !step.swap_out().is_empty() || !step.swap_in().is_empty() {
             let space = self.swap.as_mut().ok_or_else(|| {

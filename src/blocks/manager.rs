@@ -619,11 +619,15 @@ impl BlockManager {
         }
         let root = chain_root(cache_salt);
         let (matched, mut hashes) = self.lookup(prompt, &root);
-        let all = self.prompt_hashes(prompt, cache_salt);
-        let remote_hashes: Vec<ChainDigest> = all
-            .get(matched.len()..remote.min(all.len()))
-            .unwrap_or_default()
-            .to_vec();
+        // The whole chain only when a store holds blocks past the local hits.
+        let remote_hashes: Vec<ChainDigest> = if remote > matched.len() {
+            let all = self.prompt_hashes(prompt, cache_salt);
+            all.get(matched.len()..remote.min(all.len()))
+                .unwrap_or_default()
+                .to_vec()
+        } else {
+            Vec::new()
+        };
         let needed = self.blocks_for(prompt.len()) - matched.len();
         let revived = self.revived(&matched);
         let available = self.available_blocks() - revived;

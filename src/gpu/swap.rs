@@ -56,7 +56,7 @@ impl SwapSpace {
 /// A block's byte ranges in the K (`is_k`) or V buffer of a layer: its
 /// data, and (quantized pools) its side words after all blocks' data.
 /// Offsets and lengths are multiples of 4.
-fn block_ranges(cfg: &KvCacheConfig, b: u32, is_k: bool) -> [(u64, u64); 2] {
+pub(super) fn block_ranges(cfg: &KvCacheConfig, b: u32, is_k: bool) -> [(u64, u64); 2] {
     let rows = cfg.num_kv_heads as u64 * cfg.block_size as u64;
     let data = rows * cfg.head_dim as u64 * cfg.dtype.bytes();
     let first = (b as u64 * data, data);

@@ -22,8 +22,8 @@ use std::ops::Range;
 use sha2::{Digest, Sha256};
 
 use super::error::TransferError;
-use super::kv_cache::{KvCache, KvCacheConfig, KvDtype};
-use super::swap::MAX_SWAP_BYTES;
+use super::kv_cache::{KvCache, KvDtype};
+use super::swap::{block_ranges, MAX_SWAP_BYTES};
 use super::{Gpu, GpuError};
 
 /// The version of the byte layout [`KvLayout`] describes; an import of
@@ -221,17 +221,6 @@ impl KvLayout {
     }
 }
 
-/// A block's byte ranges in a layer's K (`is_k`) or V buffer: its data and
-/// its side words (see swap's twin; offsets and lengths are multiples of 4).
-fn part_ranges(cfg: &KvCacheConfig, b: u32, is_k: bool) -> [(u64, u64); 2] {
-    let data = cfg.buffer_block_bytes(is_k) - cfg.side_words_per_block(is_k) * 4;
-    let side = cfg.side_words_per_block(is_k) * 4;
-    [
-        (b as u64 * data, data),
-        (cfg.data_words() * 4 + b as u64 * side, side),
-    ]
-}
-
 /// Runs of consecutive pool blocks in `blocks` (in order): `(first index,
 /// blocks in the run)`; swap's copies coalesce the same way.
 pub(super) fn runs(blocks: &[u32]) -> Vec<(usize, usize)> {
@@ -294,7 +283,7 @@ impl KvCache {
                 for pi in 0..2 {
                     let len = parts[kv * 2 + pi];
                     for &(i, r) in &runs {
-                        let (off, _) = part_ranges(cfg, blocks[i], kv == 0)[pi];
+                        let (off, _) = block_ranges(cfg, blocks[i], kv == 0)[pi];
                         let at = plane + i as u64 * len;
                         if len == 0 {
                             continue;
@@ -316,7 +305,7 @@ impl KvCache {
     /// digest.
     fn layout_with(&self, layers: Range<u32>, layer_state: [u8; 32]) -> KvLayout {
         let c = self.config();
-        let p = |is_k| part_ranges(c, 0, is_k);
+        let p = |is_k| block_ranges(c, 0, is_k);
         let ([(_, kd), (_, ks)], [(_, vd), (_, vs)]) = (p(true), p(false));
         KvLayout {
             version: KV_LAYOUT_VERSION,
