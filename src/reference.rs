@@ -454,3 +454,128 @@ pub fn rel_l2(a: &[f32], b: &[f64]) -> f64 {
     }
     (num / den).sqrt()
 }
+
+/// Multi-head latent attention (DeepSeek-V2/V3) in f64, in both forms: the
+/// absorbed one the kernels compute ([`absorbed`]) and the unabsorbed one
+/// a model's weights define ([`unabsorbed`]), so tests can show that they
+/// agree and that the kernels agree with both.
+///
+/// Shapes: a token's latent row is `rank + rope` values (the compressed
+/// KV, then the RoPE key). `W_UK` is `[head][rank][nope]`, `W_UV`
+/// `[head][rank][v_dim]`. Queries are per head: `q_nope` `[head][nope]`,
+/// `q_rope` `[head][rope]`.
+pub mod mla {
+    /// The up-projections of one MLA layer, for a set of heads.
+    #[derive(Clone, Debug)]
+    pub struct Weights {
+        /// Heads these weights hold.
+        pub heads: usize,
+        /// kv_lora_rank.
+        pub rank: usize,
+        /// qk_nope_head_dim.
+        pub nope: usize,
+        /// v_head_dim.
+        pub v_dim: usize,
+        /// `[head][rank][nope]`: the compressed KV to a head's no-RoPE key.
+        pub w_uk: Vec<f64>,
+        /// `[head][rank][v_dim]`: the compressed KV to a head's value.
+        pub w_uv: Vec<f64>,
+    }
+
+    fn dot(a: &[f64], b: &[f64]) -> f64 {
+        a.iter().zip(b).map(|(x, y)| x * y).sum()
+    }
+
+    /// Softmax weights of `scores` (max-subtracted).
+    fn softmax(scores: &[f64]) -> Vec<f64> {
+        let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+        let l: f64 = e.iter().sum();
+        e.into_iter().map(|x| x / l).collect()
+    }
+
+    impl Weights {
+        /// Head h's absorbed query `[W_UK_h q_nope_h; q_rope_h]`
+        /// (`rank + rope` values).
+        pub fn absorb(&self, h: usize, q_nope: &[f64], q_rope: &[f64]) -> Vec<f64> {
+            let w = &self.w_uk[h * self.rank * self.nope..(h + 1) * self.rank * self.nope];
+            let mut q: Vec<f64> = (0..self.rank)
+                .map(|r| dot(&w[r * self.nope..(r + 1) * self.nope], q_nope))
+                .collect();
+            q.extend_from_slice(q_rope);
+            q
+        }
+
+        /// Head h's value from a latent output: `W_UV_h^T o` (`v_dim` values).
+        pub fn up_project(&self, h: usize, latent: &[f64]) -> Vec<f64> {
+            let w = &self.w_uv[h * self.rank * self.v_dim..(h + 1) * self.rank * self.v_dim];
+            let mut v = vec![0.0; self.v_dim];
+            for (r, &c) in latent.iter().enumerate().take(self.rank) {
+                for (d, x) in v.iter_mut().enumerate() {
+                    *x += c * w[r * self.v_dim + d];
+                }
+            }
+            v
+        }
+
+        /// Head h's output in the unabsorbed form: keys
+        /// `[W_UK_h^T c_t; k_rope_t]` and values `W_UV_h^T c_t` materialised
+        /// per token, `softmax(scale * q . k) . v` (`v_dim` values).
+        pub fn unabsorbed(
+            &self,
+            h: usize,
+            q_nope: &[f64],
+            q_rope: &[f64],
+            rows: &[&[f32]],
+            scale: f64,
+        ) -> Vec<f64> {
+            let (rank, nope, vd) = (self.rank, self.nope, self.v_dim);
+            let wk = &self.w_uk[h * rank * nope..(h + 1) * rank * nope];
+            let wv = &self.w_uv[h * rank * vd..(h + 1) * rank * vd];
+            let mut scores = Vec::with_capacity(rows.len());
+            let mut values = Vec::with_capacity(rows.len());
+            for row in rows {
+                let c: Vec<f64> = row[..rank].iter().map(|&x| x as f64).collect();
+                let k_rope: Vec<f64> = row[rank..].iter().map(|&x| x as f64).collect();
+                let mut k = vec![0.0; nope];
+                let mut v = vec![0.0; vd];
+                for (r, &cr) in c.iter().enumerate() {
+                    for (d, x) in k.iter_mut().enumerate() {
+                        *x += cr * wk[r * nope + d];
+                    }
+                    for (d, x) in v.iter_mut().enumerate() {
+                        *x += cr * wv[r * vd + d];
+                    }
+                }
+                scores.push(scale * (dot(q_nope, &k) + dot(q_rope, &k_rope)));
+                values.push(v);
+            }
+            let p = softmax(&scores);
+            let mut o = vec![0.0; vd];
+            for (pt, v) in p.iter().zip(&values) {
+                for (x, y) in o.iter_mut().zip(v) {
+                    *x += pt * y;
+                }
+            }
+            o
+        }
+    }
+
+    /// One head's latent output in the absorbed form: `softmax(scale *
+    /// q . row_t) . c_t` over `rows` (`rank` values), for an absorbed
+    /// query `q` of `rank + rope` values.
+    pub fn absorbed(q: &[f64], rows: &[&[f32]], rank: usize, scale: f64) -> Vec<f64> {
+        let scores: Vec<f64> = rows
+            .iter()
+            .map(|row| scale * row.iter().zip(q).map(|(&x, y)| x as f64 * y).sum::<f64>())
+            .collect();
+        let p = softmax(&scores);
+        let mut o = vec![0.0; rank];
+        for (pt, row) in p.iter().zip(rows) {
+            for (x, &y) in o.iter_mut().zip(row.iter()) {
+                *x += pt * y as f64;
+            }
+        }
+        o
+    }
+}

@@ -38,7 +38,7 @@ pub struct Gpu {
     pipelines: std::sync::Arc<
         std::sync::Mutex<
             std::collections::HashMap<
-                (&'static str, super::shader::ShaderShape),
+                (&'static str, super::shader::PipelineKey),
                 wgpu::ComputePipeline,
             >,
         >,
@@ -339,10 +339,10 @@ impl Gpu {
     pub(crate) fn cached_pipeline(
         &self,
         kernel: &'static str,
-        shape: &super::shader::ShaderShape,
+        shape: super::shader::PipelineKey,
         make: impl FnOnce() -> Result<wgpu::ComputePipeline, GpuError>,
     ) -> Result<wgpu::ComputePipeline, GpuError> {
-        if let Some(p) = lock(&self.pipelines).get(&(kernel, *shape)) {
+        if let Some(p) = lock(&self.pipelines).get(&(kernel, shape)) {
             return Ok(p.clone());
         }
         let p = make()?;
@@ -350,7 +350,7 @@ impl Gpu {
             .pipelines
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(lock(&self.pipelines)
-            .entry((kernel, *shape))
+            .entry((kernel, shape))
             .or_insert(p)
             .clone())
     }

@@ -92,6 +92,10 @@ pub enum GpuError {
     /// nothing was written.
     #[error("{0}")]
     Transfer(TransferError),
+    /// A multi-head latent attention call refused its arguments (see
+    /// [`MlaError`]); nothing was written or recorded.
+    #[error("{0}")]
+    Mla(MlaError),
     /// The device's limits cannot hold what was asked for: `limit` names
     /// the `wgpu::Limits` field.
     #[error("the device's {limit} is {available}; this needs {needed}")]
@@ -392,6 +396,138 @@ pub enum TransferError {
     /// channels differ from the destination's: they would be misread.
     #[error("the layers' per-layer state (fp8 scales, K smoothing, outlier channels) differs from the pool's")]
     LayerState,
+}
+
+/// Why a multi-head latent attention call ([`MlaCache`](super::MlaCache),
+/// [`MlaAttention`](super::MlaAttention)) was refused, with the numbers.
+/// Nothing was written or recorded.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum MlaError {
+    /// Latent and RoPE widths the kernels cannot take.
+    #[error("MLA row of kv_lora_rank {rank} + rope_dim {rope}: each must be a multiple of 4, the rank positive, the row at most {limit}")]
+    Dims {
+        /// kv_lora_rank.
+        rank: u32,
+        /// rope_dim.
+        rope: u32,
+        /// The most elements a row may have.
+        limit: u32,
+    },
+    /// A latent pool of a dtype the MLA kernels do not read.
+    #[error("MLA pools hold f32, f16 or bf16, not {}", .0.name())]
+    Dtype(super::KvDtype),
+    /// A pool with no layers or blocks, or too many layers.
+    #[error("MLA pool of {layers} layers and {blocks} blocks: both must be positive, layers at most {limit}")]
+    EmptyPool {
+        /// Layers asked for.
+        layers: u32,
+        /// Blocks asked for.
+        blocks: u32,
+        /// The most layers.
+        limit: u32,
+    },
+    /// Query heads outside 1..=limit.
+    #[error("{heads} query heads: MLA takes 1..={limit}")]
+    Heads {
+        /// Heads asked for.
+        heads: u32,
+        /// The most.
+        limit: u32,
+    },
+    /// A softmax scale that is not finite and positive.
+    #[error("MLA scale {0:e} is not finite and positive")]
+    Scale(f32),
+    /// A layer past the pool's.
+    #[error("layer {layer} out of range (the latent pool has {layers})")]
+    Layer {
+        /// The layer asked for.
+        layer: u32,
+        /// The pool's layers.
+        layers: u32,
+    },
+    /// A buffer or slice of the wrong length.
+    #[error("{what}: {got} values where this call takes {want}")]
+    Len {
+        /// Which input.
+        what: &'static str,
+        /// Its length.
+        got: u64,
+        /// What it must be.
+        want: u64,
+    },
+    /// A slot outside the pool.
+    #[error("slot {slot} outside the latent pool of {slots} slots")]
+    Slot {
+        /// The slot.
+        slot: u32,
+        /// Slots in the pool.
+        slots: u64,
+    },
+    /// A slot named twice in one write (rows are written in parallel).
+    #[error("slot {0} is written twice in one call")]
+    SlotTwice(u32),
+    /// A block id (in a table or a copy) outside the pool.
+    #[error("{what} names block {block}, outside the latent pool of {blocks}")]
+    Block {
+        /// `table` or `copy`.
+        what: &'static str,
+        /// The block.
+        block: u32,
+        /// Blocks in the pool.
+        blocks: u32,
+    },
+    /// A copy list whose destinations overlap its sources or each other.
+    #[error("copy list writes block {0} twice, or reads a block it writes")]
+    CopyOverlap(u32),
+    /// A query that sees no token, or more than its table holds.
+    #[error(
+        "query {query} sees {visible} tokens; its table holds {held} (at least 1 must be seen)"
+    )]
+    Visible {
+        /// The query row.
+        query: usize,
+        /// Tokens it would see.
+        visible: u64,
+        /// Tokens its table's blocks hold.
+        held: u64,
+    },
+    /// A batch with no query, or more query rows than a grid can hold.
+    #[error("{count} query rows: MLA takes 1..={limit} per call")]
+    Queries {
+        /// Rows asked for.
+        count: u64,
+        /// The most.
+        limit: u32,
+    },
+    /// A partition length that is zero or not a multiple of the tile.
+    #[error("partitions of {tokens} tokens: use a positive multiple of {tile}")]
+    Split {
+        /// Tokens asked for.
+        tokens: u32,
+        /// The kernel's tile of rows.
+        tile: u32,
+    },
+    /// A partition longer than an adapter that ends long loops early can walk.
+    #[error("partitions of {tokens} tokens walk more loop iterations than {adapter} runs per invocation (at most {cap} tokens here): use a shorter split")]
+    PassTooLong {
+        /// Tokens asked for.
+        tokens: u32,
+        /// The most here.
+        cap: u32,
+        /// The adapter.
+        adapter: String,
+    },
+    /// An attention object made for another pool shape, or a plan made for
+    /// another pool or attention object.
+    #[error("{0}")]
+    Mismatch(&'static str),
+}
+
+impl From<MlaError> for GpuError {
+    fn from(e: MlaError) -> Self {
+        GpuError::Mla(e)
+    }
 }
 
 impl From<TransferError> for GpuError {

@@ -667,7 +667,7 @@ pub fn pipeline(
 ) -> Result<wgpu::ComputePipeline, GpuError> {
     let _serial = gpu.serial();
     gpu.alive()?;
-    gpu.cached_pipeline(kernel, shape, || {
+    gpu.cached_pipeline(kernel, shader::PipelineKey::Attention(*shape), || {
         let src = shader::source(kernel, shape).ok_or(ShapeError::NoShader(kernel))?;
         #[cfg(not(target_arch = "wasm32"))]
         {
@@ -680,7 +680,7 @@ pub fn pipeline(
     })
 }
 
-fn make_pipeline(gpu: &Gpu, kernel: &str, src: &str) -> wgpu::ComputePipeline {
+pub(crate) fn make_pipeline(gpu: &Gpu, kernel: &str, src: &str) -> wgpu::ComputePipeline {
     let module = gpu
         .device
         .create_shader_module(wgpu::ShaderModuleDescriptor {

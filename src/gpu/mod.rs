@@ -9,6 +9,7 @@ mod error;
 mod kernel;
 mod kernels;
 mod kv_cache;
+mod mla;
 /// The uniform structs the shaders read (the shader tests check their
 /// layout against `shaders/common.wgsl`): not API.
 #[doc(hidden)]
@@ -32,7 +33,7 @@ pub use attention::{
 pub use cascade::{find_segments, Cascade, CascadeTables, CASCADE_MIN_SAVED_BYTES};
 pub use context::{adapter_backends, parse_backends, Counters, Gpu};
 pub use error::{
-    BatchError, BindingError, GpuError, OptionError, PlanMismatch, PoolError, ShapeError,
+    BatchError, BindingError, GpuError, MlaError, OptionError, PlanMismatch, PoolError, ShapeError,
     TransferError,
 };
 pub use kernel::{Kernel, PORTABLE_WORKGROUP_BYTES};
@@ -45,6 +46,10 @@ pub use kv_cache::{
 pub use kv_cache::{
     KvCache, KvCacheConfig, KvDtype, FP8_SCALE_RANGE, KV_MAX, K_OUTLIERS, K_OUTLIER_UNUSED,
     K_SMOOTHING_RANGE, MAX_KV_HEADS, MAX_LAYERS,
+};
+pub use mla::{
+    mla_source, MlaAttention, MlaCache, MlaCacheConfig, MlaPlan, MlaShape, MLA_HEADS_PER_WORKGROUP,
+    MLA_KERNELS, MLA_LANES, MLA_MAX_HEADS, MLA_MAX_LAYERS, MLA_MAX_QUERIES, MLA_MAX_ROW,
 };
 pub use plan::{
     ActDtype, AttentionPlan, DecodeTables, PrefillTables, WritePlan, CASCADE_AUTO,

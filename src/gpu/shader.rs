@@ -78,6 +78,16 @@ pub struct ShaderShape {
     pub subgroups: bool,
 }
 
+/// What a compiled pipeline is cached by, besides its kernel's name: the
+/// shape of an attention-family kernel, or of an MLA kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum PipelineKey {
+    /// `shaders/<kernel>.wgsl` at this shape.
+    Attention(ShaderShape),
+    /// `shaders/mla/<kernel>.wgsl` at this shape.
+    Mla(super::mla::MlaShape),
+}
+
 impl Default for ShaderShape {
     /// head_dim 128, group 1, block 16, f32, decode, paged, f32 activations.
     fn default() -> Self {
@@ -169,6 +179,11 @@ pub const SHARED: &[(&str, &str)] = &[
     ("pool_words", shared::POOL_WORDS),
     ("pool_words_wide", shared::POOL_WORDS_WIDE),
 ];
+
+/// A file of `shaders/shared/` by name (without `.wgsl`).
+pub(crate) fn shared_source(name: &str) -> Option<&'static str> {
+    SHARED.iter().find(|(n, _)| *n == name).map(|(_, s)| *s)
+}
 
 /// The attention kernels' per-token K and V scales and K outlier channels
 /// for a pool of `dtype` (`shaders/shared/scales_*.wgsl`, and `q_res.wgsl`

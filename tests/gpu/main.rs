@@ -23,6 +23,7 @@ mod engine_example;
 mod gpu_decode;
 mod gpu_pipeline;
 mod gpu_prefill;
+mod mla;
 mod model_shapes;
 mod quantized;
 mod remote_prefix;

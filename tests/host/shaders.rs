@@ -56,24 +56,42 @@ fn shapes() -> Vec<ShaderShape> {
 
 fn parse(kernel: &str, shape: &ShaderShape) -> (naga::Module, ModuleInfo) {
     let src = source(kernel, shape).unwrap();
-    let module = naga::front::wgsl::parse_str(&src)
-        .unwrap_or_else(|e| panic!("{kernel} {shape:?}: {}", e.emit_to_string(&src)));
+    parse_src(&format!("{kernel} {shape:?}"), &src, shape.subgroups)
+}
+
+fn parse_src(what: &str, src: &str, subgroups: bool) -> (naga::Module, ModuleInfo) {
+    let module = naga::front::wgsl::parse_str(src)
+        .unwrap_or_else(|e| panic!("{what}: {}", e.emit_to_string(src)));
     // unpack2x16float / pack2x16float: core WGSL, which naga files under this
     // capability; wgpu grants it on every backend with downlevel SHADER_F16_IN_F32.
     let mut caps = Capabilities::SHADER_FLOAT16_IN_FLOAT32;
-    if shape.subgroups {
+    if subgroups {
         caps |= Capabilities::SUBGROUP;
     }
     let info = Validator::new(ValidationFlags::all(), caps)
         .subgroup_stages(naga::valid::ShaderStages::COMPUTE)
         .subgroup_operations(naga::valid::SubgroupOperationSet::all())
         .validate(&module)
-        .unwrap_or_else(|e| panic!("{kernel} {shape:?}: {}", e.emit_to_string(&src)));
+        .unwrap_or_else(|e| panic!("{what}: {}", e.emit_to_string(src)));
     (module, info)
 }
 
 fn translate(kernel: &str, shape: &ShaderShape, module: &naga::Module, info: &ModuleInfo) {
-    let what = format!("{kernel} {shape:?}");
+    // 64 invocations, but a serial cascade pass (several query slots) runs
+    // 8, and the rows kernel rows x lanes per row x token groups.
+    let wgs = match kernel {
+        "attention_serial" => pagedattn::gpu::shader::serial_workgroup_size(shape.qtile),
+        "attention_rows" => pagedattn::gpu::shader::rows_workgroup_size(shape),
+        _ => 64,
+    };
+    // wgpu's GL backend has no subgroups, so those shapes never reach it.
+    let gl = !(shape.subgroups && (kernel == "attention_lanes" || kernel == "attention_rows"));
+    translate_src(&format!("{kernel} {shape:?}"), module, info, wgs, gl);
+}
+
+/// Writes `module` as SPIR-V, MSL, HLSL and (where `gl`) GLSL, checking
+/// each has a compute entry of `wgs` invocations.
+fn translate_src(what: &str, module: &naga::Module, info: &ModuleInfo, wgs: u32, gl: bool) {
     // Vulkan.
     let spv_opts = spv::Options {
         flags: spv::WriterFlags::empty(),
@@ -109,20 +127,12 @@ fn translate(kernel: &str, shape: &ShaderShape, module: &naga::Module, info: &Mo
     hlsl::Writer::new(&mut hlsl_src, &hlsl_opts, &Default::default())
         .write(module, info, None)
         .unwrap_or_else(|e| panic!("HLSL {what}: {e}"));
-    // 64 invocations, but a serial cascade pass (several query slots) runs
-    // 8, and the rows kernel rows x lanes per row x token groups.
-    let wgs = match kernel {
-        "attention_serial" => pagedattn::gpu::shader::serial_workgroup_size(shape.qtile),
-        "attention_rows" => pagedattn::gpu::shader::rows_workgroup_size(shape),
-        _ => 64,
-    };
     assert!(
         hlsl_src.contains(&format!("[numthreads({wgs}, 1, 1)]")),
         "HLSL {what}: no compute entry of {wgs} invocations"
     );
     // GL: GLSL ES 3.10, the compute-capable version wgpu's GL backend uses.
-    // wgpu's GL backend has no subgroups, so those shapes never reach it.
-    if shape.subgroups && (kernel == "attention_lanes" || kernel == "attention_rows") {
+    if !gl {
         return;
     }
     let glsl_opts = glsl::Options {
@@ -152,6 +162,44 @@ fn translate(kernel: &str, shape: &ShaderShape, module: &naga::Module, info: &Mo
         glsl_src.contains(&format!("local_size_x = {wgs}")),
         "GLSL {what}: no compute layout of {wgs} invocations"
     );
+}
+
+#[test]
+fn every_mla_kernel_validates_and_translates_to_every_backend() {
+    use pagedattn::gpu::{mla_source, KvDtype, MlaCacheConfig, MlaShape, MLA_KERNELS};
+    let mut n = 0;
+    // DeepSeek's 512 + 64 at 128 and 1 heads, a small row at 12 heads, and
+    // the widest row: every dtype the pools take.
+    for (rank, rope, heads) in [(512, 64, 128), (512, 64, 1), (64, 16, 12), (1000, 24, 16)] {
+        for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Bf16] {
+            let cfg = MlaCacheConfig {
+                kv_lora_rank: rank,
+                rope_dim: rope,
+                dtype,
+                ..MlaCacheConfig::deepseek(1, 1)
+            };
+            let shape = MlaShape::new(&cfg, heads);
+            assert!(
+                shape.workgroup_bytes() <= 16384,
+                "{shape:?}: {} bytes",
+                shape.workgroup_bytes()
+            );
+            for (kernel, _) in MLA_KERNELS {
+                let src = mla_source(kernel, &shape).unwrap();
+                let what = format!("{kernel} {shape:?}");
+                let (module, info) = parse_src(&what, &src, false);
+                let wgs = if *kernel == "mla_decode" {
+                    shape.workgroup_size()
+                } else {
+                    64
+                };
+                translate_src(&what, &module, &info, wgs, true);
+                n += 1;
+            }
+        }
+    }
+    eprintln!("{n} MLA kernel instances validated and translated");
+    assert_eq!(n, 4 * 3 * MLA_KERNELS.len());
 }
 
 #[test]
