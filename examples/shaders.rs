@@ -8,7 +8,7 @@
 //! `KvCache` hand to wgpu for these shapes (subgroup variants included).
 
 use pagedattn::gpu::shader::{kernel_takes, source, ShaderShape, KERNELS};
-use pagedattn::gpu::KvDtype;
+use pagedattn::gpu::{mla_source, KvDtype, MlaCacheConfig, MlaShape, MLA_KERNELS};
 use std::fmt::Write as _;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -41,6 +41,31 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 if shape.q_f16 { "-qf16" } else { "" },
                 if shape.out_f16 { "-outf16" } else { "" },
                 if shape.paged { "" } else { "-contiguous" },
+            );
+            std::fs::write(dir.join(&name), &src)?;
+            let _ = writeln!(index, "{name}  {} lines", src.lines().count());
+            written += 1;
+        }
+    }
+    // The MLA kernels at DeepSeek's latent row (512 + 64, 128 heads), per
+    // pool dtype.
+    for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Bf16] {
+        let cfg = MlaCacheConfig {
+            dtype,
+            ..MlaCacheConfig::deepseek(1, 1)
+        };
+        let shape = MlaShape::new(&cfg, 128);
+        for (kernel, _) in MLA_KERNELS {
+            let Some(src) = mla_source(kernel, &shape) else {
+                continue;
+            };
+            let name = format!(
+                "{kernel}-{}-r{}-v{}-hg{}-b{}.wgsl",
+                dtype.name(),
+                shape.row4 * 4,
+                shape.v4 * 4,
+                shape.hg,
+                shape.block_size
             );
             std::fs::write(dir.join(&name), &src)?;
             let _ = writeln!(index, "{name}  {} lines", src.lines().count());

@@ -287,7 +287,8 @@ fn check_row_forms(
     (worst_a, worst_u)
 }
 
-fn decode_case(
+#[allow(clippy::too_many_arguments)]
+pub fn decode_case(
     gpu: &Gpu,
     m: &Model,
     dtype: KvDtype,
@@ -389,63 +390,88 @@ fn decode_matches_both_forms_on_deepseek_shapes() {
     );
 }
 
+/// Prefill of sequences with `starts[i]` cached tokens and `news[i]` new
+/// ones: each new token's row sees its prefix (the causal mask).
+#[allow(clippy::too_many_arguments)]
+pub fn prefill_case(
+    gpu: &Gpu,
+    m: &Model,
+    dtype: KvDtype,
+    starts: &[u32],
+    news: &[u32],
+    split: Split,
+    checked: &[usize],
+    seed: u64,
+) {
+    let mut rng = SplitMix64::new(seed);
+    let lens: Vec<usize> = starts
+        .iter()
+        .zip(news)
+        .map(|(s, n)| (s + n) as usize)
+        .collect();
+    let f = filled(gpu, &mut rng, m, &lens, 64, dtype);
+    let rows_n: usize = news.iter().map(|&n| n as usize).sum();
+    let qs = queries(&mut rng, m, rows_n, checked);
+    let attn = MlaAttention::new(gpu, f.cache.config(), m.heads as u32, m.scale()).unwrap();
+    let tables: Vec<&[u32]> = f
+        .ids
+        .iter()
+        .map(|&id| f.manager.block_table(id).unwrap())
+        .collect();
+    let plan = attn
+        .plan_prefill(gpu, &f.cache, &tables, starts, news, split)
+        .unwrap();
+    assert_eq!(plan.num_queries() as usize, rows_n);
+    let got = run_poisoned(gpu, &attn, &plan, &f.cache, &qs.absorbed);
+    let per = attn.out_row_elems() as usize;
+    let mut r = 0;
+    let (mut wa, mut wu) = (0.0f64, 0.0f64);
+    for s in 0..starts.len() {
+        for k in 0..news[s] as usize {
+            let visible = starts[s] as usize + k + 1;
+            let rows: Vec<&[f32]> = f.rows[s].chunks(m.row()).take(visible).collect();
+            // The unabsorbed form (per-token keys and values for every
+            // query row) on every 8th row and each sequence's last.
+            let un = k % 8 == 0 || k + 1 == news[s] as usize;
+            let (a, u) = check_row_forms(m, &qs, r, &got[r * per..(r + 1) * per], &rows, un);
+            wa = wa.max(a);
+            wu = wu.max(u);
+            r += 1;
+        }
+    }
+    eprintln!(
+        "{} prefill {} starts {starts:?} new {news:?} {split:?}: {rows_n} rows, {} partition(s); absorbed {wa:.2e}, unabsorbed {wu:.2e}",
+        m.name,
+        dtype.name(),
+        plan.partitions()
+    );
+}
+
 #[test]
 fn prefill_is_causal_over_a_cached_prefix() {
     let Some(gpu) = gpu() else { return };
     let seed = common::seed("mla::prefill_is_causal_over_a_cached_prefix");
-    let m = V2_LITE;
-    for (i, (dtype, split)) in [
-        (KvDtype::Bf16, Split::Tokens(64)),
-        (KvDtype::F16, Split::Never),
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        let mut rng = SplitMix64::new(seed + i as u64);
-        // Sequence 0: 70 cached tokens, then 50 new; sequence 1: 20 new.
-        let (starts, news) = ([70u32, 0], [50u32, 20]);
-        let lens: Vec<usize> = starts
-            .iter()
-            .zip(&news)
-            .map(|(s, n)| (s + n) as usize)
-            .collect();
-        let f = filled(&gpu, &mut rng, &m, &lens, 64, dtype);
-        let rows_n: usize = news.iter().map(|&n| n as usize).sum();
-        let checked = [0, 7, 15];
-        let qs = queries(&mut rng, &m, rows_n, &checked);
-        let attn = MlaAttention::new(&gpu, f.cache.config(), m.heads as u32, m.scale()).unwrap();
-        let tables: Vec<&[u32]> = f
-            .ids
-            .iter()
-            .map(|&id| f.manager.block_table(id).unwrap())
-            .collect();
-        let plan = attn
-            .plan_prefill(&gpu, &f.cache, &tables, &starts, &news, split)
-            .unwrap();
-        assert_eq!(plan.num_queries() as usize, rows_n);
-        let got = run_poisoned(&gpu, &attn, &plan, &f.cache, &qs.absorbed);
-        let per = attn.out_row_elems() as usize;
-        let mut r = 0;
-        let (mut wa, mut wu) = (0.0f64, 0.0f64);
-        for s in 0..2 {
-            for k in 0..news[s] as usize {
-                let visible = starts[s] as usize + k + 1;
-                let rows: Vec<&[f32]> = f.rows[s].chunks(m.row()).take(visible).collect();
-                // The unabsorbed form (per-token keys and values for every
-                // query row) on every 8th row and each sequence's last.
-                let un = k % 8 == 0 || k + 1 == news[s] as usize;
-                let (a, u) = check_row_forms(&m, &qs, r, &got[r * per..(r + 1) * per], &rows, un);
-                wa = wa.max(a);
-                wu = wu.max(u);
-                r += 1;
-            }
-        }
-        eprintln!(
-            "prefill {} {split:?}: {rows_n} rows, {} partition(s); absorbed {wa:.2e}, unabsorbed {wu:.2e}",
-            dtype.name(),
-            plan.partitions()
-        );
-    }
+    // Sequence 0: 70 cached tokens, then 50 new; sequence 1: 20 new.
+    prefill_case(
+        &gpu,
+        &V2_LITE,
+        KvDtype::Bf16,
+        &[70, 0],
+        &[50, 20],
+        Split::Tokens(64),
+        &[0, 7, 15],
+        seed,
+    );
+    prefill_case(
+        &gpu,
+        &V2_LITE,
+        KvDtype::F16,
+        &[70, 0],
+        &[50, 20],
+        Split::Never,
+        &[0, 7, 15],
+        seed + 1,
+    );
 }
 
 #[test]

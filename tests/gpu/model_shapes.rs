@@ -245,3 +245,43 @@ fn model_shape_table() {
         }
     }
 }
+
+/// The MLA models (DeepSeek-V2-Lite, DeepSeek-V3, Kimi K2: one 512 + 64
+/// latent row per token, shared by every head): decode and prefill over a
+/// bf16 latent pool, against the absorbed and unabsorbed f64 reference
+/// (`mla.rs` holds the checks and their tolerances).
+#[test]
+fn mla_model_shape_table() {
+    use crate::mla::{decode_case, prefill_case, Model, V2_LITE, V3};
+    let Some(gpu) = gpu() else { return };
+    let kimi = Model {
+        name: "Kimi-K2",
+        heads: 64,
+        ..V3
+    };
+    let seed = common::seed("model_shapes::mla_model_shape_table");
+    for (i, md) in [V2_LITE, V3, kimi].iter().enumerate() {
+        let checked = [0, md.heads / 2, md.heads - 1];
+        let s = seed + 10 * i as u64;
+        decode_case(
+            &gpu,
+            md,
+            KvDtype::Bf16,
+            &DECODE_LENS,
+            64,
+            pagedattn::gpu::Split::Auto,
+            &checked,
+            s,
+        );
+        prefill_case(
+            &gpu,
+            md,
+            KvDtype::Bf16,
+            &[45, 0],
+            &[20, 17],
+            pagedattn::gpu::Split::Auto,
+            &checked,
+            s + 1,
+        );
+    }
+}
