@@ -515,3 +515,52 @@ fn recompute_and_swap_are_compared_by_block_size() {
         }
     }
 }
+
+/// An MLA model's latent pool (DeepSeek's 512 + 64 values per token and
+/// layer, bf16) in the same bytes as the GQA model's f16 K/V (8 KV heads
+/// of 128): 4096 / 1152 bytes per token and layer, so it holds 3.5x the
+/// tokens, and the same requests finish in no more steps.
+#[test]
+fn an_mla_pool_holds_what_its_bytes_hold() {
+    let r = small(&[
+        "--kv-dtype",
+        "f16",
+        "--mla",
+        "512:64",
+        "--policies",
+        "paged",
+        "--sampling",
+        "single",
+        "--budget",
+        "4096",
+        "--requests",
+        "200",
+    ]);
+    let p = &r.scenarios[0].policies;
+    assert_eq!(p.len(), 2);
+    let (gqa, mla) = (&p[0], &p[1]);
+    assert_eq!(
+        (gqa.kv_dtype.as_str(), mla.kv_dtype.as_str()),
+        ("f16", "mla-512+64-f16")
+    );
+    let ratio = mla.capacity_tokens as f64 / gqa.capacity_tokens as f64;
+    assert!(
+        (ratio - 4096.0 / 1152.0).abs() < 0.02,
+        "capacity ratio {ratio}"
+    );
+    assert!(mla.steps <= gqa.steps, "{} > {}", mla.steps, gqa.steps);
+    eprintln!(
+        "GQA f16: {} tokens, {} steps; MLA: {} tokens, {} steps",
+        gqa.capacity_tokens, gqa.steps, mla.capacity_tokens, mla.steps
+    );
+    // A quantized latent pool, or a row the kernels cannot take, is refused.
+    for (dtype, row) in [
+        ("int8", "512:64"),
+        ("f16", "510:64"),
+        ("f16", "512"),
+        ("f16", "2048:64"),
+    ] {
+        let e = SimConfig::from_args(&args(&["--kv-dtype", dtype, "--mla", row])).unwrap_err();
+        assert!(e.to_string().contains("--mla"), "{dtype} {row}: {e}");
+    }
+}

@@ -197,6 +197,12 @@ pub struct SimulateArgs {
     /// Elements per KV head, for the bytes per token of `--kv-dtype`.
     #[arg(long, default_value_t = 128)]
     pub head_dim: usize,
+    /// Also run each `--kv-dtype` (f32, f16 or bf16) with multi-head latent
+    /// attention's layout: one row of RANK + ROPE values per token and
+    /// layer instead of K and V per KV head (DeepSeek-V2/V3: 512:64), in
+    /// the same bytes.
+    #[arg(long, value_name = "RANK:ROPE")]
+    pub mla: Option<String>,
     /// How the paged policy preempts (comma-separated: one paged run each):
     /// recompute, swap, or auto (recompute a single sequence, swap a group).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "auto")]
@@ -264,6 +270,9 @@ pub struct SimConfig {
     pub kv_dtypes: Vec<pagedattn::gpu::KvDtype>,
     /// Elements per KV head (bytes per token of each dtype).
     pub head_dim: usize,
+    /// An MLA latent row (kv_lora_rank, rope_dim): each dtype also runs
+    /// with it, in the same bytes.
+    pub mla: Option<(u32, u32)>,
     /// Preemption policies of the paged runs.
     pub preemption: Vec<PreemptKind>,
     /// Host swap space, tokens.
@@ -303,7 +312,42 @@ pub const MAX_LIST: usize = 16;
 /// Widest sampling (`parallel:N`, `beam:K`).
 pub const MAX_WIDTH: usize = 64;
 
+/// `RANK:ROPE` of `--mla`.
+fn parse_mla(s: &str) -> Result<(u32, u32), SimError> {
+    let bad = || SimError::Config(format!("--mla {s:?} is not RANK:ROPE (DeepSeek: 512:64)"));
+    let (r, p) = s.split_once(':').ok_or_else(bad)?;
+    Ok((r.parse().map_err(|_| bad())?, p.parse().map_err(|_| bad())?))
+}
+
+/// The latent pool of an MLA row at `dtype` (one layer, blocks of 16).
+fn mla_config(
+    dtype: pagedattn::gpu::KvDtype,
+    (rank, rope): (u32, u32),
+) -> pagedattn::gpu::MlaCacheConfig {
+    pagedattn::gpu::MlaCacheConfig {
+        num_layers: 1,
+        num_blocks: 1,
+        block_size: 16,
+        kv_lora_rank: rank,
+        rope_dim: rope,
+        dtype,
+    }
+}
+
 impl SimConfig {
+    /// Bytes one token takes in one layer: K and V of every KV head, or
+    /// the MLA latent row (`mla`).
+    pub fn layer_token_bytes(
+        &self,
+        dtype: pagedattn::gpu::KvDtype,
+        mla: Option<(u32, u32)>,
+    ) -> usize {
+        match mla {
+            Some(row) => (mla_config(dtype, row).block_bytes() / 16) as usize,
+            None => self.cost.kv_heads * kv_bytes_per_token(dtype, self.head_dim),
+        }
+    }
+
     /// Checks and converts command-line options (see [`SimConfig::check`]).
     pub fn from_args(a: &SimulateArgs) -> Result<Self, SimError> {
         let cfg = Self {
@@ -330,6 +374,7 @@ impl SimConfig {
                 .collect::<Result<_, _>>()
                 .map_err(SimError::Config)?,
             head_dim: a.head_dim,
+            mla: a.mla.as_deref().map(parse_mla).transpose()?,
             preemption: a.preemption.clone(),
             swap_tokens: a.swap_tokens.unwrap_or(a.budget),
             cost: CostModel {
@@ -364,6 +409,13 @@ impl SimConfig {
                 "--kv-dtype lists {} entries (at most 4)",
                 self.kv_dtypes.len()
             ));
+        }
+        if let Some(row) = self.mla {
+            for &d in &self.kv_dtypes {
+                mla_config(d, row)
+                    .validate()
+                    .map_err(|e| SimError::Config(format!("--mla: {e}")))?;
+            }
         }
         if self.head_dim == 0 || self.head_dim % 4 != 0 || self.head_dim > 256 {
             return bad(format!(
@@ -543,13 +595,23 @@ pub fn simulate(cfg: &SimConfig) -> Result<Report, SimError> {
     cfg.check()?;
     let w = &cfg.workload;
     let mut scenarios = Vec::new();
-    let f16_bytes = kv_bytes_per_token(pagedattn::gpu::KvDtype::F16, cfg.head_dim);
+    let f16_bytes = cfg.layer_token_bytes(pagedattn::gpu::KvDtype::F16, None);
+    let layouts: Vec<_> = cfg
+        .kv_dtypes
+        .iter()
+        .map(|&d| (d, None))
+        .chain(
+            cfg.mla
+                .iter()
+                .flat_map(|&row| cfg.kv_dtypes.iter().map(move |&d| (d, Some(row)))),
+        )
+        .collect();
     for &sampling in &cfg.sampling {
         let reqs = workload::generate(w, sampling);
         let mut policies = Vec::new();
-        for &dtype in &cfg.kv_dtypes.clone() {
-            // The same bytes as `budget` f16 tokens.
-            let budget = cfg.budget * f16_bytes / kv_bytes_per_token(dtype, cfg.head_dim);
+        for &(dtype, mla) in &layouts {
+            // The same bytes as `budget` f16 tokens of the GQA layout.
+            let budget = cfg.budget * f16_bytes / cfg.layer_token_bytes(dtype, mla);
             let cfg = &SimConfig {
                 budget,
                 ..cfg.clone()
@@ -581,8 +643,7 @@ pub fn simulate(cfg: &SimConfig) -> Result<Report, SimError> {
                                     PolicyReport::from_log("paged", label, Some(bs), cap, log);
                                 // The cost model, per K/V byte of this dtype.
                                 let c = &cfg.cost;
-                                let token_bytes =
-                                    c.layers * c.kv_heads * kv_bytes_per_token(dtype, cfg.head_dim);
+                                let token_bytes = c.layers * cfg.layer_token_bytes(dtype, mla);
                                 let moved = st.blocks_swapped_out + st.blocks_swapped_in;
                                 let bytes = moved as f64 * (bs as usize * token_bytes) as f64;
                                 let copies = moved as f64 * (2 * c.layers) as f64;
@@ -618,9 +679,13 @@ pub fn simulate(cfg: &SimConfig) -> Result<Report, SimError> {
                 }
             }
             for p in &mut policies[first..] {
-                p.kv_dtype = dtype.name().into();
-                if cfg.kv_dtypes.len() > 1 || dtype != pagedattn::gpu::KvDtype::F16 {
-                    p.label = format!("{} {}", p.label, dtype.name());
+                p.kv_dtype = match mla {
+                    Some((r, q)) => format!("mla-{r}+{q}-{}", dtype.name()),
+                    None => dtype.name().into(),
+                };
+                if cfg.kv_dtypes.len() > 1 || dtype != pagedattn::gpu::KvDtype::F16 || mla.is_some()
+                {
+                    p.label = format!("{} {}", p.label, p.kv_dtype);
                 }
             }
         }
