@@ -33,6 +33,7 @@
 var<workgroup> tile: array<vec4<f32>, TILE_ROWS * R4>;
 var<workgroup> dots: array<f32, TILE_ROWS * WG>;
 var<workgroup> rows: array<u32, TILE_ROWS>;
+var<workgroup> scores: array<f32, HG * TILE_ROWS>;
 
 // The first KV4 of token `tok`'s row, or INVALID when its table entry is
 // past the table or names a block outside the pool.
@@ -106,15 +107,20 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
             dots[r * WG + lid] = s;
         }
         workgroupBarrier();
-        // 3. The head's scores, then one rescale for the tile.
+        // 3. The head's scores: lane r sums row r's shares (once per head,
+        // not once per lane), then every lane rescales once for the tile.
+        if lane < TILE_ROWS {
+            var s = 0.0;
+            for (var k = 0u; k < LANES; k++) {
+                s += dots[lane * WG + hl * LANES + k];
+            }
+            scores[hl * TILE_ROWS + lane] = select(NEG, s, t0 + lane < t_end);
+        }
+        workgroupBarrier();
         var sc = array<f32, TILE_ROWS>();
         var m_new = m;
         for (var r = 0u; r < TILE_ROWS; r++) {
-            var s = 0.0;
-            for (var k = 0u; k < LANES; k++) {
-                s += dots[r * WG + hl * LANES + k];
-            }
-            sc[r] = select(NEG, s, t0 + r < t_end);
+            sc[r] = scores[hl * TILE_ROWS + r];
             m_new = max(m_new, sc[r]);
         }
         let alpha = exp(m - m_new);

@@ -23,7 +23,7 @@
 //! [`MLA_HEADS_PER_WORKGROUP`] heads of one query row: each tile of latent
 //! rows is read from the pool once and used by all of them, and fits
 //! WebGPU's default 16 KiB of workgroup memory at any row up to
-//! [`MLA_MAX_ROW`] values (11 280 bytes at DeepSeek's 576).
+//! [`MLA_MAX_ROW`] values (11 408 bytes at DeepSeek's 576 and 8 heads).
 
 use super::kv_cache::{bind, dispatch, grid_1d, make_pipeline};
 use super::shader::PipelineKey;
@@ -179,6 +179,7 @@ impl MlaShape {
         self.tile_rows * self.row4 * 16
             + self.tile_rows * self.workgroup_size() * 4
             + self.tile_rows * 4
+            + self.hg * self.tile_rows * 4
     }
 
     /// The query's vec4s per lane (QN) and the accumulator's (AN).
@@ -191,12 +192,7 @@ impl MlaShape {
     fn iterations_per_tile(&self) -> u32 {
         let (qn, an) = self.per_lane();
         let t = self.tile_rows;
-        1 + (t * self.row4).div_ceil(self.workgroup_size())
-            + t * qn
-            + t * MLA_LANES
-            + t
-            + an
-            + t * an
+        1 + (t * self.row4).div_ceil(self.workgroup_size()) + t * qn + MLA_LANES + t + an + t * an
     }
 
     /// The most tokens one partition may walk where loops end early.

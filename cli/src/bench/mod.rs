@@ -79,7 +79,7 @@ pub struct BenchConfig {
 
 /// The bench's sections, as `--only` names them.
 pub const SECTIONS: &[&str] = &[
-    "decode", "dtypes", "cascade", "split", "host", "copy", "swap", "transfer", "model",
+    "decode", "dtypes", "cascade", "split", "host", "copy", "swap", "transfer", "mla", "model",
 ];
 
 impl BenchConfig {
@@ -309,6 +309,126 @@ pub struct BenchReport {
     /// The library `Scheduler` (schedule + commit) per decode step at batch
     /// 256, microseconds per sequence.
     pub scheduler_us_per_seq: f64,
+    /// MLA decode against GQA decode reading the same bytes (`None` when
+    /// the section did not run).
+    pub mla: Option<MlaRow>,
+}
+
+/// MLA decode (DeepSeek-V2-Lite: 16 heads over a bf16 latent row of
+/// 512 + 64) against the grid's GQA decode (bf16 K/V) over the same bytes
+/// of cache: the GQA context is shorter by the ratio of bytes per token.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct MlaRow {
+    /// Sequences.
+    pub batch: u32,
+    /// Tokens per sequence, MLA.
+    pub mla_context: u32,
+    /// Tokens per sequence, GQA.
+    pub gqa_context: u32,
+    /// Cache bytes each reads per step (one layer).
+    pub bytes: u64,
+    /// Median ms, MLA.
+    pub mla_ms: f64,
+    /// Median ms, GQA.
+    pub gqa_ms: f64,
+    /// Split-K partitions of the MLA plan.
+    pub mla_partitions: u32,
+}
+
+/// The MLA row: both decodes measured interleaved.
+fn mla_row(
+    gpu: &Gpu,
+    picks: &pagedattn::gpu::Tuner,
+    timer: &Timer,
+    rng: &mut SplitMix64,
+    quick: bool,
+) -> Result<MlaRow, BenchError> {
+    use pagedattn::gpu::{MlaAttention, MlaCache, MlaCacheConfig};
+    let (batch, gqa_context) = if quick { (4, 512) } else { (16, 2048) };
+    let gqa_token = (KV_HEADS * HEAD_DIM * 2 * 2) as u64;
+    let mcfg = MlaCacheConfig::deepseek(1, 1);
+    let mla_token = mcfg.block_bytes() / mcfg.block_size as u64;
+    let mla_context = (gqa_context as u64 * gqa_token / mla_token) as u32;
+    let mcfg = MlaCacheConfig {
+        num_blocks: batch * mla_context.div_ceil(mcfg.block_size),
+        ..mcfg
+    };
+    let mla_cache = MlaCache::new(gpu, mcfg)?;
+    let per_seq = mla_context.div_ceil(mcfg.block_size);
+    let mut ids: Vec<u32> = (0..mcfg.num_blocks).collect();
+    rng.shuffle(&mut ids);
+    let mut tables: Vec<Vec<u32>> = ids.chunks(per_seq as usize).map(|c| c.to_vec()).collect();
+    tables.truncate(batch as usize);
+    for t in &tables {
+        let slots: Vec<u32> = (0..mla_context)
+            .map(|p| t[(p / mcfg.block_size) as usize] * mcfg.block_size + p % mcfg.block_size)
+            .collect();
+        mla_cache.write(
+            gpu,
+            0,
+            &slots,
+            &rng.signed_vec(slots.len() * mcfg.row_elems() as usize),
+        )?;
+    }
+    let heads = 16;
+    let mla = MlaAttention::new(gpu, &mcfg, heads, 1.0 / 192f32.sqrt())?;
+    let refs: Vec<&[u32]> = tables.iter().map(|t| t.as_slice()).collect();
+    let plan = mla.plan_decode(
+        gpu,
+        &mla_cache,
+        &refs,
+        &vec![mla_context; batch as usize],
+        Split::Auto,
+    )?;
+    let mq = gpu.storage_init(
+        "mla q",
+        &rng.signed_vec((batch as u64 * mla.q_row_elems()) as usize),
+    )?;
+    let mout = gpu.storage("mla out", batch as u64 * mla.out_row_elems() * 4)?;
+
+    let Some(cache) = filled_cache(gpu, batch * gqa_context, KvDtype::Bf16, 1, rng)? else {
+        return Err(BenchError::Config(
+            "the GQA pool does not fit this adapter".into(),
+        ));
+    };
+    let attn = attention(gpu, picks, &cache)?;
+    let t = tables_host(batch, gqa_context, rng);
+    let mut gplan = decode_plan(gpu, &attn, &t, Split::Auto)?;
+    let gq = gpu.storage_init(
+        "gqa q",
+        &rng.signed_vec((batch * HEADS * HEAD_DIM) as usize),
+    )?;
+    let gout = gpu.storage("gqa out", (batch * HEADS * HEAD_DIM * 4) as u64)?;
+    let ms = interleaved_medians(timer, 2, &mut |i, _run, enc| {
+        if i == 0 {
+            mla.run(gpu, enc, &plan, &mla_cache, 0, &mq, &mout)
+        } else {
+            attn.run(
+                gpu,
+                enc,
+                &mut gplan,
+                &cache,
+                0,
+                0,
+                &gq.as_entire_buffer_binding(),
+                &gout.as_entire_buffer_binding(),
+            )
+        }
+    })?;
+    Ok(MlaRow {
+        batch,
+        mla_context,
+        gqa_context,
+        bytes: batch as u64 * mla_context as u64 * mla_token,
+        mla_ms: ms[0],
+        gqa_ms: ms[1],
+        mla_partitions: plan.partitions(),
+    })
+}
+
+/// Shuffled decode tables of the grid's shape.
+fn tables_host(batch: u32, context: u32, rng: &mut SplitMix64) -> HostTables {
+    tables(batch, context, true, rng)
 }
 
 fn progress(cfg: &BenchConfig, msg: &str) {
@@ -1171,6 +1291,12 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, BenchError> {
     } else {
         (0.0, 0.0, 0.0, 0.0)
     };
+    let mla = if cfg.runs("mla") {
+        progress(cfg, "MLA decode against GQA decode at the same bytes");
+        Some(mla_row(gpu, &picks, &timer, &mut rng, cfg.quick)?)
+    } else {
+        None
+    };
     if cfg.progress {
         use std::io::Write as _;
         let _ = writeln!(std::io::stderr(), "\r\x1b[2K[bench] done");
@@ -1201,6 +1327,7 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, BenchError> {
         ttft_remote_hit_ms,
         ttft_tokens,
         scheduler_us_per_seq: sched_us,
+        mla,
     })
 }
 
@@ -1646,6 +1773,22 @@ pub fn render(r: &BenchReport) -> String {
             r.ttft_cold_ms,
             r.ttft_remote_hit_ms,
             r.ttft_cold_ms / r.ttft_remote_hit_ms
+        );
+    }
+    if let Some(m) = &r.mla {
+        let _ = writeln!(
+            s,
+            "MLA decode (16 heads, bf16 latent 512+64, batch {}, {} tokens, {} partition(s)) {:.3} ms vs GQA ({HEADS}/{KV_HEADS} heads x {HEAD_DIM}, bf16, {} tokens) {:.3} ms over the same {:.1} MB: MLA/GQA {:.2}x ({:.2} vs {:.2} GB/s)",
+            m.batch,
+            m.mla_context,
+            m.mla_partitions,
+            m.mla_ms,
+            m.gqa_context,
+            m.gqa_ms,
+            m.bytes as f64 / 1e6,
+            m.mla_ms / m.gqa_ms,
+            m.bytes as f64 / m.mla_ms / 1e6,
+            m.bytes as f64 / m.gqa_ms / 1e6,
         );
     }
     if r.scheduler_us_per_seq > 0.0 {
