@@ -468,6 +468,7 @@ async function main() {
   // Every decode kernel variant against the f64 reference on this adapter
   // (the end-to-end test calls it; results as JSON rows).
   window.pagedattnKernelCheck = async (seed) => JSON.parse(await wasm.kernel_check(BigInt(seed)));
+  window.pagedattnMlaCheck = async (seed) => JSON.parse(await wasm.mla_check(BigInt(seed)));
   let info;
   try {
     info = JSON.parse(await wasm.adapter());

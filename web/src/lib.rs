@@ -609,3 +609,191 @@ pub async fn kernel_check(seed: u64) -> Result<String, JsValue> {
     }
     json(&results)
 }
+
+/// One MLA run checked on this page's adapter.
+#[derive(Serialize)]
+struct MlaCheck {
+    /// `decode` or `prefill`.
+    form: &'static str,
+    dtype: &'static str,
+    /// Split-K partitions the plan used.
+    partitions: u32,
+    /// Worst relative L2 error over the heads against the absorbed f64
+    /// reference (`null` if not finite).
+    rel_absorbed: Option<f64>,
+    /// Worst over the checked heads, up-projected, against the unabsorbed
+    /// f64 reference (keys and values materialised per head).
+    rel_unabsorbed: Option<f64>,
+    error: Option<String>,
+}
+
+/// Multi-head latent attention at DeepSeek-V2-Lite's shape (16 heads, a
+/// latent row of 512 + 64) on this adapter: decode (unsplit and split) and
+/// causal prefill over a cached prefix, f32, f16 and bf16 latent pools
+/// with shuffled blocks, against the f64 reference in the absorbed form
+/// (every head) and the unabsorbed form (two heads, through random
+/// W_UK / W_UV). The kernel's tile fits WebGPU's default 16 KiB of
+/// workgroup memory.
+#[wasm_bindgen]
+pub async fn mla_check(seed: u64) -> Result<String, JsValue> {
+    use pagedattn::gpu::{MlaAttention, MlaCache, MlaCacheConfig, Split};
+    use pagedattn::reference::mla::{absorbed, Weights};
+    let g = gpu().await?;
+    let mut rng = pagedattn::rng::SplitMix64::new(seed);
+    let (heads, rank, rope, nope, bs) = (16usize, 512usize, 64usize, 128usize, 64u32);
+    let row = rank + rope;
+    let scale = 1.0 / ((nope + rope) as f64).sqrt();
+    let checked = [0usize, 11];
+    let mut w = |n: usize| -> Vec<f64> { (0..n).map(|_| rng.next_signed() as f64 * 0.5).collect() };
+    let weights = Weights {
+        heads: checked.len(),
+        rank,
+        nope,
+        v_dim: nope,
+        w_uk: w(checked.len() * rank * nope),
+        w_uv: w(checked.len() * rank * nope),
+    };
+    // Decode: three sequences; prefill: the last 30 tokens of each.
+    let lens = [1u32, 70, 200];
+    let per: Vec<u32> = lens.iter().map(|l| l.div_ceil(bs)).collect();
+    let nb: u32 = per.iter().sum::<u32>() + 2;
+    let mut ids: Vec<u32> = (0..nb).collect();
+    rng.shuffle(&mut ids);
+    let mut tables = Vec::new();
+    let mut at = 0;
+    for &p in &per {
+        tables.push(ids[at..at + p as usize].to_vec());
+        at += p as usize;
+    }
+    let refs: Vec<&[u32]> = tables.iter().map(|t| t.as_slice()).collect();
+    let mut results = Vec::new();
+    for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Bf16] {
+        let cfg = MlaCacheConfig {
+            num_layers: 1,
+            num_blocks: nb,
+            block_size: bs,
+            kv_lora_rank: rank as u32,
+            rope_dim: rope as u32,
+            dtype,
+        };
+        let r: Result<(), pagedattn::gpu::GpuError> = async {
+            let cache = MlaCache::new(&g, cfg)?;
+            let attn = MlaAttention::new(&g, &cfg, heads as u32, scale as f32)?;
+            let mut stored: Vec<Vec<f32>> = Vec::new();
+            for (t, &len) in tables.iter().zip(&lens) {
+                let rows = rng.signed_vec(len as usize * row);
+                let slots: Vec<u32> = (0..len)
+                    .map(|p| t[(p / bs) as usize] * bs + p % bs)
+                    .collect();
+                cache.write(&g, 0, &slots, &rows)?;
+                stored.push(
+                    rows.iter()
+                        .map(|&x| match dtype {
+                            KvDtype::F16 => half::f16::from_f32(x).to_f32(),
+                            KvDtype::Bf16 => half::bf16::from_f32(x).to_f32(),
+                            _ => x,
+                        })
+                        .collect(),
+                );
+            }
+            // Query rows: (sequence, tokens seen); checked heads absorbed
+            // from (q_nope, q_rope), the others random.
+            let decode: Vec<(usize, usize)> = lens
+                .iter()
+                .enumerate()
+                .map(|(s, &l)| (s, l as usize))
+                .collect();
+            let starts: Vec<u32> = lens.iter().map(|&l| l.saturating_sub(30)).collect();
+            let news: Vec<u32> = lens.iter().zip(&starts).map(|(l, s)| l - s).collect();
+            let prefill: Vec<(usize, usize)> = (0..3)
+                .flat_map(|s| {
+                    let start = starts[s] as usize;
+                    (0..news[s] as usize).map(move |k| (s, start + k + 1))
+                })
+                .collect();
+            for (form, rows_q, split) in [
+                ("decode", &decode, Split::Never),
+                ("decode", &decode, Split::Tokens(64)),
+                ("prefill", &prefill, Split::Auto),
+            ] {
+                let mut q = Vec::with_capacity(rows_q.len() * heads * row);
+                let mut orig = Vec::new();
+                for _ in rows_q.iter() {
+                    let mut o = Vec::new();
+                    for h in 0..heads {
+                        if let Some(i) = checked.iter().position(|&c| c == h) {
+                            let qn: Vec<f64> =
+                                (0..nope).map(|_| rng.next_signed() as f64).collect();
+                            let qr: Vec<f64> =
+                                (0..rope).map(|_| rng.next_signed() as f64 * 2.0).collect();
+                            q.extend(weights.absorb(i, &qn, &qr).iter().map(|&x| x as f32));
+                            o.push((qn, qr));
+                        } else {
+                            q.extend((0..row).map(|_| rng.next_signed() * 1.9));
+                        }
+                    }
+                    orig.push(o);
+                }
+                let plan = if form == "decode" {
+                    attn.plan_decode(&g, &cache, &refs, &lens, split)?
+                } else {
+                    attn.plan_prefill(&g, &cache, &refs, &starts, &news, split)?
+                };
+                let out = attn.run_async(&g, &plan, &cache, 0, &q).await?;
+                let (mut wa, mut wu) = (0.0f64, 0.0f64);
+                for (r, &(s, seen)) in rows_q.iter().enumerate() {
+                    let rows: Vec<&[f32]> = stored[s].chunks(row).take(seen).collect();
+                    for h in 0..heads {
+                        let qa: Vec<f64> = q[(r * heads + h) * row..][..row]
+                            .iter()
+                            .map(|&x| x as f64)
+                            .collect();
+                        let got = &out[(r * heads + h) * rank..][..rank];
+                        wa = wa.max(pagedattn::reference::rel_l2(
+                            got,
+                            &absorbed(&qa, &rows, rank, scale),
+                        ));
+                        if let Some(i) = checked
+                            .iter()
+                            .position(|&c| c == h)
+                            .filter(|_| form == "decode" || r % 8 == 0)
+                        {
+                            let g64: Vec<f64> = got.iter().map(|&x| x as f64).collect();
+                            let up: Vec<f32> = weights
+                                .up_project(i, &g64)
+                                .iter()
+                                .map(|&x| x as f32)
+                                .collect();
+                            let (qn, qr) = &orig[r][i];
+                            wu = wu.max(pagedattn::reference::rel_l2(
+                                &up,
+                                &weights.unabsorbed(i, qn, qr, &rows, scale),
+                            ));
+                        }
+                    }
+                }
+                results.push(MlaCheck {
+                    form,
+                    dtype: dtype.name(),
+                    partitions: plan.partitions(),
+                    rel_absorbed: wa.is_finite().then_some(wa),
+                    rel_unabsorbed: wu.is_finite().then_some(wu),
+                    error: None,
+                });
+            }
+            Ok(())
+        }
+        .await;
+        if let Err(e) = r {
+            results.push(MlaCheck {
+                form: "setup",
+                dtype: dtype.name(),
+                partitions: 0,
+                rel_absorbed: None,
+                rel_unabsorbed: None,
+                error: Some(e.to_string()),
+            });
+        }
+    }
+    json(&results)
+}

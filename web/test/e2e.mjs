@@ -105,6 +105,19 @@ try {
     }
   }
 
+  // Multi-head latent attention at DeepSeek-V2-Lite's shape (16 heads,
+  // 512 + 64 latent row; the tile within WebGPU's 16 KiB of workgroup
+  // memory): decode unsplit and split, causal prefill, f32/f16/bf16
+  // latent pools, against the absorbed and the unabsorbed f64 reference.
+  const mla = await page.evaluate((seed) => window.pagedattnMlaCheck(seed), SEED);
+  check(mla.length === 9, `mla: 9 runs (f32/f16/bf16 x decode unsplit/split, prefill), got ${mla.length}`);
+  for (const r of mla) {
+    check(r.error === null && r.rel_absorbed !== null && r.rel_absorbed < 1e-5
+      && r.rel_unabsorbed !== null && r.rel_unabsorbed < 1e-4,
+      `mla ${r.form} ${r.dtype} (${r.partitions} partitions): absorbed ${r.rel_absorbed === null ? 'not finite' : r.rel_absorbed.toExponential(2)} < 1e-5, unabsorbed ${r.rel_unabsorbed === null ? 'not finite' : r.rel_unabsorbed.toExponential(2)} < 1e-4${r.error ? ` (${r.error})` : ''}`);
+  }
+  check(mla.some((r) => r.partitions > 1) && mla.some((r) => r.partitions === 1), 'mla: split and unsplit plans both ran');
+
   // Drive the real controls: seed, Reset, one Step, then Play.
   await page.fill('#seed', String(SEED));
   await page.click('#reset');
