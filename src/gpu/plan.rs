@@ -65,6 +65,10 @@ pub enum ActDtype {
     /// pairs packed in `u32` (`unpack2x16float`), so no `shader-f16`
     /// feature is needed; accumulation stays f32.
     F16,
+    /// bfloat16 (most checkpoints' native type): the bytes of a `bf16`
+    /// array, packed two per `u32`, widened by a shift and written
+    /// rounded to nearest (ties to even); accumulation stays f32.
+    Bf16,
 }
 
 impl ActDtype {
@@ -72,7 +76,7 @@ impl ActDtype {
     pub fn bytes(self) -> u64 {
         match self {
             ActDtype::F32 => 4,
-            ActDtype::F16 => 2,
+            ActDtype::F16 | ActDtype::Bf16 => 2,
         }
     }
 }
@@ -514,7 +518,8 @@ impl PagedAttention {
         act: ActDtype,
         prefill: bool,
     ) -> Result<[wgpu::ComputePipeline; 3], GpuError> {
-        let f16 = act == ActDtype::F16;
+        let f16 = act != ActDtype::F32;
+        let act_bf16 = act == ActDtype::Bf16;
         let (name, shape) = if prefill {
             ("attention", self.prefill_shape)
         } else {
@@ -531,6 +536,7 @@ impl PagedAttention {
         let base = ShaderShape {
             q_f16: true,
             out_f16: true,
+            act_bf16,
             ..shape
         };
         let main = pipeline(gpu, name, &base)?;
@@ -549,6 +555,7 @@ impl PagedAttention {
                 qtile: 1,
                 q_f16: false,
                 out_f16: true,
+                act_bf16,
                 ..self.prefill_shape
             },
         )?;
@@ -1039,10 +1046,19 @@ impl PagedAttention {
             gpu.queue
                 .write_buffer(&plan.c_params[i], 0, bytemuck::bytes_of(&p));
         }
-        let q_f16 = plan.act == ActDtype::F16;
+        let q_f16 = plan.act != ActDtype::F32;
+        let act_bf16 = plan.act == ActDtype::Bf16;
         let pipe = match c.seg {
             // The rows kernel (f32 partials).
-            SegPass::Rows(rs) => pipeline(gpu, "attention_rows", &ShaderShape { q_f16, ..rs })?,
+            SegPass::Rows(rs) => pipeline(
+                gpu,
+                "attention_rows",
+                &ShaderShape {
+                    q_f16,
+                    act_bf16,
+                    ..rs
+                },
+            )?,
             // The serial kernel with its query slots (f32 partials; the
             // split pipeline itself when that is 1).
             SegPass::Serial => pipeline(
@@ -1052,6 +1068,7 @@ impl PagedAttention {
                     qtile: c.seg_qtile,
                     q_f16,
                     out_f16: false,
+                    act_bf16,
                     ..self.decode_shape
                 },
             )?,
@@ -1062,6 +1079,7 @@ impl PagedAttention {
                 &ShaderShape {
                     q_f16: true,
                     out_f16: false,
+                    act_bf16,
                     ..self.prefill_shape
                 },
             )?,
@@ -1377,7 +1395,7 @@ impl KvCache {
         self.check_write(plan, slots, copies)?;
         let write_pipe = match plan.act {
             ActDtype::F32 => self.write_kv.clone(),
-            ActDtype::F16 => pipeline(
+            act @ (ActDtype::F16 | ActDtype::Bf16) => pipeline(
                 gpu,
                 super::kv_cache::write_kv_kernel(self.cfg.dtype),
                 &ShaderShape {
@@ -1389,6 +1407,7 @@ impl KvCache {
                     paged: true,
                     q_f16: true,
                     out_f16: false,
+                    act_bf16: act == ActDtype::Bf16,
                     ..ShaderShape::default()
                 },
             )?,

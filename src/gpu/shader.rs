@@ -59,12 +59,16 @@ pub struct ShaderShape {
     /// Walk the block table (true), or assume each sequence's blocks are
     /// consecutive from its first one (the contiguous baseline).
     pub paged: bool,
-    /// Activations read (Q in attention, new K/V in write_kv) are f16,
-    /// packed two per `u32` (the same bytes as an `f16` array), instead of f32.
+    /// Activations read (Q in attention, new K/V in write_kv) are 16-bit,
+    /// packed two per `u32` (the same bytes as an `f16` or `bf16` array),
+    /// instead of f32.
     pub q_f16: bool,
     /// The output written (attention's unsplit output, reduce's output) is
-    /// packed f16 instead of f32. Split-K partials stay f32.
+    /// packed 16-bit instead of f32. Split-K partials stay f32.
     pub out_f16: bool,
+    /// The 16-bit activations and outputs (`q_f16`, `out_f16`) are bfloat16
+    /// instead of IEEE half.
+    pub act_bf16: bool,
     /// Query heads of one GQA group served by one attention pass (a head
     /// tile); 0 means the whole group. A group larger than a pass can hold
     /// runs as `ceil(group / htile)` tiles, each re-reading the K/V rows.
@@ -100,6 +104,7 @@ impl Default for ShaderShape {
             paged: true,
             q_f16: false,
             out_f16: false,
+            act_bf16: false,
             htile: 0,
             lpt: 1,
             subgroups: false,
@@ -144,6 +149,8 @@ mod shared {
     pub const ACT_F16: &str = include_str!("../../shaders/shared/act_f16.wgsl");
     pub const OUT_F32: &str = include_str!("../../shaders/shared/out_f32.wgsl");
     pub const OUT_F16: &str = include_str!("../../shaders/shared/out_f16.wgsl");
+    pub const ACT_BF16: &str = include_str!("../../shaders/shared/act_bf16.wgsl");
+    pub const OUT_BF16: &str = include_str!("../../shaders/shared/out_bf16.wgsl");
     /// `QV4`, `q_conv`, `k_dot`.
     pub const QDOT: &str = include_str!("../../shaders/shared/qdot.wgsl");
     /// The block-table walk every attention kernel shares.
@@ -170,6 +177,8 @@ pub const SHARED: &[(&str, &str)] = &[
     ("act_f16", shared::ACT_F16),
     ("out_f32", shared::OUT_F32),
     ("out_f16", shared::OUT_F16),
+    ("act_bf16", shared::ACT_BF16),
+    ("out_bf16", shared::OUT_BF16),
     ("qdot", shared::QDOT),
     ("table_walk", shared::TABLE_WALK),
     ("scales_plain", shared::SCALES_PLAIN),
@@ -208,15 +217,15 @@ pub fn prelude(s: &ShaderShape) -> String {
         KvDtype::Int8 => shared::KV_INT8,
         KvDtype::Fp8E4M3 => shared::KV_FP8,
     };
-    let act = if s.q_f16 {
-        shared::ACT_F16
-    } else {
-        shared::ACT_F32
+    let act = match (s.q_f16, s.act_bf16) {
+        (false, _) => shared::ACT_F32,
+        (true, false) => shared::ACT_F16,
+        (true, true) => shared::ACT_BF16,
     };
-    let out = if s.out_f16 {
-        shared::OUT_F16
-    } else {
-        shared::OUT_F32
+    let out = match (s.out_f16, s.act_bf16) {
+        (false, _) => shared::OUT_F32,
+        (true, false) => shared::OUT_F16,
+        (true, true) => shared::OUT_BF16,
     };
     let ht = s.head_tile();
     let lpt = s.lpt.max(1);

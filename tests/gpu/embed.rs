@@ -673,137 +673,174 @@ fn a_borrowed_device_keeps_its_handlers() {
     assert!(gpu.take_error().is_ok());
 }
 
-/// f16 activations in and out (the bytes of `f16` arrays, read and written
-/// as packed pairs: no `shader-f16` needed): new K/V rows, Q and the
-/// output, for prefill, unsplit decode and split-K decode, over f32 and f16
-/// pools. Against the reference over the f16-rounded inputs; tolerance
-/// 2e-3 (the output is rounded to f16 once).
+/// 16-bit activations in and out, f16 and bf16 (the bytes of `f16` or
+/// `bf16` arrays, read and written as packed pairs: no `shader-f16`
+/// needed): new K/V rows, Q and the output, for prefill, unsplit decode
+/// and split-K decode, over f32 pools and pools of the activations' type.
+/// Outputs are filled with NaN first. Against the reference over the
+/// rounded inputs; tolerance 2e-3 for f16 (the output rounded once to an
+/// 11-bit mantissa) and 8e-3 for bf16 (8 bits: half an ULP is 2^-9, about
+/// 2e-3 per value, with room).
 #[test]
 fn f16_activations_in_and_out() {
     let Some(e) = engine() else { return };
     let s = seed("f16 activations");
     let mut rng = SplitMix64::new(s);
     let gpu = &e.gpu;
-    let h16 = |v: &[f32]| -> Vec<half::f16> { v.iter().map(|&x| half::f16::from_f32(x)).collect() };
-    let back = |v: &[half::f16]| -> Vec<f32> { v.iter().map(|x| x.to_f32()).collect() };
-    for dtype in [KvDtype::F32, KvDtype::F16] {
-        let cfg = KvCacheConfig {
-            num_layers: 1,
-            num_blocks: 32,
-            block_size: BS,
-            num_kv_heads: KVH,
-            head_dim: HD,
-            dtype,
+    use pagedattn::gpu::ActDtype;
+    for (act, dtype) in [
+        (ActDtype::F16, KvDtype::F32),
+        (ActDtype::F16, KvDtype::F16),
+        (ActDtype::Bf16, KvDtype::F32),
+        (ActDtype::Bf16, KvDtype::Bf16),
+    ] {
+        let bf = act == ActDtype::Bf16;
+        let tol = if bf { 8e-3 } else { 2e-3 };
+        let h16 = |v: &[f32]| -> Vec<u16> {
+            v.iter()
+                .map(|&x| {
+                    if bf {
+                        half::bf16::from_f32(x).to_bits()
+                    } else {
+                        half::f16::from_f32(x).to_bits()
+                    }
+                })
+                .collect()
         };
-        let cache = KvCache::new(gpu, cfg).unwrap();
-        let attn = PagedAttention::new(gpu, &cache, HEADS).unwrap();
-        let mut host = HostPool::new(32, KVH as usize, BS as usize, HD as usize);
-        let mut m = BlockManager::new(BlockManagerConfig::new(32, BS)).unwrap();
-        let ids = [
-            m.add_sequence(&[3; 300]).unwrap(),
-            m.add_sequence(&[4; 40]).unwrap(),
-        ];
-        let (mut wplan, mut aplan) = (cache.plan(), attn.plan());
-        wplan.set_activations(pagedattn::gpu::ActDtype::F16);
-        aplan.set_activations(pagedattn::gpu::ActDtype::F16);
-        let kv_row = (KVH * HD) as usize;
-        let q_row = (HEADS * HD) as usize;
-        for step in 0..2 {
-            if step == 1 {
-                for &id in &ids {
-                    m.append(id, &[5]).unwrap();
-                }
-            }
-            let view = m.batch_view(&ids).unwrap();
-            let ntok = view.slot_mapping.len();
-            let (k, v) = (
-                h16(&rng.signed_vec(ntok * kv_row)),
-                h16(&rng.signed_vec(ntok * kv_row)),
-            );
-            let kb = gpu.storage_init("k16", &k).unwrap();
-            let vb = gpu.storage_init("v16", &v).unwrap();
-            cache
-                .plan_write(gpu, &mut wplan, &view.slot_mapping, &view.copies)
-                .unwrap();
-            host.write(
-                &view.slot_mapping,
-                &back(&k),
-                &back(&v),
-                Stored::from(dtype),
-            );
-            let variants = [
-                AttnOptions {
-                    split: pagedattn::gpu::Split::Never,
-                    ..Default::default()
-                },
-                AttnOptions {
-                    split: pagedattn::gpu::Split::Tokens(64),
-                    ..Default::default()
-                },
-            ];
-            let (qo, used): (Vec<u32>, &[AttnOptions]) = if step == 0 {
-                attn.plan_prefill(
-                    gpu,
-                    &mut aplan,
-                    &PrefillTables::from_view(&view),
-                    &variants[..1],
-                )
-                .unwrap();
-                (view.new_indptr.clone(), &variants[..1])
-            } else {
-                attn.plan_decode(gpu, &mut aplan, &DecodeTables::from_view(&view), &variants)
-                    .unwrap();
-                assert!(aplan.splits(), "the second variant splits");
-                ((0..=ids.len() as u32).collect(), &variants[..])
+        let back = |v: &[u16]| -> Vec<f32> {
+            v.iter()
+                .map(|&b| {
+                    if bf {
+                        half::bf16::from_bits(b).to_f32()
+                    } else {
+                        half::f16::from_bits(b).to_f32()
+                    }
+                })
+                .collect()
+        };
+        {
+            let cfg = KvCacheConfig {
+                num_layers: 1,
+                num_blocks: 32,
+                block_size: BS,
+                num_kv_heads: KVH,
+                head_dim: HD,
+                dtype,
             };
-            let nq = qo[qo.len() - 1] as usize;
-            let q = h16(&rng.signed_vec(nq * q_row));
-            let qb = gpu.storage_init("q16", &q).unwrap();
-            let outs: Vec<wgpu::Buffer> = (0..used.len())
-                .map(|_| gpu.storage("out16", (nq * q_row * 2) as u64).unwrap())
-                .collect();
-            let mut enc = gpu.device.create_command_encoder(&Default::default());
-            cache
-                .run_write_kv(
-                    gpu,
-                    &mut enc,
-                    &mut wplan,
-                    0,
-                    &kb.as_entire_buffer_binding(),
-                    &vb.as_entire_buffer_binding(),
-                )
-                .unwrap();
-            for (i, o) in outs.iter().enumerate() {
-                attn.run(
-                    gpu,
-                    &mut enc,
-                    &mut aplan,
-                    &cache,
-                    0,
-                    i,
-                    &qb.as_entire_buffer_binding(),
-                    &o.as_entire_buffer_binding(),
-                )
-                .unwrap();
-            }
-            gpu.queue.submit([enc.finish()]);
-            let want = reference::prefill(
-                &host.view(),
-                &AttnParams::new(HEADS as usize, HD as usize),
-                &back(&q),
-                &qo,
-                &view.kv_indptr,
-                &view.kv_indices,
-                &view.seq_lens,
-            );
-            for (i, o) in outs.iter().enumerate() {
-                let got: Vec<half::f16> = gpu.read(o, (nq * q_row * 2) as u64).unwrap();
-                let err = rel_l2(&back(&got), &want);
-                eprintln!("{dtype:?} pool, step {step}, variant {i}: rel L2 {err:.3e}");
-                assert!(
-                    err < 2e-3,
-                    "{dtype:?} pool, step {step}, variant {i}: rel L2 {err:.3e} (seed {s})"
+            let cache = KvCache::new(gpu, cfg).unwrap();
+            let attn = PagedAttention::new(gpu, &cache, HEADS).unwrap();
+            let mut host = HostPool::new(32, KVH as usize, BS as usize, HD as usize);
+            let mut m = BlockManager::new(BlockManagerConfig::new(32, BS)).unwrap();
+            let ids = [
+                m.add_sequence(&[3; 300]).unwrap(),
+                m.add_sequence(&[4; 40]).unwrap(),
+            ];
+            let (mut wplan, mut aplan) = (cache.plan(), attn.plan());
+            wplan.set_activations(act);
+            aplan.set_activations(act);
+            let kv_row = (KVH * HD) as usize;
+            let q_row = (HEADS * HD) as usize;
+            for step in 0..2 {
+                if step == 1 {
+                    for &id in &ids {
+                        m.append(id, &[5]).unwrap();
+                    }
+                }
+                let view = m.batch_view(&ids).unwrap();
+                let ntok = view.slot_mapping.len();
+                let (k, v) = (
+                    h16(&rng.signed_vec(ntok * kv_row)),
+                    h16(&rng.signed_vec(ntok * kv_row)),
                 );
+                let kb = gpu.storage_init("k16", &k).unwrap();
+                let vb = gpu.storage_init("v16", &v).unwrap();
+                cache
+                    .plan_write(gpu, &mut wplan, &view.slot_mapping, &view.copies)
+                    .unwrap();
+                host.write(
+                    &view.slot_mapping,
+                    &back(&k),
+                    &back(&v),
+                    Stored::from(dtype),
+                );
+                let variants = [
+                    AttnOptions {
+                        split: pagedattn::gpu::Split::Never,
+                        ..Default::default()
+                    },
+                    AttnOptions {
+                        split: pagedattn::gpu::Split::Tokens(64),
+                        ..Default::default()
+                    },
+                ];
+                let (qo, used): (Vec<u32>, &[AttnOptions]) = if step == 0 {
+                    attn.plan_prefill(
+                        gpu,
+                        &mut aplan,
+                        &PrefillTables::from_view(&view),
+                        &variants[..1],
+                    )
+                    .unwrap();
+                    (view.new_indptr.clone(), &variants[..1])
+                } else {
+                    attn.plan_decode(gpu, &mut aplan, &DecodeTables::from_view(&view), &variants)
+                        .unwrap();
+                    assert!(aplan.splits(), "the second variant splits");
+                    ((0..=ids.len() as u32).collect(), &variants[..])
+                };
+                let nq = qo[qo.len() - 1] as usize;
+                let q = h16(&rng.signed_vec(nq * q_row));
+                let qb = gpu.storage_init("q16", &q).unwrap();
+                // 0xffff is a NaN in both f16 and bf16.
+                let outs: Vec<wgpu::Buffer> = (0..used.len())
+                    .map(|_| {
+                        gpu.storage_init("out16", &vec![0xffffu16; nq * q_row])
+                            .unwrap()
+                    })
+                    .collect();
+                let mut enc = gpu.device.create_command_encoder(&Default::default());
+                cache
+                    .run_write_kv(
+                        gpu,
+                        &mut enc,
+                        &mut wplan,
+                        0,
+                        &kb.as_entire_buffer_binding(),
+                        &vb.as_entire_buffer_binding(),
+                    )
+                    .unwrap();
+                for (i, o) in outs.iter().enumerate() {
+                    attn.run(
+                        gpu,
+                        &mut enc,
+                        &mut aplan,
+                        &cache,
+                        0,
+                        i,
+                        &qb.as_entire_buffer_binding(),
+                        &o.as_entire_buffer_binding(),
+                    )
+                    .unwrap();
+                }
+                gpu.queue.submit([enc.finish()]);
+                let want = reference::prefill(
+                    &host.view(),
+                    &AttnParams::new(HEADS as usize, HD as usize),
+                    &back(&q),
+                    &qo,
+                    &view.kv_indptr,
+                    &view.kv_indices,
+                    &view.seq_lens,
+                );
+                for (i, o) in outs.iter().enumerate() {
+                    let got: Vec<u16> = gpu.read(o, (nq * q_row * 2) as u64).unwrap();
+                    let err = rel_l2(&back(&got), &want);
+                    eprintln!("{act:?} activations, {dtype:?} pool, step {step}, variant {i}: rel L2 {err:.3e}");
+                    assert!(
+                    err < tol,
+                    "{act:?} activations, {dtype:?} pool, step {step}, variant {i}: rel L2 {err:.3e} >= {tol} (seed {s})"
+                );
+                }
             }
         }
     }

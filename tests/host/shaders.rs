@@ -22,8 +22,8 @@ fn shapes() -> Vec<ShaderShape> {
         for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Int8, KvDtype::Fp8E4M3] {
             for block_size in [1, 16, 256] {
                 for (qtile, paged) in [(1, true), (4, true), (1, false)] {
-                    // Activations: f32, f16 in and out, f16 in with f32
-                    // split-K partials out.
+                    // Activations: f32, f16 (bf16 at block 16) in and
+                    // out, 16-bit in with f32 split-K partials out.
                     for (i, (q_f16, out_f16)) in [(false, false), (true, true), (true, false)]
                         .into_iter()
                         .enumerate()
@@ -45,6 +45,8 @@ fn shapes() -> Vec<ShaderShape> {
                             paged,
                             q_f16,
                             out_f16,
+                            // bf16 activations and outputs at one block size.
+                            act_bf16: (q_f16 || out_f16) && block_size == 16,
                         });
                     }
                 }
