@@ -508,6 +508,8 @@ fn snapshot(s: &mut Inner) -> Result<String, JsValue> {
 struct KernelCheck {
     kernel: &'static str,
     dtype: &'static str,
+    /// `plain`, `sinks` (a logit per head) or `sink tokens` (StreamingLLM).
+    form: &'static str,
     /// Relative L2 error against the f64 reference (`null` if not finite).
     rel_l2: Option<f64>,
     error: Option<String>,
@@ -601,6 +603,59 @@ pub async fn kernel_check(seed: u64) -> Result<String, JsValue> {
                 results.push(KernelCheck {
                     kernel: kernel.name(),
                     dtype: dtype.name(),
+                    form: "plain",
+                    rel_l2: rel,
+                    error,
+                });
+            }
+            // The attention forms of 2025-26 models, on the bf16 pool:
+            // gpt-oss's sink logits across a split, and StreamingLLM's
+            // sink tokens beside a 100-token window.
+            if dtype != KvDtype::Bf16 {
+                continue;
+            }
+            let forms = [
+                (
+                    "sinks",
+                    AttnOptions {
+                        sinks: Some(vec![0.5, -1.0, 2.0, 0.0, 1.5, -0.5]),
+                        split: Split::Tokens(128),
+                        ..Default::default()
+                    },
+                ),
+                (
+                    "sink tokens",
+                    AttnOptions {
+                        sliding_window: Some(100),
+                        sink_tokens: Some(4),
+                        split: Split::Never,
+                        ..Default::default()
+                    },
+                ),
+            ];
+            for (form, opts) in forms {
+                let mut rp = reference::AttnParams::new(heads as usize, hd as usize);
+                rp.sinks = opts.sinks.clone();
+                rp.sliding_window = opts.sliding_window;
+                rp.sink_tokens = opts.sink_tokens;
+                let want = reference::decode(&pool, &rp, &q, &indptr, indices, &lens);
+                let r = async {
+                    let attn = PagedAttention::with_kernel(&g, &cache, heads, kernel)?;
+                    attn.decode_async(&g, &cache, 0, &q, &indptr, indices, &lens, &opts)
+                        .await
+                }
+                .await;
+                let (rel, error) = match r {
+                    Ok(out) => {
+                        let e = reference::rel_l2(&out, &want);
+                        (e.is_finite().then_some(e), None)
+                    }
+                    Err(e) => (None, Some(e.to_string())),
+                };
+                results.push(KernelCheck {
+                    kernel: kernel.name(),
+                    dtype: dtype.name(),
+                    form,
                     rel_l2: rel,
                     error,
                 });

@@ -96,7 +96,14 @@ try {
   // exactly, so f32's tolerance holds).
   const kernels = await page.evaluate((seed) => window.pagedattnKernelCheck(seed), SEED);
   for (const kname of ['tiled', 'lanes', 'serial']) {
-    const rows = kernels.filter((r) => r.kernel === kname);
+    const forms = kernels.filter((r) => r.kernel === kname && r.form !== 'plain');
+    check(forms.length === 2 && forms.some((r) => r.form === 'sinks') && forms.some((r) => r.form === 'sink tokens'),
+      `${kname}: sink logits and sink tokens ran (bf16 pool), got ${forms.length}`);
+    for (const r of forms) {
+      check(r.error === null && r.rel_l2 !== null && r.rel_l2 < 1e-5,
+        `${kname} ${r.form} ${r.dtype}: rel L2 ${r.rel_l2 === null ? 'not finite' : r.rel_l2.toExponential(2)}${r.error ? ` (${r.error})` : ''} < 1e-5`);
+    }
+    const rows = kernels.filter((r) => r.kernel === kname && r.form === 'plain');
     check(rows.length === 6, `${kname}: 6 runs (f32/f16/bf16 x split/unsplit), got ${rows.length}`);
     for (const r of rows) {
       const tol = r.dtype === 'f16' ? 2e-3 : 1e-5;
