@@ -368,23 +368,55 @@ impl MlaCache {
             return Ok(());
         }
         gpu.scoped_try(|| {
-            let params = gpu.uniform(
-                "mla write params",
-                &MlaParams {
-                    num_blocks: self.cfg.num_blocks,
-                    count: slots.len() as u32,
-                    ..Default::default()
-                },
-            )?;
-            let slots_buf = gpu.storage_init("mla slots", slots)?;
-            let src = gpu.storage_init("mla rows", rows)?;
-            let bg = bind(gpu, &self.write, &[&params, &slots_buf, &src, pool]);
-            let mut enc = gpu.device.create_command_encoder(&Default::default());
-            let (x, y) = grid_1d(slots.len() as u64 * self.shape.row4 as u64);
-            dispatch(&mut enc, "mla_write", &self.write, &bg, (x, y, 1));
-            gpu.queue.submit([enc.finish()]);
-            Ok(())
+            let inputs = [
+                gpu.storage_init("mla slots", slots)?,
+                gpu.storage_init("mla rows", rows)?,
+            ];
+            let threads = slots.len() as u64 * self.shape.row4 as u64;
+            self.submit_pool_pass(
+                gpu,
+                "mla_write",
+                &self.write,
+                slots.len(),
+                &inputs,
+                &[pool],
+                threads,
+            )
         })
+    }
+
+    /// One dispatch of `pipe` per pool buffer in `pools`, of `threads`
+    /// threads, binding (params, inputs..., pool); one submit.
+    #[allow(clippy::too_many_arguments)]
+    fn submit_pool_pass(
+        &self,
+        gpu: &Gpu,
+        label: &str,
+        pipe: &wgpu::ComputePipeline,
+        count: usize,
+        inputs: &[wgpu::Buffer],
+        pools: &[&wgpu::Buffer],
+        threads: u64,
+    ) -> Result<(), GpuError> {
+        let params = gpu.uniform(
+            label,
+            &MlaParams {
+                num_blocks: self.cfg.num_blocks,
+                count: count as u32,
+                ..Default::default()
+            },
+        )?;
+        let mut enc = gpu.device.create_command_encoder(&Default::default());
+        let (x, y) = grid_1d(threads);
+        for pool in pools {
+            let mut bufs: Vec<&wgpu::Buffer> = vec![&params];
+            bufs.extend(inputs);
+            bufs.push(pool);
+            let bg = bind(gpu, pipe, &bufs);
+            dispatch(&mut enc, label, pipe, &bg, (x, y, 1));
+        }
+        gpu.queue.submit([enc.finish()]);
+        Ok(())
     }
 
     fn check_write(&self, slots: &[u32], rows: &[f32]) -> Result<(), GpuError> {
@@ -423,24 +455,18 @@ impl MlaCache {
             return Ok(());
         }
         gpu.scoped_try(|| {
-            let params = gpu.uniform(
-                "mla copy params",
-                &MlaParams {
-                    num_blocks: self.cfg.num_blocks,
-                    count: copies.len() as u32,
-                    ..Default::default()
-                },
-            )?;
-            let list = gpu.storage_init("mla copies", copies)?;
-            let mut enc = gpu.device.create_command_encoder(&Default::default());
+            let list = [gpu.storage_init("mla copies", copies)?];
             let threads = copies.len() as u64 * self.cfg.block_size as u64 * self.shape.row4 as u64;
-            let (x, y) = grid_1d(threads);
-            for pool in &self.layers {
-                let bg = bind(gpu, &self.copy, &[&params, &list, pool]);
-                dispatch(&mut enc, "mla_copy", &self.copy, &bg, (x, y, 1));
-            }
-            gpu.queue.submit([enc.finish()]);
-            Ok(())
+            let pools: Vec<&wgpu::Buffer> = self.layers.iter().collect();
+            self.submit_pool_pass(
+                gpu,
+                "mla_copy",
+                &self.copy,
+                copies.len(),
+                &list,
+                &pools,
+                threads,
+            )
         })
     }
 
