@@ -515,6 +515,32 @@ struct KernelCheck {
     error: Option<String>,
 }
 
+impl KernelCheck {
+    /// A run's result against the reference.
+    fn of(
+        kernel: &'static str,
+        dtype: &'static str,
+        form: &'static str,
+        r: Result<Vec<f32>, pagedattn::gpu::GpuError>,
+        want: &[f64],
+    ) -> Self {
+        let (rel_l2, error) = match r {
+            Ok(out) => {
+                let e = pagedattn::reference::rel_l2(&out, want);
+                (e.is_finite().then_some(e), None)
+            }
+            Err(e) => (None, Some(e.to_string())),
+        };
+        Self {
+            kernel,
+            dtype,
+            form,
+            rel_l2,
+            error,
+        }
+    }
+}
+
 /// Runs every decode kernel variant (tiled, lanes, serial) on this adapter
 /// over a random paged batch (shuffled blocks, odd GQA group of 3, split
 /// and unsplit, f32 and packed-f16 KV) against the f64 reference: the
@@ -593,20 +619,13 @@ pub async fn kernel_check(seed: u64) -> Result<String, JsValue> {
                         .await
                 }
                 .await;
-                let (rel, error) = match r {
-                    Ok(out) => {
-                        let e = reference::rel_l2(&out, &want);
-                        (e.is_finite().then_some(e), None)
-                    }
-                    Err(e) => (None, Some(e.to_string())),
-                };
-                results.push(KernelCheck {
-                    kernel: kernel.name(),
-                    dtype: dtype.name(),
-                    form: "plain",
-                    rel_l2: rel,
-                    error,
-                });
+                results.push(KernelCheck::of(
+                    kernel.name(),
+                    dtype.name(),
+                    "plain",
+                    r,
+                    &want,
+                ));
             }
             // The attention forms of 2025-26 models, on the bf16 pool:
             // gpt-oss's sink logits across a split, and StreamingLLM's
@@ -645,20 +664,7 @@ pub async fn kernel_check(seed: u64) -> Result<String, JsValue> {
                         .await
                 }
                 .await;
-                let (rel, error) = match r {
-                    Ok(out) => {
-                        let e = reference::rel_l2(&out, &want);
-                        (e.is_finite().then_some(e), None)
-                    }
-                    Err(e) => (None, Some(e.to_string())),
-                };
-                results.push(KernelCheck {
-                    kernel: kernel.name(),
-                    dtype: dtype.name(),
-                    form,
-                    rel_l2: rel,
-                    error,
-                });
+                results.push(KernelCheck::of(kernel.name(), dtype.name(), form, r, &want));
             }
         }
     }
