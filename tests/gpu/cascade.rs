@@ -146,9 +146,37 @@ fn run(
     q: &[f32],
     o: &AttnOptions,
 ) -> (Vec<f32>, Option<(u64, u64, usize)>) {
+    run_with(gpu, b, kernel, ActDtype::F32, q, f32::NAN, o)
+}
+
+/// [`run`] with bf16 activations: Q given as bf16, the output read as bf16.
+fn run_bf16(
+    gpu: &Gpu,
+    b: &Batch,
+    kernel: Kernel,
+    q: &[half::bf16],
+    o: &AttnOptions,
+) -> (Vec<f32>, Option<(u64, u64, usize)>) {
+    // 0xffff is a bf16 NaN.
+    let nan = half::bf16::from_bits(0xffff);
+    let (out, rep) = run_with(gpu, b, kernel, ActDtype::Bf16, q, nan, o);
+    (out.iter().map(|x| x.to_f32()).collect(), rep)
+}
+
+/// One decode with activations `act` of element type `T`, the output
+/// filled with `poison` first.
+fn run_with<T: bytemuck::Pod>(
+    gpu: &Gpu,
+    b: &Batch,
+    kernel: Kernel,
+    act: ActDtype,
+    q: &[T],
+    poison: T,
+    o: &AttnOptions,
+) -> (Vec<T>, Option<(u64, u64, usize)>) {
     let attn = PagedAttention::with_kernel(gpu, &b.cache, b.heads, kernel).unwrap();
     let mut plan = attn.plan();
-    plan.set_activations(ActDtype::F32);
+    plan.set_activations(act);
     let t = DecodeTables {
         kv_indptr: &b.indptr,
         kv_indices: &b.indices,
@@ -158,7 +186,7 @@ fn run(
         .unwrap();
     let report = plan.cascade();
     let qb = gpu.storage_init("q", q).unwrap();
-    let out = gpu.storage_init("out", &vec![f32::NAN; q.len()]).unwrap();
+    let out = gpu.storage_init("out", &vec![poison; q.len()]).unwrap();
     let mut enc = gpu.device.create_command_encoder(&Default::default());
     attn.run(
         gpu,
@@ -172,7 +200,8 @@ fn run(
     )
     .unwrap();
     gpu.queue.submit([enc.finish()]);
-    (gpu.read(&out, q.len() as u64 * 4).unwrap(), report)
+    let bytes = std::mem::size_of_val(q) as u64;
+    (gpu.read(&out, bytes).unwrap(), report)
 }
 
 fn params(o: &AttnOptions) -> AttnParams {
@@ -285,6 +314,43 @@ fn cascade_matches_the_reference_on_random_trees() {
                 assert!(rel_l2(&out, &want) < tol);
             }
         }
+    }
+}
+
+/// bf16 activations through the cascade: Q and the output as bf16 on every
+/// kernel's segment pass, against the reference over the rounded Q;
+/// tolerance 8e-3 (the output rounded once to an 8-bit mantissa).
+#[test]
+fn cascade_takes_bf16_activations() {
+    let Some(gpu) = gpu() else { return };
+    let s = seed("cascade::cascade_takes_bf16_activations");
+    let mut rng = SplitMix64::new(s);
+    let b = batch(&gpu, &mut rng, KvDtype::Bf16, 8, 2);
+    let q: Vec<half::bf16> = rng
+        .signed_vec(b.lens.len() * (b.heads * HD) as usize)
+        .iter()
+        .map(|&x| half::bf16::from_f32(x))
+        .collect();
+    let q32: Vec<f32> = q.iter().map(|x| x.to_f32()).collect();
+    let o = AttnOptions {
+        cascade: Cascade::On,
+        ..Default::default()
+    };
+    let want = reference::decode(
+        &b.host.view(),
+        &params(&o),
+        &q32,
+        &b.indptr,
+        &b.indices,
+        &b.lens,
+    );
+    for kernel in [Kernel::Tiled, Kernel::Lanes, Kernel::Serial] {
+        let (out, rep) = run_bf16(&gpu, &b, kernel, &q, &o);
+        let (cb, pb, segs) = rep.expect("a tree with shared blocks runs the cascade");
+        assert!(segs > 0 && cb < pb);
+        let e = rel_l2(&out, &want);
+        eprintln!("bf16 activations, cascade [{kernel}]: rel L2 {e:.3e}, {segs} segments");
+        assert!(e < 8e-3, "[{kernel}]: rel L2 {e:.3e} (seed {s})");
     }
 }
 
