@@ -47,9 +47,13 @@ pub use kv_cache::{
     KvCache, KvCacheConfig, KvDtype, FP8_SCALE_RANGE, KV_MAX, K_OUTLIERS, K_OUTLIER_UNUSED,
     K_SMOOTHING_RANGE, MAX_KV_HEADS, MAX_LAYERS,
 };
+/// The MLA kernels' shapes and sources, for the shader tests and
+/// `examples/shaders.rs`: not API an engine needs.
+#[doc(hidden)]
+pub use mla::{mla_source, MlaShape, MLA_HEADS_PER_WORKGROUP, MLA_KERNELS, MLA_LANES};
 pub use mla::{
-    mla_source, MlaAttention, MlaCache, MlaCacheConfig, MlaPlan, MlaShape, MLA_HEADS_PER_WORKGROUP,
-    MLA_KERNELS, MLA_LANES, MLA_MAX_HEADS, MLA_MAX_LAYERS, MLA_MAX_QUERIES, MLA_MAX_ROW,
+    MlaAttention, MlaCache, MlaCacheConfig, MlaPlan, MLA_MAX_HEADS, MLA_MAX_LAYERS,
+    MLA_MAX_QUERIES, MLA_MAX_ROW,
 };
 pub use plan::{
     ActDtype, AttentionPlan, DecodeTables, PrefillTables, WritePlan, CASCADE_AUTO,
