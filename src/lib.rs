@@ -4,7 +4,7 @@
 //! [`blocks`] keeps the per-sequence block tables, reference counts,
 //! copy-on-write and prefix cache on the host, and the WGSL kernels in
 //! [`gpu`] walk the block tables with online softmax on any wgpu adapter.
-//! [`reference`] is the same math in f64, for tests (engines' too).
+//! [`reference`](mod@reference) is the same math in f64, for tests (engines' too).
 //!
 //! `ARCHITECTURE.md` is the design and the layout contract;
 //! `GUARANTEES.md` what is promised under bad input. The command line

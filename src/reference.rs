@@ -456,8 +456,8 @@ pub fn rel_l2(a: &[f32], b: &[f64]) -> f64 {
 }
 
 /// Multi-head latent attention (DeepSeek-V2/V3) in f64, in both forms: the
-/// absorbed one the kernels compute ([`absorbed`]) and the unabsorbed one
-/// a model's weights define ([`unabsorbed`]), so tests can show that they
+/// absorbed one the kernels compute ([`mla::absorbed`]) and the unabsorbed
+/// one a model's weights define ([`mla::Weights::unabsorbed`]), so tests can show that they
 /// agree and that the kernels agree with both.
 ///
 /// Shapes: a token's latent row is `rank + rope` values (the compressed

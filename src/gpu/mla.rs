@@ -444,8 +444,9 @@ impl MlaCache {
         Ok(())
     }
 
-    /// Applies a copy-on-write list ([`BlockManager::take_copies`]
-    /// (crate::blocks::BlockManager::take_copies)) in every layer: block
+    /// Applies a copy-on-write list
+    /// ([`BlockManager::take_copies`](crate::blocks::BlockManager::take_copies))
+    /// in every layer: block
     /// `dst` becomes a copy of `src`. Refused before anything is recorded:
     /// a block outside the pool, a destination named twice or also a source.
     pub fn copy_blocks(&self, gpu: &Gpu, copies: &[[u32; 2]]) -> Result<(), GpuError> {

@@ -38,7 +38,7 @@ const MAGIC: [u8; 8] = *b"PAGEDKV\0";
 /// What exported blocks hold and how: the pool's shape, the layers, the
 /// bytes of each part of a block, and a digest of the layers' state. A
 /// block's bytes are, for each layer of `layers` in order: K data, K side
-/// words, V data, V side words ([`KvCacheConfig`] documents each part's
+/// words, V data, V side words ([`KvCacheConfig`](super::KvCacheConfig) documents each part's
 /// layout; the side parts are empty unless the pool is quantized). Written
 /// and read as [`KV_LAYOUT_BYTES`] little-endian bytes.
 #[derive(Clone, Debug, PartialEq, Eq)]
