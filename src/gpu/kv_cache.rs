@@ -665,10 +665,23 @@ pub fn pipeline(
     kernel: &'static str,
     shape: &ShaderShape,
 ) -> Result<wgpu::ComputePipeline, GpuError> {
+    cached_pipeline(gpu, kernel, shader::PipelineKey::Attention(*shape), || {
+        shader::source(kernel, shape)
+    })
+}
+
+/// The pipeline of `kernel` at `key` from the device's cache, compiled from
+/// `source` (`None`: no such kernel) on first use, shader errors as ours.
+pub(crate) fn cached_pipeline(
+    gpu: &Gpu,
+    kernel: &'static str,
+    key: shader::PipelineKey,
+    source: impl FnOnce() -> Option<String>,
+) -> Result<wgpu::ComputePipeline, GpuError> {
     let _serial = gpu.serial();
     gpu.alive()?;
-    gpu.cached_pipeline(kernel, shader::PipelineKey::Attention(*shape), || {
-        let src = shader::source(kernel, shape).ok_or(ShapeError::NoShader(kernel))?;
+    gpu.cached_pipeline(kernel, key, || {
+        let src = source().ok_or(ShapeError::NoShader(kernel))?;
         #[cfg(not(target_arch = "wasm32"))]
         {
             gpu.scoped_blocking(|| make_pipeline(gpu, kernel, &src))
@@ -680,7 +693,7 @@ pub fn pipeline(
     })
 }
 
-pub(crate) fn make_pipeline(gpu: &Gpu, kernel: &str, src: &str) -> wgpu::ComputePipeline {
+fn make_pipeline(gpu: &Gpu, kernel: &str, src: &str) -> wgpu::ComputePipeline {
     let module = gpu
         .device
         .create_shader_module(wgpu::ShaderModuleDescriptor {

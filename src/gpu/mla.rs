@@ -25,7 +25,7 @@
 //! WebGPU's default 16 KiB of workgroup memory at any row up to
 //! [`MLA_MAX_ROW`] values (11 408 bytes at DeepSeek's 576 and 8 heads).
 
-use super::kv_cache::{bind, dispatch, grid_1d, make_pipeline};
+use super::kv_cache::{bind, cached_pipeline, dispatch, grid_1d};
 use super::shader::PipelineKey;
 use super::{Gpu, GpuError, KvDtype, MlaError, Split};
 
@@ -251,18 +251,8 @@ fn mla_pipeline(
     kernel: &'static str,
     shape: &MlaShape,
 ) -> Result<wgpu::ComputePipeline, GpuError> {
-    let _serial = gpu.serial();
-    gpu.alive()?;
-    gpu.cached_pipeline(kernel, PipelineKey::Mla(*shape), || {
-        let src = mla_source(kernel, shape).ok_or(super::ShapeError::NoShader(kernel))?;
-        #[cfg(not(target_arch = "wasm32"))]
-        {
-            gpu.scoped_blocking(|| make_pipeline(gpu, kernel, &src))
-        }
-        #[cfg(target_arch = "wasm32")]
-        {
-            Ok(make_pipeline(gpu, kernel, &src))
-        }
+    cached_pipeline(gpu, kernel, PipelineKey::Mla(*shape), || {
+        mla_source(kernel, shape)
     })
 }
 

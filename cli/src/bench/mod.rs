@@ -357,9 +357,9 @@ fn mla_row(
     let per_seq = mla_context.div_ceil(mcfg.block_size);
     let mut ids: Vec<u32> = (0..mcfg.num_blocks).collect();
     rng.shuffle(&mut ids);
-    let mut tables: Vec<Vec<u32>> = ids.chunks(per_seq as usize).map(|c| c.to_vec()).collect();
-    tables.truncate(batch as usize);
-    for t in &tables {
+    let mut mla_tables: Vec<Vec<u32>> = ids.chunks(per_seq as usize).map(|c| c.to_vec()).collect();
+    mla_tables.truncate(batch as usize);
+    for t in &mla_tables {
         let slots: Vec<u32> = (0..mla_context)
             .map(|p| t[(p / mcfg.block_size) as usize] * mcfg.block_size + p % mcfg.block_size)
             .collect();
@@ -372,7 +372,7 @@ fn mla_row(
     }
     let heads = 16;
     let mla = MlaAttention::new(gpu, &mcfg, heads, 1.0 / 192f32.sqrt())?;
-    let refs: Vec<&[u32]> = tables.iter().map(|t| t.as_slice()).collect();
+    let refs: Vec<&[u32]> = mla_tables.iter().map(|t| t.as_slice()).collect();
     let plan = mla.plan_decode(
         gpu,
         &mla_cache,
@@ -392,7 +392,7 @@ fn mla_row(
         ));
     };
     let attn = attention(gpu, picks, &cache)?;
-    let t = tables_host(batch, gqa_context, rng);
+    let t = tables(batch, gqa_context, true, rng);
     let mut gplan = decode_plan(gpu, &attn, &t, Split::Auto)?;
     let gq = gpu.storage_init(
         "gqa q",
@@ -424,11 +424,6 @@ fn mla_row(
         gqa_ms: ms[1],
         mla_partitions: plan.partitions(),
     })
-}
-
-/// Shuffled decode tables of the grid's shape.
-fn tables_host(batch: u32, context: u32, rng: &mut SplitMix64) -> HostTables {
-    tables(batch, context, true, rng)
 }
 
 fn progress(cfg: &BenchConfig, msg: &str) {
