@@ -1,6 +1,8 @@
 // Streaming-read reference for the benchmark: reads two buffers (a layer's K
-// and V pools) once with vec4 loads, grid-stride, and writes almost nothing.
-// The decode kernel's effective bandwidth is reported against this one.
+// and V pools, or a ceiling's chunks) once with 16-byte loads, grid-stride,
+// LOADS independent loads per thread per iteration (generated: see
+// src/gpu/shader.rs), and writes almost nothing. Decode's effective
+// bandwidth is reported against it.
 
 @group(0) @binding(0) var<storage, read> a: array<vec4<f32>>;
 @group(0) @binding(1) var<storage, read> b: array<vec4<f32>>;
@@ -8,11 +10,16 @@
 
 @compute @workgroup_size(64)
 fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
-    let stride = nwg.x * 64u;
+    let threads = nwg.x * 64u;
     let n = min(arrayLength(&a), arrayLength(&b));
     var acc = vec4<f32>(0.0);
-    for (var i = gid.x; i < n; i += stride) {
-        acc += a[i] + b[i];
+    for (var i = gid.x; i < n; i += threads * LOADS) {
+        for (var j = 0u; j < LOADS; j++) {
+            let k = i + j * threads;
+            if k < n {
+                acc += a[k] + b[k];
+            }
+        }
     }
     // A write no compiler can prove dead, which (almost) never happens.
     if acc.x == 1.2345e30 {

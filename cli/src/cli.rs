@@ -39,6 +39,10 @@ pub enum Command {
     Simulate(SimulateArgs),
     /// Decode, bandwidth, split, bookkeeping and copy benchmarks on the adapter.
     Bench(BenchArgs),
+    /// One sweep of the decode questions a real GPU answers (read and copy
+    /// ceilings, lanes vs stream and its steps, checked vs trusted shader
+    /// modules, splits, KV dtypes, paging), printed as one table.
+    Sweep(SweepArgs),
     /// Text from a real model (SmolLM2-135M-Instruct, fetched by
     /// `bash scripts/fetch-model.sh`) through the paged KV cache.
     Generate(GenerateArgs),
@@ -113,6 +117,19 @@ pub struct BenchArgs {
     pub only: Vec<String>,
 }
 
+#[derive(clap::Args, Debug)]
+pub struct SweepArgs {
+    /// Small cells and a few variants (minutes on a software adapter).
+    #[arg(long)]
+    pub small: bool,
+    /// Also write the rows as CSV to this file.
+    #[arg(long)]
+    pub csv: Option<std::path::PathBuf>,
+    /// Print the report as JSON on stdout instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}
+
 #[derive(clap::Args, Debug, Clone)]
 pub struct DemoArgs {
     /// Seed.
@@ -176,6 +193,15 @@ pub enum Checked {
     Bench {
         /// Validated settings.
         cfg: BenchConfig,
+        /// Print JSON instead of the table.
+        json: bool,
+    },
+    /// The decode sweep.
+    Sweep {
+        /// What to sweep.
+        cfg: pagedattn_cli::bench::sweep::SweepConfig,
+        /// Where the CSV goes, if anywhere.
+        csv: Option<std::path::PathBuf>,
         /// Print JSON instead of the table.
         json: bool,
     },
@@ -292,6 +318,14 @@ pub fn check(cli: Cli) -> Result<Checked, String> {
             cfg.validate().map_err(|e| e.to_string())?;
             Ok(Checked::Bench { cfg, json: a.json })
         }
+        Some(Command::Sweep(a)) => Ok(Checked::Sweep {
+            cfg: pagedattn_cli::bench::sweep::SweepConfig {
+                small: a.small,
+                progress: true,
+            },
+            csv: a.csv,
+            json: a.json,
+        }),
         Some(Command::Generate(a)) => generate(&a),
     }
 }

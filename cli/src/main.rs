@@ -272,6 +272,20 @@ fn run(checked: Checked) -> Res {
         Checked::Demo { cfg, verbose } => run_demo(&mut out, cfg, verbose)?,
         Checked::Simulate { cfg, args } => pagedattn_cli::sim::run_cli_to(&cfg, &args, &mut out)?,
         Checked::Bench { cfg, json } => run_bench(&mut out, &cfg, json)?,
+        Checked::Sweep { cfg, csv, json } => {
+            use pagedattn_cli::bench::sweep;
+            let gpu = pagedattn_cli::env::gpu()?;
+            let report = sweep::run(&gpu, &cfg)?;
+            if let Some(path) = csv {
+                std::fs::write(&path, sweep::csv(&report))
+                    .map_err(|e| format!("--csv {}: {e}", path.display()))?;
+            }
+            if json {
+                writeln!(out, "{}", serde_json::to_string_pretty(&report)?)?;
+            } else {
+                write!(out, "{}", sweep::render(&report))?;
+            }
+        }
         Checked::Generate { opts } => {
             pagedattn_cli::model::generate::run(&opts, &mut out)?;
         }

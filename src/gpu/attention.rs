@@ -329,6 +329,43 @@ pub struct AttentionConfig {
     /// default (shorter segments helped small batches on an H200 and hurt
     /// large ones: `benches/NOTES.md` item 33).
     pub cascade_chunk_tokens: u32,
+    /// Whether the attention kernels are built with wgpu's shader runtime
+    /// checks ([`ShaderChecks`]).
+    pub shader_checks: ShaderChecks,
+    /// The `stream` kernel's tokens per lane group per step (1, 2 or 4);
+    /// 0: its default, shrunk to fit the device.
+    pub stream_unroll: u32,
+    /// The `stream` kernel's invocations per workgroup (64, 128 or 256);
+    /// 0: its default, shrunk to fit the device.
+    pub stream_workgroup: u32,
+}
+
+/// Whether attention kernels are built with wgpu's shader runtime checks:
+/// index clamping, loop bounding (a 64-bit counter and an extra exit test
+/// in every loop) and integer division checks. Trusted modules skip them
+/// (`create_shader_module_trusted`). That is sound here because every
+/// table and argument is validated on the host before any dispatch, and
+/// the kernels keep their own `INVALID` tests for table entries past the
+/// pool; wgpu's Vulkan backend keeps the driver's robust buffer access
+/// either way.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ShaderChecks {
+    /// Trusted on native adapters, checked in the browser (where wgpu has
+    /// no trusted modules).
+    #[default]
+    Auto,
+    /// wgpu's checks in every kernel.
+    Checked,
+    /// No runtime checks (native only; the browser stays checked).
+    Trusted,
+}
+
+impl ShaderChecks {
+    /// Whether kernels are built trusted under this choice on this build.
+    pub fn trusted(self) -> bool {
+        !cfg!(target_arch = "wasm32") && matches!(self, ShaderChecks::Auto | ShaderChecks::Trusted)
+    }
 }
 
 impl Default for AttentionConfig {
@@ -336,6 +373,9 @@ impl Default for AttentionConfig {
         Self {
             kernel: None,
             cascade_chunk_tokens: super::CASCADE_CHUNK_TOKENS,
+            shader_checks: ShaderChecks::Auto,
+            stream_unroll: 0,
+            stream_workgroup: 0,
         }
     }
 }
@@ -355,6 +395,22 @@ impl AttentionConfig {
     /// With cascade segments of at most `tokens` on the rows kernel.
     pub fn cascade_chunk_tokens(mut self, tokens: u32) -> Self {
         self.cascade_chunk_tokens = tokens;
+        self
+    }
+
+    /// With the attention kernels' shader runtime checks as `checks` says.
+    pub fn shader_checks(mut self, checks: ShaderChecks) -> Self {
+        self.shader_checks = checks;
+        self
+    }
+
+    /// With the `stream` kernel's step: `unroll` tokens per lane group
+    /// (1, 2, 4) and `workgroup` invocations (64, 128, 256); 0 leaves either
+    /// to the kernel. A step the device cannot run is refused by
+    /// [`PagedAttention::with_config`].
+    pub fn stream_step(mut self, unroll: u32, workgroup: u32) -> Self {
+        self.stream_unroll = unroll;
+        self.stream_workgroup = workgroup;
         self
     }
 }
@@ -459,6 +515,21 @@ impl PagedAttention {
         }
     }
 
+    /// `base_shape` as `config` builds it: its checks and stream step.
+    pub(super) fn config_shape(
+        c: &super::KvCacheConfig,
+        num_heads: u32,
+        paged: bool,
+        config: &AttentionConfig,
+    ) -> ShaderShape {
+        ShaderShape {
+            trusted: config.shader_checks.trusted(),
+            unroll: config.stream_unroll,
+            workgroup: config.stream_workgroup,
+            ..Self::base_shape(c, num_heads, paged)
+        }
+    }
+
     fn with_layout(
         gpu: &Gpu,
         cache: &KvCache,
@@ -489,7 +560,7 @@ impl PagedAttention {
             }
             .into());
         }
-        let base = Self::base_shape(c, num_heads, paged);
+        let base = Self::config_shape(c, num_heads, paged, config);
         let tiled =
             kernel::decode_shape(gpu, Kernel::Tiled, base).ok_or(GpuError::DeviceLimit {
                 limit: "max_compute_workgroup_storage_size",
@@ -564,9 +635,11 @@ impl PagedAttention {
                     n as u64 * self.num_kv_heads as u64 * self.decode_shape.head_tiles() as u64;
                 kernel::auto_partition(
                     self.kernel,
+                    &self.decode_shape,
                     passes,
                     max_len,
                     kernel::pass_cap(gpu, self.kernel, &self.decode_shape),
+                    gpu.compute_units().map(|u| u.count),
                 )
             }
         }
@@ -588,11 +661,14 @@ impl PagedAttention {
         }
         let passes =
             tiles as u64 * self.num_kv_heads as u64 * self.prefill_shape.head_tiles() as u64;
+        // Prefill keeps the fixed target: its query tiles are the work.
         kernel::auto_partition(
             Kernel::Tiled,
+            &self.prefill_shape,
             passes,
             max_len,
             kernel::pass_cap(gpu, Kernel::Tiled, &self.prefill_shape),
+            None,
         )
     }
 

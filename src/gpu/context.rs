@@ -44,6 +44,8 @@ pub struct Gpu {
         >,
     >,
     counts: std::sync::Arc<Counts>,
+    /// The compute units, read on first use (see [`Gpu::compute_units`]).
+    units: std::sync::Arc<std::sync::OnceLock<Option<super::ComputeUnits>>>,
     /// Held by the library's calls on the GL backend (see [`Gpu::serial`]).
     gl_lock: std::sync::Arc<std::sync::Mutex<()>>,
 }
@@ -255,6 +257,7 @@ impl Gpu {
             health: Default::default(),
             pipelines: Default::default(),
             counts: Default::default(),
+            units: Default::default(),
             gl_lock: Default::default(),
         };
         gpu.watch();
@@ -276,8 +279,25 @@ impl Gpu {
             health: Default::default(),
             pipelines: Default::default(),
             counts: Default::default(),
+            units: Default::default(),
             gl_lock: Default::default(),
         }
+    }
+
+    /// The device's compute units (NVIDIA SMs, AMD CUs), which wgpu does
+    /// not report: from the Vulkan driver where it says
+    /// (`VK_NV_shader_sm_builtins`, `VK_AMD_shader_core_properties`), else
+    /// from [`KNOWN_ADAPTERS`](super::KNOWN_ADAPTERS) by name; `None` for
+    /// software adapters and the unknown. `Split::Auto` fills the device
+    /// from this count where it has one.
+    pub fn compute_units(&self) -> Option<super::ComputeUnits> {
+        *self.units.get_or_init(|| {
+            if self.is_software() {
+                None
+            } else {
+                super::units::query(&self.device, &self.info)
+            }
+        })
     }
 
     /// Installs the device's uncaptured-error and device-lost callbacks (what

@@ -25,11 +25,17 @@ pub enum Kernel {
     /// (sequence, KV head, head tile, partition), no barriers, no workgroup
     /// memory.
     Serial,
+    /// `attention_stream.wgsl`, decode shaped for GPU memory: 16-byte
+    /// loads, lanes per row so a warp reads whole rows, several tokens' K
+    /// and V loads issued before their first use, one table lookup per
+    /// block fetched a step ahead, one rescale per step, straight-line
+    /// step code.
+    Stream,
 }
 
 impl Kernel {
     /// Every variant.
-    pub const ALL: [Kernel; 3] = [Kernel::Tiled, Kernel::Lanes, Kernel::Serial];
+    pub const ALL: [Kernel; 4] = [Kernel::Tiled, Kernel::Lanes, Kernel::Serial, Kernel::Stream];
 
     /// The kernel's name: in tune files, the CLI's `PAGEDATTN_KERNEL` and the bench.
     pub fn name(self) -> &'static str {
@@ -37,6 +43,7 @@ impl Kernel {
             Kernel::Tiled => "tiled",
             Kernel::Lanes => "lanes",
             Kernel::Serial => "serial",
+            Kernel::Stream => "stream",
         }
     }
 
@@ -101,19 +108,47 @@ pub(super) fn pass_cap(gpu: &Gpu, kernel: Kernel, s: &ShaderShape) -> Option<u32
     )
 }
 
-/// Split-K rule of `Split::Auto` for `kernel`: partitions so that a batch of
-/// `passes` (sequence x KV-head-tile) units fills the device (a target
-/// number of workgroups per kernel: the adapter's compute units are not
-/// known through wgpu, so the batch decides), never shorter than a minimum,
-/// and never longer than the adapter's loop cap where it has one.
-pub(super) fn auto_partition(kernel: Kernel, passes: u64, max_len: u32, cap: Option<u32>) -> u32 {
-    let (target, min_part) = super::kernels::decode(kernel).split_target();
+/// Shortest partition `Split::Auto` makes on a device whose compute units
+/// are known, in tokens: vLLM's partitions are 512 tokens too, and shorter
+/// ones pay more for the merge than they gain in parallelism.
+pub const DEVICE_MIN_PARTITION: u32 = 512;
+
+/// Split-K rule of `Split::Auto` for `kernel` at shape `s`: partitions so
+/// that a batch of `passes` (sequence x KV-head-tile) units fills the
+/// device, never shorter than a minimum, and never longer than the
+/// adapter's loop cap where it has one. Where the device's compute units
+/// are known (`units`: SMs), it is filled once: `round(units x
+/// resident workgroups per unit / passes)` partitions. Elsewhere the kernel's
+/// fixed target of units of work stands in for the device.
+pub(super) fn auto_partition(
+    kernel: Kernel,
+    s: &ShaderShape,
+    passes: u64,
+    max_len: u32,
+    cap: Option<u32>,
+    units: Option<u32>,
+) -> u32 {
+    let k = super::kernels::decode(kernel);
+    let resident = k.resident_per_unit(s) as u64;
     let mut pt = 0;
-    if passes < target && max_len >= 2 * min_part {
-        let parts = target
-            .div_ceil(passes.max(1))
-            .min(max_len.div_ceil(min_part) as u64) as u32;
-        pt = max_len.div_ceil(parts.max(1)).div_ceil(64) * 64;
+    match units {
+        Some(u) if resident > 0 => {
+            let slots = u as u64 * resident;
+            let parts = ((slots + passes.max(1) / 2) / passes.max(1))
+                .min((max_len / DEVICE_MIN_PARTITION) as u64);
+            if parts >= 2 {
+                pt = max_len.div_ceil(parts as u32).div_ceil(64) * 64;
+            }
+        }
+        _ => {
+            let (target, min_part) = k.split_target();
+            if passes < target && max_len >= 2 * min_part {
+                let parts = target
+                    .div_ceil(passes.max(1))
+                    .min(max_len.div_ceil(min_part) as u64) as u32;
+                pt = max_len.div_ceil(parts.max(1)).div_ceil(64) * 64;
+            }
+        }
     }
     if let Some(cap) = cap {
         if (pt == 0 && max_len > cap) || pt > cap {
@@ -168,6 +203,26 @@ mod tests {
 
     /// Every kernel name parses back; other names (the removed f16
     /// variants too) name none. Backend names parse the same way.
+    /// Where the compute units are known, the device is filled once: the
+    /// design note's cell (32 sequences x 8 KV heads on 132 SMs, 4 stream
+    /// workgroups each) splits 8192 tokens in 2; a batch that fills the
+    /// device alone is not split; short contexts keep 512-token partitions.
+    /// Unknown devices keep the kernel's fixed target.
+    #[test]
+    fn auto_split_fills_a_known_device_once() {
+        let s = ShaderShape {
+            workgroup: 128,
+            ..Default::default()
+        };
+        let pt = |passes, len, units| auto_partition(Kernel::Stream, &s, passes, len, None, units);
+        assert_eq!(pt(256, 8192, Some(132)), 4096);
+        assert_eq!(pt(64, 2048, Some(132)), 512);
+        assert_eq!(pt(1024, 8192, Some(132)), 0);
+        assert_eq!(pt(8, 32768, Some(132)), 512);
+        assert_eq!(pt(256, 8192, None), 2048, "fixed target 1024 / 256 units");
+        assert_eq!(pt(256, 600, Some(132)), 0, "shorter than two partitions");
+    }
+
     #[test]
     fn kernel_and_backend_names_parse() {
         for k in Kernel::ALL {

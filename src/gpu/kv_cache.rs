@@ -680,26 +680,39 @@ pub(crate) fn cached_pipeline(
 ) -> Result<wgpu::ComputePipeline, GpuError> {
     let _serial = gpu.serial();
     gpu.alive()?;
+    let trusted = matches!(key, shader::PipelineKey::Attention(s) if s.trusted);
     gpu.cached_pipeline(kernel, key, || {
         let src = source().ok_or(ShapeError::NoShader(kernel))?;
         #[cfg(not(target_arch = "wasm32"))]
         {
-            gpu.scoped_blocking(|| make_pipeline(gpu, kernel, &src))
+            gpu.scoped_blocking(|| make_pipeline(gpu, kernel, &src, trusted))
         }
         #[cfg(target_arch = "wasm32")]
         {
-            Ok(make_pipeline(gpu, kernel, &src))
+            Ok(make_pipeline(gpu, kernel, &src, false))
         }
     })
 }
 
-fn make_pipeline(gpu: &Gpu, kernel: &str, src: &str) -> wgpu::ComputePipeline {
-    let module = gpu
-        .device
-        .create_shader_module(wgpu::ShaderModuleDescriptor {
-            label: Some(kernel),
-            source: wgpu::ShaderSource::Wgsl(src.into()),
-        });
+fn make_pipeline(gpu: &Gpu, kernel: &str, src: &str, trusted: bool) -> wgpu::ComputePipeline {
+    let desc = wgpu::ShaderModuleDescriptor {
+        label: Some(kernel),
+        source: wgpu::ShaderSource::Wgsl(src.into()),
+    };
+    let module = if trusted && cfg!(not(target_arch = "wasm32")) {
+        // SAFETY: the attention kernels index only what the host validated
+        // before recording (tables within the pool, lengths within the
+        // tables, every offset inside its buffer; `check_csr_tables` and the
+        // plan's checks), their loops are bounded by those lengths, and
+        // they test each table entry against the pool themselves (INVALID).
+        // Nothing else is built trusted.
+        unsafe {
+            gpu.device
+                .create_shader_module_trusted(desc, wgpu::ShaderRuntimeChecks::unchecked())
+        }
+    } else {
+        gpu.device.create_shader_module(desc)
+    };
     gpu.device
         .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
             label: Some(kernel),

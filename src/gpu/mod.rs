@@ -22,13 +22,15 @@ pub mod shader;
 mod swap;
 mod transfer;
 mod tune;
+mod units;
 
 /// The host packing of block tables (what a plan uploads), for the fuzz
 /// targets and tests of its bounds: not API an engine needs.
 #[doc(hidden)]
 pub use attention::PackedTables;
 pub use attention::{
-    check_csr_tables, AttentionConfig, AttnOptions, PagedAttention, Split, MAX_BATCH, MAX_SEQ_LEN,
+    check_csr_tables, AttentionConfig, AttnOptions, PagedAttention, ShaderChecks, Split, MAX_BATCH,
+    MAX_SEQ_LEN,
 };
 pub use cascade::{find_segments, Cascade, CascadeTables, CASCADE_MIN_SAVED_BYTES};
 pub use context::{adapter_backends, parse_backends, Counters, Gpu};
@@ -62,3 +64,4 @@ pub use plan::{
 pub use swap::{SwapSpace, MAX_SWAP_BYTES};
 pub use transfer::{KvLayout, KV_LAYOUT_BYTES, KV_LAYOUT_VERSION};
 pub use tune::{TuneReport, Tuner};
+pub use units::{ComputeUnits, UnitsSource, KNOWN_ADAPTERS};

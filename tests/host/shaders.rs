@@ -47,6 +47,10 @@ fn shapes() -> Vec<ShaderShape> {
                             out_f16,
                             // bf16 activations and outputs at one block size.
                             act_bf16: (q_f16 || out_f16) && block_size == 16,
+                            // The stream kernel's step (see stream_fit).
+                            unroll: [4, 2, 1][(i + qtile as usize) % 3],
+                            workgroup: [128, 64, 256][i],
+                            trusted: false,
                         });
                     }
                 }
@@ -54,6 +58,26 @@ fn shapes() -> Vec<ShaderShape> {
         }
     }
     v
+}
+
+/// `shape` as the stream kernel takes it: lanes per row dividing the row's
+/// 16-byte chunks; `None` where rows are not whole chunks (the kernel is not
+/// offered there).
+fn stream_fit(shape: ShaderShape) -> Option<ShaderShape> {
+    let w = pagedattn::gpu::shader::stream_wide(shape.dtype);
+    let d4 = shape.head_dim / 4;
+    if d4 % w != 0 {
+        return None;
+    }
+    let mut lpt = shape.lpt.max(1);
+    while (d4 / w) % lpt != 0 {
+        lpt /= 2;
+    }
+    Some(ShaderShape {
+        lpt,
+        subgroups: shape.subgroups && lpt > 1,
+        ..shape
+    })
 }
 
 fn parse(kernel: &str, shape: &ShaderShape) -> (naga::Module, ModuleInfo) {
@@ -84,10 +108,15 @@ fn translate(kernel: &str, shape: &ShaderShape, module: &naga::Module, info: &Mo
     let wgs = match kernel {
         "attention_serial" => pagedattn::gpu::shader::serial_workgroup_size(shape.qtile),
         "attention_rows" => pagedattn::gpu::shader::rows_workgroup_size(shape),
+        "attention_stream" => shape.workgroup,
         _ => 64,
     };
     // wgpu's GL backend has no subgroups, so those shapes never reach it.
-    let gl = !(shape.subgroups && (kernel == "attention_lanes" || kernel == "attention_rows"));
+    let gl = !(shape.subgroups
+        && matches!(
+            kernel,
+            "attention_lanes" | "attention_rows" | "attention_stream"
+        ));
     translate_src(&format!("{kernel} {shape:?}"), module, info, wgs, gl);
 }
 
@@ -214,6 +243,16 @@ fn every_kernel_validates_and_translates_to_every_backend() {
                 skipped += 1;
                 continue;
             }
+            let shape = match *kernel {
+                "attention_stream" => match stream_fit(shape) {
+                    Some(s) => s,
+                    None => {
+                        skipped += 1;
+                        continue;
+                    }
+                },
+                _ => shape,
+            };
             let (module, info) = parse(kernel, &shape);
             translate(kernel, &shape, &module, &info);
             n += 1;

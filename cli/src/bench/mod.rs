@@ -4,6 +4,8 @@
 //! same run, split vs non-split, host bookkeeping, write_kv and copy_blocks
 //! throughput. Everything in one process on one adapter, so the ratios hold.
 
+pub mod clock;
+pub mod sweep;
 pub mod timer;
 
 pub use timer::{Timer, TimingSource};
@@ -539,10 +541,10 @@ impl DecodeRig<'_> {
             .map(|(a, t, split)| decode_plan(self.gpu, a, t, *split))
             .collect::<Result<Vec<_>, _>>()?;
         let mut err = None;
-        let mut one = |run: usize, i: usize| {
+        let mut one = |run: usize, i: usize, n: usize| {
             let attn = variants[i].0;
             let plan = &mut plans[i];
-            timer.once(run, &mut |run, enc| {
+            timer.batch(run, n, &mut |run, enc| {
                 let layer = run as u32 % self.layers;
                 if let Err(e) = attn.run(
                     self.gpu,
@@ -561,17 +563,18 @@ impl DecodeRig<'_> {
         // Warm-up of every variant; its time decides how many runs follow.
         let mut slowest: f64 = 0.0;
         for i in 0..variants.len() {
-            slowest = slowest.max(one(0, i)?);
+            slowest = slowest.max(one(0, i, 1)?);
         }
         let runs = if slowest > timer::SLOW_RUN_MS {
             3
         } else {
             timer.runs
         };
+        let n = timer::per_submit(slowest);
         let mut times = vec![Vec::with_capacity(runs); variants.len()];
         for run in 1..=runs {
             for (i, t) in times.iter_mut().enumerate() {
-                t.push(one(run, i)?);
+                t.push(one(run, i, n)?);
             }
         }
         if let Some(e) = err {
@@ -1337,16 +1340,23 @@ fn interleaved_medians(
     let mut err = None;
     let mut times = vec![Vec::new(); n];
     let runs = timer.runs.clamp(3, 7);
+    // The warm-up round decides the runs per submit.
+    let mut per = 1;
     for run in 0..=runs {
+        let mut slowest: f64 = 0.0;
         for (i, t) in times.iter_mut().enumerate() {
-            let ms = timer.once(run, &mut |run, enc| {
+            let ms = timer.batch(run, per, &mut |run, enc| {
                 if let Err(e) = record(i, run, enc) {
                     err = Some(e);
                 }
             })?;
+            slowest = slowest.max(ms);
             if run > 0 {
                 t.push(ms);
             }
+        }
+        if run == 0 {
+            per = timer::per_submit(slowest);
         }
     }
     if let Some(e) = err {

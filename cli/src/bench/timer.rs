@@ -1,5 +1,6 @@
 //! GPU timing: timestamp queries where the adapter has them, else wall time
-//! around submit + wait. Warm-up first, then the median of repeated runs.
+//! around submit + wait. Warm-up first, then the median of repeated submits,
+//! each of several runs back to back ([`per_submit`]).
 
 use pagedattn::gpu::{Gpu, GpuError};
 
@@ -85,31 +86,69 @@ impl<'a> Timer<'a> {
         run: usize,
         record: &mut dyn FnMut(usize, &mut wgpu::CommandEncoder),
     ) -> Result<f64, GpuError> {
+        self.batch(run, 1, record)
+    }
+
+    /// `n` runs (`record(run * n + i)`, so inputs rotate) back to back in
+    /// one submit between one pair of timestamps: milliseconds per run. The
+    /// GPU never idles between them, as it would waiting on a readback.
+    pub fn batch(
+        &self,
+        run: usize,
+        n: usize,
+        record: &mut dyn FnMut(usize, &mut wgpu::CommandEncoder),
+    ) -> Result<f64, GpuError> {
+        let n = n.max(1);
         let mut enc = self.gpu.device.create_command_encoder(&Default::default());
         match &self.queries {
             Some((set, buf)) => {
                 Self::marker(&mut enc, set, 0);
-                record(run, &mut enc);
+                for i in 0..n {
+                    record(run * n + i, &mut enc);
+                }
                 Self::marker(&mut enc, set, 1);
                 enc.resolve_query_set(set, 0..2, buf, 0);
                 self.gpu.queue.submit([enc.finish()]);
                 let t: Vec<u64> = self.gpu.read(buf, 16)?;
-                Ok(t[1].saturating_sub(t[0]) as f64 * self.period_ns / 1e6)
+                Ok(t[1].saturating_sub(t[0]) as f64 * self.period_ns / 1e6 / n as f64)
             }
             None => {
                 let t0 = std::time::Instant::now();
-                record(run, &mut enc);
+                for i in 0..n {
+                    record(run * n + i, &mut enc);
+                }
                 self.gpu.queue.submit([enc.finish()]);
                 self.gpu.wait()?;
-                Ok(t0.elapsed().as_secs_f64() * 1e3)
+                Ok(t0.elapsed().as_secs_f64() * 1e3 / n as f64)
             }
         }
     }
 
-    /// Median milliseconds of `runs` runs after `warmup` runs. The closure
-    /// gets the run index so it can rotate inputs. When the first warm-up
-    /// takes longer than [`SLOW_RUN_MS`], 3 runs after that one warm-up are
-    /// measured, so a software adapter finishes the grid in minutes.
+    /// Keeps the device busy with copies for at least `secs` seconds, so
+    /// its clocks are up before anything is timed (an idle H200 reads 345
+    /// of 1980 MHz).
+    pub fn warm(&self, secs: f64) -> Result<(), GpuError> {
+        let bytes = (256u64 << 20).min(self.gpu.limits.max_buffer_size / 2);
+        let a = self.gpu.storage("warm-up a", bytes)?;
+        let b = self.gpu.storage("warm-up b", bytes)?;
+        let t0 = std::time::Instant::now();
+        while t0.elapsed().as_secs_f64() < secs {
+            let mut enc = self.gpu.device.create_command_encoder(&Default::default());
+            for _ in 0..8 {
+                enc.copy_buffer_to_buffer(&a, 0, &b, 0, bytes);
+                enc.copy_buffer_to_buffer(&b, 0, &a, 0, bytes);
+            }
+            self.gpu.queue.submit([enc.finish()]);
+            self.gpu.wait()?;
+        }
+        Ok(())
+    }
+
+    /// Median milliseconds of `runs` submits after `warmup`, each of
+    /// [`per_submit`] runs back to back. The closure gets the run index so
+    /// it can rotate inputs. When the first warm-up takes longer than
+    /// [`SLOW_RUN_MS`], 3 runs after that one warm-up are measured, so a
+    /// software adapter finishes the grid in minutes.
     pub fn median(
         &self,
         mut record: impl FnMut(usize, &mut wgpu::CommandEncoder),
@@ -120,14 +159,27 @@ impl<'a> Timer<'a> {
         } else {
             (self.warmup.max(1), self.runs)
         };
+        let n = per_submit(first);
         for i in 1..warmup {
-            self.once(i, &mut record)?;
+            self.batch(i, n, &mut record)?;
         }
         let mut t = Vec::with_capacity(runs);
         for i in 0..runs {
-            t.push(self.once(warmup + i, &mut record)?);
+            t.push(self.batch(warmup + i, n, &mut record)?);
         }
         t.sort_by(|a, b| a.total_cmp(b));
         Ok(t[t.len() / 2])
+    }
+}
+
+/// Runs per submit for work whose first run took `first_ms`: 20 for work of
+/// a few milliseconds or less (a GPU's decode step), so the device never
+/// idles between timed runs; fewer for slow work, down to one past 100 ms
+/// (a software adapter's), so the bench still finishes.
+pub fn per_submit(first_ms: f64) -> usize {
+    if first_ms <= 5.0 {
+        20
+    } else {
+        ((100.0 / first_ms) as usize).clamp(1, 20)
     }
 }

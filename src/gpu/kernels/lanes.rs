@@ -49,6 +49,10 @@ impl DecodeKernel for Lanes {
     fn split_target(&self) -> (u64, u32) {
         (1024, 256)
     }
+    // 64 invocations: 16 warps of 32 per SM at 8 workgroups.
+    fn resident_per_unit(&self, _s: &ShaderShape) -> u32 {
+        8
+    }
     fn segment_family(&self) -> SegmentFamily {
         SegmentFamily::Rows
     }

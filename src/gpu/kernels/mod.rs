@@ -16,6 +16,7 @@ use super::{Gpu, Kernel};
 pub(super) mod lanes;
 pub(super) mod rows;
 pub(super) mod serial;
+pub(super) mod stream;
 pub(super) mod template;
 pub(super) mod tiled;
 
@@ -45,9 +46,17 @@ pub(super) trait DecodeKernel: Sync {
     /// bound; 0: the tiled kernel's own cap), for adapters that end loops
     /// after 65535 iterations.
     fn iterations_per_token(&self, s: &ShaderShape) -> u32;
-    /// `Split::Auto`: (the units of work one dispatch should have, the
-    /// shortest partition in tokens).
+    /// `Split::Auto` where the device's compute units are not known
+    /// (software adapters, unknown hardware): (the units of work one
+    /// dispatch should have, the shortest partition in tokens).
     fn split_target(&self) -> (u64, u32);
+    /// Workgroups of shape `s` one compute unit (an SM) is assumed to hold
+    /// at once, for `Split::Auto` on a device whose compute units are
+    /// known; 0: the kernel is not sized from them (it keeps
+    /// `split_target`).
+    fn resident_per_unit(&self, _s: &ShaderShape) -> u32 {
+        0
+    }
     /// Whether its grid is flattened: invocations, not workgroups, serve
     /// the (sequence, KV head tile, partition) units.
     fn flat_grid(&self) -> bool {
@@ -81,6 +90,7 @@ pub(super) fn decode(k: Kernel) -> &'static dyn DecodeKernel {
         Kernel::Tiled => &tiled::Tiled,
         Kernel::Lanes => &lanes::Lanes,
         Kernel::Serial => &serial::Serial,
+        Kernel::Stream => &stream::Stream,
     }
 }
 

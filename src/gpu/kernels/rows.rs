@@ -87,6 +87,8 @@ pub(in crate::gpu) fn shape(gpu: &Gpu, base: &ShaderShape) -> Option<ShaderShape
         subgroups: lpr > 1 && sub_min >= lpr,
         q_f16: false,
         out_f16: false,
+        unroll: 0,
+        workgroup: 0,
         ..*base
     };
     (workgroup_bytes(&s) <= limit

@@ -1,0 +1,566 @@
+//! `pagedattn sweep`: one pass over the questions a real GPU answers about
+//! decode, printed as one table (and CSV): the device's read and copy
+//! ceilings, `lanes` against `stream` over its step parameters with checked
+//! and trusted shader modules, split-K partitions, KV dtypes (does time
+//! scale with bytes?), and paged against contiguous. Each figure is the
+//! median of several submits of back-to-back runs after a warm-up of at
+//! least a second, with the median SM clock over its span where
+//! `nvidia-smi` exists, as a share of the measured read ceiling and of the
+//! adapter's rated bandwidth where known. `scripts/gpu-sweep.sh` runs it.
+
+use super::clock::{rated_gbs, ClockLog};
+use super::timer::{self, Timer};
+use super::{rig, tables, BenchError, HostTables, BLOCK, HEADS, HEAD_DIM, KV_HEADS};
+use pagedattn::gpu::shader::ShaderShape;
+use pagedattn::gpu::{
+    AttentionConfig, Gpu, GpuError, Kernel, KvDtype, PagedAttention, ShaderChecks, Split,
+};
+use pagedattn::rng::SplitMix64;
+use std::time::Instant;
+
+/// What to sweep.
+#[derive(Clone, Debug)]
+pub struct SweepConfig {
+    /// Small cells and a few variants (a software adapter finishes in
+    /// minutes); else the design note's cells.
+    pub small: bool,
+    /// Print progress on stderr.
+    pub progress: bool,
+}
+
+/// One line of the table.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct SweepRow {
+    /// The sweep step: "ceiling", "decode", "split", "dtype", "paging".
+    pub step: &'static str,
+    /// What was measured.
+    pub what: String,
+    /// Milliseconds per run.
+    pub ms: f64,
+    /// Bytes moved per millisecond / 1e6 (GB/s): read (decode: K and V),
+    /// or read + written (copy).
+    pub gbs: f64,
+    /// gbs over the best read ceiling of the same run.
+    pub of_ceiling: Option<f64>,
+    /// gbs over the adapter's rated bandwidth, where known.
+    pub of_rated: Option<f64>,
+    /// Median SM clock (MHz) over the measurement, where nvidia-smi reads it.
+    pub sm_mhz: Option<u32>,
+    /// Anything else (a ratio, the split).
+    pub note: String,
+}
+
+/// The whole sweep.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct SweepReport {
+    /// Adapter and backend.
+    pub adapter: String,
+    /// Compute units and where they came from, if known.
+    pub compute_units: Option<String>,
+    /// Rated bandwidth (GB/s), if known.
+    pub rated_gbs: Option<f64>,
+    /// Best stream-read figure (GB/s).
+    pub read_ceiling_gbs: f64,
+    /// Rows, in the order measured.
+    pub rows: Vec<SweepRow>,
+}
+
+struct Sweep<'a> {
+    gpu: &'a Gpu,
+    cfg: &'a SweepConfig,
+    timer: Timer<'a>,
+    clock: Option<ClockLog>,
+    rated: Option<f64>,
+    ceiling: f64,
+    rows: Vec<SweepRow>,
+}
+
+impl Sweep<'_> {
+    fn say(&self, msg: &str) {
+        if self.cfg.progress {
+            eprintln!("sweep: {msg}");
+        }
+    }
+
+    fn push(
+        &mut self,
+        step: &'static str,
+        what: String,
+        ms: f64,
+        bytes: f64,
+        since: Instant,
+        note: String,
+    ) {
+        let gbs = bytes / ms / 1e6;
+        let row = SweepRow {
+            step,
+            what,
+            ms,
+            gbs,
+            of_ceiling: (self.ceiling > 0.0).then(|| gbs / self.ceiling),
+            of_rated: self.rated.map(|r| gbs / r),
+            sm_mhz: self
+                .clock
+                .as_ref()
+                .and_then(|c| c.median_since(since))
+                .map(|c| c.0),
+            note,
+        };
+        self.say(&format!(
+            "{} {}: {:.4} ms, {:.1} GB/s",
+            row.step, row.what, row.ms, row.gbs
+        ));
+        self.rows.push(row);
+    }
+
+    /// Copy ceiling: `bytes` copied one way and back per run, read +
+    /// written counted (4 x bytes per run).
+    fn copy(&mut self, bytes: u64) -> Result<(), BenchError> {
+        let a = self.gpu.storage("ceiling copy a", bytes)?;
+        let b = self.gpu.storage("ceiling copy b", bytes)?;
+        let t0 = Instant::now();
+        let ms = self.timer.median(|_, enc| {
+            enc.copy_buffer_to_buffer(&a, 0, &b, 0, bytes);
+            enc.copy_buffer_to_buffer(&b, 0, &a, 0, bytes);
+        })?;
+        self.push(
+            "ceiling",
+            format!("copy_buffer_to_buffer {} MiB each way", bytes >> 20),
+            ms,
+            4.0 * bytes as f64,
+            t0,
+            "read + written".into(),
+        );
+        Ok(())
+    }
+
+    /// Read ceilings: the stream kernel over `total` bytes (in chunks one
+    /// binding holds) at each grid and loads per thread, checked and
+    /// trusted; the best becomes the ceiling.
+    fn reads(&mut self, total: u64) -> Result<(), BenchError> {
+        let chunk = (256u64 << 20).min(self.gpu.max_binding_bytes() / 16 * 16);
+        let pairs = total.div_ceil(2 * chunk).max(1);
+        let mut bufs = Vec::new();
+        for i in 0..2 * pairs {
+            bufs.push(self.gpu.storage(&format!("ceiling read {i}"), chunk)?);
+        }
+        let sink = self.gpu.storage("ceiling sink", 16)?;
+        let units = self.gpu.compute_units().map_or(16, |u| u.count);
+        let grids: Vec<u32> = if self.cfg.small {
+            vec![units * 4, units * 16]
+        } else {
+            vec![units, units * 4, units * 16, units * 64]
+        };
+        let loads: &[u32] = if self.cfg.small { &[1, 4] } else { &[1, 4, 8] };
+        let bytes = (2 * pairs * chunk) as f64;
+        for trusted in [false, true] {
+            for &l in loads {
+                let shape = ShaderShape {
+                    head_dim: 4,
+                    unroll: l,
+                    trusted,
+                    ..ShaderShape::default()
+                };
+                let pipe = pagedattn::gpu::kv_cache_pipeline(self.gpu, "stream_read", &shape)?;
+                let groups: Vec<wgpu::BindGroup> = (0..pairs as usize)
+                    .map(|p| {
+                        pagedattn::gpu::bind_buffers(
+                            self.gpu,
+                            &pipe,
+                            &[&bufs[2 * p], &bufs[2 * p + 1], &sink],
+                        )
+                    })
+                    .collect();
+                for &wgs in &grids {
+                    let wgs = wgs.clamp(1, 65535);
+                    let t0 = Instant::now();
+                    let ms = self.timer.median(|_, enc| {
+                        for bg in &groups {
+                            pagedattn::gpu::dispatch_pass(
+                                enc,
+                                "stream_read",
+                                &pipe,
+                                bg,
+                                (wgs, 1, 1),
+                            );
+                        }
+                    })?;
+                    let gbs = bytes / ms / 1e6;
+                    self.ceiling = self.ceiling.max(gbs);
+                    let checks = if trusted { "trusted" } else { "checked" };
+                    self.push(
+                        "ceiling",
+                        format!(
+                            "stream read {} MiB, {wgs} WGs x 64, {l} loads, {checks}",
+                            (bytes as u64) >> 20
+                        ),
+                        ms,
+                        bytes,
+                        t0,
+                        String::new(),
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Times `variants` (label, attention, tables, split) on one rig,
+    /// interleaved, and pushes a row each; returns their times.
+    fn decode_rows(
+        &mut self,
+        step: &'static str,
+        r: &super::DecodeRig,
+        bytes: f64,
+        variants: &[(String, &PagedAttention, &HostTables, Split, String)],
+    ) -> Result<Vec<f64>, BenchError> {
+        let t0 = Instant::now();
+        let v: Vec<(&PagedAttention, &HostTables, Split)> = variants
+            .iter()
+            .map(|(_, a, t, s, _)| (*a, *t, *s))
+            .collect();
+        let times = r.time_interleaved(&self.timer, &v)?;
+        for ((what, _, _, _, note), &ms) in variants.iter().zip(&times) {
+            self.push(step, what.clone(), ms, bytes, t0, note.clone());
+        }
+        Ok(times)
+    }
+}
+
+/// A decode configuration of the sweep: kernel, stream step, checks.
+#[derive(Clone, Copy, Debug)]
+struct Variant {
+    kernel: Kernel,
+    unroll: u32,
+    workgroup: u32,
+    checks: ShaderChecks,
+}
+
+impl Variant {
+    fn config(&self) -> AttentionConfig {
+        AttentionConfig::new()
+            .kernel(self.kernel)
+            .stream_step(self.unroll, self.workgroup)
+            .shader_checks(self.checks)
+    }
+
+    fn label(&self) -> String {
+        let checks = if self.checks == ShaderChecks::Checked {
+            "checked"
+        } else {
+            "trusted"
+        };
+        match self.kernel {
+            Kernel::Stream => format!("stream u{} wg{} {checks}", self.unroll, self.workgroup),
+            k => format!("{k} {checks}"),
+        }
+    }
+}
+
+/// K and V bytes one decode of `batch` x `context` reads at `dtype` (data
+/// only; the quantized pools' scales add 1/32 to 1/64).
+fn kv_bytes(batch: u32, context: u32, dtype: KvDtype) -> f64 {
+    let row = (KV_HEADS * HEAD_DIM) as f64 * dtype.bytes() as f64;
+    let row = if dtype.quantized() {
+        (KV_HEADS * HEAD_DIM) as f64
+    } else {
+        row
+    };
+    2.0 * batch as f64 * context as f64 * row
+}
+
+/// Runs the sweep on `gpu`.
+pub fn run(gpu: &Gpu, cfg: &SweepConfig) -> Result<SweepReport, BenchError> {
+    let timer = Timer::new(gpu, false);
+    let mut s = Sweep {
+        gpu,
+        cfg,
+        timer,
+        clock: ClockLog::start(),
+        rated: rated_gbs(&gpu.info.name),
+        ceiling: 0.0,
+        rows: Vec::new(),
+    };
+    s.say("warming up (at least 1 s of copies)");
+    s.timer.warm(if cfg.small { 1.0 } else { 2.0 })?;
+
+    // A: ceilings.
+    let total = if cfg.small { 256u64 << 20 } else { 1u64 << 30 };
+    s.copy(total.min(gpu.limits.max_buffer_size))?;
+    s.reads(total)?;
+
+    // B: decode variants per cell (f16).
+    let cells: &[(u32, u32)] = if cfg.small {
+        &[(8, 1024), (2, 4096)]
+    } else {
+        &[(32, 8192), (8, 2048), (1, 32768)]
+    };
+    let steps: &[(u32, u32)] = if cfg.small {
+        &[(4, 128), (2, 64)]
+    } else {
+        &[
+            (1, 64),
+            (1, 128),
+            (2, 64),
+            (2, 128),
+            (2, 256),
+            (4, 64),
+            (4, 128),
+            (4, 256),
+        ]
+    };
+    let mut variants = Vec::new();
+    for checks in [ShaderChecks::Checked, ShaderChecks::Trusted] {
+        variants.push(Variant {
+            kernel: Kernel::Lanes,
+            unroll: 0,
+            workgroup: 0,
+            checks,
+        });
+        for &(unroll, workgroup) in steps {
+            variants.push(Variant {
+                kernel: Kernel::Stream,
+                unroll,
+                workgroup,
+                checks,
+            });
+        }
+    }
+    let mut rng = SplitMix64::new(0x5eed_5eed);
+    let mut best: Option<(Variant, f64)> = None;
+    for (ci, &(batch, context)) in cells.iter().enumerate() {
+        s.say(&format!("decode f16 batch {batch} context {context}"));
+        let Some(r) = rig(gpu, batch, context, KvDtype::F16, &mut rng)? else {
+            s.say("  skipped: a layer exceeds the binding limit");
+            continue;
+        };
+        let t = tables(batch, context, true, &mut rng);
+        let mut built = Vec::new();
+        for v in &variants {
+            match PagedAttention::with_config(gpu, &r.cache, HEADS, &v.config()) {
+                Ok(a) => built.push((*v, a)),
+                Err(GpuError::Shape(e)) => s.say(&format!("  {}: {e}", v.label())),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let rows: Vec<_> = built
+            .iter()
+            .map(|(v, a)| {
+                let what = format!("f16 {batch}x{context} {}", v.label());
+                (what, a, &t, Split::Auto, String::new())
+            })
+            .collect();
+        let bytes = kv_bytes(batch, context, KvDtype::F16);
+        let times = s.decode_rows("decode", &r, bytes, &rows)?;
+        if ci == 0 {
+            let (i, &ms) = times
+                .iter()
+                .enumerate()
+                .min_by(|a, b| a.1.total_cmp(b.1))
+                .ok_or_else(|| BenchError::Config("no decode variant runs here".into()))?;
+            best = Some((built[i].0, ms));
+        }
+    }
+    let Some((win, _)) = best else {
+        return Err(BenchError::Config(
+            "no decode cell fits this adapter".into(),
+        ));
+    };
+    let (batch, context) = cells[0];
+
+    // C: splits, on lanes and the winner.
+    s.say(&format!(
+        "split-K at batch {batch} context {context}: {}",
+        win.label()
+    ));
+    if let Some(r) = rig(gpu, batch, context, KvDtype::F16, &mut rng)? {
+        let t = tables(batch, context, true, &mut rng);
+        let lanes = Variant {
+            kernel: Kernel::Lanes,
+            unroll: 0,
+            workgroup: 0,
+            checks: win.checks,
+        };
+        let mut attns = Vec::new();
+        for v in [lanes, win] {
+            attns.push((
+                v,
+                PagedAttention::with_config(gpu, &r.cache, HEADS, &v.config())?,
+            ));
+        }
+        let mut rows = Vec::new();
+        for (v, a) in &attns {
+            let auto = a.partition_tokens(gpu, Split::Auto, batch, context);
+            rows.push((
+                format!("{batch}x{context} {} auto", v.label()),
+                a,
+                &t,
+                Split::Auto,
+                format!(
+                    "auto: {} partitions",
+                    if auto == 0 { 1 } else { context.div_ceil(auto) }
+                ),
+            ));
+            // Splits the adapter refuses (a pass past a loop cap) are left out.
+            let fits = |split| super::decode_plan(gpu, a, &t, split).is_ok();
+            if fits(Split::Never) {
+                let what = format!("{batch}x{context} {} 1 partition", v.label());
+                rows.push((what, a, &t, Split::Never, String::new()));
+            }
+            for parts in [2u32, 4, 8, 16] {
+                let pt = context.div_ceil(parts).div_ceil(64) * 64;
+                if fits(Split::Tokens(pt)) {
+                    rows.push((
+                        format!("{batch}x{context} {} {parts} partitions", v.label()),
+                        a,
+                        &t,
+                        Split::Tokens(pt),
+                        format!("{pt} tokens each"),
+                    ));
+                }
+            }
+        }
+        s.decode_rows("split", &r, kv_bytes(batch, context, KvDtype::F16), &rows)?;
+    }
+
+    // D: dtypes on the winner (and lanes): does time scale with bytes?
+    for v in [
+        Variant {
+            kernel: Kernel::Lanes,
+            unroll: 0,
+            workgroup: 0,
+            checks: win.checks,
+        },
+        win,
+    ] {
+        let mut f16_ms = None;
+        for dtype in [KvDtype::F16, KvDtype::Int8, KvDtype::Fp8E4M3] {
+            s.say(&format!("dtype {} on {}", dtype.name(), v.label()));
+            let Some(r) = rig(gpu, batch, context, dtype, &mut rng)? else {
+                continue;
+            };
+            let t = tables(batch, context, true, &mut rng);
+            let a = match PagedAttention::with_config(gpu, &r.cache, HEADS, &v.config()) {
+                Ok(a) => a,
+                Err(GpuError::Shape(e)) => {
+                    s.say(&format!("  {e}"));
+                    continue;
+                }
+                Err(e) => return Err(e.into()),
+            };
+            let label = format!("{batch}x{context} {} {}", v.label(), dtype.name());
+            let ms = s.decode_rows(
+                "dtype",
+                &r,
+                kv_bytes(batch, context, dtype),
+                &[(label, &a, &t, Split::Auto, String::new())],
+            )?[0];
+            match f16_ms {
+                None => f16_ms = Some(ms),
+                Some(f) => {
+                    if let Some(row) = s.rows.last_mut() {
+                        row.note = format!("time / f16 {:.2}", ms / f);
+                    }
+                }
+            }
+        }
+    }
+
+    // E: paged (shuffled) against contiguous, on the winner, every cell.
+    for &(batch, context) in cells {
+        s.say(&format!("paging at batch {batch} context {context}"));
+        let Some(r) = rig(gpu, batch, context, KvDtype::F16, &mut rng)? else {
+            continue;
+        };
+        let shuffled = tables(batch, context, true, &mut rng);
+        let identity = tables(batch, context, false, &mut rng);
+        let paged = PagedAttention::with_config(gpu, &r.cache, HEADS, &win.config())?;
+        let contiguous = PagedAttention::contiguous(gpu, &r.cache, HEADS, &win.config())?;
+        let what = |k: &str| format!("{} {batch}x{context} {k}", win.label());
+        let times = s.decode_rows(
+            "paging",
+            &r,
+            kv_bytes(batch, context, KvDtype::F16),
+            &[
+                (
+                    what("paged, shuffled"),
+                    &paged,
+                    &shuffled,
+                    Split::Auto,
+                    String::new(),
+                ),
+                (
+                    what("contiguous"),
+                    &contiguous,
+                    &identity,
+                    Split::Auto,
+                    String::new(),
+                ),
+            ],
+        )?;
+        let n = s.rows.len();
+        s.rows[n - 2].note = format!("paged / contiguous {:.3}", times[0] / times[1]);
+    }
+
+    Ok(SweepReport {
+        adapter: gpu.describe(),
+        compute_units: gpu
+            .compute_units()
+            .map(|u| format!("{} ({:?})", u.count, u.source)),
+        rated_gbs: s.rated,
+        read_ceiling_gbs: s.ceiling,
+        rows: s.rows,
+    })
+}
+
+/// The table.
+pub fn render(r: &SweepReport) -> String {
+    let mut out = format!(
+        "sweep on {}\ncompute units: {}; rated bandwidth: {}; read ceiling measured: {:.1} GB/s\n\
+         (ms per run: median of submits of {} runs back to back where a run takes 5 ms or less; block {BLOCK}, {HEADS} q / {KV_HEADS} kv heads, head_dim {HEAD_DIM})\n",
+        r.adapter,
+        r.compute_units.as_deref().unwrap_or("unknown"),
+        r.rated_gbs.map_or("unknown".into(), |g| format!("{g:.0} GB/s")),
+        r.read_ceiling_gbs,
+        timer::per_submit(0.0),
+    );
+    out += &format!(
+        "{:<8} {:<64} {:>10} {:>9} {:>7} {:>7} {:>6}  {}\n",
+        "step", "what", "ms", "GB/s", "%ceil", "%rated", "SM MHz", "note"
+    );
+    let pct = |x: Option<f64>| x.map_or("-".into(), |v| format!("{:.1}", 100.0 * v));
+    for row in &r.rows {
+        out += &format!(
+            "{:<8} {:<64} {:>10.4} {:>9.1} {:>7} {:>7} {:>6}  {}\n",
+            row.step,
+            row.what,
+            row.ms,
+            row.gbs,
+            pct(row.of_ceiling),
+            pct(row.of_rated),
+            row.sm_mhz.map_or("-".into(), |m| m.to_string()),
+            row.note
+        );
+    }
+    out
+}
+
+/// The rows as CSV (header first).
+pub fn csv(r: &SweepReport) -> String {
+    let mut out = String::from("step,what,ms,gbs,of_ceiling,of_rated,sm_mhz,note\n");
+    let opt = |x: Option<f64>| x.map_or(String::new(), |v| format!("{v:.4}"));
+    for row in &r.rows {
+        out += &format!(
+            "{},\"{}\",{:.6},{:.2},{},{},{},\"{}\"\n",
+            row.step,
+            row.what,
+            row.ms,
+            row.gbs,
+            opt(row.of_ceiling),
+            opt(row.of_rated),
+            row.sm_mhz.map_or(String::new(), |m| m.to_string()),
+            row.note
+        );
+    }
+    out
+}
