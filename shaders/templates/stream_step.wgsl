@@ -186,15 +186,20 @@ fn st_step(p: AttnParams, span: Span, range: Keys, kvh: u32, c: u32, lid: u32, i
 //#end
 //#end
     workgroupBarrier();
-    let g0 = lid / LANES * LANES;
 //#for h in 0..ht
 //#for x in 0..u
     s{{h}}_{{x}} = 0.0;
-//#for i in 0..lanes
-    s{{h}}_{{x}} += red[(g0 + {{i}}u) * {{ht * u}}u + {{h * u + x}}u];
 //#end
 //#end
+//# A loop over the group's lanes (not unrolled: without subgroups this path
+//# serves software adapters, where code size is compile time).
+    for (var i = lid / LANES * LANES; i < (lid / LANES + 1u) * LANES; i++) {
+//#for h in 0..ht
+//#for x in 0..u
+        s{{h}}_{{x}} += red[i * {{ht * u}}u + {{h * u + x}}u];
 //#end
+//#end
+    }
     workgroupBarrier();
 //#end
 //#for x in 0..u

@@ -7,7 +7,8 @@ use crate::common;
 use common::*;
 use pagedattn::blocks::{BlockManager, BlockManagerConfig};
 use pagedattn::gpu::{
-    AttnOptions, DecodeTables, Gpu, KvCache, KvCacheConfig, KvDtype, PagedAttention,
+    AttentionConfig, AttnOptions, DecodeTables, Gpu, Kernel, KvCache, KvCacheConfig, KvDtype,
+    PagedAttention, ShaderChecks,
 };
 use pagedattn::reference::{self, rel_l2, AttnParams};
 use pagedattn::rng::SplitMix64;
@@ -143,11 +144,25 @@ fn attn_for(gpu: &Gpu, kv: &KvCache) -> PagedAttention {
 #[test]
 fn corrupt_tables_are_skipped_not_read() {
     let Some(gpu) = gpu() else { return };
+    // Every kernel, built with wgpu's runtime checks and trusted (without
+    // them, the native default): the kernels' own tests of each table
+    // entry must hold either way, and the host refuses the same tables
+    // before any dispatch.
+    for kernel in Kernel::ALL {
+        for checks in [ShaderChecks::Checked, ShaderChecks::Trusted] {
+            corrupt_tables_case(&gpu, kernel, checks);
+        }
+    }
+}
+
+fn corrupt_tables_case(gpu: &Gpu, kernel: Kernel, checks: ShaderChecks) {
+    let gpu = gpu.clone();
     let s = seed("corrupt tables");
     let mut rng = SplitMix64::new(s);
     let (bs, nb) = (16u32, 6u32);
     let kv = cache(&gpu, 1, nb, bs, KvDtype::F32);
-    let attn = PagedAttention::new(&gpu, &kv, HEADS).unwrap();
+    let config = AttentionConfig::new().kernel(kernel).shader_checks(checks);
+    let attn = PagedAttention::with_config(&gpu, &kv, HEADS, &config).unwrap();
     let slots: Vec<u32> = (0..nb * bs).collect();
     let row = (KVH * HD) as usize;
     let (k, v) = (
@@ -196,12 +211,12 @@ fn corrupt_tables_are_skipped_not_read() {
         &seq_lens,
     );
     let e = rel_l2(&got, &want);
-    eprintln!("corrupt tables: rel L2 {e:.2e}");
-    assert!(e < 1e-5, "{e:.2e} (seed {s})");
+    eprintln!("corrupt tables [{kernel}, {checks:?}]: rel L2 {e:.2e}");
+    assert!(e < 1e-5, "[{kernel}, {checks:?}] {e:.2e} (seed {s})");
     let per = (HEADS * HD) as usize;
     assert!(
         got[2 * per..3 * per].iter().all(|&x| x == 0.0),
-        "a sequence with no readable token writes zeros"
+        "[{kernel}, {checks:?}] a sequence with no readable token writes zeros"
     );
     // The checked host path refuses the same tables.
     let err = attn

@@ -11,7 +11,8 @@ use super::{DecodeKernel, SegmentFamily};
 use crate::gpu::shader::{balanced_head_tile, ShaderShape};
 use crate::gpu::{Gpu, KvDtype};
 
-/// Tokens per lane group per step when the config leaves it open: 4, so a
+/// Tokens per lane group per step when the config leaves it open (on a
+/// device with subgroups; 1 without): 4, so a
 /// lane has 4 K and 4 V loads of 16 bytes in flight (128 bytes), and a
 /// workgroup of 128 16 KiB (the design note's rule for keeping HBM busy:
 /// at least 32 KiB in flight per SM, i.e. two such workgroups).
@@ -72,7 +73,16 @@ impl DecodeKernel for Stream {
             htile: balanced_head_tile(base.group, rows),
             lpt: lanes,
             subgroups: sub && lanes > 1,
-            unroll: if chosen.0 { base.unroll } else { STREAM_UNROLL },
+            // Without subgroups (GL, the browser: software adapters here)
+            // one token per group per step: 4 made the kernel's cold
+            // compile on llvmpipe's GL 44 s against 5 s.
+            unroll: if chosen.0 {
+                base.unroll
+            } else if sub {
+                STREAM_UNROLL
+            } else {
+                1
+            },
             workgroup: if chosen.1 {
                 base.workgroup
             } else {
@@ -100,10 +110,14 @@ impl DecodeKernel for Stream {
     fn workgroup_bytes(&self, s: &ShaderShape) -> u32 {
         workgroup_bytes(s)
     }
-    // The token loop, once per step of (workgroup / lanes) x unroll tokens;
-    // the step's code is straight-line. Counted as one per token.
-    fn iterations_per_token(&self, _s: &ShaderShape) -> u32 {
-        1
+    // Per step of (workgroup / lanes) x unroll tokens: the token loop's one
+    // iteration, and without subgroups the loop over the group's lanes;
+    // the rest of the step is straight-line.
+    fn iterations_per_token(&self, s: &ShaderShape) -> u32 {
+        let lanes = s.lpt.max(1);
+        let per_step = 1 + if s.subgroups { 0 } else { lanes };
+        let nt = s.workgroup.max(64) / lanes * s.unroll.max(1);
+        per_step.div_ceil(nt) + 1
     }
     fn split_target(&self) -> (u64, u32) {
         (1024, 256)
