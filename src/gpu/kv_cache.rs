@@ -680,7 +680,9 @@ pub(crate) fn cached_pipeline(
 ) -> Result<wgpu::ComputePipeline, GpuError> {
     let _serial = gpu.serial();
     gpu.alive()?;
-    let trusted = matches!(key, shader::PipelineKey::Attention(s) if s.trusted);
+    // Trusted modules are native-only (the browser keeps wgpu's checks).
+    let trusted = cfg!(not(target_arch = "wasm32"))
+        && matches!(key, shader::PipelineKey::Attention(s) if s.trusted);
     gpu.cached_pipeline(kernel, key, || {
         let src = source().ok_or(ShapeError::NoShader(kernel))?;
         #[cfg(not(target_arch = "wasm32"))]
@@ -689,7 +691,7 @@ pub(crate) fn cached_pipeline(
         }
         #[cfg(target_arch = "wasm32")]
         {
-            Ok(make_pipeline(gpu, kernel, &src, false))
+            Ok(make_pipeline(gpu, kernel, &src, trusted))
         }
     })
 }

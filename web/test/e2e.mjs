@@ -91,11 +91,11 @@ try {
   check(s.webgpu && s.backend === 'BrowserWebGpu', `kernels run on WebGPU (backend ${s.backend}, adapter ${s.adapter && s.adapter.name})`);
 
   // Every decode kernel variant (tiled, GPU-shaped lanes, barrier-free
-  // serial), split and unsplit, f32, f16 and bf16 KV, against the f64
+  // serial, memory-shaped stream), split and unsplit, f32, f16 and bf16 KV, against the f64
   // reference (over the rounded values for f16 and bf16: bf16 widens
   // exactly, so f32's tolerance holds).
   const kernels = await page.evaluate((seed) => window.pagedattnKernelCheck(seed), SEED);
-  for (const kname of ['tiled', 'lanes', 'serial']) {
+  for (const kname of ['tiled', 'lanes', 'serial', 'stream']) {
     const forms = kernels.filter((r) => r.kernel === kname && r.form !== 'plain');
     check(forms.length === 2 && forms.some((r) => r.form === 'sinks') && forms.some((r) => r.form === 'sink tokens'),
       `${kname}: sink logits and sink tokens ran (bf16 pool), got ${forms.length}`);
