@@ -309,14 +309,23 @@ pub fn run(gpu: &Gpu, cfg: &SweepConfig) -> Result<SweepReport, BenchError> {
             (4, 256),
         ]
     };
+    // The small sweep (a software adapter) also runs the other kernels, so
+    // their checked / trusted ratio is measured where they are the default.
+    let others: &[Kernel] = if cfg.small {
+        &[Kernel::Lanes, Kernel::Serial, Kernel::Tiled]
+    } else {
+        &[Kernel::Lanes]
+    };
     let mut variants = Vec::new();
     for checks in [ShaderChecks::Checked, ShaderChecks::Trusted] {
-        variants.push(Variant {
-            kernel: Kernel::Lanes,
-            unroll: 0,
-            workgroup: 0,
-            checks,
-        });
+        for &kernel in others {
+            variants.push(Variant {
+                kernel,
+                unroll: 0,
+                workgroup: 0,
+                checks,
+            });
+        }
         for &(unroll, workgroup) in steps {
             variants.push(Variant {
                 kernel: Kernel::Stream,
