@@ -6,7 +6,10 @@
 #      trusted modules), lanes against stream over its steps x checked /
 #      trusted at 32x8192, 8x2048, 1x32768 (f16), split-K partitions,
 #      f16 / int8 / fp8 (time over f16's), paged against contiguous;
-#   3. `pagedattn bench --only cascade`: the cascade grid and, in a build
+#   3. `pagedattn pipeline-stats`: registers, spills and code size of each
+#      decode kernel as the driver reports them (checked and trusted
+#      SPIR-V; needs VK_KHR_pipeline_executable_properties);
+#   4. `pagedattn bench --only cascade`: the cascade grid and, in a build
 #      with `--features cuda` on a machine with the driver, the CUDA twin.
 #
 # Usage: scripts/gpu-sweep.sh [--small]
@@ -57,6 +60,9 @@ timeout 420 "$BIN" sweep "${SMALL[@]}" --csv "$OUT/sweep.csv" >"$OUT/sweep.txt" 
 sweep_rc=$?
 [[ $sweep_rc -ne 0 ]] && tail -5 "$OUT/sweep.err"
 
+echo "== pipeline statistics"
+timeout 60 "$BIN" pipeline-stats >"$OUT/stats.txt" 2>&1 || true
+
 echo "== cascade grid and the CUDA twin (bench --only cascade)"
 timeout 120 "$BIN" bench --only cascade --max-seconds 60 >"$OUT/bench.txt" 2>"$OUT/bench.err"
 bench_rc=$?
@@ -64,6 +70,7 @@ bench_rc=$?
 
 [[ -n "$LOGGER" ]] && kill "$LOGGER" 2>/dev/null
 echo "== $(( $(date +%s) - start )) s"
+cat "$OUT/stats.txt"
 cat "$OUT/bench.txt"
 cat "$OUT/sweep.txt"
 [[ $sweep_rc -eq 0 && $bench_rc -eq 0 ]]

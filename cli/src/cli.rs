@@ -43,6 +43,9 @@ pub enum Command {
     /// ceilings, lanes vs stream and its steps, checked vs trusted shader
     /// modules, splits, KV dtypes, paging), printed as one table.
     Sweep(SweepArgs),
+    /// Registers, spills and code size of each decode kernel's pipeline as
+    /// the Vulkan driver reports them, checked and trusted.
+    PipelineStats(PipelineStatsArgs),
     /// Text from a real model (SmolLM2-135M-Instruct, fetched by
     /// `bash scripts/fetch-model.sh`) through the paged KV cache.
     Generate(GenerateArgs),
@@ -130,6 +133,13 @@ pub struct SweepArgs {
     pub json: bool,
 }
 
+#[derive(clap::Args, Debug)]
+pub struct PipelineStatsArgs {
+    /// Print the report as JSON on stdout instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}
+
 #[derive(clap::Args, Debug, Clone)]
 pub struct DemoArgs {
     /// Seed.
@@ -202,6 +212,11 @@ pub enum Checked {
         cfg: pagedattn_cli::bench::sweep::SweepConfig,
         /// Where the CSV goes, if anywhere.
         csv: Option<std::path::PathBuf>,
+        /// Print JSON instead of the table.
+        json: bool,
+    },
+    /// Pipeline statistics.
+    PipelineStats {
         /// Print JSON instead of the table.
         json: bool,
     },
@@ -326,6 +341,7 @@ pub fn check(cli: Cli) -> Result<Checked, String> {
             csv: a.csv,
             json: a.json,
         }),
+        Some(Command::PipelineStats(a)) => Ok(Checked::PipelineStats { json: a.json }),
         Some(Command::Generate(a)) => generate(&a),
     }
 }

@@ -62,6 +62,57 @@ fn run_bench(out: &mut dyn Write, cfg: &pagedattn_cli::bench::BenchConfig, json:
     Ok(())
 }
 
+/// `pagedattn pipeline-stats`: the decode kernels the default adapter
+/// builds for the bench's grid shape (f16, 32 q / 8 kv heads, head_dim 128),
+/// with the stream kernel at each step, compiled on a Vulkan device of
+/// their own with the statistics extension.
+#[cfg(any(target_os = "linux", target_os = "windows"))]
+fn run_stats(out: &mut dyn Write, json: bool) -> Res {
+    use pagedattn::gpu::{AttentionConfig, KvCache, KvCacheConfig, KvDtype, PagedAttention};
+    use pagedattn_cli::bench::{stats, BLOCK, HEADS, HEAD_DIM, KV_HEADS};
+    let gpu = pagedattn_cli::env::gpu()?;
+    let cache = KvCache::new(
+        &gpu,
+        KvCacheConfig {
+            num_layers: 1,
+            num_blocks: 1,
+            block_size: BLOCK,
+            num_kv_heads: KV_HEADS,
+            head_dim: HEAD_DIM,
+            dtype: KvDtype::F16,
+        },
+    )?;
+    let mut configs: Vec<AttentionConfig> = PagedAttention::eligible_kernels(&gpu, &cache, HEADS)
+        .into_iter()
+        .map(|k| AttentionConfig::new().kernel(k))
+        .collect();
+    for (u, wg) in [(1, 128), (2, 128), (4, 64), (4, 256)] {
+        configs.push(
+            AttentionConfig::new()
+                .kernel(pagedattn::gpu::Kernel::Stream)
+                .stream_step(u, wg),
+        );
+    }
+    let mut kernels = Vec::new();
+    for c in &configs {
+        if let Ok(a) = PagedAttention::with_config(&gpu, &cache, HEADS, c) {
+            kernels.push(a.decode_shader());
+        }
+    }
+    let report = stats::run(&kernels)?;
+    if json {
+        writeln!(out, "{}", serde_json::to_string_pretty(&report)?)?;
+    } else {
+        write!(out, "{}", stats::render(&report))?;
+    }
+    Ok(())
+}
+
+#[cfg(not(any(target_os = "linux", target_os = "windows")))]
+fn run_stats(_out: &mut dyn Write, _json: bool) -> Res {
+    Err("pipeline-stats needs Vulkan through ash (Linux or Windows)".into())
+}
+
 /// The CUDA twin of the decode bench, when the feature is on and a driver is there.
 #[cfg(feature = "cuda")]
 fn cuda_bench(quick: bool) -> Result<Option<pagedattn::cuda::DecodeTiming>, Box<dyn Error>> {
@@ -286,6 +337,7 @@ fn run(checked: Checked) -> Res {
                 write!(out, "{}", sweep::render(&report))?;
             }
         }
+        Checked::PipelineStats { json } => run_stats(&mut out, json)?,
         Checked::Generate { opts } => {
             pagedattn_cli::model::generate::run(&opts, &mut out)?;
         }

@@ -473,6 +473,14 @@ impl PagedAttention {
         self.kernel
     }
 
+    /// The decode kernel's WGSL file and the shape it was built at (for
+    /// tools that compile the same source elsewhere: `pagedattn
+    /// pipeline-stats`).
+    #[doc(hidden)]
+    pub fn decode_shader(&self) -> (&'static str, ShaderShape) {
+        (self.kernel.shader(), self.decode_shape)
+    }
+
     /// Workgroup memory (bytes) of the decode and the prefill kernels as
     /// built: both within [`PORTABLE_WORKGROUP_BYTES`](super::PORTABLE_WORKGROUP_BYTES)
     /// (WebGPU's default) on every shape.

@@ -5,6 +5,11 @@
 //! throughput. Everything in one process on one adapter, so the ratios hold.
 
 pub mod clock;
+#[cfg(all(
+    not(target_arch = "wasm32"),
+    any(target_os = "linux", target_os = "windows")
+))]
+pub mod stats;
 pub mod sweep;
 pub mod timer;
 
