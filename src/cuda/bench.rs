@@ -35,12 +35,13 @@ pub struct DecodeBench {
 }
 
 impl Default for DecodeBench {
-    /// 64 sequences of 2048 tokens, 8 KV heads x 4 query heads each,
-    /// head_dim 128, blocks of 16, f16 KV.
+    /// 32 sequences of 8192 tokens (the GPU-decode design note's cell:
+    /// 1.07 GB of K/V, far past an H200's 60 MB of L2), 8 KV heads x 4
+    /// query heads each, head_dim 128, blocks of 16, f16 KV.
     fn default() -> Self {
         Self {
-            num_seqs: 64,
-            seq_len: 2048,
+            num_seqs: 32,
+            seq_len: 8192,
             num_kv_heads: 8,
             group: 4,
             head_dim: 128,
@@ -97,7 +98,8 @@ pub struct DecodeTiming {
     pub kv_bytes: u64,
     /// `kv_bytes` / `paged_ms`, GB/s.
     pub paged_gbps: f64,
-    /// Device-to-device copy of one K pool, bytes read + written / time, GB/s.
+    /// Device-to-device copy of 1 GiB (or one K pool, if larger), bytes
+    /// read + written / time, GB/s.
     pub copy_gbps: f64,
 }
 
@@ -126,6 +128,12 @@ impl DecodeTiming {
     }
 }
 
+/// Seconds of launches before the first timed one.
+const WARM_S: f64 = 1.0;
+
+/// Bytes of the copy yardstick: 1 GiB each way, past any L2.
+const COPY_BYTES: usize = 1 << 30;
+
 /// Times `f` with events around each launch: sorted milliseconds.
 fn time(
     cuda: &Cuda,
@@ -133,9 +141,18 @@ fn time(
     iters: u32,
     mut f: impl FnMut() -> Result<(), CudaError>,
 ) -> Result<Vec<f64>, CudaError> {
-    for _ in 0..warmup {
+    // The warm-up launches, then more until a second has passed, so the
+    // clocks are up before anything is timed.
+    let t0 = std::time::Instant::now();
+    let mut n = 0;
+    while n < warmup || t0.elapsed().as_secs_f64() < WARM_S {
         f()?;
+        n += 1;
+        if n % 16 == 0 {
+            cuda.synchronize()?;
+        }
     }
+    cuda.synchronize()?;
     let record = || {
         guarded("record event", || {
             cuda.stream()
@@ -221,16 +238,21 @@ pub fn bench_decode(cuda: &Cuda, b: &DecodeBench) -> Result<DecodeTiming, CudaEr
         attn.launch(cuda, &cache, 0, &mut ident, &opts)
     })?;
 
+    // The copy yardstick: 1 GiB (or the pool, if larger) one way, bytes
+    // read and written counted.
     let [k_pool, _] = cache.layer(0)?;
-    let mut dst = guarded("allocate copy target", || {
-        cuda.stream()
-            .alloc_zeros::<u8>(k_pool.len())
-            .during("cuMemAlloc")
+    let copy_len = k_pool.len().max(COPY_BYTES);
+    let (src, mut dst) = guarded("allocate copy buffers", || {
+        let s = cuda.stream();
+        Ok((
+            s.alloc_zeros::<u8>(copy_len).during("cuMemAlloc")?,
+            s.alloc_zeros::<u8>(copy_len).during("cuMemAlloc")?,
+        ))
     })?;
     let copy_ms = time(cuda, b.warmup, b.iters, || {
         guarded("copy", || {
             cuda.stream()
-                .memcpy_dtod(k_pool, &mut dst)
+                .memcpy_dtod(&src, &mut dst)
                 .during("cuMemcpyDtoD")
         })
     })?;
@@ -246,6 +268,6 @@ pub fn bench_decode(cuda: &Cuda, b: &DecodeBench) -> Result<DecodeTiming, CudaEr
         contiguous_ms: median(&contiguous_ms),
         kv_bytes,
         paged_gbps: gbps(kv_bytes, median(&paged_ms)),
-        copy_gbps: gbps(2 * k_pool.len() as u64, median(&copy_ms)),
+        copy_gbps: gbps(2 * copy_len as u64, median(&copy_ms)),
     })
 }
