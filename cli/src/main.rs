@@ -68,20 +68,10 @@ fn run_bench(out: &mut dyn Write, cfg: &pagedattn_cli::bench::BenchConfig, json:
 /// their own with the statistics extension.
 #[cfg(any(target_os = "linux", target_os = "windows"))]
 fn run_stats(out: &mut dyn Write, json: bool) -> Res {
-    use pagedattn::gpu::{AttentionConfig, KvCache, KvCacheConfig, KvDtype, PagedAttention};
-    use pagedattn_cli::bench::{stats, BLOCK, HEADS, HEAD_DIM, KV_HEADS};
+    use pagedattn::gpu::{AttentionConfig, KvCache, KvDtype, PagedAttention};
+    use pagedattn_cli::bench::{grid_config, stats, HEADS};
     let gpu = pagedattn_cli::env::gpu()?;
-    let cache = KvCache::new(
-        &gpu,
-        KvCacheConfig {
-            num_layers: 1,
-            num_blocks: 1,
-            block_size: BLOCK,
-            num_kv_heads: KV_HEADS,
-            head_dim: HEAD_DIM,
-            dtype: KvDtype::F16,
-        },
-    )?;
+    let cache = KvCache::new(&gpu, grid_config(1, 1, KvDtype::F16))?;
     let mut configs: Vec<AttentionConfig> = PagedAttention::eligible_kernels(&gpu, &cache, HEADS)
         .into_iter()
         .map(|k| AttentionConfig::new().kernel(k))

@@ -128,6 +128,18 @@ pub const HEAD_DIM: u32 = 128;
 /// Tokens per block.
 pub const BLOCK: u32 = 16;
 
+/// A pool of the grid's shape: `num_blocks` blocks of `layers` layers.
+pub fn grid_config(num_layers: u32, num_blocks: u32, dtype: KvDtype) -> KvCacheConfig {
+    KvCacheConfig {
+        num_layers,
+        num_blocks,
+        block_size: BLOCK,
+        num_kv_heads: KV_HEADS,
+        head_dim: HEAD_DIM,
+        dtype,
+    }
+}
+
 /// One decode cell of the grid.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct DecodeRow {
@@ -450,14 +462,7 @@ pub fn filled_cache(
     layers: u32,
     rng: &mut SplitMix64,
 ) -> Result<Option<KvCache>, GpuError> {
-    let cfg = KvCacheConfig {
-        num_layers: layers,
-        num_blocks: tokens.div_ceil(BLOCK),
-        block_size: BLOCK,
-        num_kv_heads: KV_HEADS,
-        head_dim: HEAD_DIM,
-        dtype,
-    };
+    let cfg = grid_config(layers, tokens.div_ceil(BLOCK), dtype);
     if cfg.layer_bytes() > gpu.max_binding_bytes() {
         return Ok(None);
     }
@@ -1041,17 +1046,7 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, BenchError> {
     for &dtype in dtypes {
         let dname = if dtype == KvDtype::F32 { "f32" } else { "f16" };
         progress(cfg, &format!("tuning the decode kernel ({dname})"));
-        let probe = KvCache::new(
-            gpu,
-            KvCacheConfig {
-                num_layers: 1,
-                num_blocks: 1,
-                block_size: BLOCK,
-                num_kv_heads: KV_HEADS,
-                head_dim: HEAD_DIM,
-                dtype,
-            },
-        )?;
+        let probe = KvCache::new(gpu, grid_config(1, 1, dtype))?;
         let report = picks.tune(
             gpu,
             &probe,

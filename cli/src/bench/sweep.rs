@@ -237,6 +237,16 @@ struct Variant {
 }
 
 impl Variant {
+    /// `lanes` built with `checks`.
+    fn lanes(checks: ShaderChecks) -> Self {
+        Variant {
+            kernel: Kernel::Lanes,
+            unroll: 0,
+            workgroup: 0,
+            checks,
+        }
+    }
+
     fn config(&self) -> AttentionConfig {
         AttentionConfig::new()
             .kernel(self.kernel)
@@ -384,12 +394,7 @@ pub fn run(gpu: &Gpu, cfg: &SweepConfig) -> Result<SweepReport, BenchError> {
     ));
     if let Some(r) = rig(gpu, batch, context, KvDtype::F16, &mut rng)? {
         let t = tables(batch, context, true, &mut rng);
-        let lanes = Variant {
-            kernel: Kernel::Lanes,
-            unroll: 0,
-            workgroup: 0,
-            checks: win.checks,
-        };
+        let lanes = Variant::lanes(win.checks);
         let mut attns = Vec::new();
         for v in [lanes, win] {
             attns.push((
@@ -433,15 +438,7 @@ pub fn run(gpu: &Gpu, cfg: &SweepConfig) -> Result<SweepReport, BenchError> {
     }
 
     // D: dtypes on the winner (and lanes): does time scale with bytes?
-    for v in [
-        Variant {
-            kernel: Kernel::Lanes,
-            unroll: 0,
-            workgroup: 0,
-            checks: win.checks,
-        },
-        win,
-    ] {
+    for v in [Variant::lanes(win.checks), win] {
         let mut f16_ms = None;
         for dtype in [KvDtype::F16, KvDtype::Int8, KvDtype::Fp8E4M3] {
             s.say(&format!("dtype {} on {}", dtype.name(), v.label()));

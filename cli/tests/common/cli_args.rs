@@ -134,6 +134,10 @@ pub fn run(data: &[u8]) -> Outcome {
             assert!(cfg.max_seconds.is_finite() && cfg.max_seconds >= 0.0);
             o.bench += 1;
         }
+        // Need an adapter: checked, not run (nothing to bound: no sizes).
+        Ok(Checked::Sweep { .. } | Checked::PipelineStats { .. }) => {
+            o.bench += 1;
+        }
         Ok(Checked::Generate { opts }) => {
             // Needs the model and an adapter: checked, not run.
             pagedattn_cli::model::generate::check(&opts)
