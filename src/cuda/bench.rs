@@ -88,8 +88,13 @@ pub struct DecodeTiming {
     pub device: String,
     /// What was timed.
     pub bench: DecodeBench,
-    /// Median over `iters` launches, shuffled block table.
+    /// Median over `iters` launches, shuffled block table, `Split::Auto`
+    /// (partitions from the SM count).
     pub paged_ms: f64,
+    /// Partitions `Split::Auto` made (1: unsplit).
+    pub partitions: u32,
+    /// The same unsplit (`Split::Never`).
+    pub unsplit_ms: f64,
     /// Fastest launch, shuffled block table.
     pub paged_min_ms: f64,
     /// Median, identity (contiguous) block table.
@@ -108,7 +113,7 @@ impl DecodeTiming {
     pub fn summary(&self) -> String {
         let b = &self.bench;
         format!(
-            "cuda decode {} seqs x {} tokens, {} kv heads x {} group, head_dim {}, block {}, {:?}: paged {:.3} ms (min {:.3}), contiguous {:.3} ms, paged/contiguous {:.3}, {:.0} GB/s of KV vs copy {:.0} GB/s ({:.0}%) on {}",
+            "cuda decode {} seqs x {} tokens, {} kv heads x {} group, head_dim {}, block {}, {:?}: paged {:.3} ms (min {:.3}; {} partitions; unsplit {:.3} ms), contiguous {:.3} ms, paged/contiguous {:.3}, {:.0} GB/s of KV vs copy {:.0} GB/s ({:.0}%) on {}",
             b.num_seqs,
             b.seq_len,
             b.num_kv_heads,
@@ -118,6 +123,8 @@ impl DecodeTiming {
             b.dtype,
             self.paged_ms,
             self.paged_min_ms,
+            self.partitions,
+            self.unsplit_ms,
             self.contiguous_ms,
             self.paged_ms / self.contiguous_ms,
             self.paged_gbps,
@@ -231,8 +238,16 @@ pub fn bench_decode(cuda: &Cuda, b: &DecodeBench) -> Result<DecodeTiming, CudaEr
 
     let mut paged = attn.upload(cuda, &q, &kv_indptr, &shuffled, &seq_lens, &opts)?;
     let mut ident = attn.upload(cuda, &q, &kv_indptr, &contiguous, &seq_lens, &opts)?;
+    let never = AttnOptions {
+        split: crate::gpu::Split::Never,
+        ..AttnOptions::default()
+    };
+    let mut unsplit = attn.upload(cuda, &q, &kv_indptr, &shuffled, &seq_lens, &never)?;
     let paged_ms = time(cuda, b.warmup, b.iters, || {
         attn.launch(cuda, &cache, 0, &mut paged, &opts)
+    })?;
+    let unsplit_ms = time(cuda, b.warmup, b.iters, || {
+        attn.launch(cuda, &cache, 0, &mut unsplit, &never)
     })?;
     let contiguous_ms = time(cuda, b.warmup, b.iters, || {
         attn.launch(cuda, &cache, 0, &mut ident, &opts)
@@ -264,6 +279,8 @@ pub fn bench_decode(cuda: &Cuda, b: &DecodeBench) -> Result<DecodeTiming, CudaEr
         device: cuda.describe(),
         bench: b.clone(),
         paged_ms: median(&paged_ms),
+        partitions: paged.num_partitions,
+        unsplit_ms: median(&unsplit_ms),
         paged_min_ms: paged_ms[0],
         contiguous_ms: median(&contiguous_ms),
         kv_bytes,

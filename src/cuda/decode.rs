@@ -1,11 +1,13 @@
 //! Paged decode on CUDA: the twin of [`PagedAttention`](crate::gpu::PagedAttention)
-//! over a [`CudaKvCache`], one pass per (sequence, kv head, head tile),
-//! with the algorithm of the WGSL lanes kernel ([`Kernel::Lanes`](crate::gpu::Kernel)).
+//! over a [`CudaKvCache`], one pass per (sequence, kv head, head tile[,
+//! partition]), with the algorithm of the WGSL lanes kernel
+//! ([`Kernel::Lanes`](crate::gpu::Kernel)) and its split-K: partials merged
+//! by log-sum-exp in a second launch (`merge`).
 
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::{guarded, Cuda, CudaError, CudaKvCache, DriverResultExt, Shape};
-use crate::gpu::AttnOptions;
+use crate::gpu::{AttnOptions, Split};
 
 /// Threads per block of `decode` in kernels.cu.
 const NT: u32 = 64;
@@ -26,8 +28,42 @@ pub(crate) struct DecodeBuffers {
     pub seq_lens: CudaSlice<u32>,
     pub slopes: CudaSlice<f32>,
     pub out: CudaSlice<f32>,
+    /// Split-K partials (at least one element when unsplit).
+    pub part_out: CudaSlice<f32>,
+    /// (max, sum) per partial, two floats each.
+    pub part_ml: CudaSlice<f32>,
     pub num_seqs: u32,
     pub indices_len: u32,
+    /// Tokens per partition (0: one pass per sequence).
+    pub partition_tokens: u32,
+    pub num_partitions: u32,
+}
+
+/// Blocks of `decode` (64 threads) one SM is assumed to hold at once under
+/// `Split::Auto`, as the WGSL side assumes for `lanes`.
+const RESIDENT_PER_SM: u64 = 8;
+
+/// Shortest partition `Split::Auto` makes (as the WGSL side's
+/// `DEVICE_MIN_PARTITION`).
+const MIN_PARTITION: u32 = 512;
+
+/// Tokens per partition of `split` for `passes` (sequence x kv head x head
+/// tile) units over `max_len` tokens on `sms` SMs: `Auto` fills the device
+/// once, as `Split::Auto` does on a WGSL device whose SMs are known.
+pub(crate) fn partition_tokens(split: Split, passes: u64, max_len: u32, sms: u32) -> u32 {
+    match split {
+        Split::Never => 0,
+        Split::Tokens(t) => t,
+        Split::Auto => {
+            let parts = ((sms as u64 * RESIDENT_PER_SM + passes.max(1) / 2) / passes.max(1))
+                .min((max_len / MIN_PARTITION) as u64);
+            if parts >= 2 {
+                max_len.div_ceil(parts as u32).div_ceil(64) * 64
+            } else {
+                0
+            }
+        }
+    }
 }
 
 /// The decode kernel for one cache shape and head count.
@@ -39,6 +75,7 @@ pub struct CudaAttention {
     num_blocks: u32,
     head_tiles: u32,
     decode: CudaFunction,
+    merge: CudaFunction,
 }
 
 impl CudaAttention {
@@ -73,8 +110,11 @@ impl CudaAttention {
             )));
         }
         let module = cuda.module(shape)?;
-        let decode = guarded("loading decode", || {
-            module.load_function("decode").during("decode")
+        let (decode, merge) = guarded("loading decode", || {
+            Ok((
+                module.load_function("decode").during("decode")?,
+                module.load_function("merge").during("merge")?,
+            ))
         })?;
         Ok(Self {
             num_heads,
@@ -84,6 +124,7 @@ impl CudaAttention {
             num_blocks: c.num_blocks,
             head_tiles: shape.head_tiles(),
             decode,
+            merge,
         })
     }
 
@@ -110,7 +151,6 @@ impl CudaAttention {
     }
 
     fn check_options(&self, o: &AttnOptions) -> Result<(), CudaError> {
-        // The split policy is validated too, though this kernel ignores it.
         o.validate(self.num_heads)
             .map_err(|e| CudaError::InvalidArgument(e.to_string()))?;
         if o.sinks.is_some() {
@@ -127,8 +167,7 @@ impl CudaAttention {
     }
 
     /// Decode from host slices: validates everything, runs, returns
-    /// `[num_seqs][num_heads][head_dim]`. `opts.split` is ignored: the CUDA
-    /// kernel always makes one pass per sequence.
+    /// `[num_seqs][num_heads][head_dim]`, split as `opts.split` says.
     #[allow(clippy::too_many_arguments)]
     pub fn decode(
         &self,
@@ -179,6 +218,25 @@ impl CudaAttention {
         // Zero-length allocations are refused: pad empty inputs to one element.
         let at_least_one = |v: &[u32]| if v.is_empty() { vec![0] } else { v.to_vec() };
         let slopes = opts.alibi_slopes.clone().unwrap_or_else(|| vec![0.0]);
+        let n = seq_lens.len() as u64;
+        let max_len = seq_lens.iter().copied().max().unwrap_or(0);
+        let passes = n * self.num_kv_heads as u64 * self.head_tiles as u64;
+        let pt = partition_tokens(opts.split, passes, max_len, cuda.sm_count());
+        let np = if pt == 0 {
+            1
+        } else {
+            max_len.div_ceil(pt).max(1)
+        };
+        if pt != 0 && np > 65535 {
+            return Err(CudaError::InvalidArgument(format!(
+                "{np} partitions of {pt} tokens in one grid dimension (at most 65535)"
+            )));
+        }
+        let partials = if pt == 0 {
+            1
+        } else {
+            (n * self.num_heads as u64 * np as u64) as usize
+        };
         guarded("uploading the batch", || {
             let s = cuda.stream();
             Ok(DecodeBuffers {
@@ -192,8 +250,16 @@ impl CudaAttention {
                 out: s
                     .clone_htod(&vec![f32::NAN; q.len()])
                     .during("allocate out")?,
+                part_out: s
+                    .alloc_zeros::<f32>(partials * self.head_dim as usize)
+                    .during("allocate partials")?,
+                part_ml: s
+                    .alloc_zeros::<f32>(partials * 2)
+                    .during("allocate partial (max, sum)")?,
                 num_seqs: seq_lens.len() as u32,
                 indices_len: kv_indices.len() as u32,
+                partition_tokens: pt,
+                num_partitions: np,
             })
         })
     }
@@ -215,7 +281,11 @@ impl CudaAttention {
             )));
         }
         let cfg = LaunchConfig {
-            grid_dim: (b.num_seqs, self.num_kv_heads * self.head_tiles, 1),
+            grid_dim: (
+                b.num_seqs,
+                self.num_kv_heads * self.head_tiles,
+                b.num_partitions,
+            ),
             block_dim: (NT, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -235,6 +305,8 @@ impl CudaAttention {
                 .arg(&b.seq_lens)
                 .arg(&b.slopes)
                 .arg(&mut b.out)
+                .arg(&mut b.part_out)
+                .arg(&mut b.part_ml)
                 .arg(&self.num_heads)
                 .arg(&self.num_kv_heads)
                 .arg(&self.num_blocks)
@@ -242,11 +314,32 @@ impl CudaAttention {
                 .arg(&scale)
                 .arg(&soft_cap)
                 .arg(&window)
-                .arg(&alibi);
+                .arg(&alibi)
+                .arg(&b.partition_tokens)
+                .arg(&b.num_partitions);
             // SAFETY: the argument list matches decode in kernels.cu; the
             // kernel reads only table entries inside the CSR range and
-            // blocks inside the pool.
+            // blocks inside the pool, and writes partials only when split,
+            // into buffers sized for num_partitions.
             unsafe { launch.launch(cfg) }.during("launch decode")?;
+            if b.partition_tokens != 0 {
+                let rows = b.num_seqs * self.num_heads;
+                let mcfg = LaunchConfig {
+                    grid_dim: (rows, 1, 1),
+                    block_dim: (NT, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let mut m = s.launch_builder(&self.merge);
+                m.arg(&b.part_out)
+                    .arg(&b.part_ml)
+                    .arg(&mut b.out)
+                    .arg(&rows)
+                    .arg(&b.num_partitions);
+                // SAFETY: the argument list matches merge in kernels.cu;
+                // it reads rows x num_partitions partials and writes rows
+                // output rows, the sizes upload allocated.
+                unsafe { m.launch(mcfg) }.during("launch merge")?;
+            }
             Ok(())
         })
     }
@@ -263,6 +356,17 @@ mod tests {
             block_size: 16,
             dtype: crate::gpu::KvDtype::F16,
         }
+    }
+
+    /// Auto fills 132 SMs once (8 blocks each): 32 sequences x 8 kv heads
+    /// split 8192 tokens in 4; a full device is not split.
+    #[test]
+    fn auto_split_fills_the_device_once() {
+        assert_eq!(partition_tokens(Split::Auto, 256, 8192, 132), 2048);
+        assert_eq!(partition_tokens(Split::Auto, 2048, 8192, 132), 0);
+        assert_eq!(partition_tokens(Split::Auto, 8, 1000, 132), 0);
+        assert_eq!(partition_tokens(Split::Never, 1, 8192, 132), 0);
+        assert_eq!(partition_tokens(Split::Tokens(256), 1, 8192, 132), 256);
     }
 
     #[test]

@@ -140,8 +140,11 @@ extern "C" __global__ void __launch_bounds__(NT) decode(
     const u32* __restrict__ seq_lens,     // [num_seqs]
     const float* __restrict__ slopes,     // [num_heads], read when alibi != 0
     float* __restrict__ out,              // [num_seqs][num_heads][HEAD_DIM]
+    float* __restrict__ part_out,         // split: [num_seqs][num_heads][num_partitions][HEAD_DIM]
+    float2* __restrict__ part_ml,         // split: (max in log2 units, sum) per partial
     u32 num_heads, u32 num_kv_heads, u32 num_blocks, u32 indices_len,
-    float scale, float soft_cap, u32 sliding_window, u32 alibi)
+    float scale, float soft_cap, u32 sliding_window, u32 alibi,
+    u32 partition_tokens, u32 num_partitions)
 {
     // End of pass: one head's accumulators and (max, sum) of every slot.
     __shared__ float4 mrg[NSLOT][HD4];
@@ -163,6 +166,17 @@ extern "C" __global__ void __launch_bounds__(NT) decode(
     const u32 q_pos = len > 0 ? len - 1 : 0;
     u32 t_begin = 0;
     if (sliding_window != 0 && len > sliding_window) t_begin = len - sliding_window;
+    // Split-K: partition blockIdx.z walks its share of [0, len), the
+    // window's start kept (reduce merges the partials by log-sum-exp).
+    u32 t_end = len;
+    const u32 part = blockIdx.z;
+    if (partition_tokens != 0) {
+        const u64 pb = (u64)part * partition_tokens;
+        const u32 b = pb < len ? (u32)pb : len;
+        t_end = (u64)b + partition_tokens < len ? b + partition_tokens : len;
+        t_begin = t_begin > b ? t_begin : b;
+        if (t_begin > t_end) t_begin = t_end;
+    }
 
     float4 qv[HT][JN];
     float4 acc[HT][JN];
@@ -182,11 +196,11 @@ extern "C" __global__ void __launch_bounds__(NT) decode(
     }
 
     // Every lane runs the same trip count, so the shuffles see full warps.
-    for (u32 base = t_begin; base < len; base += NSLOT) {
+    for (u32 base = t_begin; base < t_end; base += NSLOT) {
         const u32 tok = base + slot;
         bool valid = false;
         u64 row = 0;
-        if (tok < len) {
+        if (tok < t_end) {
             const u32 jb = ind_start + tok / BLOCK_SIZE;
             if (jb < ind_end) {
                 const u32 blk = kv_indices[jb];
@@ -264,10 +278,48 @@ extern "C" __global__ void __launch_bounds__(NT) decode(
                         a.x += x.x * wt; a.y += x.y * wt; a.z += x.z * wt; a.w += x.w * wt;
                     }
                 }
-                const float inv = lt == 0.0f ? 0.0f : 1.0f / lt;
-                reinterpret_cast<float4*>(out)[((u64)seq * num_heads + h0 + r) * HD4 + col] =
-                    make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
+                if (partition_tokens == 0) {
+                    const float inv = lt == 0.0f ? 0.0f : 1.0f / lt;
+                    reinterpret_cast<float4*>(out)[((u64)seq * num_heads + h0 + r) * HD4 + col] =
+                        make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
+                } else {
+                    const u64 o = ((u64)seq * num_heads + h0 + r) * num_partitions + part;
+                    reinterpret_cast<float4*>(part_out)[o * HD4 + col] = a;
+                    if (col == 0) part_ml[o] = make_float2(mx, lt);
+                }
             }
         }
+    }
+}
+
+// Split-K merge: one block per (sequence, query head) row, its partials
+// combined by log-sum-exp (log2 units, as decode wrote them); a row with no
+// readable token writes zeros.
+extern "C" __global__ void __launch_bounds__(NT) merge(
+    const float* __restrict__ part_out,
+    const float2* __restrict__ part_ml,
+    float* __restrict__ out,
+    u32 rows, u32 num_partitions)
+{
+    const u32 row = blockIdx.x;
+    if (row >= rows) return;
+    float mx = NEG_BIG;
+    for (u32 p = 0; p < num_partitions; ++p) mx = fmaxf(mx, part_ml[(u64)row * num_partitions + p].x);
+    for (u32 col = threadIdx.x; col < HD4; col += NT) {
+        float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+        float lt = 0.0f;
+        for (u32 p = 0; p < num_partitions; ++p) {
+            const u64 o = (u64)row * num_partitions + p;
+            const float2 ml = part_ml[o];
+            if (ml.y > 0.0f) {
+                const float wt = exp2f(ml.x - mx);
+                lt += ml.y * wt;
+                const float4 x = reinterpret_cast<const float4*>(part_out)[o * HD4 + col];
+                a.x += x.x * wt; a.y += x.y * wt; a.z += x.z * wt; a.w += x.w * wt;
+            }
+        }
+        const float inv = lt == 0.0f ? 0.0f : 1.0f / lt;
+        reinterpret_cast<float4*>(out)[(u64)row * HD4 + col] =
+            make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
     }
 }

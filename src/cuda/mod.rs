@@ -232,6 +232,7 @@ pub struct Cuda {
     stream: Arc<CudaStream>,
     name: String,
     compute_capability: (i32, i32),
+    sm_count: u32,
     driver_version: i32,
     nvrtc_version: (i32, i32),
     libraries: Libraries,
@@ -256,6 +257,10 @@ impl Cuda {
             })?;
             let name = ctx.name().during("cuDeviceGetName")?;
             let compute_capability = ctx.compute_capability().during("compute capability")?;
+            let sm_count = ctx
+                .attribute(cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+                .during("multiprocessor count")?
+                .max(1) as u32;
             let mut driver_version: c_int = 0;
             // SAFETY: a plain out-parameter query.
             unsafe { cu::cuDriverGetVersion(&mut driver_version) }
@@ -272,6 +277,7 @@ impl Cuda {
                 stream,
                 name,
                 compute_capability,
+                sm_count,
                 driver_version,
                 nvrtc_version: (maj, min),
                 libraries,
@@ -310,6 +316,11 @@ impl Cuda {
         guarded("synchronize", || {
             self.stream.synchronize().during("synchronize")
         })
+    }
+
+    /// Streaming multiprocessors (`Split::Auto` fills them once).
+    pub fn sm_count(&self) -> u32 {
+        self.sm_count
     }
 
     pub(crate) fn stream(&self) -> &Arc<CudaStream> {
@@ -444,7 +455,7 @@ mod tests {
 
     #[test]
     fn every_kernel_is_in_the_source() {
-        for k in ["write_kv", "copy_blocks", "decode"] {
+        for k in ["write_kv", "copy_blocks", "decode", "merge"] {
             assert!(
                 KERNELS_CU.contains(&format!("extern \"C\" __global__ void {k}("))
                     || KERNELS_CU.contains(&format!("__launch_bounds__(NT) {k}(")),

@@ -351,8 +351,11 @@ pub struct AttentionConfig {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum ShaderChecks {
-    /// Trusted on native adapters, checked in the browser (where wgpu has
-    /// no trusted modules).
+    /// Trusted on native hardware adapters; checked on software adapters
+    /// (llvmpipe, SwiftShader, WARP: there the checks cost little, `serial`
+    /// 1.05x, and one unexplained crash in a cold run is not ruled out:
+    /// `benches/NOTES.md` item 64) and in the browser (where wgpu has no
+    /// trusted modules).
     #[default]
     Auto,
     /// wgpu's checks in every kernel.
@@ -362,9 +365,14 @@ pub enum ShaderChecks {
 }
 
 impl ShaderChecks {
-    /// Whether kernels are built trusted under this choice on this build.
-    pub fn trusted(self) -> bool {
-        !cfg!(target_arch = "wasm32") && matches!(self, ShaderChecks::Auto | ShaderChecks::Trusted)
+    /// Whether kernels are built trusted under this choice on `gpu`.
+    pub fn trusted_on(self, gpu: &Gpu) -> bool {
+        !cfg!(target_arch = "wasm32")
+            && match self {
+                ShaderChecks::Trusted => true,
+                ShaderChecks::Checked => false,
+                ShaderChecks::Auto => !gpu.is_software(),
+            }
     }
 }
 
@@ -525,13 +533,14 @@ impl PagedAttention {
 
     /// `base_shape` as `config` builds it: its checks and stream step.
     pub(super) fn config_shape(
+        gpu: &Gpu,
         c: &super::KvCacheConfig,
         num_heads: u32,
         paged: bool,
         config: &AttentionConfig,
     ) -> ShaderShape {
         ShaderShape {
-            trusted: config.shader_checks.trusted(),
+            trusted: config.shader_checks.trusted_on(gpu),
             unroll: config.stream_unroll,
             workgroup: config.stream_workgroup,
             ..Self::base_shape(c, num_heads, paged)
@@ -568,7 +577,7 @@ impl PagedAttention {
             }
             .into());
         }
-        let base = Self::config_shape(c, num_heads, paged, config);
+        let base = Self::config_shape(gpu, c, num_heads, paged, config);
         let tiled =
             kernel::decode_shape(gpu, Kernel::Tiled, base).ok_or(GpuError::DeviceLimit {
                 limit: "max_compute_workgroup_storage_size",

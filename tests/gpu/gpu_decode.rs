@@ -6,7 +6,8 @@ use crate::common;
 
 use common::*;
 use pagedattn::gpu::{
-    AttnOptions, Gpu, GpuError, Kernel, KvCache, KvCacheConfig, KvDtype, PagedAttention, Split,
+    AttentionConfig, AttnOptions, Gpu, GpuError, Kernel, KvCache, KvCacheConfig, KvDtype,
+    PagedAttention, ShaderChecks, Split,
 };
 use pagedattn::reference::{self, rel_l2, AttnParams};
 use pagedattn::rng::SplitMix64;
@@ -36,13 +37,19 @@ fn tol(d: KvDtype) -> f64 {
 
 /// Runs one case on one decode kernel and returns the relative L2 error.
 fn run(gpu: &Gpu, seed: u64, c: &Case, kernel: Kernel) -> f64 {
+    run_with(gpu, seed, c, kernel, ShaderChecks::Auto)
+}
+
+/// `run` with the kernels built as `checks` says.
+fn run_with(gpu: &Gpu, seed: u64, c: &Case, kernel: Kernel, checks: ShaderChecks) -> f64 {
     let mut rng = SplitMix64::new(seed);
     let kv = (c.num_kv_heads, c.head_dim);
     let FilledPool { view, cache, host } =
         filled_pool(gpu, &mut rng, &c.lens, c.block_size, 7, kv, c.dtype);
 
     let num_heads = c.num_kv_heads * c.group;
-    let attn = PagedAttention::with_kernel(gpu, &cache, num_heads, kernel).unwrap();
+    let config = AttentionConfig::new().kernel(kernel).shader_checks(checks);
+    let attn = PagedAttention::with_config(gpu, &cache, num_heads, &config).unwrap();
     assert_eq!(attn.kernel(), kernel);
     let q: Vec<f32> = rng
         .signed_vec(c.lens.len() * (num_heads * c.head_dim) as usize)
@@ -76,6 +83,24 @@ fn run(gpu: &Gpu, seed: u64, c: &Case, kernel: Kernel) -> f64 {
         &view.seq_lens,
     );
     rel_l2(&out, &want)
+}
+
+/// The case on every decode kernel with its modules built checked and
+/// trusted (native; the browser is always checked): both against the
+/// reference, and within f32 rounding of each other.
+fn check_both(name: &str, c: Case) {
+    let Some(gpu) = gpu() else { return };
+    let s = seed(name);
+    let t = tol(c.dtype);
+    for kernel in Kernel::ALL {
+        let checked = run_with(&gpu, s, &c, kernel, ShaderChecks::Checked);
+        let trusted = run_with(&gpu, s, &c, kernel, ShaderChecks::Trusted);
+        eprintln!("{name} [{kernel}]: rel L2 checked {checked:.3e}, trusted {trusted:.3e}");
+        assert!(
+            checked < t && trusted < t,
+            "{name} [{kernel}]: checked {checked:.3e}, trusted {trusted:.3e} >= {t:.0e} (seed {s})"
+        );
+    }
 }
 
 /// Runs the case on every decode kernel variant (each must be eligible for
@@ -240,7 +265,7 @@ fn split_k_partitions() {
             let c = with(case(bs, 2, 4, 64, dtype, &lens), |o| {
                 o.split = Split::Tokens(pt)
             });
-            check(&format!("split bs{bs} pt{pt} {dtype:?}"), c);
+            check_both(&format!("split bs{bs} pt{pt} {dtype:?}"), c);
         }
     }
 }
@@ -264,7 +289,7 @@ fn attention_variants() {
         for split in [Split::Never, Split::Tokens(128)] {
             let base = || case(16, 2, 4, 64, dtype, &lens);
             let t = format!("{dtype:?} {split:?}");
-            check(
+            check_both(
                 &format!("window 100 {t}"),
                 with(base(), |o| {
                     o.sliding_window = Some(100);
@@ -293,7 +318,7 @@ fn attention_variants() {
                 }),
             );
             let slopes: Vec<f32> = (0..8).map(|h| 2f32.powf(-(h as f32 + 1.0))).collect();
-            check(
+            check_both(
                 &format!("alibi {t}"),
                 with(base(), |o| {
                     o.alibi_slopes = Some(slopes.clone());
