@@ -163,6 +163,10 @@ pub struct DecodeRow {
     pub stream_gbs: f64,
     /// effective / stream.
     pub bandwidth_ratio: f64,
+    /// effective / the adapter's rated bandwidth, where known.
+    pub of_rated: Option<f64>,
+    /// Median SM clock (MHz) over the cell, where nvidia-smi reads it.
+    pub sm_mhz: Option<u32>,
     /// The decode kernel the tuner picked (paged and contiguous run it).
     pub kernel: &'static str,
     /// Every eligible kernel on the same cell, timed interleaved with the
@@ -278,8 +282,11 @@ pub struct BenchReport {
     pub timing: TimingSource,
     /// Heads / KV heads / head_dim / block size of the grid.
     pub shape: [u32; 4],
-    /// `copy_buffer_to_buffer` bandwidth (GB/s, bytes read + written counted once).
+    /// `copy_buffer_to_buffer` bandwidth over 1 GiB (256 MiB on software
+    /// adapters), GB/s of bytes read plus bytes written.
     pub memcpy_gbs: f64,
+    /// The adapter's rated memory bandwidth (GB/s), where known.
+    pub rated_gbs: Option<f64>,
     /// Decode grid.
     pub decode: Vec<DecodeRow>,
     /// Cells skipped, with the reason.
@@ -678,8 +685,16 @@ fn stream_gbs(gpu: &Gpu, timer: &Timer, cache: &KvCache) -> Result<f64, GpuError
     Ok(s.bytes as f64 / ms / 1e6)
 }
 
+/// `copy_buffer_to_buffer` over 1 GiB (past any GPU's L2; 256 MiB on a
+/// software adapter, whose memory is the host's), bytes read and written
+/// counted.
 fn memcpy_gbs(gpu: &Gpu, timer: &Timer) -> Result<f64, GpuError> {
-    let bytes = (64u64 << 20).min(gpu.max_binding_bytes());
+    let most = if gpu.is_software() {
+        256u64 << 20
+    } else {
+        1u64 << 30
+    };
+    let bytes = most.min(gpu.limits.max_buffer_size) / 4 * 4;
     let a = gpu.storage("memcpy a", bytes)?;
     let b = gpu.storage("memcpy b", bytes)?;
     let ms = timer.median(|run, enc| {
@@ -689,7 +704,7 @@ fn memcpy_gbs(gpu: &Gpu, timer: &Timer) -> Result<f64, GpuError> {
             enc.copy_buffer_to_buffer(&b, 0, &a, 0, bytes);
         }
     })?;
-    Ok(bytes as f64 / ms / 1e6)
+    Ok(2.0 * bytes as f64 / ms / 1e6)
 }
 
 /// Host bookkeeping of one decode step at batch 256 (append one token to
@@ -1025,6 +1040,11 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, BenchError> {
     let start = std::time::Instant::now();
     // The decode grid gets three quarters of the budget, split-K the rest.
     let over_budget = |share: f64| start.elapsed().as_secs_f64() > cfg.max_seconds * share;
+    // Clocks up before anything is timed; the SM clock logged where
+    // nvidia-smi reads it.
+    progress(cfg, "warm-up (1 s of copies)");
+    timer.warm(1.0)?;
+    let clock = clock::ClockLog::start();
     progress(cfg, "memcpy bandwidth");
     let memcpy = memcpy_gbs(gpu, &timer)?;
     let mut decode = Vec::new();
@@ -1074,6 +1094,7 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, BenchError> {
                     ));
                     continue;
                 }
+                let cell_start = std::time::Instant::now();
                 let Some(r) = rig(gpu, batch, context, dtype, &mut rng)? else {
                     skipped.push(format!("decode {dname} batch {batch} context {context}: a layer exceeds the adapter's {} MiB binding limit", gpu.max_binding_bytes() >> 20));
                     continue;
@@ -1129,6 +1150,11 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, BenchError> {
                     effective_gbs: eff,
                     stream_gbs: stream,
                     bandwidth_ratio: eff / stream,
+                    of_rated: clock::rated_gbs(&gpu.info.name).map(|g| eff / g),
+                    sm_mhz: clock
+                        .as_ref()
+                        .and_then(|c| c.median_since(cell_start))
+                        .map(|c| c.0),
                     kernel: chosen.name(),
                     variants,
                 });
@@ -1304,6 +1330,7 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, BenchError> {
         timing: timer.source(),
         shape: [HEADS, KV_HEADS, HEAD_DIM, BLOCK],
         memcpy_gbs: memcpy,
+        rated_gbs: clock::rated_gbs(&gpu.info.name),
         decode,
         skipped,
         split,
@@ -1610,15 +1637,18 @@ pub fn render(r: &BenchReport) -> String {
     let _ = writeln!(s, "adapter: {}   timing: {:?}", r.adapter, r.timing);
     let _ = writeln!(
         s,
-        "decode shape: {} q heads / {} kv heads, head_dim {}, block {}; copy_buffer_to_buffer {:.2} GB/s",
-        r.shape[0], r.shape[1], r.shape[2], r.shape[3], r.memcpy_gbs
+        "decode shape: {} q heads / {} kv heads, head_dim {}, block {}; copy_buffer_to_buffer {:.2} GB/s (read + written); rated {}",
+        r.shape[0], r.shape[1], r.shape[2], r.shape[3], r.memcpy_gbs,
+        r.rated_gbs.map_or("unknown".into(), |g| format!("{g:.0} GB/s"))
     );
-    let _ = writeln!(s, "\n dtype  batch  context   paged ms  identity ms  contig ms  paged/contig  eff GB/s  stream GB/s  eff/stream");
+    let _ = writeln!(s, "\n dtype  batch  context   paged ms  identity ms  contig ms  paged/contig  eff GB/s  stream GB/s  eff/stream  eff/rated  SM MHz");
     for d in &r.decode {
         let _ = writeln!(
             s,
-            " {:<5}  {:>5}  {:>7}  {:>9.3}  {:>11.3}  {:>9.3}  {:>12.3}  {:>8.2}  {:>11.2}  {:>10.2}",
-            d.dtype, d.batch, d.context, d.paged_ms, d.identity_ms, d.contiguous_ms, d.paged_over_contiguous, d.effective_gbs, d.stream_gbs, d.bandwidth_ratio
+            " {:<5}  {:>5}  {:>7}  {:>9.3}  {:>11.3}  {:>9.3}  {:>12.3}  {:>8.2}  {:>11.2}  {:>10.2}  {:>9}  {:>6}",
+            d.dtype, d.batch, d.context, d.paged_ms, d.identity_ms, d.contiguous_ms, d.paged_over_contiguous, d.effective_gbs, d.stream_gbs, d.bandwidth_ratio,
+            d.of_rated.map_or("-".into(), |x| format!("{x:.2}")),
+            d.sm_mhz.map_or("-".into(), |m| m.to_string())
         );
     }
     let _ = writeln!(
