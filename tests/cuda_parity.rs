@@ -37,6 +37,7 @@ fn cuda() -> Option<Cuda> {
     }
 }
 
+#[derive(Clone)]
 struct Case {
     name: &'static str,
     block_size: u32,
@@ -276,7 +277,7 @@ fn check(cuda: &Cuda, gpu: Option<&Gpu>, c: &Case) {
 
 fn cases() -> Vec<Case> {
     let plain = AttnOptions::default();
-    vec![
+    let mut base = vec![
         Case {
             name: "f32 bs16 gqa4 d128 edges",
             block_size: 16,
@@ -321,54 +322,30 @@ fn cases() -> Vec<Case> {
             head_dim: 256,
             dtype: KvDtype::F16,
             lens: vec![40, 1800],
-            opts: plain.clone(),
+            opts: plain,
         },
-        // Split-K on the CUDA twin: partitions of 64 tokens (some empty,
-        // some cut by the window), merged by its own launch; and unsplit.
-        Case {
-            name: "f32 bs16 gqa4 d128 split 64",
-            block_size: 16,
-            num_kv_heads: 2,
-            group: 4,
-            head_dim: 128,
-            dtype: KvDtype::F32,
-            lens: vec![17, 1, 15, 16, 300],
-            opts: AttnOptions {
-                split: Split::Tokens(64),
-                ..Default::default()
-            },
+    ];
+    // Split-K on the CUDA twin: partitions of 64 tokens (some empty, some
+    // cut by the window), merged by its own launch; and forced unsplit.
+    let split = |c: &Case, name, split| Case {
+        name,
+        opts: AttnOptions {
+            split,
+            ..c.opts.clone()
         },
-        Case {
-            name: "f32 bs32 mha d80 variants split 64",
-            block_size: 32,
-            num_kv_heads: 3,
-            group: 1,
-            head_dim: 80,
-            dtype: KvDtype::F32,
-            lens: vec![33, 100, 64],
-            opts: AttnOptions {
-                scale: Some(0.05),
-                soft_cap: Some(30.0),
-                sliding_window: Some(50),
-                alibi_slopes: Some(vec![0.5, 0.25, 0.125]),
-                split: Split::Tokens(64),
-                ..Default::default()
-            },
-        },
-        Case {
-            name: "f16 bs16 gqa4 d256 long unsplit",
-            block_size: 16,
-            num_kv_heads: 1,
-            group: 4,
-            head_dim: 256,
-            dtype: KvDtype::F16,
-            lens: vec![40, 1800],
-            opts: AttnOptions {
-                split: Split::Never,
-                ..plain
-            },
-        },
-    ]
+        ..c.clone()
+    };
+    let more = [
+        split(&base[0], "f32 bs16 gqa4 d128 split 64", Split::Tokens(64)),
+        split(
+            &base[2],
+            "f32 bs32 mha d80 variants split 64",
+            Split::Tokens(64),
+        ),
+        split(&base[3], "f16 bs16 gqa4 d256 long unsplit", Split::Never),
+    ];
+    base.extend(more);
+    base
 }
 
 #[test]
