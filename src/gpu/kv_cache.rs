@@ -680,9 +680,7 @@ pub(crate) fn cached_pipeline(
 ) -> Result<wgpu::ComputePipeline, GpuError> {
     let _serial = gpu.serial();
     gpu.alive()?;
-    // Trusted modules are native-only (the browser keeps wgpu's checks).
-    let trusted = cfg!(not(target_arch = "wasm32"))
-        && matches!(key, shader::PipelineKey::Attention(s) if s.trusted);
+    let trusted = matches!(key, shader::PipelineKey::Attention(s) if s.trusted);
     gpu.cached_pipeline(kernel, key, || {
         let src = source().ok_or(ShapeError::NoShader(kernel))?;
         #[cfg(not(target_arch = "wasm32"))]
@@ -701,6 +699,7 @@ fn make_pipeline(gpu: &Gpu, kernel: &str, src: &str, trusted: bool) -> wgpu::Com
         label: Some(kernel),
         source: wgpu::ShaderSource::Wgsl(src.into()),
     };
+    // Trusted modules are native-only: the browser keeps wgpu's checks.
     let module = if trusted && cfg!(not(target_arch = "wasm32")) {
         // SAFETY: the attention kernels index only what the host validated
         // before recording (tables within the pool, lengths within the

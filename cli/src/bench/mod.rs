@@ -1045,6 +1045,7 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, BenchError> {
     progress(cfg, "warm-up (1 s of copies)");
     timer.warm(1.0)?;
     let clock = clock::ClockLog::start();
+    let rated = clock::rated_gbs(&gpu.info.name);
     progress(cfg, "memcpy bandwidth");
     let memcpy = memcpy_gbs(gpu, &timer)?;
     let mut decode = Vec::new();
@@ -1150,7 +1151,7 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, BenchError> {
                     effective_gbs: eff,
                     stream_gbs: stream,
                     bandwidth_ratio: eff / stream,
-                    of_rated: clock::rated_gbs(&gpu.info.name).map(|g| eff / g),
+                    of_rated: rated.map(|g| eff / g),
                     sm_mhz: clock
                         .as_ref()
                         .and_then(|c| c.median_since(cell_start))
@@ -1330,7 +1331,7 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, BenchError> {
         timing: timer.source(),
         shape: [HEADS, KV_HEADS, HEAD_DIM, BLOCK],
         memcpy_gbs: memcpy,
-        rated_gbs: clock::rated_gbs(&gpu.info.name),
+        rated_gbs: rated,
         decode,
         skipped,
         split,

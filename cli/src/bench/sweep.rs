@@ -270,13 +270,7 @@ impl Variant {
 /// K and V bytes one decode of `batch` x `context` reads at `dtype` (data
 /// only; the quantized pools' scales add 1/32 to 1/64).
 fn kv_bytes(batch: u32, context: u32, dtype: KvDtype) -> f64 {
-    let row = (KV_HEADS * HEAD_DIM) as f64 * dtype.bytes() as f64;
-    let row = if dtype.quantized() {
-        (KV_HEADS * HEAD_DIM) as f64
-    } else {
-        row
-    };
-    2.0 * batch as f64 * context as f64 * row
+    2.0 * batch as f64 * context as f64 * (KV_HEADS * HEAD_DIM) as f64 * dtype.bytes() as f64
 }
 
 /// Runs the sweep on `gpu`.
@@ -346,8 +340,11 @@ pub fn run(gpu: &Gpu, cfg: &SweepConfig) -> Result<SweepReport, BenchError> {
         }
     }
     let mut rng = SplitMix64::new(0x5eed_5eed);
-    let mut best: Option<(Variant, f64)> = None;
-    for (ci, &(batch, context)) in cells.iter().enumerate() {
+    // Each f16 cell's pool is filled once (a GiB at 32 x 8192) and kept for
+    // the split and paging steps.
+    let mut kept: Vec<(u32, u32, super::DecodeRig, HostTables)> = Vec::new();
+    let mut win = None;
+    for &(batch, context) in cells {
         s.say(&format!("decode f16 batch {batch} context {context}"));
         let Some(r) = rig(gpu, batch, context, KvDtype::F16, &mut rng)? else {
             s.say("  skipped: a layer exceeds the binding limit");
@@ -371,127 +368,138 @@ pub fn run(gpu: &Gpu, cfg: &SweepConfig) -> Result<SweepReport, BenchError> {
             .collect();
         let bytes = kv_bytes(batch, context, KvDtype::F16);
         let times = s.decode_rows("decode", &r, bytes, &rows)?;
-        if ci == 0 {
-            let (i, &ms) = times
+        // The winner of the first cell that fits runs the steps below.
+        if win.is_none() {
+            win = times
                 .iter()
-                .enumerate()
-                .min_by(|a, b| a.1.total_cmp(b.1))
-                .ok_or_else(|| BenchError::Config("no decode variant runs here".into()))?;
-            best = Some((built[i].0, ms));
+                .zip(&built)
+                .min_by(|a, b| a.0.total_cmp(b.0))
+                .map(|(_, (v, _))| *v);
         }
+        kept.push((batch, context, r, t));
     }
-    let Some((win, _)) = best else {
+    let (Some(win), Some((batch, context, first, t))) = (win, kept.first()) else {
         return Err(BenchError::Config(
             "no decode cell fits this adapter".into(),
         ));
     };
-    let (batch, context) = cells[0];
+    let (batch, context) = (*batch, *context);
+    let lanes = Variant::lanes(win.checks);
 
     // C: splits, on lanes and the winner.
     s.say(&format!(
         "split-K at batch {batch} context {context}: {}",
         win.label()
     ));
-    if let Some(r) = rig(gpu, batch, context, KvDtype::F16, &mut rng)? {
-        let t = tables(batch, context, true, &mut rng);
-        let lanes = Variant::lanes(win.checks);
-        let mut attns = Vec::new();
-        for v in [lanes, win] {
-            attns.push((
-                v,
-                PagedAttention::with_config(gpu, &r.cache, HEADS, &v.config())?,
-            ));
-        }
-        let mut rows = Vec::new();
-        for (v, a) in &attns {
-            let auto = a.partition_tokens(gpu, Split::Auto, batch, context);
-            rows.push((
-                format!("{batch}x{context} {} auto", v.label()),
-                a,
-                &t,
-                Split::Auto,
-                format!(
-                    "auto: {} partitions",
-                    if auto == 0 { 1 } else { context.div_ceil(auto) }
-                ),
-            ));
-            // Splits the adapter refuses (a pass past a loop cap) are left out.
-            let fits = |split| super::decode_plan(gpu, a, &t, split).is_ok();
-            if fits(Split::Never) {
-                let what = format!("{batch}x{context} {} 1 partition", v.label());
-                rows.push((what, a, &t, Split::Never, String::new()));
-            }
-            for parts in [2u32, 4, 8, 16] {
-                let pt = context.div_ceil(parts).div_ceil(64) * 64;
-                if fits(Split::Tokens(pt)) {
-                    rows.push((
-                        format!("{batch}x{context} {} {parts} partitions", v.label()),
-                        a,
-                        &t,
-                        Split::Tokens(pt),
-                        format!("{pt} tokens each"),
-                    ));
-                }
-            }
-        }
-        s.decode_rows("split", &r, kv_bytes(batch, context, KvDtype::F16), &rows)?;
+    let mut attns = Vec::new();
+    for v in [lanes, win] {
+        attns.push((
+            v,
+            PagedAttention::with_config(gpu, &first.cache, HEADS, &v.config())?,
+        ));
     }
+    let mut rows = Vec::new();
+    for (v, a) in &attns {
+        let auto = a.partition_tokens(gpu, Split::Auto, batch, context);
+        rows.push((
+            format!("{batch}x{context} {} auto", v.label()),
+            a,
+            t,
+            Split::Auto,
+            format!(
+                "auto: {} partitions",
+                if auto == 0 { 1 } else { context.div_ceil(auto) }
+            ),
+        ));
+        // Splits the adapter refuses (a pass past a loop cap) are left out.
+        let fits = |split| super::decode_plan(gpu, a, t, split).is_ok();
+        if fits(Split::Never) {
+            let what = format!("{batch}x{context} {} 1 partition", v.label());
+            rows.push((what, a, t, Split::Never, String::new()));
+        }
+        for parts in [2u32, 4, 8, 16] {
+            let pt = context.div_ceil(parts).div_ceil(64) * 64;
+            if fits(Split::Tokens(pt)) {
+                rows.push((
+                    format!("{batch}x{context} {} {parts} partitions", v.label()),
+                    a,
+                    t,
+                    Split::Tokens(pt),
+                    format!("{pt} tokens each"),
+                ));
+            }
+        }
+    }
+    s.decode_rows(
+        "split",
+        first,
+        kv_bytes(batch, context, KvDtype::F16),
+        &rows,
+    )?;
 
-    // D: dtypes on the winner (and lanes): does time scale with bytes?
-    for v in [Variant::lanes(win.checks), win] {
-        let mut f16_ms = None;
-        for dtype in [KvDtype::F16, KvDtype::Int8, KvDtype::Fp8E4M3] {
-            s.say(&format!("dtype {} on {}", dtype.name(), v.label()));
+    // D: dtypes on lanes and the winner, timed interleaved per dtype: does
+    // time scale with bytes?
+    let mut f16_ms: Option<Vec<f64>> = None;
+    for dtype in [KvDtype::F16, KvDtype::Int8, KvDtype::Fp8E4M3] {
+        s.say(&format!("dtype {}", dtype.name()));
+        let filled;
+        let (r, t) = if dtype == KvDtype::F16 {
+            (first, t)
+        } else {
             let Some(r) = rig(gpu, batch, context, dtype, &mut rng)? else {
                 continue;
             };
-            let t = tables(batch, context, true, &mut rng);
-            let a = match PagedAttention::with_config(gpu, &r.cache, HEADS, &v.config()) {
-                Ok(a) => a,
-                Err(GpuError::Shape(e)) => {
-                    s.say(&format!("  {e}"));
-                    continue;
-                }
+            filled = (r, tables(batch, context, true, &mut rng));
+            (&filled.0, &filled.1)
+        };
+        let mut built = Vec::new();
+        for v in [lanes, win] {
+            match PagedAttention::with_config(gpu, &r.cache, HEADS, &v.config()) {
+                Ok(a) => built.push((v, a)),
+                Err(GpuError::Shape(e)) => s.say(&format!("  {}: {e}", v.label())),
                 Err(e) => return Err(e.into()),
-            };
-            let label = format!("{batch}x{context} {} {}", v.label(), dtype.name());
-            let ms = s.decode_rows(
-                "dtype",
-                &r,
-                kv_bytes(batch, context, dtype),
-                &[(label, &a, &t, Split::Auto, String::new())],
-            )?[0];
-            match f16_ms {
-                None => f16_ms = Some(ms),
-                Some(f) => {
-                    if let Some(row) = s.rows.last_mut() {
-                        row.note = format!("time / f16 {:.2}", ms / f);
-                    }
+            }
+        }
+        if built.len() != 2 {
+            continue;
+        }
+        let rows: Vec<_> = built
+            .iter()
+            .map(|(v, a)| {
+                let what = format!("{batch}x{context} {} {}", v.label(), dtype.name());
+                (what, a, t, Split::Auto, String::new())
+            })
+            .collect();
+        let times = s.decode_rows("dtype", r, kv_bytes(batch, context, dtype), &rows)?;
+        match &f16_ms {
+            None if dtype == KvDtype::F16 => f16_ms = Some(times),
+            Some(f) => {
+                let n = s.rows.len();
+                for (i, (ms, f)) in times.iter().zip(f).enumerate() {
+                    s.rows[n - 2 + i].note = format!("time / f16 {:.2}", ms / f);
                 }
             }
+            None => {}
         }
     }
 
     // E: paged (shuffled) against contiguous, on the winner, every cell.
-    for &(batch, context) in cells {
+    for (batch, context, r, shuffled) in &kept {
+        let (batch, context) = (*batch, *context);
         s.say(&format!("paging at batch {batch} context {context}"));
-        let Some(r) = rig(gpu, batch, context, KvDtype::F16, &mut rng)? else {
-            continue;
-        };
-        let shuffled = tables(batch, context, true, &mut rng);
         let identity = tables(batch, context, false, &mut rng);
         let paged = PagedAttention::with_config(gpu, &r.cache, HEADS, &win.config())?;
         let contiguous = PagedAttention::contiguous(gpu, &r.cache, HEADS, &win.config())?;
         let what = |k: &str| format!("{} {batch}x{context} {k}", win.label());
         let times = s.decode_rows(
             "paging",
-            &r,
+            r,
             kv_bytes(batch, context, KvDtype::F16),
             &[
                 (
                     what("paged, shuffled"),
                     &paged,
-                    &shuffled,
+                    shuffled,
                     Split::Auto,
                     String::new(),
                 ),
