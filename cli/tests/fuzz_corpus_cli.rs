@@ -4,7 +4,7 @@
 //! own parser and checks (src/cli.rs). `CLI_ARGS_INPUT=<file>` replays one
 //! file.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use pagedattn::rng::SplitMix64;
 
@@ -14,20 +14,16 @@ mod cli;
 
 #[path = "common/cli_args.rs"]
 mod cli_args;
+use cli_args::harness::{assert_reached, caught, corpus_files};
 
 fn replay_cli(path: &Path, total: &mut cli_args::Outcome) {
     let data = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    match std::panic::catch_unwind(|| cli_args::run(&data)) {
-        Ok(o) => total.add(&o),
-        Err(p) => {
-            eprintln!(
-                "cli_args corpus input {} failed: argv {:?}",
-                path.display(),
-                cli_args::argv(&data)
-            );
-            std::panic::resume_unwind(p);
-        }
-    }
+    let what = format!(
+        "cli_args corpus input {}: argv {:?}",
+        path.display(),
+        cli_args::argv(&data)
+    );
+    total.add(&caught(&what, || cli_args::run(&data)));
 }
 
 #[test]
@@ -39,24 +35,12 @@ fn cli_args_corpus_passes_and_reaches_every_outcome() {
         return;
     }
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus/cli_args");
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .expect("fuzz/corpus/cli_args")
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.is_file())
-        .collect();
-    files.sort();
-    assert!(files.len() >= 20, "only {} corpus files", files.len());
+    let files = corpus_files(&dir, 20);
     for f in &files {
         replay_cli(f, &mut total);
     }
     println!("{} inputs: {:?}", files.len(), total.named());
-    for (what, n) in total.named() {
-        assert!(
-            n > 0,
-            "the corpus never reaches {what}: {:?}",
-            total.named()
-        );
-    }
+    assert_reached(&total.named(), "the corpus", &[]);
 }
 
 /// Random argvs from each subcommand's flags, with values of the right

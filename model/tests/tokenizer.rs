@@ -229,6 +229,7 @@ fn a_long_prompt_encodes_quickly() {
 
 #[path = "common/gguf_ops.rs"]
 mod gguf_ops;
+use gguf_ops::harness::{assert_reached, caught, corpus_files};
 
 /// The GGUF fuzz harness's base file is a valid model: it parses,
 /// configures and tokenizes (so the mutated inputs start from a file that
@@ -251,16 +252,9 @@ fn the_fuzz_base_file_loads_the_whole_way() {
 /// `GGUF_INPUT=<file>` replays one file.
 #[test]
 fn gguf_fuzz_corpus_and_random_edits_never_panic() {
-    let run =
-        |data: &[u8], what: &str, total: &mut gguf_ops::Reached| match std::panic::catch_unwind(
-            || gguf_ops::run(data),
-        ) {
-            Ok(r) => total.add(&r),
-            Err(p) => {
-                eprintln!("{what} failed");
-                std::panic::resume_unwind(p);
-            }
-        };
+    let run = |data: &[u8], what: &str, total: &mut gguf_ops::Reached| {
+        total.add(&caught(what, || gguf_ops::run(data)))
+    };
     let mut total = gguf_ops::Reached::default();
     if let Ok(one) = std::env::var("GGUF_INPUT") {
         run(&std::fs::read(&one).unwrap(), &one, &mut total);
@@ -268,27 +262,14 @@ fn gguf_fuzz_corpus_and_random_edits_never_panic() {
         return;
     }
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../fuzz/corpus/gguf");
-    let mut files: Vec<_> = std::fs::read_dir(dir)
-        .expect("fuzz/corpus/gguf")
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.is_file())
-        .collect();
-    files.sort();
-    assert!(files.len() >= 10, "only {} corpus files", files.len());
-    for f in &files {
+    for f in &corpus_files(std::path::Path::new(dir), 10) {
         run(
             &std::fs::read(f).unwrap(),
             &f.display().to_string(),
             &mut total,
         );
     }
-    for (what, n) in total.named() {
-        assert!(
-            n > 0,
-            "the corpus never reaches {what}: {:?}",
-            total.named()
-        );
-    }
+    assert_reached(&total.named(), "the corpus", &[]);
     let mut rng = pagedattn::rng::SplitMix64::new(0x6607);
     let mut random = gguf_ops::Reached::default();
     for i in 0..400 {

@@ -21,39 +21,20 @@ use pagedattn::gpu::{
     K_SMOOTHING_RANGE,
 };
 
-/// What one input reached.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct Reached {
-    pub fp8_ok: usize,
-    pub fp8_err: usize,
-    pub smoothing_ok: usize,
-    pub smoothing_err: usize,
-    pub outliers_ok: usize,
-    pub outliers_err: usize,
-    pub calibrated: usize,
-}
+#[path = "harness.rs"]
+#[macro_use]
+pub mod harness;
 
-impl Reached {
-    pub fn add(&mut self, o: &Reached) {
-        self.fp8_ok += o.fp8_ok;
-        self.fp8_err += o.fp8_err;
-        self.smoothing_ok += o.smoothing_ok;
-        self.smoothing_err += o.smoothing_err;
-        self.outliers_ok += o.outliers_ok;
-        self.outliers_err += o.outliers_err;
-        self.calibrated += o.calibrated;
-    }
-
-    pub fn named(&self) -> [(&'static str, usize); 7] {
-        [
-            ("fp8 scales accepted", self.fp8_ok),
-            ("fp8 scales refused", self.fp8_err),
-            ("smoothing accepted", self.smoothing_ok),
-            ("smoothing refused", self.smoothing_err),
-            ("outliers accepted", self.outliers_ok),
-            ("outliers refused", self.outliers_err),
-            ("calibrations checked", self.calibrated),
-        ]
+tally! {
+    /// What one input reached.
+    pub struct Reached: usize {
+        fp8_ok: "fp8 scales accepted",
+        fp8_err: "fp8 scales refused",
+        smoothing_ok: "smoothing accepted",
+        smoothing_err: "smoothing refused",
+        outliers_ok: "outliers accepted",
+        outliers_err: "outliers refused",
+        calibrated: "calibrations checked",
     }
 }
 

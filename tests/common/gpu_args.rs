@@ -14,43 +14,22 @@ use pagedattn::gpu::{
     MAX_KV_HEADS, MAX_LAYERS, MAX_SEQ_LEN,
 };
 
-/// What one input reached, summed by the replay to show the corpus still
-/// covers every outcome.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct Reached {
-    pub tables_ok: usize,
-    pub tables_err: usize,
-    pub options_ok: usize,
-    pub options_err: usize,
-    pub config_ok: usize,
-    pub config_err: usize,
-    pub pack_ok: usize,
-    pub pack_err: usize,
-}
+#[path = "harness.rs"]
+#[macro_use]
+pub mod harness;
 
-impl Reached {
-    pub fn add(&mut self, o: &Reached) {
-        self.tables_ok += o.tables_ok;
-        self.tables_err += o.tables_err;
-        self.options_ok += o.options_ok;
-        self.options_err += o.options_err;
-        self.config_ok += o.config_ok;
-        self.config_err += o.config_err;
-        self.pack_ok += o.pack_ok;
-        self.pack_err += o.pack_err;
-    }
-
-    pub fn named(&self) -> [(&'static str, usize); 8] {
-        [
-            ("tables accepted", self.tables_ok),
-            ("tables refused", self.tables_err),
-            ("options accepted", self.options_ok),
-            ("options refused", self.options_err),
-            ("cache shapes accepted", self.config_ok),
-            ("cache shapes refused", self.config_err),
-            ("tables packed", self.pack_ok),
-            ("packing refused", self.pack_err),
-        ]
+tally! {
+    /// What one input reached, summed by the replay to show the corpus still
+    /// covers every outcome.
+    pub struct Reached: usize {
+        tables_ok: "tables accepted",
+        tables_err: "tables refused",
+        options_ok: "options accepted",
+        options_err: "options refused",
+        config_ok: "cache shapes accepted",
+        config_err: "cache shapes refused",
+        pack_ok: "tables packed",
+        pack_err: "packing refused",
     }
 }
 

@@ -40,33 +40,23 @@ pub const MAX_OPS: usize = 600;
 /// Steps the final drain may take before it counts as a livelock.
 const DRAIN_STEPS: usize = 20_000;
 
-/// How often each interesting outcome happened.
-#[derive(Default, Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Coverage {
-    pub steps: u64,
-    pub finished: u64,
-    pub aborted_by_policy: u64,
-    pub aborted_by_caller: u64,
-    pub recomputed: u64,
-    pub swapped: u64,
-    pub refused_adds: u64,
-    pub refused_commits: u64,
-    pub refused_aborts: u64,
-    pub foreign_refused: u64,
-}
+#[path = "harness.rs"]
+#[macro_use]
+pub mod harness;
 
-impl Coverage {
-    pub fn add(&mut self, o: &Coverage) {
-        self.steps += o.steps;
-        self.finished += o.finished;
-        self.aborted_by_policy += o.aborted_by_policy;
-        self.aborted_by_caller += o.aborted_by_caller;
-        self.recomputed += o.recomputed;
-        self.swapped += o.swapped;
-        self.refused_adds += o.refused_adds;
-        self.refused_commits += o.refused_commits;
-        self.refused_aborts += o.refused_aborts;
-        self.foreign_refused += o.foreign_refused;
+tally! {
+    /// How often each interesting outcome happened.
+    pub struct Coverage: u64 {
+        steps: "steps",
+        finished: "finished",
+        aborted_by_policy: "aborted by policy",
+        aborted_by_caller: "aborted by caller",
+        recomputed: "recomputed",
+        swapped: "swapped",
+        refused_adds: "refused adds",
+        refused_commits: "refused commits",
+        refused_aborts: "refused aborts",
+        foreign_refused: "foreign refused",
     }
 }
 

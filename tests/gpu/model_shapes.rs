@@ -224,26 +224,69 @@ fn run_model(gpu: &Gpu, md: &Model, dtype: KvDtype, window: Option<u32>) {
     );
 }
 
-#[test]
-fn model_shape_table() {
+/// Every run of one model: f32 and f16 KV (and bf16 for the 2025-26 rows),
+/// a window shorter than the contexts where the model has one, and the
+/// layers without a window where the model mixes them.
+fn model_row(name: &str) {
     let Some(gpu) = gpu() else { return };
-    for md in models() {
-        for dtype in [KvDtype::F32, KvDtype::F16] {
-            run_model(&gpu, &md, dtype, md.window);
-        }
-        if md.bf16 {
-            run_model(&gpu, &md, KvDtype::Bf16, md.window);
-        }
-        // The models with a window: one shorter than the contexts too, so
-        // the window cuts through them.
-        if md.window.is_some() {
-            run_model(&gpu, &md, KvDtype::F16, Some(100));
-        }
-        // The layers without one, where a model mixes them.
-        if md.global_layers {
-            run_model(&gpu, &md, KvDtype::F16, None);
-        }
+    let md = models().into_iter().find(|m| m.name == name);
+    let md = md.unwrap_or_else(|| panic!("{name} is not in the model table"));
+    for dtype in [KvDtype::F32, KvDtype::F16] {
+        run_model(&gpu, &md, dtype, md.window);
     }
+    if md.bf16 {
+        run_model(&gpu, &md, KvDtype::Bf16, md.window);
+    }
+    if md.window.is_some() {
+        run_model(&gpu, &md, KvDtype::F16, Some(100));
+    }
+    if md.global_layers {
+        run_model(&gpu, &md, KvDtype::F16, None);
+    }
+}
+
+/// One test a model, so the harness's threads share the table (each test
+/// opens its own device, and every shape compiles its own pipelines).
+macro_rules! model_rows {
+    ($($test:ident: $name:literal,)*) => {
+        $(
+            #[test]
+            fn $test() {
+                model_row($name);
+            }
+        )*
+
+        /// The tests above name every model of the table, each once.
+        #[test]
+        fn every_model_has_its_test() {
+            let mut tested = vec![$($name),*];
+            let mut table: Vec<&str> = models().iter().map(|m| m.name).collect();
+            tested.sort_unstable();
+            table.sort_unstable();
+            assert_eq!(tested, table);
+        }
+    };
+}
+
+model_rows! {
+    llama_3_8b: "Llama-3-8B",
+    llama_3_2_1b: "Llama-3.2-1B",
+    qwen2_5_7b: "Qwen2.5-7B",
+    qwen2_5_0_5b: "Qwen2.5-0.5B",
+    mistral_7b: "Mistral-7B",
+    gemma_2_2b: "Gemma-2-2B",
+    phi_3_mini: "Phi-3-mini",
+    falcon_7b: "Falcon-7B",
+    starcoder2_15b: "StarCoder2-15B",
+    llama_3_70b: "Llama-3-70B",
+    gpt_2: "GPT-2",
+    mpt_7b: "MPT-7B",
+    gpt_oss_20b: "gpt-oss-20b",
+    gemma_3_4b: "Gemma-3-4B",
+    gemma_3_27b: "Gemma-3-27B",
+    qwen3_8b: "Qwen3-8B",
+    qwen3_0_6b: "Qwen3-0.6B",
+    smollm2_135m: "SmolLM2-135M",
 }
 
 /// The MLA models (DeepSeek-V2-Lite, DeepSeek-V3, Kimi K2: one 512 + 64

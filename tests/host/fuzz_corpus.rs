@@ -13,6 +13,7 @@ use crate::block_ops;
 
 use std::path::{Path, PathBuf};
 
+use block_ops::harness::{assert_reached, caught, corpus_files};
 use block_ops::Coverage;
 use pagedattn::rng::SplitMix64;
 
@@ -20,16 +21,17 @@ fn corpus_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/block_manager")
 }
 
+/// A block awaiting a copy is a copy-on-write source: the partly filled
+/// last block of a sequence. The prefix cache holds only full blocks, and
+/// filling a shared block copies it first, so no run has found a cached
+/// block that awaits a copy (the manager handles it anyway, and so does the
+/// checker).
+const UNREACHED: [&str; 1] = ["revivals of blocks awaiting a copy"];
+
 fn replay(path: &Path, total: &mut Coverage) {
     let data = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let res = std::panic::catch_unwind(|| block_ops::run(&data));
-    match res {
-        Ok(c) => total.add(&c),
-        Err(p) => {
-            eprintln!("corpus input {} failed", path.display());
-            std::panic::resume_unwind(p);
-        }
-    }
+    let what = format!("corpus input {}", path.display());
+    total.add(&caught(&what, || block_ops::run(&data)));
 }
 
 #[test]
@@ -40,32 +42,12 @@ fn committed_corpus_passes_and_covers_every_outcome() {
         println!("{:?}", total.named());
         return;
     }
-    let mut files: Vec<PathBuf> = std::fs::read_dir(corpus_dir())
-        .expect("fuzz/corpus/block_manager")
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.is_file())
-        .collect();
-    files.sort();
-    assert!(files.len() >= 20, "only {} corpus files", files.len());
+    let files = corpus_files(&corpus_dir(), 20);
     for f in &files {
         replay(f, &mut total);
     }
     println!("{} inputs: {:?}", files.len(), total.named());
-    for (what, n) in total.named() {
-        // A block awaiting a copy is a copy-on-write source: the partly
-        // filled last block of a sequence. The prefix cache holds only full
-        // blocks, and filling a shared block copies it first, so no run has
-        // found a cached block that awaits a copy (the manager handles it
-        // anyway, and so does the checker).
-        if what == "revivals of blocks awaiting a copy" {
-            continue;
-        }
-        assert!(
-            n > 0,
-            "the corpus never reaches {what}: {:?}",
-            total.named()
-        );
-    }
+    assert_reached(&total.named(), "the corpus", &UNREACHED);
 }
 
 /// Seeded random byte strings through the same checker: a little extra
@@ -122,7 +104,7 @@ fn grow_corpus() {
         let missing: Vec<&str> = total
             .named()
             .into_iter()
-            .filter(|&(w, n)| n == 0 && w != "revivals of blocks awaiting a copy")
+            .filter(|&(w, n)| n == 0 && !UNREACHED.contains(&w))
             .map(|(w, _)| w)
             .collect();
         if missing.is_empty() {

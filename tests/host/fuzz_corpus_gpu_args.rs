@@ -7,52 +7,29 @@
 
 use crate::gpu_args;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
+use gpu_args::harness::{assert_reached, caught, corpus_files};
 use gpu_args::Reached;
 use pagedattn::rng::SplitMix64;
-
-fn replay(data: &[u8], what: &str, total: &mut Reached) {
-    match std::panic::catch_unwind(|| gpu_args::run(data)) {
-        Ok(r) => total.add(&r),
-        Err(p) => {
-            eprintln!("{what} failed");
-            std::panic::resume_unwind(p);
-        }
-    }
-}
 
 #[test]
 fn gpu_args_corpus_passes_and_reaches_every_outcome() {
     let mut total = Reached::default();
     if let Ok(one) = std::env::var("GPU_ARGS_INPUT") {
-        replay(&std::fs::read(&one).unwrap(), &one, &mut total);
+        let data = std::fs::read(&one).unwrap();
+        total.add(&caught(&one, || gpu_args::run(&data)));
         println!("{:?}", total.named());
         return;
     }
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/gpu_args");
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .expect("fuzz/corpus/gpu_args")
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.is_file())
-        .collect();
-    files.sort();
-    assert!(files.len() >= 20, "only {} corpus files", files.len());
+    let files = corpus_files(&dir, 20);
     for f in &files {
-        replay(
-            &std::fs::read(f).unwrap(),
-            &f.display().to_string(),
-            &mut total,
-        );
+        let data = std::fs::read(f).unwrap();
+        total.add(&caught(&f.display().to_string(), || gpu_args::run(&data)));
     }
     println!("{} inputs: {:?}", files.len(), total.named());
-    for (what, n) in total.named() {
-        assert!(
-            n > 0,
-            "the corpus never reaches {what}: {:?}",
-            total.named()
-        );
-    }
+    assert_reached(&total.named(), "the corpus", &[]);
 }
 
 #[test]
@@ -75,12 +52,10 @@ fn gpu_args_random_inputs_keep_the_contracts() {
                 path.display()
             );
         }
-        replay(&data, &what, &mut total);
+        total.add(&caught(&what, || gpu_args::run(&data)));
     }
     println!("{:?}", total.named());
-    for (what, n) in total.named() {
-        assert!(n > 0, "random inputs never reach {what} (seed {seed})");
-    }
+    assert_reached(&total.named(), &format!("random inputs (seed {seed})"), &[]);
 }
 
 use crate::calibration;
@@ -92,16 +67,9 @@ use crate::calibration;
 /// reach every outcome. `CALIBRATION_INPUT=<file>` replays one file.
 #[test]
 fn calibration_corpus_and_random_inputs_keep_the_contracts() {
-    let run =
-        |data: &[u8], what: &str, total: &mut calibration::Reached| match std::panic::catch_unwind(
-            || calibration::run(data),
-        ) {
-            Ok(r) => total.add(&r),
-            Err(p) => {
-                eprintln!("{what} failed");
-                std::panic::resume_unwind(p);
-            }
-        };
+    let run = |data: &[u8], what: &str, total: &mut calibration::Reached| {
+        total.add(&caught(what, || calibration::run(data)))
+    };
     let mut total = calibration::Reached::default();
     if let Ok(one) = std::env::var("CALIBRATION_INPUT") {
         run(&std::fs::read(&one).unwrap(), &one, &mut total);
@@ -109,27 +77,14 @@ fn calibration_corpus_and_random_inputs_keep_the_contracts() {
         return;
     }
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/calibration");
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .expect("fuzz/corpus/calibration")
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.is_file())
-        .collect();
-    files.sort();
-    assert!(files.len() >= 10, "only {} corpus files", files.len());
-    for f in &files {
+    for f in &corpus_files(&dir, 10) {
         run(
             &std::fs::read(f).unwrap(),
             &f.display().to_string(),
             &mut total,
         );
     }
-    for (what, n) in total.named() {
-        assert!(
-            n > 0,
-            "the corpus never reaches {what}: {:?}",
-            total.named()
-        );
-    }
+    assert_reached(&total.named(), "the corpus", &[]);
     let seed = std::env::var("PAGEDATTN_SEED")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -145,8 +100,10 @@ fn calibration_corpus_and_random_inputs_keep_the_contracts() {
             &mut random,
         );
     }
-    for (what, n) in random.named() {
-        assert!(n > 0, "random inputs never reach {what} (seed {seed})");
-    }
+    assert_reached(
+        &random.named(),
+        &format!("random inputs (seed {seed})"),
+        &[],
+    );
     println!("corpus {:?}; random {:?}", total.named(), random.named());
 }

@@ -24,43 +24,22 @@ use std::ffi::OsString;
 use crate::cli::{self, Checked, Parsed};
 use pagedattn_cli::sim::{simulate, Sampling, SimError};
 
-/// Which ways an input went, counted over a corpus.
-#[derive(Clone, Debug, Default)]
-pub struct Outcome {
-    pub inputs: u64,
-    pub help: u64,
-    pub usage_errors: u64,
-    pub check_errors: u64,
-    pub demo: u64,
-    pub bench: u64,
-    pub generate: u64,
-    pub sim_runs: u64,
-    pub sim_too_small: u64,
-}
+#[path = "../../../tests/common/harness.rs"]
+#[macro_use]
+pub mod harness;
 
-impl Outcome {
-    pub fn add(&mut self, o: &Outcome) {
-        self.inputs += o.inputs;
-        self.help += o.help;
-        self.usage_errors += o.usage_errors;
-        self.check_errors += o.check_errors;
-        self.demo += o.demo;
-        self.bench += o.bench;
-        self.sim_runs += o.sim_runs;
-        self.sim_too_small += o.sim_too_small;
-    }
-
-    /// Every count with its name, for messages and coverage checks.
-    pub fn named(&self) -> Vec<(&'static str, u64)> {
-        vec![
-            ("help or version", self.help),
-            ("usage errors", self.usage_errors),
-            ("failed checks", self.check_errors),
-            ("checked demos", self.demo),
-            ("checked benches", self.bench),
-            ("simulations run", self.sim_runs),
-            ("requests too large for the budget", self.sim_too_small),
-        ]
+tally! {
+    /// Which ways an input went, counted over a corpus.
+    pub struct Outcome: u64 {
+        inputs: "inputs",
+        help: "help or version",
+        usage_errors: "usage errors",
+        check_errors: "failed checks",
+        demo: "checked demos",
+        bench: "checked benches",
+        generate: "checked generates",
+        sim_runs: "simulations run",
+        sim_too_small: "requests too large for the budget",
     }
 }
 

@@ -23,36 +23,19 @@ use pagedattn_model::config::LlamaConfig;
 use pagedattn_model::gguf::Gguf;
 use pagedattn_model::tokenizer::Tokenizer;
 
-/// What one input reached.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct Reached {
-    pub parsed: usize,
-    pub refused: usize,
-    pub configured: usize,
-    pub config_refused: usize,
-    pub tokenizer_loaded: usize,
-    pub tokenizer_refused: usize,
-}
+#[path = "../../../tests/common/harness.rs"]
+#[macro_use]
+pub mod harness;
 
-impl Reached {
-    pub fn add(&mut self, o: &Reached) {
-        self.parsed += o.parsed;
-        self.refused += o.refused;
-        self.configured += o.configured;
-        self.config_refused += o.config_refused;
-        self.tokenizer_loaded += o.tokenizer_loaded;
-        self.tokenizer_refused += o.tokenizer_refused;
-    }
-
-    pub fn named(&self) -> [(&'static str, usize); 6] {
-        [
-            ("parsed", self.parsed),
-            ("refused", self.refused),
-            ("configured", self.configured),
-            ("config refused", self.config_refused),
-            ("tokenizer loaded", self.tokenizer_loaded),
-            ("tokenizer refused", self.tokenizer_refused),
-        ]
+tally! {
+    /// What one input reached.
+    pub struct Reached: usize {
+        parsed: "parsed",
+        refused: "refused",
+        configured: "configured",
+        config_refused: "config refused",
+        tokenizer_loaded: "tokenizer loaded",
+        tokenizer_refused: "tokenizer refused",
     }
 }
 
