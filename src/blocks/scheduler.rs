@@ -392,6 +392,21 @@ pub struct Scheduler {
     stats: SchedulerStats,
 }
 
+/// What the token-budget steps of [`Scheduler::schedule`] build: the
+/// chosen rows, who owns each, and what they use.
+struct Batching {
+    /// Tokens left in the step's budget.
+    budget: usize,
+    /// (sequence, tokens) of each chosen row.
+    rows: Vec<(SeqId, usize)>,
+    /// (running index, sequence index) of each row.
+    owners: Vec<(usize, usize)>,
+    /// Sequences with a row.
+    in_batch: usize,
+    /// The running groups' width (what they may grow to).
+    width: usize,
+}
+
 impl Scheduler {
     /// A scheduler over a new block manager.
     pub fn new(blocks: BlockManagerConfig, cfg: SchedulerConfig) -> Result<Self, SchedulerError> {
@@ -814,8 +829,32 @@ impl Scheduler {
 
     fn schedule_inner(&mut self) -> Result<Step, SchedulerError> {
         let mut step = Step::default();
-        // 1. Room for the running groups' children; preempt the newest
-        //    arrivals until there is.
+        self.make_room(&mut step)?;
+        let preempted = !step.preempted.is_empty();
+        let width = self.swap_back(preempted, &mut step)?;
+        let mut b = Batching {
+            budget: self.cfg.max_batch_tokens,
+            rows: Vec::new(),
+            owners: Vec::new(),
+            in_batch: 0,
+            width,
+        };
+        self.batch_running(&mut b)?;
+        if !preempted {
+            self.admit(&mut b, &mut step)?;
+        }
+        self.emit_rows(&b, &mut step)?;
+        self.steps += 1;
+        self.stats.steps += 1;
+        step.number = self.steps;
+        step.owner = self.blocks.owner();
+        self.in_flight = Some(self.steps);
+        Ok(step)
+    }
+
+    /// Step 1 of [`schedule`](Self::schedule): room for the running groups'
+    /// children, preempting the newest arrivals until there is.
+    fn make_room(&mut self, step: &mut Step) -> Result<(), SchedulerError> {
         loop {
             let mut need = 0usize;
             for g in &self.running {
@@ -835,15 +874,18 @@ impl Scheduler {
                 step.aborted.push(victim.id);
                 continue;
             }
-            self.preempt(victim, &mut step)?;
+            self.preempt(victim, step)?;
         }
         for g in &mut self.running {
             Self::apply_children(&mut self.blocks, g)?;
             Self::regrow(&mut self.blocks, g)?;
         }
-        let preempted = !step.preempted.is_empty();
-        // 2. Swapped groups back in, oldest first, when nothing was
-        //    preempted this step.
+        Ok(())
+    }
+
+    /// Step 2: swapped groups back in, oldest first, when nothing was
+    /// preempted this step. Returns the running groups' width.
+    fn swap_back(&mut self, preempted: bool, step: &mut Step) -> Result<usize, SchedulerError> {
         // Running groups are counted at their width (what they may grow
         // to), so the sequences held never pass `max_seqs`.
         let mut width: usize = self.running.iter().map(|g| g.width).sum();
@@ -887,35 +929,41 @@ impl Scheduler {
             Self::apply_children(&mut self.blocks, g)?;
             Self::regrow(&mut self.blocks, g)?;
         }
-        // 3. The token budget: running groups in arrival order (decodes
-        //    take one token a sequence), then admissions.
-        let mut budget = self.cfg.max_batch_tokens;
-        let mut batch: Vec<(SeqId, usize)> = Vec::new();
-        let mut owners: Vec<(usize, usize)> = Vec::new(); // (running index, seq index)
-        let mut in_batch = 0usize;
+        Ok(width)
+    }
+
+    /// Step 3: the token budget for the running groups, in arrival order
+    /// (decodes take one token a sequence).
+    fn batch_running(&mut self, b: &mut Batching) -> Result<(), SchedulerError> {
         for gi in 0..self.running.len() {
             let g = &self.running[gi];
-            if in_batch + g.seqs.len() > self.cfg.max_seqs || budget == 0 {
+            if b.in_batch + g.seqs.len() > self.cfg.max_seqs || b.budget == 0 {
                 continue;
             }
-            let chunks = self.chunks(g, budget)?;
+            let chunks = self.chunks(g, b.budget)?;
             let sum: usize = chunks.iter().sum();
             if sum == 0 {
                 continue;
             }
-            budget -= sum;
-            in_batch += g.seqs.len();
+            b.budget -= sum;
+            b.in_batch += g.seqs.len();
             for (si, (&id, &c)) in g.seqs.iter().zip(&chunks).enumerate() {
                 if c > 0 {
-                    batch.push((id, c));
-                    owners.push((gi, si));
+                    b.rows.push((id, c));
+                    b.owners.push((gi, si));
                 }
             }
         }
-        // 4. Admissions, first come first served, unless preempting.
-        while !preempted && budget > 0 && self.swapped.is_empty() {
+        Ok(())
+    }
+
+    /// Step 4: admissions from the waiting queue, first come first served
+    /// (not called in a step that preempted).
+    fn admit(&mut self, b: &mut Batching, step: &mut Step) -> Result<(), SchedulerError> {
+        while b.budget > 0 && self.swapped.is_empty() {
             let Some(g) = self.waiting.front() else { break };
-            if in_batch + g.sources.len() > self.cfg.max_seqs || width + g.width > self.cfg.max_seqs
+            if b.in_batch + g.sources.len() > self.cfg.max_seqs
+                || b.width + g.width > self.cfg.max_seqs
             {
                 break;
             }
@@ -942,7 +990,7 @@ impl Scheduler {
                 }
             }
             let mut g = self.waiting.pop_front().expect("front exists");
-            width += g.width;
+            b.width += g.width;
             if shared > 0 {
                 // A recomputed group of several sequences: its shared
                 // prefix once; it forks where they part (`regrow`).
@@ -962,31 +1010,36 @@ impl Scheduler {
                     g.seqs.push(id);
                 }
             }
-            let chunks = self.chunks(&g, budget)?;
+            let chunks = self.chunks(&g, b.budget)?;
             let sum: usize = chunks.iter().sum();
-            budget -= sum;
+            b.budget -= sum;
             let at = self.running.partition_point(|x| x.id < g.id);
             // Owners index the running list: shift those at or after `at`.
-            for o in owners.iter_mut() {
+            for o in b.owners.iter_mut() {
                 if o.0 >= at {
                     o.0 += 1;
                 }
             }
             if sum > 0 {
-                in_batch += g.seqs.len();
+                b.in_batch += g.seqs.len();
                 for (si, (&id, &c)) in g.seqs.iter().zip(&chunks).enumerate() {
                     if c > 0 {
-                        batch.push((id, c));
-                        owners.push((at, si));
+                        b.rows.push((id, c));
+                        b.owners.push((at, si));
                     }
                 }
             }
             self.running.insert(at, g);
         }
-        // 5. The plan, rows and token ids.
-        self.blocks.plan_step_into(&batch, &mut step.plan)?;
+        Ok(())
+    }
+
+    /// Step 5: the plan of the chosen rows, the rows and their token ids,
+    /// and the groups that sample.
+    fn emit_rows(&mut self, b: &Batching, step: &mut Step) -> Result<(), SchedulerError> {
+        self.blocks.plan_step_into(&b.rows, &mut step.plan)?;
         let mut last_group = usize::MAX;
-        for (i, &(gi, si)) in owners.iter().enumerate() {
+        for (i, &(gi, si)) in b.owners.iter().enumerate() {
             let g = &self.running[gi];
             let id = g.seqs[si];
             let tokens = self.blocks.tokens(id)?;
@@ -1007,7 +1060,8 @@ impl Scheduler {
             if gi != last_group {
                 last_group = gi;
                 let n = g.seqs.len();
-                let all = owners
+                let all = b
+                    .owners
                     .get(i..i + n)
                     .is_some_and(|o| o.iter().all(|&(a, _)| a == gi))
                     && step.plan.completes()[i..i + n].iter().all(|&c| c);
@@ -1016,12 +1070,7 @@ impl Scheduler {
                 }
             }
         }
-        self.steps += 1;
-        self.stats.steps += 1;
-        step.number = self.steps;
-        step.owner = self.blocks.owner();
-        self.in_flight = Some(self.steps);
-        Ok(step)
+        Ok(())
     }
 
     /// Commits a step once the model ran it: the rows' tokens count as
