@@ -44,15 +44,17 @@ fn gpu_args_random_inputs_keep_the_contracts() {
         let len = rng.range(1, 400) as usize;
         let data: Vec<u8> = (0..len).map(|_| rng.below(256) as u8).collect();
         let what = format!("random input {i} (seed {seed}; PAGEDATTN_SEED replays)");
-        if std::panic::catch_unwind(|| gpu_args::run(&data)).is_err() {
-            let path = std::env::temp_dir().join(format!("gpu_args_random_{i}"));
-            let _ = std::fs::write(&path, &data);
-            panic!(
-                "{what} failed; saved to {} (GPU_ARGS_INPUT replays)",
-                path.display()
-            );
+        match std::panic::catch_unwind(|| gpu_args::run(&data)) {
+            Ok(r) => total.add(&r),
+            Err(_) => {
+                let path = std::env::temp_dir().join(format!("gpu_args_random_{i}"));
+                let _ = std::fs::write(&path, &data);
+                panic!(
+                    "{what} failed; saved to {} (GPU_ARGS_INPUT replays)",
+                    path.display()
+                );
+            }
         }
-        total.add(&caught(&what, || gpu_args::run(&data)));
     }
     println!("{:?}", total.named());
     assert_reached(&total.named(), &format!("random inputs (seed {seed})"), &[]);
