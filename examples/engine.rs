@@ -33,7 +33,7 @@ use std::error::Error;
 use std::time::Instant;
 
 use pagedattn::blocks::{
-    BatchView, BlockManagerConfig, Child, GroupOutput, RequestId, Scheduler, SchedulerConfig,
+    BatchView, BlockManagerConfig, Child, GroupOutput, RequestId, Scheduler, SchedulerConfig, Step,
 };
 use pagedattn::gpu::{
     AttentionPlan, AttnOptions, DecodeTables, Gpu, KvCache, KvCacheConfig, KvDtype, PagedAttention,
@@ -572,6 +572,98 @@ fn pick(row: &[f32], rank: usize) -> u32 {
     order[rank] as u32
 }
 
+/// Each live sequence's group, by request.
+type Groups = Vec<(RequestId, Vec<Live>)>;
+
+/// The f64 model's logits for the rows the GPU ran: each sequence's host
+/// model runs its tokens up to the row's end. (B's host model runs its
+/// whole prompt: the GPU ran only what the prefix cache did not hold, so
+/// this also checks the shared blocks.)
+fn host_logits(step: &Step, live: &mut Groups, sched: &Scheduler, w: &Weights) -> Res<Vec<f64>> {
+    let mut want = Vec::with_capacity(step.tokens().len() * VOCAB);
+    for row in step.rows() {
+        let group = &mut live
+            .iter_mut()
+            .find(|g| g.0 == row.request)
+            .ok_or("a row of an untracked request")?
+            .1;
+        let l = &mut group[row.index];
+        let tokens = sched.blocks().tokens(row.seq)?;
+        while l.host.len < row.positions.end {
+            let p = l.host.len;
+            let lg = l.host.forward(w, tokens[p]);
+            if p >= row.positions.start {
+                want.extend(lg);
+            }
+        }
+    }
+    Ok(want)
+}
+
+/// Each sequence's next token from its last row. A's first sampling starts
+/// its SAMPLES sequences off the prompt (the scheduler forks them next
+/// step: they share every block of A, and their first writes copy the
+/// shared, partly filled last block). Finished sequences go to `s`, each
+/// token to `line`.
+fn sample(
+    step: &Step,
+    live: &mut Groups,
+    logits: &[f32],
+    a: RequestId,
+    s: &mut Summary,
+    line: &mut Vec<String>,
+) -> Vec<GroupOutput> {
+    let mut last_row = std::collections::HashMap::new();
+    let mut at = 0usize;
+    for row in step.rows() {
+        at += row.positions.len();
+        last_row.insert((row.request, row.index), at - 1);
+    }
+    let mut outputs = Vec::new();
+    for &request in step.sample() {
+        // The scheduler samples only requests the engine added.
+        let Some((_, group)) = live.iter_mut().find(|g| g.0 == request) else {
+            continue;
+        };
+        let starting = request == a && group.len() == 1 && group[0].out.is_empty();
+        let parents: Vec<(usize, usize)> = if starting {
+            (0..SAMPLES).map(|k| (0, k)).collect()
+        } else {
+            (0..group.len()).map(|i| (i, group[i].rank)).collect()
+        };
+        let mut children = Vec::new();
+        let mut next = Vec::new();
+        for (parent, rank) in parents {
+            let r = last_row[&(request, parent)];
+            let tok = pick(&logits[r * VOCAB..(r + 1) * VOCAB], rank);
+            let p = &group[parent];
+            let name = if starting && rank > 0 {
+                format!("A{rank}")
+            } else {
+                p.name.clone()
+            };
+            let mut l = Live::new(&name, rank, p.host.clone());
+            l.out = p.out.clone();
+            l.out.push(tok);
+            line.push(format!("{}:{tok}", l.name));
+            let finished = l.out.len() == GEN;
+            children.push(Child {
+                parent,
+                token: tok,
+                finished,
+            });
+            if finished {
+                s.generated.push((l.name.clone(), l.out.clone()));
+            } else {
+                next.push(l);
+            }
+        }
+        *group = next;
+        outputs.push(GroupOutput { request, children });
+    }
+    outputs
+}
+
 /// Serves A (n = 4) and B on a device of the default adapter.
 pub fn run(quiet: bool) -> Res<Summary> {
     let (device, queue) = engine_device()?;
@@ -630,82 +722,17 @@ pub fn run_on(device: &Device, queue: &Queue, quiet: bool) -> Res<Summary> {
         let logits = model.step(view, &rows, prefill)?;
 
         // Check: the f64 model runs each sequence's tokens up to its length,
-        // and the logits of the rows the GPU ran are compared. (B's host
-        // model runs its whole prompt: the GPU ran only what the prefix
-        // cache did not hold, so this also checks the shared blocks.)
-        let mut want = Vec::with_capacity(logits.len());
-        for row in step.rows() {
-            let group = &mut live
-                .iter_mut()
-                .find(|g| g.0 == row.request)
-                .expect("tracked")
-                .1;
-            let l = &mut group[row.index];
-            let tokens = sched.blocks().tokens(row.seq)?;
-            while l.host.len < row.positions.end {
-                let p = l.host.len;
-                let lg = l.host.forward(&w, tokens[p]);
-                if p >= row.positions.start {
-                    want.extend(lg);
-                }
-            }
-        }
+        // and the logits of the rows the GPU ran are compared.
+        let want = host_logits(&step, &mut live, &sched, &w)?;
         let err = rel_l2(&logits, &want); // NaN anywhere: infinity
         s.max_err = s.max_err.max(err);
         if err >= TOL {
             return Err(format!("step {}: logits rel L2 {err:.3e} over {TOL:.0e}", s.steps).into());
         }
 
-        // Sample: each sequence's next token from its last row. A's first
-        // sampling starts its SAMPLES sequences off the prompt (the
-        // scheduler forks them next step: they share every block of A, and
-        // their first writes copy the shared, partly filled last block).
-        let mut last_row = std::collections::HashMap::new();
-        let mut at = 0usize;
-        for row in step.rows() {
-            at += row.positions.len();
-            last_row.insert((row.request, row.index), at - 1);
-        }
+        // Sample: each sequence's next token from its last row.
         let mut line = Vec::new();
-        let mut outputs = Vec::new();
-        for &request in step.sample() {
-            let group = &mut live.iter_mut().find(|g| g.0 == request).expect("tracked").1;
-            let starting = request == a && group.len() == 1 && group[0].out.is_empty();
-            let parents: Vec<(usize, usize)> = if starting {
-                (0..SAMPLES).map(|k| (0, k)).collect()
-            } else {
-                (0..group.len()).map(|i| (i, group[i].rank)).collect()
-            };
-            let mut children = Vec::new();
-            let mut next = Vec::new();
-            for (parent, rank) in parents {
-                let r = last_row[&(request, parent)];
-                let tok = pick(&logits[r * VOCAB..(r + 1) * VOCAB], rank);
-                let p = &group[parent];
-                let name = if starting && rank > 0 {
-                    format!("A{rank}")
-                } else {
-                    p.name.clone()
-                };
-                let mut l = Live::new(&name, rank, p.host.clone());
-                l.out = p.out.clone();
-                l.out.push(tok);
-                line.push(format!("{}:{tok}", l.name));
-                let finished = l.out.len() == GEN;
-                children.push(Child {
-                    parent,
-                    token: tok,
-                    finished,
-                });
-                if finished {
-                    s.generated.push((l.name.clone(), l.out.clone()));
-                } else {
-                    next.push(l);
-                }
-            }
-            *group = next;
-            outputs.push(GroupOutput { request, children });
-        }
+        let outputs = sample(&step, &mut live, &logits, a, &mut s, &mut line);
         // Finished sequences' blocks go back (cached ones stay reusable).
         for f in sched.commit(&step, &outputs)? {
             live.retain(|g| g.0 != f.request);

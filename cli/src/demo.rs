@@ -437,20 +437,7 @@ impl Demo {
             step: self.step,
             ..Default::default()
         };
-        if self.step.is_multiple_of(self.cfg.arrival_every.max(1)) && !self.queue.is_empty() {
-            let (r, p, o) = self.queue.remove(0);
-            let prompt: Vec<u32> = (0..p).map(|_| self.rng.below(32000) as u32).collect();
-            let width = self.cfg.samples.max(1) as usize;
-            let id = self.sched.add_request(&prompt, width, b"")?;
-            self.reqs.insert(
-                id,
-                ReqState {
-                    request: r,
-                    output: o,
-                    samples: Vec::new(),
-                },
-            );
-        }
+        self.arrive()?;
         let step = self.sched.schedule()?;
         let view = step.view();
         rep.preempted = step.preempted().len() as u32;
@@ -477,62 +464,112 @@ impl Demo {
                 self.step
             )));
         }
-
-        // One plan for the step's decode (the same tables in every layer):
-        // it finds the shared prefixes and reads each once (the cascade).
-        // Forced on, to show it: under Auto a software adapter (the
-        // browser's SwiftShader, lavapipe) keeps plain decode.
-        let decode_opts = [AttnOptions {
-            cascade: pagedattn::gpu::Cascade::On,
-            ..Default::default()
-        }];
         if !step.rows().is_empty() {
-            self.attn.plan_decode(
-                gpu,
-                &mut self.plan,
-                &DecodeTables::from_view(view),
-                &decode_opts,
-            )?;
-            rep.kv_bytes = self.plan.kv_bytes_per_layer();
-            rep.kv_bytes_plain = self.plan.cascade().map_or(rep.kv_bytes, |c| c.1);
-            rep.cascade_segments = self.plan.cascade().map_or(0, |c| c.2 as u32);
-            if rep.cascade_segments > 0 {
-                let t = pagedattn::gpu::find_segments(
-                    self.cfg.num_blocks,
-                    self.cfg.block_size,
-                    &view.kv_indptr,
-                    &view.kv_indices,
-                    &view.seq_lens,
-                    pagedattn::gpu::CASCADE_CHUNK_TOKENS / self.cfg.block_size,
-                );
-                rep.cascade_blocks = t.seg_indices;
-                let auto = [AttnOptions::default()];
-                self.attn.plan_decode(
-                    gpu,
-                    &mut self.plain_plan,
-                    &DecodeTables::from_view(view),
-                    &auto,
-                )?;
-                rep.auto_cascade = self.plain_plan.cascade().is_some();
-                // Where Auto stays plain, its plan is the plain one to time.
-                if rep.auto_cascade {
-                    let off = [AttnOptions {
-                        cascade: pagedattn::gpu::Cascade::Off,
-                        ..Default::default()
-                    }];
-                    self.attn.plan_decode(
-                        gpu,
-                        &mut self.plain_plan,
-                        &DecodeTables::from_view(view),
-                        &off,
-                    )?;
-                }
-            }
+            self.plan_step(gpu, view, &mut rep)?;
         }
         let t0 = now_ms();
-        let (nkv, d) = (self.cfg.num_kv_heads as usize, self.cfg.head_dim as usize);
-        // Swap out (pool -> host) before anything reuses those blocks, then
-        // swap in, then copy-on-write (all layers, one submit each).
+        self.move_blocks(gpu, &step).await?;
+        let mut max_err: f64 = 0.0;
+        for layer in 0..self.cfg.layers {
+            max_err = max_err.max(self.run_layer(gpu, &step, layer, &mut rep).await?);
+        }
+        rep.gpu_ms = now_ms() - t0;
+        rep.max_rel_err = max_err;
+        self.worst_err = self.worst_err.max(max_err);
+        let outputs = self.sample(&step, &mut rep);
+        for f in self.sched.commit(&step, &outputs)? {
+            rep.finished += f.sequences.len() as u32;
+            self.reqs.remove(&f.request);
+        }
+        self.refresh_sequences()?;
+        let (w, _, s) = self.sched.queue_lengths();
+        rep.waiting = w as u32 + self.queue.len() as u32;
+        rep.swapped = s as u32;
+        let st = self.sched.blocks().stats();
+        rep.used = st.used as u32;
+        rep.shared = st.shared as u32;
+        rep.free = (st.free + st.evictable) as u32;
+        rep.tokens_stored = st.tokens_stored as u32;
+        rep.logical_tokens = st.logical_tokens as u32;
+        self.step = self.step.saturating_add(1);
+        Ok(rep)
+    }
+
+    /// The next request of the workload joins the scheduler's queue, every
+    /// `arrival_every` steps.
+    fn arrive(&mut self) -> Result<(), DemoError> {
+        if !self.step.is_multiple_of(self.cfg.arrival_every.max(1)) || self.queue.is_empty() {
+            return Ok(());
+        }
+        let (r, p, o) = self.queue.remove(0);
+        let prompt: Vec<u32> = (0..p).map(|_| self.rng.below(32000) as u32).collect();
+        let width = self.cfg.samples.max(1) as usize;
+        let id = self.sched.add_request(&prompt, width, b"")?;
+        let state = ReqState {
+            request: r,
+            output: o,
+            samples: Vec::new(),
+        };
+        self.reqs.insert(id, state);
+        Ok(())
+    }
+
+    /// One plan for the step's decode (the same tables in every layer): it
+    /// finds the shared prefixes and reads each once (the cascade). Forced
+    /// on, to show it: under Auto a software adapter (the browser's
+    /// SwiftShader, lavapipe) keeps plain decode. Where the step has shared
+    /// segments, the plain plan is made too, so layer 0 can time both.
+    fn plan_step(
+        &mut self,
+        gpu: &Gpu,
+        view: &pagedattn::blocks::BatchView,
+        rep: &mut StepReport,
+    ) -> Result<(), DemoError> {
+        let with = |cascade: pagedattn::gpu::Cascade| {
+            [AttnOptions {
+                cascade,
+                ..Default::default()
+            }]
+        };
+        let tables = DecodeTables::from_view(view);
+        let on = with(pagedattn::gpu::Cascade::On);
+        self.attn.plan_decode(gpu, &mut self.plan, &tables, &on)?;
+        rep.kv_bytes = self.plan.kv_bytes_per_layer();
+        rep.kv_bytes_plain = self.plan.cascade().map_or(rep.kv_bytes, |c| c.1);
+        rep.cascade_segments = self.plan.cascade().map_or(0, |c| c.2 as u32);
+        if rep.cascade_segments == 0 {
+            return Ok(());
+        }
+        let t = pagedattn::gpu::find_segments(
+            self.cfg.num_blocks,
+            self.cfg.block_size,
+            &view.kv_indptr,
+            &view.kv_indices,
+            &view.seq_lens,
+            pagedattn::gpu::CASCADE_CHUNK_TOKENS / self.cfg.block_size,
+        );
+        rep.cascade_blocks = t.seg_indices;
+        let auto = [AttnOptions::default()];
+        self.attn
+            .plan_decode(gpu, &mut self.plain_plan, &tables, &auto)?;
+        rep.auto_cascade = self.plain_plan.cascade().is_some();
+        // Where Auto stays plain, its plan is the plain one to time.
+        if rep.auto_cascade {
+            let off = with(pagedattn::gpu::Cascade::Off);
+            self.attn
+                .plan_decode(gpu, &mut self.plain_plan, &tables, &off)?;
+        }
+        Ok(())
+    }
+
+    /// Swap out (pool -> host) before anything reuses those blocks, then
+    /// swap in, then copy-on-write (all layers, one submit each), on the
+    /// GPU and on the host mirror alike.
+    async fn move_blocks(
+        &mut self,
+        gpu: &Gpu,
+        step: &pagedattn::blocks::Step,
+    ) -> Result<(), DemoError> {
         if !step.swap_out().is_empty() {
             self.cache
                 .swap_out_async(gpu, step.swap_out(), &mut self.swap)
@@ -547,126 +584,138 @@ impl Demo {
                 pool.take_blocks(swap, step.swap_in());
             }
         }
-        self.cache.copy_blocks(gpu, &view.copies)?;
-        let dtype = self.kv_dtype();
-        let mut max_err: f64 = 0.0;
-        for layer in 0..self.cfg.layers {
-            let n = view.slot_mapping.len();
-            let k = self.rng.signed_vec(n * nkv * d);
-            let v = self.rng.signed_vec(n * nkv * d);
-            self.cache
-                .write_kv(gpu, layer, &k, &v, &view.slot_mapping)?;
-            let host = &mut self.mirror[layer as usize];
-            host.copy_blocks(&view.copies);
-            // SKIP_WRITE (a cached prompt's last token) is outside the pool:
-            // not written, as the kernel skips it.
-            host.write(&view.slot_mapping, &k, &v, Stored::from(dtype));
-            if step.rows().is_empty() {
-                continue;
-            }
-            let q = self
-                .rng
-                .signed_vec(step.rows().len() * self.cfg.num_heads as usize * d);
-            let bytes = (q.len() * 4) as u64;
-            let qb = gpu.storage_init("q", &q)?;
-            // Layer 0 of a cascade step also runs plain decode, timed the
-            // same way, so both times can be shown.
-            let plain = layer == 0 && rep.cascade_segments > 0;
-            // The first cascade step runs its plan once more, first, and
-            // drops that run (its time includes the pipeline's compile).
-            let warm = plain && !self.cascade_warm;
-            self.cascade_warm |= plain;
-            // (the step's plan or plain decode's, whether it runs)
-            let runs = [(true, warm), (true, true), (false, plain)];
-            let mut outs = Vec::new();
-            for (main, _) in runs.into_iter().filter(|&(_, run)| run) {
-                let plan = if main {
-                    &mut self.plan
-                } else {
-                    &mut self.plain_plan
-                };
-                let ob = gpu.storage_init("out", &vec![f32::NAN; q.len()])?;
-                let t = now_ms();
-                let mut enc = gpu.device.create_command_encoder(&Default::default());
-                self.attn.run(
-                    gpu,
-                    &mut enc,
-                    plan,
-                    &self.cache,
-                    layer,
-                    0,
-                    &qb.as_entire_buffer_binding(),
-                    &ob.as_entire_buffer_binding(),
-                )?;
-                gpu.queue.submit([enc.finish()]);
-                let out: Vec<f32> = gpu.read_async(&ob, bytes).await?;
-                outs.push((out, now_ms() - t));
-            }
-            if warm {
-                outs.remove(0);
-            }
-            if layer == 0 {
-                rep.decode_ms = outs[0].1;
-                rep.decode_ms_plain = outs.last().map_or(0.0, |o| o.1);
-            }
-            let pool = self.mirror[layer as usize].view();
-            let p = AttnParams::new(self.cfg.num_heads as usize, d);
-            let want = reference::decode(
-                &pool,
-                &p,
-                &q,
-                &view.kv_indptr,
-                &view.kv_indices,
-                &view.seq_lens,
-            );
-            for (out, _) in &outs {
-                max_err = max_err.max(rel_l2(out, &want));
-            }
-        }
-        rep.gpu_ms = now_ms() - t0;
-        rep.max_rel_err = max_err;
-        self.worst_err = self.worst_err.max(max_err);
+        self.cache.copy_blocks(gpu, &step.view().copies)?;
+        Ok(())
+    }
 
-        // Sampling: the prompt's first token starts `samples` sequences,
-        // each with its own output length; then one token per sequence.
+    /// One layer: the step's new K/V written (GPU and mirror), then its
+    /// decode run and checked against the reference. Returns the worst
+    /// relative error of the layer's runs.
+    async fn run_layer(
+        &mut self,
+        gpu: &Gpu,
+        step: &pagedattn::blocks::Step,
+        layer: u32,
+        rep: &mut StepReport,
+    ) -> Result<f64, DemoError> {
+        let view = step.view();
+        let (nkv, d) = (self.cfg.num_kv_heads as usize, self.cfg.head_dim as usize);
+        let dtype = self.kv_dtype();
+        let n = view.slot_mapping.len();
+        let k = self.rng.signed_vec(n * nkv * d);
+        let v = self.rng.signed_vec(n * nkv * d);
+        self.cache
+            .write_kv(gpu, layer, &k, &v, &view.slot_mapping)?;
+        let host = &mut self.mirror[layer as usize];
+        host.copy_blocks(&view.copies);
+        // SKIP_WRITE (a cached prompt's last token) is outside the pool:
+        // not written, as the kernel skips it.
+        host.write(&view.slot_mapping, &k, &v, Stored::from(dtype));
+        if step.rows().is_empty() {
+            return Ok(0.0);
+        }
+        let q = self
+            .rng
+            .signed_vec(step.rows().len() * self.cfg.num_heads as usize * d);
+        let bytes = (q.len() * 4) as u64;
+        let qb = gpu.storage_init("q", &q)?;
+        // Layer 0 of a cascade step also runs plain decode, timed the
+        // same way, so both times can be shown.
+        let plain = layer == 0 && rep.cascade_segments > 0;
+        // The first cascade step runs its plan once more, first, and
+        // drops that run (its time includes the pipeline's compile).
+        let warm = plain && !self.cascade_warm;
+        self.cascade_warm |= plain;
+        // (the step's plan or plain decode's, whether it runs)
+        let runs = [(true, warm), (true, true), (false, plain)];
+        let mut outs = Vec::new();
+        for (main, _) in runs.into_iter().filter(|&(_, run)| run) {
+            let plan = if main {
+                &mut self.plan
+            } else {
+                &mut self.plain_plan
+            };
+            let ob = gpu.storage_init("out", &vec![f32::NAN; q.len()])?;
+            let t = now_ms();
+            let mut enc = gpu.device.create_command_encoder(&Default::default());
+            self.attn.run(
+                gpu,
+                &mut enc,
+                plan,
+                &self.cache,
+                layer,
+                0,
+                &qb.as_entire_buffer_binding(),
+                &ob.as_entire_buffer_binding(),
+            )?;
+            gpu.queue.submit([enc.finish()]);
+            let out: Vec<f32> = gpu.read_async(&ob, bytes).await?;
+            outs.push((out, now_ms() - t));
+        }
+        if warm {
+            outs.remove(0);
+        }
+        if layer == 0 {
+            rep.decode_ms = outs[0].1;
+            rep.decode_ms_plain = outs.last().map_or(0.0, |o| o.1);
+        }
+        let pool = self.mirror[layer as usize].view();
+        let p = AttnParams::new(self.cfg.num_heads as usize, d);
+        let want = reference::decode(
+            &pool,
+            &p,
+            &q,
+            &view.kv_indptr,
+            &view.kv_indices,
+            &view.seq_lens,
+        );
+        Ok(outs
+            .iter()
+            .map(|(out, _)| rel_l2(out, &want))
+            .fold(0.0, f64::max))
+    }
+
+    /// Sampling: the prompt's first token starts `samples` sequences, each
+    /// with its own output length; then one token per sequence.
+    fn sample(&mut self, step: &pagedattn::blocks::Step, rep: &mut StepReport) -> Vec<GroupOutput> {
         let mut outputs = Vec::with_capacity(step.sample().len());
         for &rid in step.sample() {
-            let st = self
-                .reqs
-                .get_mut(&rid)
-                .expect("the demo tracks every request");
+            // The scheduler samples only requests the demo added.
+            let Some(st) = self.reqs.get_mut(&rid) else {
+                continue;
+            };
             let mut children = Vec::new();
             let mut next = Vec::new();
-            if st.samples.is_empty() {
-                rep.admitted += 1;
-                for s in 0..self.cfg.samples.max(1) {
+            let fresh = st.samples.is_empty();
+            rep.admitted += fresh as u32;
+            let count = if fresh {
+                self.cfg.samples.max(1) as usize
+            } else {
+                st.samples.len()
+            };
+            for i in 0..count {
+                // (parent, sample, tokens still to generate)
+                let (parent, s, remaining) = if fresh {
+                    let s = i as u32;
+                    rep.forked += (s > 0) as u32;
                     let remaining = if s == 0 {
                         st.output
                     } else {
                         self.rng.range(1, st.output.max(1) as u64) as u32
                     };
-                    rep.forked += (s > 0) as u32;
-                    let token = self.rng.below(32000) as u32;
-                    children.push(Child {
-                        parent: 0,
-                        token,
-                        finished: remaining <= 1,
-                    });
-                    if remaining > 1 {
-                        next.push((s, remaining - 1));
-                    }
-                }
-            } else {
-                for (i, &(s, remaining)) in st.samples.iter().enumerate() {
-                    let token = self.rng.below(32000) as u32;
-                    children.push(Child {
-                        parent: i,
-                        token,
-                        finished: remaining <= 1,
-                    });
-                    if remaining > 1 {
-                        next.push((s, remaining - 1));
-                    }
+                    (0, s, remaining)
+                } else {
+                    let (s, remaining) = st.samples[i];
+                    (i, s, remaining)
+                };
+                let token = self.rng.below(32000) as u32;
+                children.push(Child {
+                    parent,
+                    token,
+                    finished: remaining <= 1,
+                });
+                if remaining > 1 {
+                    next.push((s, remaining - 1));
                 }
             }
             st.samples = next;
@@ -675,12 +724,12 @@ impl Demo {
                 children,
             });
         }
-        for f in self.sched.commit(&step, &outputs)? {
-            rep.finished += f.sequences.len() as u32;
-            self.reqs.remove(&f.request);
-        }
-        // The sequences the pool holds now (swapped-out ones aside), by
-        // request; a group's children join at the next step.
+        outputs
+    }
+
+    /// The sequences the pool holds now (swapped-out ones aside), by
+    /// request; a group's children join at the next step.
+    fn refresh_sequences(&mut self) -> Result<(), DemoError> {
         self.seqs.clear();
         for (rid, st) in &self.reqs {
             for (i, &seq) in self.sched.sequences(*rid)?.iter().enumerate() {
@@ -698,17 +747,7 @@ impl Demo {
             }
         }
         self.seqs.sort_by_key(|q| (q.request, q.sample));
-        let (w, _, s) = self.sched.queue_lengths();
-        rep.waiting = w as u32 + self.queue.len() as u32;
-        rep.swapped = s as u32;
-        let st = self.sched.blocks().stats();
-        rep.used = st.used as u32;
-        rep.shared = st.shared as u32;
-        rep.free = (st.free + st.evictable) as u32;
-        rep.tokens_stored = st.tokens_stored as u32;
-        rep.logical_tokens = st.logical_tokens as u32;
-        self.step = self.step.saturating_add(1);
-        Ok(rep)
+        Ok(())
     }
 }
 

@@ -126,6 +126,62 @@ fn cuda_bench(quick: bool) -> Result<Option<pagedattn::cuda::DecodeTiming>, Box<
 
 fn run_demo(out: &mut dyn Write, cfg: DemoConfig, verbose: bool) -> Res {
     let gpu = pagedattn_cli::env::gpu()?;
+    write_demo_header(out, &gpu, &cfg)?;
+    let mut d = tuned_demo(out, &gpu, &cfg)?;
+    writeln!(out, "step  seqs  +req  fork  done  written  copied  used  shared  free  stored/logical  max_rel_err  gpu_ms  kv_read/plain  (decode ms, layer 0: cascade/plain)")?;
+    let mut t = DemoTotals::default();
+    while !d.done() {
+        if t.steps >= DEMO_MAX_STEPS {
+            return Err(format!("the demo did not finish within {DEMO_MAX_STEPS} steps").into());
+        }
+        let r = pollster::block_on(d.step(&gpu))?;
+        t.add(&r);
+        if verbose || r.step % 10 == 0 || r.copied > 0 && r.step < 40 {
+            writeln!(
+                out,
+                "{:>4}  {:>4}  {:>4}  {:>4}  {:>4}  {:>7}  {:>6}  {:>4}  {:>6}  {:>4}  {:>6}/{:<7}  {:>11.2e}  {:>6.2}  {:>6.0}/{:<6.0} KB{}",
+                r.step, r.decoded, r.admitted, r.forked, r.finished, r.written, r.copied, r.used, r.shared, r.free,
+                r.tokens_stored, r.logical_tokens, r.max_rel_err, r.gpu_ms,
+                r.kv_bytes as f64 / 1e3, r.kv_bytes_plain as f64 / 1e3,
+                if r.cascade_segments > 0 {
+                    format!(" (cascade, {} segments; {:.2}/{:.2} ms)", r.cascade_segments, r.decode_ms, r.decode_ms_plain)
+                } else {
+                    String::new()
+                }
+            )?;
+        }
+    }
+    t.times.sort_by(|a, b| a.total_cmp(b));
+    let median = t.times.get(t.times.len() / 2).copied().unwrap_or(0.0);
+    let tol = demo::tolerance(cfg.dtype);
+    t.write_cascade(out)?;
+    let (steps, peak_saved) = (t.steps, t.peak_saved);
+    writeln!(
+        out,
+        "done: {steps} steps, {} copy-on-write block copies, peak tokens saved by sharing {peak_saved}, median {median:.2} ms/step",
+        d.total_copies,
+    )?;
+    writeln!(
+        out,
+        "worst relative L2 error vs f64 reference: {:.3e} (tolerance {tol:.0e})",
+        d.worst_err
+    )?;
+    let st = d.manager().stats();
+    writeln!(
+        out,
+        "pool after: {} free of {} (no leak: {})",
+        st.free + st.evictable,
+        st.total,
+        st.free + st.evictable == st.total
+    )?;
+    if d.worst_err >= tol || !d.worst_err.is_finite() {
+        return Err(format!("error {:.3e} over tolerance {tol:.0e}", d.worst_err).into());
+    }
+    Ok(())
+}
+
+/// The demo's adapter, its limits and the workload.
+fn write_demo_header(out: &mut dyn Write, gpu: &pagedattn::gpu::Gpu, cfg: &DemoConfig) -> Res {
     let l = &gpu.limits;
     writeln!(out, "adapter: {}", gpu.describe())?;
     writeln!(
@@ -152,10 +208,19 @@ fn run_demo(out: &mut dyn Write, cfg: DemoConfig, verbose: bool) -> Res {
         cfg.block_size,
         cfg.seed
     )?;
-    // The autotuner times every decode kernel variant for this shape once
-    // (about 2 s on lavapipe) and the demo's PagedAttention uses its pick.
+    Ok(())
+}
+
+/// The demo on the tuner's pick: the autotuner times every decode kernel
+/// variant for this shape once (about 2 s on lavapipe), and says what it
+/// picked.
+fn tuned_demo(
+    out: &mut dyn Write,
+    gpu: &pagedattn::gpu::Gpu,
+    cfg: &DemoConfig,
+) -> Result<Demo, Box<dyn Error>> {
     let probe = pagedattn::gpu::KvCache::new(
-        &gpu,
+        gpu,
         pagedattn::gpu::KvCacheConfig {
             num_layers: 1,
             num_blocks: 1,
@@ -167,7 +232,7 @@ fn run_demo(out: &mut dyn Write, cfg: DemoConfig, verbose: bool) -> Res {
     )?;
     let tuner = pagedattn_cli::env::tuner();
     let tune = tuner.tune(
-        &gpu,
+        gpu,
         &probe,
         cfg.num_heads,
         std::time::Duration::from_millis(1500),
@@ -175,7 +240,7 @@ fn run_demo(out: &mut dyn Write, cfg: DemoConfig, verbose: bool) -> Res {
     )?;
     drop(probe);
     let attn_cfg = pagedattn_cli::env::attention_config(Some(tune.chosen))?;
-    let mut d = Demo::with_attention(&gpu, cfg.clone(), &attn_cfg)?;
+    let d = Demo::with_attention(gpu, cfg.clone(), &attn_cfg)?;
     let timed: Vec<String> = tune
         .micros
         .iter()
@@ -189,63 +254,75 @@ fn run_demo(out: &mut dyn Write, cfg: DemoConfig, verbose: bool) -> Res {
         if tune.cached { ", cached" } else { ": " },
         timed.join(", ")
     )?;
-    writeln!(out, "step  seqs  +req  fork  done  written  copied  used  shared  free  stored/logical  max_rel_err  gpu_ms  kv_read/plain  (decode ms, layer 0: cascade/plain)")?;
-    let mut times = Vec::new();
-    // K/V bytes decode read per layer, with the cascade where it ran, and
-    // what plain decode would have read; steps that ran the cascade.
-    let (mut read, mut plain, mut cascade_steps) = (0u64, 0u64, 0u64);
-    // Layer 0's decode time in cascade steps: with the cascade, and plain.
-    let (mut ms_cascade, mut ms_plain) = (0.0f64, 0.0f64);
-    // Steps where `Cascade::Auto` would take it, and layer 0's times there.
-    let (mut auto_steps, mut auto_cascade, mut auto_plain) = (0u64, 0.0f64, 0.0f64);
-    let mut peak_saved = 0u32;
-    let mut steps = 0u64;
-    while !d.done() {
-        if steps >= DEMO_MAX_STEPS {
-            return Err(format!("the demo did not finish within {DEMO_MAX_STEPS} steps").into());
-        }
-        let r = pollster::block_on(d.step(&gpu))?;
-        times.push(r.gpu_ms);
-        read += r.kv_bytes;
-        plain += r.kv_bytes_plain;
-        cascade_steps += (r.cascade_segments > 0) as u64;
+    Ok(d)
+}
+
+/// What the demo's steps add up to.
+#[derive(Default)]
+struct DemoTotals {
+    steps: u64,
+    /// Each step's GPU time.
+    times: Vec<f64>,
+    /// K/V bytes decode read per layer, with the cascade where it ran, and
+    /// what plain decode would have read; steps that ran the cascade.
+    read: u64,
+    plain: u64,
+    cascade_steps: u64,
+    /// Layer 0's decode time in cascade steps: with the cascade, and plain.
+    ms_cascade: f64,
+    ms_plain: f64,
+    /// Steps where `Cascade::Auto` would take it, and layer 0's times there.
+    auto_steps: u64,
+    auto_cascade: f64,
+    auto_plain: f64,
+    peak_saved: u32,
+}
+
+impl DemoTotals {
+    fn add(&mut self, r: &demo::StepReport) {
+        self.steps += 1;
+        self.times.push(r.gpu_ms);
+        self.read += r.kv_bytes;
+        self.plain += r.kv_bytes_plain;
         if r.cascade_segments > 0 {
-            ms_cascade += r.decode_ms;
-            ms_plain += r.decode_ms_plain;
+            self.cascade_steps += 1;
+            self.ms_cascade += r.decode_ms;
+            self.ms_plain += r.decode_ms_plain;
         }
         if r.auto_cascade {
-            auto_steps += 1;
-            auto_cascade += r.decode_ms;
-            auto_plain += r.decode_ms_plain;
+            self.auto_steps += 1;
+            self.auto_cascade += r.decode_ms;
+            self.auto_plain += r.decode_ms_plain;
         }
-        peak_saved = peak_saved.max(r.logical_tokens.saturating_sub(r.tokens_stored));
-        if verbose || r.step % 10 == 0 || r.copied > 0 && r.step < 40 {
-            writeln!(
-                out,
-                "{:>4}  {:>4}  {:>4}  {:>4}  {:>4}  {:>7}  {:>6}  {:>4}  {:>6}  {:>4}  {:>6}/{:<7}  {:>11.2e}  {:>6.2}  {:>6.0}/{:<6.0} KB{}",
-                r.step, r.decoded, r.admitted, r.forked, r.finished, r.written, r.copied, r.used, r.shared, r.free,
-                r.tokens_stored, r.logical_tokens, r.max_rel_err, r.gpu_ms,
-                r.kv_bytes as f64 / 1e3, r.kv_bytes_plain as f64 / 1e3,
-                if r.cascade_segments > 0 {
-                    format!(" (cascade, {} segments; {:.2}/{:.2} ms)", r.cascade_segments, r.decode_ms, r.decode_ms_plain)
-                } else {
-                    String::new()
-                }
-            )?;
-        }
-        steps += 1;
+        let saved = r.logical_tokens.saturating_sub(r.tokens_stored);
+        self.peak_saved = self.peak_saved.max(saved);
     }
-    times.sort_by(|a, b| a.total_cmp(b));
-    let median = times.get(times.len() / 2).copied().unwrap_or(0.0);
-    let tol = demo::tolerance(cfg.dtype);
-    writeln!(
-        out,
-        "cascade (shared prompts read once), forced on to show it: ran in {cascade_steps} of {steps} steps; decode read {:.2} MB of K/V per layer where plain decode reads {:.2} MB ({:.2}x)",
-        read as f64 / 1e6,
-        plain as f64 / 1e6,
-        read as f64 / plain.max(1) as f64
-    )?;
-    if cascade_steps > 0 {
+
+    /// The cascade's lines: the bytes it saved, and plain and cascade side
+    /// by side, with what `Cascade::Auto` chose.
+    fn write_cascade(&self, out: &mut dyn Write) -> Res {
+        let DemoTotals {
+            steps,
+            read,
+            plain,
+            cascade_steps,
+            ms_cascade,
+            ms_plain,
+            auto_steps,
+            auto_cascade,
+            auto_plain,
+            ..
+        } = *self;
+        writeln!(
+            out,
+            "cascade (shared prompts read once), forced on to show it: ran in {cascade_steps} of {steps} steps; decode read {:.2} MB of K/V per layer where plain decode reads {:.2} MB ({:.2}x)",
+            read as f64 / 1e6,
+            plain as f64 / 1e6,
+            read as f64 / plain.max(1) as f64
+        )?;
+        if cascade_steps == 0 {
+            return Ok(());
+        }
         writeln!(
             out,
             "  layer 0's decode in those steps, side by side: cascade {ms_cascade:.1} ms, plain {ms_plain:.1} ms (wall clock, submit to readback): {} is faster on this adapter",
@@ -267,29 +344,8 @@ fn run_demo(out: &mut dyn Write, cfg: DemoConfig, verbose: bool) -> Res {
                 )
             }
         )?;
+        Ok(())
     }
-    writeln!(
-        out,
-        "done: {steps} steps, {} copy-on-write block copies, peak tokens saved by sharing {peak_saved}, median {median:.2} ms/step",
-        d.total_copies,
-    )?;
-    writeln!(
-        out,
-        "worst relative L2 error vs f64 reference: {:.3e} (tolerance {tol:.0e})",
-        d.worst_err
-    )?;
-    let st = d.manager().stats();
-    writeln!(
-        out,
-        "pool after: {} free of {} (no leak: {})",
-        st.free + st.evictable,
-        st.total,
-        st.free + st.evictable == st.total
-    )?;
-    if d.worst_err >= tol || !d.worst_err.is_finite() {
-        return Err(format!("error {:.3e} over tolerance {tol:.0e}", d.worst_err).into());
-    }
-    Ok(())
 }
 
 /// Whether `e` is a write to a closed pipe (the reader went away).

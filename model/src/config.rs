@@ -120,6 +120,104 @@ pub struct LlamaConfig {
     pub output_type: GgmlType,
 }
 
+fn invalid(key: &'static str, value: String, why: String) -> ConfigError {
+    ConfigError::Invalid { key, value, why }
+}
+
+/// The head shape: heads dividing the model width into a head_dim that is
+/// a multiple of 4, KV heads dividing the heads, no key, value or rotary
+/// length other than head_dim, and widths on the quantisation block.
+/// Returns head_dim.
+fn check_heads(
+    g: &Gguf,
+    d_model: usize,
+    d_ffn: usize,
+    n_heads: usize,
+    n_kv_heads: usize,
+) -> Result<usize, ConfigError> {
+    if d_model % n_heads != 0 {
+        return Err(invalid(
+            "llama.attention.head_count",
+            n_heads.to_string(),
+            format!("does not divide embedding_length {d_model}"),
+        ));
+    }
+    let head_dim = d_model / n_heads;
+    if head_dim % 4 != 0 {
+        return Err(invalid(
+            "llama.attention.head_count",
+            n_heads.to_string(),
+            format!("head_dim = {d_model} / {n_heads} = {head_dim} is not a multiple of 4"),
+        ));
+    }
+    if n_kv_heads > n_heads || n_heads % n_kv_heads != 0 {
+        return Err(invalid(
+            "llama.attention.head_count_kv",
+            n_kv_heads.to_string(),
+            format!("must divide head_count {n_heads}"),
+        ));
+    }
+    for key in ["llama.attention.key_length", "llama.attention.value_length"] {
+        if g.get(key).is_some() {
+            let v = g.get_u32(key)? as usize;
+            if v != head_dim {
+                return Err(invalid(
+                    if key.ends_with("key_length") {
+                        "llama.attention.key_length"
+                    } else {
+                        "llama.attention.value_length"
+                    },
+                    v.to_string(),
+                    format!(
+                        "only head_dim = embedding_length / head_count = {head_dim} is supported"
+                    ),
+                ));
+            }
+        }
+    }
+    if g.get("llama.rope.dimension_count").is_some() {
+        let v = g.get_u32("llama.rope.dimension_count")? as usize;
+        if v != head_dim {
+            return Err(invalid(
+                "llama.rope.dimension_count",
+                v.to_string(),
+                format!("only full rotary embedding (= head_dim {head_dim}) is supported"),
+            ));
+        }
+    }
+    for (key, v) in [
+        ("llama.embedding_length", d_model),
+        ("llama.feed_forward_length", d_ffn),
+    ] {
+        if v % 32 != 0 {
+            return Err(invalid(
+                key,
+                v.to_string(),
+                "must be a multiple of 32 (the quantisation block)".into(),
+            ));
+        }
+    }
+    Ok(head_dim)
+}
+
+/// Every layer's tensors, of the shapes `[d_model, q width, kv width,
+/// ffn]` make and of the types the engine reads.
+fn check_layers(g: &Gguf, n_layers: usize, [d, q, kv, f]: [u64; 4]) -> Result<(), ConfigError> {
+    for layer in 0..n_layers {
+        let n = tensor_names(layer);
+        check(g, &n.attn_norm, &[d], NORM_TYPES)?;
+        check(g, &n.attn_q, &[d, q], WEIGHT_TYPES)?;
+        check(g, &n.attn_k, &[d, kv], WEIGHT_TYPES)?;
+        check(g, &n.attn_v, &[d, kv], WEIGHT_TYPES)?;
+        check(g, &n.attn_output, &[q, d], WEIGHT_TYPES)?;
+        check(g, &n.ffn_norm, &[d], NORM_TYPES)?;
+        check(g, &n.ffn_gate, &[d, f], WEIGHT_TYPES)?;
+        check(g, &n.ffn_up, &[d, f], WEIGHT_TYPES)?;
+        check(g, &n.ffn_down, &[f, d], WEIGHT_TYPES)?;
+    }
+    Ok(())
+}
+
 impl LlamaConfig {
     /// Reads and checks the configuration of a llama GGUF.
     pub fn from_gguf(g: &Gguf) -> Result<LlamaConfig, ConfigError> {
@@ -152,11 +250,6 @@ impl LlamaConfig {
             None => DEFAULT_RMS_EPS,
             Some(_) => g.get_f32("llama.attention.layer_norm_rms_epsilon")?,
         };
-        let invalid = |key: &'static str, value: String, why: String| ConfigError::Invalid {
-            key,
-            value,
-            why,
-        };
         if !(rope_base.is_finite() && rope_base > 0.0) {
             return Err(invalid(
                 "llama.rope.freq_base",
@@ -171,66 +264,7 @@ impl LlamaConfig {
                 "must be finite and positive".into(),
             ));
         }
-        if d_model % n_heads != 0 {
-            return Err(invalid(
-                "llama.attention.head_count",
-                n_heads.to_string(),
-                format!("does not divide embedding_length {d_model}"),
-            ));
-        }
-        let head_dim = d_model / n_heads;
-        if head_dim % 4 != 0 {
-            return Err(invalid(
-                "llama.attention.head_count",
-                n_heads.to_string(),
-                format!("head_dim = {d_model} / {n_heads} = {head_dim} is not a multiple of 4"),
-            ));
-        }
-        if n_kv_heads > n_heads || n_heads % n_kv_heads != 0 {
-            return Err(invalid(
-                "llama.attention.head_count_kv",
-                n_kv_heads.to_string(),
-                format!("must divide head_count {n_heads}"),
-            ));
-        }
-        for key in ["llama.attention.key_length", "llama.attention.value_length"] {
-            if g.get(key).is_some() {
-                let v = g.get_u32(key)? as usize;
-                if v != head_dim {
-                    return Err(invalid(
-                        if key.ends_with("key_length") {
-                            "llama.attention.key_length"
-                        } else {
-                            "llama.attention.value_length"
-                        },
-                        v.to_string(),
-                        format!("only head_dim = embedding_length / head_count = {head_dim} is supported"),
-                    ));
-                }
-            }
-        }
-        if g.get("llama.rope.dimension_count").is_some() {
-            let v = g.get_u32("llama.rope.dimension_count")? as usize;
-            if v != head_dim {
-                return Err(invalid(
-                    "llama.rope.dimension_count",
-                    v.to_string(),
-                    format!("only full rotary embedding (= head_dim {head_dim}) is supported"),
-                ));
-            }
-        }
-        for (key, v) in [
-            ("llama.embedding_length", d_model),
-            ("llama.feed_forward_length", d_ffn),
-        ] {
-            if v % 32 != 0 {
-                return Err(invalid(
-                    key,
-                    v.to_string(),
-                    "must be a multiple of 32 (the quantisation block)".into(),
-                ));
-            }
-        }
+        let head_dim = check_heads(g, d_model, d_ffn, n_heads, n_kv_heads)?;
 
         let embd = g
             .tensor_info(TOKEN_EMBD)
@@ -262,18 +296,7 @@ impl LlamaConfig {
         } else {
             (true, embedding_type)
         };
-        for layer in 0..n_layers {
-            let n = tensor_names(layer);
-            check(g, &n.attn_norm, &[d], NORM_TYPES)?;
-            check(g, &n.attn_q, &[d, q], WEIGHT_TYPES)?;
-            check(g, &n.attn_k, &[d, kv], WEIGHT_TYPES)?;
-            check(g, &n.attn_v, &[d, kv], WEIGHT_TYPES)?;
-            check(g, &n.attn_output, &[q, d], WEIGHT_TYPES)?;
-            check(g, &n.ffn_norm, &[d], NORM_TYPES)?;
-            check(g, &n.ffn_gate, &[d, f], WEIGHT_TYPES)?;
-            check(g, &n.ffn_up, &[d, f], WEIGHT_TYPES)?;
-            check(g, &n.ffn_down, &[f, d], WEIGHT_TYPES)?;
-        }
+        check_layers(g, n_layers, [d, q, kv, f])?;
 
         Ok(LlamaConfig {
             n_layers,

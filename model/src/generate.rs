@@ -12,7 +12,7 @@ use crate::engine::{EngineConfig, Model};
 use crate::load::{load, Loaded};
 use crate::sample::SamplingParams;
 use crate::serve::{Completion, Decoding, Request, ServeStats, Server, ServerConfig};
-use crate::tokenizer::StreamDecoder;
+use crate::tokenizer::{StreamDecoder, Tokenizer};
 use crate::ModelError;
 
 /// What to generate, and on what.
@@ -155,14 +155,9 @@ pub fn check(o: &GenerateOptions) -> Result<(), ModelError> {
     Ok(())
 }
 
-/// Loads the model, serves the prompts, streams the first to `out` and
-/// writes the report.
-pub fn run(o: &GenerateOptions, out: &mut dyn Write) -> Result<Report, ModelError> {
-    check(o)?;
-    let t0 = Instant::now();
-    let Loaded {
-        weights, tokenizer, ..
-    } = load(&o.model)?;
+/// The options' prompts as requests: the chat template applied where
+/// asked, sampled or beam-searched, ending at the end-of-turn token.
+fn requests(o: &GenerateOptions, tokenizer: &Tokenizer) -> Vec<Request> {
     let mut requests = Vec::new();
     for p in &o.prompts {
         let text = if o.chat {
@@ -188,6 +183,18 @@ pub fn run(o: &GenerateOptions, out: &mut dyn Write) -> Result<Report, ModelErro
             salt: Vec::new(),
         });
     }
+    requests
+}
+
+/// Loads the model, serves the prompts, streams the first to `out` and
+/// writes the report.
+pub fn run(o: &GenerateOptions, out: &mut dyn Write) -> Result<Report, ModelError> {
+    check(o)?;
+    let t0 = Instant::now();
+    let Loaded {
+        weights, tokenizer, ..
+    } = load(&o.model)?;
+    let requests = requests(o, &tokenizer);
     let (device, queue, adapter) = open_device()?;
     let ecfg = EngineConfig {
         num_blocks: o.num_blocks,

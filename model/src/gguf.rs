@@ -719,12 +719,151 @@ pub struct Gguf {
 }
 
 /// A bounds-checked little-endian reader.
+/// The file's alignment: `general.alignment` (a u32, a power of two up to
+/// 2^30), or the default.
+fn alignment(
+    metadata: &[(String, Value)],
+    meta_index: &HashMap<String, usize>,
+) -> Result<u32, GgufError> {
+    Ok(match meta_index.get("general.alignment") {
+        None => DEFAULT_ALIGNMENT,
+        Some(&i) => {
+            let v = &metadata[i].1;
+            let a = match v {
+                Value::U32(a) => u64::from(*a),
+                other => {
+                    return Err(GgufError::WrongType {
+                        key: "general.alignment".into(),
+                        expected: "u32",
+                        found: other.type_name(),
+                    })
+                }
+            };
+            if a == 0 || !a.is_power_of_two() || a > 1 << 30 {
+                return Err(GgufError::BadAlignment(a));
+            }
+            a as u32
+        }
+    })
+}
+
+/// Every tensor's bytes inside the file, and no two overlapping.
+fn check_layout(tensors: &[TensorInfo], data_offset: u64, len: u64) -> Result<(), GgufError> {
+    for t in tensors {
+        let end = data_offset
+            .checked_add(t.offset)
+            .and_then(|s| s.checked_add(t.n_bytes));
+        match end {
+            Some(end) if end <= len => {}
+            _ => {
+                return Err(GgufError::TensorOutOfBounds {
+                    name: t.name.clone(),
+                    end: end.unwrap_or(u64::MAX),
+                    len,
+                })
+            }
+        }
+    }
+
+    // Sorted by offset, each tensor with data must start at or after
+    // the furthest end seen so far (zero-sized tensors take no room).
+    let mut order: Vec<usize> = (0..tensors.len()).collect();
+    order.sort_by_key(|&i| (tensors[i].offset, tensors[i].n_bytes));
+    let mut furthest: Option<usize> = None;
+    for &i in &order {
+        let t = &tensors[i];
+        if t.n_bytes == 0 {
+            continue;
+        }
+        if let Some(p) = furthest {
+            let p = &tensors[p];
+            // In bounds, so offset + n_bytes cannot overflow.
+            let p_end = p.offset + p.n_bytes;
+            if p_end > t.offset {
+                return Err(GgufError::TensorOverlap {
+                    first: p.name.clone(),
+                    first_start: p.offset,
+                    first_end: p_end,
+                    second: t.name.clone(),
+                    second_start: t.offset,
+                });
+            }
+        }
+        let t_end = t.offset + t.n_bytes;
+        if furthest.is_none_or(|p| tensors[p].offset + tensors[p].n_bytes < t_end) {
+            furthest = Some(i);
+        }
+    }
+    Ok(())
+}
+
 struct Reader<'a> {
     bytes: &'a [u8],
     pos: usize,
 }
 
 impl<'a> Reader<'a> {
+    /// One tensor info: its name, dims (at most MAX_DIMS, element count
+    /// within i64), a known type whose blocks divide the first dim, and
+    /// an offset on the file's alignment.
+    fn tensor_info(&mut self, alignment: u32) -> Result<TensorInfo, GgufError> {
+        let r = self;
+        let name = r.string()?;
+        let n_dims = r.u32()?;
+        if n_dims > MAX_DIMS {
+            return Err(GgufError::TooManyDims {
+                name,
+                n_dims,
+                max: MAX_DIMS,
+            });
+        }
+        let mut dims = Vec::with_capacity(n_dims as usize);
+        for _ in 0..n_dims {
+            dims.push(r.u64()?);
+        }
+        let ty_id = r.u32()?;
+        let offset = r.u64()?;
+        // Element counts stay within i64 as ggml requires.
+        let limit = i64::MAX as u64;
+        let n_elements = dims
+            .iter()
+            .try_fold(1u64, |acc, &d| acc.checked_mul(d).filter(|&n| n <= limit));
+        let Some(n_elements) = n_elements else {
+            return Err(GgufError::DimsOverflow { name, dims, limit });
+        };
+        let ty = GgmlType::from_id(ty_id);
+        let Some((block, _)) = ty.block_layout() else {
+            return Err(GgufError::UnknownType { name, ty: ty_id });
+        };
+        let ne0 = dims.first().copied().unwrap_or(1);
+        if ne0 % block != 0 {
+            return Err(GgufError::NotBlockMultiple {
+                name,
+                ty,
+                ne0,
+                block,
+            });
+        }
+        let Some(n_bytes) = ty.bytes_for(n_elements) else {
+            return Err(GgufError::DimsOverflow { name, dims, limit });
+        };
+        if offset % u64::from(alignment) != 0 {
+            return Err(GgufError::Misaligned {
+                name,
+                offset,
+                alignment,
+            });
+        }
+        Ok(TensorInfo {
+            name,
+            dims,
+            ty,
+            offset,
+            n_elements,
+            n_bytes,
+        })
+    }
+
     fn remaining(&self) -> u64 {
         (self.bytes.len() - self.pos) as u64
     }
@@ -915,88 +1054,17 @@ impl Gguf {
             metadata.push((key, value));
         }
 
-        let alignment = match meta_index.get("general.alignment") {
-            None => DEFAULT_ALIGNMENT,
-            Some(&i) => {
-                let v = &metadata[i].1;
-                let a = match v {
-                    Value::U32(a) => u64::from(*a),
-                    other => {
-                        return Err(GgufError::WrongType {
-                            key: "general.alignment".into(),
-                            expected: "u32",
-                            found: other.type_name(),
-                        })
-                    }
-                };
-                if a == 0 || !a.is_power_of_two() || a > 1 << 30 {
-                    return Err(GgufError::BadAlignment(a));
-                }
-                a as u32
-            }
-        };
+        let alignment = alignment(&metadata, &meta_index)?;
 
         let mut tensors: Vec<TensorInfo> = Vec::with_capacity(n_tensors as usize);
         let mut tensor_index = HashMap::with_capacity(n_tensors as usize);
         for _ in 0..n_tensors {
-            let name = r.string()?;
-            let n_dims = r.u32()?;
-            if n_dims > MAX_DIMS {
-                return Err(GgufError::TooManyDims {
-                    name,
-                    n_dims,
-                    max: MAX_DIMS,
-                });
+            let t = r.tensor_info(alignment)?;
+            if tensor_index.contains_key(&t.name) {
+                return Err(GgufError::DuplicateTensor(t.name));
             }
-            let mut dims = Vec::with_capacity(n_dims as usize);
-            for _ in 0..n_dims {
-                dims.push(r.u64()?);
-            }
-            let ty_id = r.u32()?;
-            let offset = r.u64()?;
-            // Element counts stay within i64 as ggml requires.
-            let limit = i64::MAX as u64;
-            let n_elements = dims
-                .iter()
-                .try_fold(1u64, |acc, &d| acc.checked_mul(d).filter(|&n| n <= limit));
-            let Some(n_elements) = n_elements else {
-                return Err(GgufError::DimsOverflow { name, dims, limit });
-            };
-            let ty = GgmlType::from_id(ty_id);
-            let Some((block, _)) = ty.block_layout() else {
-                return Err(GgufError::UnknownType { name, ty: ty_id });
-            };
-            let ne0 = dims.first().copied().unwrap_or(1);
-            if ne0 % block != 0 {
-                return Err(GgufError::NotBlockMultiple {
-                    name,
-                    ty,
-                    ne0,
-                    block,
-                });
-            }
-            let Some(n_bytes) = ty.bytes_for(n_elements) else {
-                return Err(GgufError::DimsOverflow { name, dims, limit });
-            };
-            if offset % u64::from(alignment) != 0 {
-                return Err(GgufError::Misaligned {
-                    name,
-                    offset,
-                    alignment,
-                });
-            }
-            if tensor_index.contains_key(&name) {
-                return Err(GgufError::DuplicateTensor(name));
-            }
-            tensor_index.insert(name.clone(), tensors.len());
-            tensors.push(TensorInfo {
-                name,
-                dims,
-                ty,
-                offset,
-                n_elements,
-                n_bytes,
-            });
+            tensor_index.insert(t.name.clone(), tensors.len());
+            tensors.push(t);
         }
 
         let header_end = r.pos as u64;
@@ -1011,51 +1079,7 @@ impl Gguf {
         let data_offset =
             (header_end.div_ceil(a) * a).min(if tensors.is_empty() { len } else { u64::MAX });
 
-        for t in &tensors {
-            let end = data_offset
-                .checked_add(t.offset)
-                .and_then(|s| s.checked_add(t.n_bytes));
-            match end {
-                Some(end) if end <= len => {}
-                _ => {
-                    return Err(GgufError::TensorOutOfBounds {
-                        name: t.name.clone(),
-                        end: end.unwrap_or(u64::MAX),
-                        len,
-                    })
-                }
-            }
-        }
-
-        // Sorted by offset, each tensor with data must start at or after
-        // the furthest end seen so far (zero-sized tensors take no room).
-        let mut order: Vec<usize> = (0..tensors.len()).collect();
-        order.sort_by_key(|&i| (tensors[i].offset, tensors[i].n_bytes));
-        let mut furthest: Option<usize> = None;
-        for &i in &order {
-            let t = &tensors[i];
-            if t.n_bytes == 0 {
-                continue;
-            }
-            if let Some(p) = furthest {
-                let p = &tensors[p];
-                // In bounds, so offset + n_bytes cannot overflow.
-                let p_end = p.offset + p.n_bytes;
-                if p_end > t.offset {
-                    return Err(GgufError::TensorOverlap {
-                        first: p.name.clone(),
-                        first_start: p.offset,
-                        first_end: p_end,
-                        second: t.name.clone(),
-                        second_start: t.offset,
-                    });
-                }
-            }
-            let t_end = t.offset + t.n_bytes;
-            if furthest.is_none_or(|p| tensors[p].offset + tensors[p].n_bytes < t_end) {
-                furthest = Some(i);
-            }
-        }
+        check_layout(&tensors, data_offset, len)?;
 
         Ok(Gguf {
             bytes,

@@ -11,7 +11,7 @@ use crate::clock::Instant;
 use std::collections::HashMap;
 
 use pagedattn::blocks::{
-    BlockManagerConfig, Child, GroupOutput, Preemption, RequestId, Scheduler, SchedulerConfig,
+    BlockManagerConfig, Child, GroupOutput, Preemption, RequestId, Scheduler, SchedulerConfig, Step,
 };
 use pagedattn::gpu::{KvLayout, SwapSpace};
 
@@ -160,6 +160,94 @@ struct State {
     started: bool,
     live: Vec<Live>,
     done: Vec<Generated>,
+}
+
+impl State {
+    /// One step of the request's sequences: the picks from each sequence's
+    /// log-probabilities (`rows_of(i)`; samples draw, beams keep the best),
+    /// each a child of the sequence it extends; `on_token(branch, token)`
+    /// hears each. Returns the children for the scheduler.
+    fn advance<'l>(
+        &mut self,
+        rows_of: &dyn Fn(usize) -> Result<&'l [f64], ModelError>,
+        on_token: &mut dyn FnMut(usize, u32),
+    ) -> Result<Vec<Child>, ModelError> {
+        let rec = self.req.record_top;
+        // (parent, token, logprob, the sample's sampler)
+        let mut picks: Vec<(usize, u32, f64, Option<Sampler>)> = Vec::new();
+        if !self.started {
+            let lp = rows_of(0)?;
+            match self.req.decoding {
+                Decoding::Sample { params, n } => {
+                    for b in 0..n {
+                        let mut s = Sampler::new(params, b as u64);
+                        let t = s.sample(lp);
+                        picks.push((0, t, lp[t as usize], Some(s)));
+                    }
+                }
+                Decoding::Beam { width } => {
+                    for (t, l) in top_k(lp, width) {
+                        picks.push((0, t, l, None));
+                    }
+                }
+            }
+            self.live = vec![Live {
+                gen: Generated::default(),
+                sampler: None,
+            }];
+            self.started = true;
+        } else {
+            match self.req.decoding {
+                Decoding::Sample { .. } => {
+                    for i in 0..self.live.len() {
+                        let lp = rows_of(i)?;
+                        let mut s = self.live[i].sampler.take().ok_or_else(|| {
+                            ModelError::Step(format!("sample {i} has no sampler"))
+                        })?;
+                        let t = s.sample(lp);
+                        picks.push((i, t, lp[t as usize], Some(s)));
+                    }
+                }
+                Decoding::Beam { .. } => {
+                    let keep = self.req.width() - self.done.len();
+                    let rows: Vec<&[f64]> = (0..self.live.len())
+                        .map(rows_of)
+                        .collect::<Result<_, _>>()?;
+                    let scores: Vec<f64> = self.live.iter().map(|l| l.gen.score).collect();
+                    for (b, t, s) in beam_step(&scores, &rows, keep) {
+                        picks.push((b, t, s - scores[b], None));
+                    }
+                }
+            }
+        }
+        let mut children = Vec::with_capacity(picks.len());
+        let mut next = Vec::with_capacity(picks.len());
+        for (k, (parent, token, lp, sampler)) in picks.into_iter().enumerate() {
+            let mut gen = self.live[parent].gen.clone();
+            if gen.tokens.is_empty() {
+                gen.branch = k; // a first token: the request's k-th branch
+            }
+            gen.tokens.push(token);
+            gen.score += lp;
+            if rec > 0 {
+                gen.top.push(top_k(rows_of(parent)?, rec));
+            }
+            let finished = gen.tokens.len() >= self.req.max_tokens || self.req.stop == Some(token);
+            on_token(k, token);
+            children.push(Child {
+                parent,
+                token,
+                finished,
+            });
+            if finished {
+                self.done.push(gen);
+            } else {
+                next.push(Live { gen, sampler });
+            }
+        }
+        self.live = next;
+        Ok(children)
+    }
 }
 
 /// A model and the scheduler that feeds it.
@@ -418,51 +506,8 @@ impl Server {
             });
         }
         self.stats.preempted += step.preempted().len();
-        let gpu = &self.model.gpu;
-        for (r, blocks) in step.imports() {
-            let found = self.remote.remove(r).unwrap_or_default();
-            // The local cache's hits come first: the imports are the last.
-            let skip = found.len().checked_sub(blocks.len()).ok_or_else(|| {
-                ModelError::Request(format!("{r:?}: more imports than remote blocks"))
-            })?;
-            let found = &found[skip..];
-            let Some((layout, _)) = found.first() else {
-                continue;
-            };
-            // One import (one descriptor check, one upload) for the
-            // request's blocks; blocks of mixed layouts go one by one.
-            let ids: Vec<u32> = blocks.iter().map(|b| b.0).collect();
-            if found.iter().all(|(l, _)| l == layout) {
-                let bytes: Vec<u8> = found.iter().flat_map(|(_, b)| b.iter().copied()).collect();
-                self.model
-                    .cache
-                    .import_blocks_async(gpu, layout, &bytes, &ids)
-                    .await?;
-            } else {
-                for (id, (layout, bytes)) in ids.iter().zip(found) {
-                    self.model
-                        .cache
-                        .import_blocks_async(gpu, layout, bytes, &[*id])
-                        .await?;
-                }
-            }
-            self.imported_blocks += ids.len();
-        }
-        if !step.swap_out().is_empty() || !step.swap_in().is_empty() {
-            let space = self.swap.as_mut().ok_or_else(|| {
-                ModelError::Request("the scheduler swapped without swap space".into())
-            })?;
-            if !step.swap_out().is_empty() {
-                self.model
-                    .cache
-                    .swap_out_async(gpu, step.swap_out(), space)
-                    .await?;
-                self.stats.swapped_out_blocks += step.swap_out().len();
-            }
-            if !step.swap_in().is_empty() {
-                self.model.cache.swap_in(gpu, step.swap_in(), space)?;
-            }
-        }
+        self.import_remote(&step).await?;
+        self.swap(&step).await?;
         if step.rows().is_empty() {
             for f in self.sched.commit(&step, &[])? {
                 ended.push(self.finish(f.request));
@@ -482,25 +527,17 @@ impl Server {
             let started = self.reqs.get(&row.request).is_some_and(|s| s.started);
             prompt_work |= row.positions.len() > 1 || !started;
         }
-        let logits = self
-            .model
-            .forward_async(&StepInput {
-                view: step.view(),
-                tokens: step.tokens(),
-                positions: &positions,
-                logit_rows: &logit_rows,
-            })
-            .await?;
+        let input = StepInput {
+            view: step.view(),
+            tokens: step.tokens(),
+            positions: &positions,
+            logit_rows: &logit_rows,
+        };
+        let logits = self.model.forward_async(&input).await?;
         let mut profile_secs = 0.0;
         if !prompt_work && self.profile.is_some_and(|r| step.rows().len() >= r) {
             self.profile = None;
             let tp = Instant::now();
-            let input = StepInput {
-                view: step.view(),
-                tokens: step.tokens(),
-                positions: &positions,
-                logit_rows: &logit_rows,
-            };
             let full = time_step(&mut self.model, &input, false).await?;
             let without = time_step(&mut self.model, &input, true).await?;
             self.stats.attention_share = Some((1.0 - without / full).clamp(0.0, 1.0));
@@ -511,93 +548,17 @@ impl Server {
         // and the recorded top-N all read them.
         let vocab = self.model.shape.vocab;
         let lps: Vec<Vec<f64>> = logits.chunks_exact(vocab).map(log_softmax).collect();
-
         let mut outputs = Vec::with_capacity(step.sample().len());
         for &request in step.sample() {
             let st = self
                 .reqs
                 .get_mut(&request)
                 .ok_or(ModelError::Request(format!("unknown request {request}")))?;
-            let rows_of = |i: usize| -> Result<&[f64], ModelError> {
-                row_of
-                    .get(&(request, i))
-                    .map(|&r| &lps[r][..])
-                    .ok_or_else(|| {
-                        ModelError::Step(format!("no logits for {request} sequence {i}"))
-                    })
+            let rows_of = |i: usize| {
+                let row = row_of.get(&(request, i)).map(|&r| &lps[r][..]);
+                row.ok_or_else(|| ModelError::Step(format!("no logits for {request} sequence {i}")))
             };
-            let width = st.req.width();
-            let rec = st.req.record_top;
-            // (parent, token, logprob)
-            let mut picks: Vec<(usize, u32, f64, Option<Sampler>)> = Vec::new();
-            if !st.started {
-                let lp = rows_of(0)?;
-                match st.req.decoding {
-                    Decoding::Sample { params, n } => {
-                        for b in 0..n {
-                            let mut s = Sampler::new(params, b as u64);
-                            let t = s.sample(lp);
-                            picks.push((0, t, lp[t as usize], Some(s)));
-                        }
-                    }
-                    Decoding::Beam { width } => {
-                        for (t, l) in top_k(lp, width) {
-                            picks.push((0, t, l, None));
-                        }
-                    }
-                }
-                st.live = vec![Live {
-                    gen: Generated::default(),
-                    sampler: None,
-                }];
-                st.started = true;
-            } else {
-                match st.req.decoding {
-                    Decoding::Sample { .. } => {
-                        for i in 0..st.live.len() {
-                            let lp = rows_of(i)?;
-                            let mut s = st.live[i].sampler.take().expect("samples carry samplers");
-                            let t = s.sample(lp);
-                            picks.push((i, t, lp[t as usize], Some(s)));
-                        }
-                    }
-                    Decoding::Beam { .. } => {
-                        let keep = width - st.done.len();
-                        let rows: Vec<&[f64]> =
-                            (0..st.live.len()).map(rows_of).collect::<Result<_, _>>()?;
-                        let scores: Vec<f64> = st.live.iter().map(|l| l.gen.score).collect();
-                        for (b, t, s) in beam_step(&scores, &rows, keep) {
-                            picks.push((b, t, s - scores[b], None));
-                        }
-                    }
-                }
-            }
-            let mut children = Vec::with_capacity(picks.len());
-            let mut next = Vec::with_capacity(picks.len());
-            for (k, (parent, token, lp, sampler)) in picks.into_iter().enumerate() {
-                let mut gen = st.live[parent].gen.clone();
-                if gen.tokens.is_empty() {
-                    gen.branch = k; // a first token: the request's k-th branch
-                }
-                gen.tokens.push(token);
-                gen.score += lp;
-                if rec > 0 {
-                    gen.top.push(top_k(rows_of(parent)?, rec));
-                }
-                let finished = gen.tokens.len() >= st.req.max_tokens || st.req.stop == Some(token);
-                on_token(request, k, token);
-                children.push(Child {
-                    parent,
-                    token,
-                    finished,
-                });
-                if finished {
-                    st.done.push(gen);
-                } else {
-                    next.push(Live { gen, sampler });
-                }
-            }
-            st.live = next;
+            let children = st.advance(&rows_of, &mut |k, t| on_token(request, k, t))?;
             outputs.push(GroupOutput { request, children });
         }
         let st = self.sched.blocks().stats();
@@ -621,6 +582,61 @@ impl Server {
             s.decode_secs += secs;
         }
         Ok(ended)
+    }
+
+    /// The step's imports: each request's remote prefix blocks uploaded
+    /// into the blocks the scheduler gave them.
+    async fn import_remote(&mut self, step: &Step) -> Result<(), ModelError> {
+        let gpu = &self.model.gpu;
+        for (r, blocks) in step.imports() {
+            let found = self.remote.remove(r).unwrap_or_default();
+            // The local cache's hits come first: the imports are the last.
+            let skip = found.len().checked_sub(blocks.len()).ok_or_else(|| {
+                ModelError::Request(format!("{r:?}: more imports than remote blocks"))
+            })?;
+            let found = &found[skip..];
+            let Some((layout, _)) = found.first() else {
+                continue;
+            };
+            // One import (one descriptor check, one upload) for the
+            // request's blocks; blocks of mixed layouts go one by one.
+            let ids: Vec<u32> = blocks.iter().map(|b| b.0).collect();
+            let cache = &mut self.model.cache;
+            if found.iter().all(|(l, _)| l == layout) {
+                let bytes: Vec<u8> = found.iter().flat_map(|(_, b)| b.iter().copied()).collect();
+                cache.import_blocks_async(gpu, layout, &bytes, &ids).await?;
+            } else {
+                for (id, (layout, bytes)) in ids.iter().zip(found) {
+                    cache
+                        .import_blocks_async(gpu, layout, bytes, &[*id])
+                        .await?;
+                }
+            }
+            self.imported_blocks += ids.len();
+        }
+        Ok(())
+    }
+
+    /// The step's swaps: out to the swap space first, then back in.
+    async fn swap(&mut self, step: &Step) -> Result<(), ModelError> {
+        if step.swap_out().is_empty() && step.swap_in().is_empty() {
+            return Ok(());
+        }
+        let gpu = &self.model.gpu;
+        let space = self.swap.as_mut().ok_or_else(|| {
+            ModelError::Request("the scheduler swapped without swap space".into())
+        })?;
+        if !step.swap_out().is_empty() {
+            self.model
+                .cache
+                .swap_out_async(gpu, step.swap_out(), space)
+                .await?;
+            self.stats.swapped_out_blocks += step.swap_out().len();
+        }
+        if !step.swap_in().is_empty() {
+            self.model.cache.swap_in(gpu, step.swap_in(), space)?;
+        }
+        Ok(())
     }
 
     fn finish(&mut self, request: RequestId) -> Completion {

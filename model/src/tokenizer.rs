@@ -265,7 +265,7 @@ pub struct Tokenizer {
     /// The token of each single byte, if the vocabulary has one.
     byte_ids: [Option<u32>; 256],
     /// Tokens matched in text: `(text, id, control)`, longest first.
-    specials: Vec<(String, u32, bool)>,
+    specials: Vec<Special>,
     special_first: [bool; 256],
     eos_token_id: Option<u32>,
     bos_token_id: Option<u32>,
@@ -274,6 +274,86 @@ pub struct Tokenizer {
     add_bos: bool,
     im_end: u32,
     chat_template: Option<String>,
+}
+
+/// `(text, id, control)` of a token matched in text.
+type Special = (String, u32, bool);
+
+/// `(left, right) -> (rank, merged)`.
+type Merges = HashMap<(u32, u32), (u32, u32)>;
+
+/// The vocabulary's index, every token's raw bytes back to back with
+/// their starts (one more than the tokens), and the tokens matched in
+/// text (control and user-defined ones, whose text is their bytes).
+fn token_bytes(
+    tokens: &[String],
+    types: &[i32],
+) -> (HashMap<String, u32>, Vec<u8>, Vec<usize>, Vec<Special>) {
+    let mut vocab = HashMap::with_capacity(tokens.len());
+    let mut bytes = Vec::new();
+    let mut starts = Vec::with_capacity(tokens.len() + 1);
+    let mut specials = Vec::new();
+    for (id, (tok, &ty)) in tokens.iter().zip(types).enumerate() {
+        let id = id as u32;
+        vocab.entry(tok.clone()).or_insert(id);
+        starts.push(bytes.len());
+        let text_is_bytes = ty == token_type::CONTROL || ty == token_type::USER_DEFINED;
+        if text_is_bytes {
+            bytes.extend_from_slice(tok.as_bytes());
+            if !tok.is_empty() {
+                specials.push((tok.clone(), id, ty == token_type::CONTROL));
+            }
+        } else {
+            for ch in tok.chars() {
+                match char_to_byte(ch) {
+                    Some(b) => bytes.push(b),
+                    None => {
+                        let mut buf = [0u8; 4];
+                        bytes.extend_from_slice(ch.encode_utf8(&mut buf).as_bytes());
+                    }
+                }
+            }
+        }
+    }
+    starts.push(bytes.len());
+    (vocab, bytes, starts, specials)
+}
+
+/// The merges, `(left, right) -> (rank, merged)`: each two vocabulary
+/// tokens whose concatenation is one too; the first occurrence of a pair
+/// wins.
+fn read_merges(g: &Gguf, vocab: &HashMap<String, u32>) -> Result<Merges, TokenizerError> {
+    let merge_list: &[String] = match g.get("tokenizer.ggml.merges") {
+        None => &[],
+        Some(_) => g.get_str_array("tokenizer.ggml.merges")?,
+    };
+    let mut merges = HashMap::with_capacity(merge_list.len());
+    for (rank, m) in merge_list.iter().enumerate() {
+        let bad = |why| TokenizerError::BadMerge {
+            rank,
+            merge: m.clone(),
+            why,
+        };
+        let (a, b) = m
+            .split_once(' ')
+            .ok_or_else(|| bad("no space between the two parts"))?;
+        if a.is_empty() || b.is_empty() || b.contains(' ') {
+            return Err(bad("not two non-empty parts separated by one space"));
+        }
+        let ia = *vocab
+            .get(a)
+            .ok_or_else(|| bad("left part not in the vocabulary"))?;
+        let ib = *vocab
+            .get(b)
+            .ok_or_else(|| bad("right part not in the vocabulary"))?;
+        let joined = format!("{a}{b}");
+        let ij = *vocab
+            .get(&joined)
+            .ok_or_else(|| bad("merged token not in the vocabulary"))?;
+        // The first (lowest-ranked) occurrence of a pair wins.
+        merges.entry((ia, ib)).or_insert((rank as u32, ij));
+    }
+    Ok(merges)
 }
 
 impl Tokenizer {
@@ -310,33 +390,7 @@ impl Tokenizer {
             });
         }
 
-        let mut vocab = HashMap::with_capacity(tokens.len());
-        let mut bytes = Vec::new();
-        let mut starts = Vec::with_capacity(tokens.len() + 1);
-        let mut specials = Vec::new();
-        for (id, (tok, &ty)) in tokens.iter().zip(&types).enumerate() {
-            let id = id as u32;
-            vocab.entry(tok.clone()).or_insert(id);
-            starts.push(bytes.len());
-            let text_is_bytes = ty == token_type::CONTROL || ty == token_type::USER_DEFINED;
-            if text_is_bytes {
-                bytes.extend_from_slice(tok.as_bytes());
-                if !tok.is_empty() {
-                    specials.push((tok.clone(), id, ty == token_type::CONTROL));
-                }
-            } else {
-                for ch in tok.chars() {
-                    match char_to_byte(ch) {
-                        Some(b) => bytes.push(b),
-                        None => {
-                            let mut buf = [0u8; 4];
-                            bytes.extend_from_slice(ch.encode_utf8(&mut buf).as_bytes());
-                        }
-                    }
-                }
-            }
-        }
-        starts.push(bytes.len());
+        let (vocab, bytes, starts, mut specials) = token_bytes(&tokens, &types);
         specials.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
         let mut special_first = [false; 256];
         for (s, _, _) in &specials {
@@ -354,36 +408,7 @@ impl Tokenizer {
                 .copied();
         }
 
-        let merge_list: &[String] = match g.get("tokenizer.ggml.merges") {
-            None => &[],
-            Some(_) => g.get_str_array("tokenizer.ggml.merges")?,
-        };
-        let mut merges = HashMap::with_capacity(merge_list.len());
-        for (rank, m) in merge_list.iter().enumerate() {
-            let bad = |why| TokenizerError::BadMerge {
-                rank,
-                merge: m.clone(),
-                why,
-            };
-            let (a, b) = m
-                .split_once(' ')
-                .ok_or_else(|| bad("no space between the two parts"))?;
-            if a.is_empty() || b.is_empty() || b.contains(' ') {
-                return Err(bad("not two non-empty parts separated by one space"));
-            }
-            let ia = *vocab
-                .get(a)
-                .ok_or_else(|| bad("left part not in the vocabulary"))?;
-            let ib = *vocab
-                .get(b)
-                .ok_or_else(|| bad("right part not in the vocabulary"))?;
-            let joined = format!("{a}{b}");
-            let ij = *vocab
-                .get(&joined)
-                .ok_or_else(|| bad("merged token not in the vocabulary"))?;
-            // The first (lowest-ranked) occurrence of a pair wins.
-            merges.entry((ia, ib)).or_insert((rank as u32, ij));
-        }
+        let merges = read_merges(g, &vocab)?;
 
         let n = tokens.len();
         let id_key = |key: &'static str| -> Result<Option<u32>, TokenizerError> {

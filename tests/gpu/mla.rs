@@ -676,210 +676,18 @@ fn bad_input_is_refused_and_changes_nothing() {
         nope: 16,
         v_dim: 16,
     };
-    let mla = |e: Result<_, GpuError>| match e {
-        Err(GpuError::Mla(e)) => e,
-        Err(other) => panic!("not an MlaError: {other}"),
-        Ok(_) => panic!("accepted"),
-    };
-    // Shapes.
     let mut cfg = m.config(2, 8, 16, KvDtype::F32);
-    for (bad, want) in [
-        (
-            MlaCacheConfig {
-                kv_lora_rank: 62,
-                ..cfg
-            },
-            "Dims",
-        ),
-        (MlaCacheConfig { rope_dim: 2, ..cfg }, "Dims"),
-        (
-            MlaCacheConfig {
-                kv_lora_rank: 1024,
-                ..cfg
-            },
-            "Dims",
-        ),
-        (
-            MlaCacheConfig {
-                kv_lora_rank: 0,
-                ..cfg
-            },
-            "Dims",
-        ),
-        (
-            MlaCacheConfig {
-                dtype: KvDtype::Int8,
-                ..cfg
-            },
-            "Dtype",
-        ),
-        (
-            MlaCacheConfig {
-                dtype: KvDtype::Fp8E4M3,
-                ..cfg
-            },
-            "Dtype",
-        ),
-        (
-            MlaCacheConfig {
-                num_layers: 0,
-                ..cfg
-            },
-            "EmptyPool",
-        ),
-        (
-            MlaCacheConfig {
-                num_blocks: 0,
-                ..cfg
-            },
-            "EmptyPool",
-        ),
-    ] {
-        let e = mla(MlaCache::new(&gpu, bad).map(|_| ()));
-        assert!(format!("{e:?}").starts_with(want), "{bad:?}: {e:?}");
-        eprintln!("refused: {e}");
-    }
-    assert!(matches!(
-        MlaCache::new(
-            &gpu,
-            MlaCacheConfig {
-                block_size: 12,
-                ..cfg
-            }
-        )
-        .err(),
-        Some(GpuError::Pool(PoolError::BlockSize(12)))
-    ));
-    assert!(matches!(
-        mla(MlaAttention::new(&gpu, &cfg, 0, 0.1).map(|_| ())),
-        MlaError::Heads { heads: 0, .. }
-    ));
-    assert!(matches!(
-        mla(MlaAttention::new(&gpu, &cfg, 300, 0.1).map(|_| ())),
-        MlaError::Heads { .. }
-    ));
-    assert!(matches!(
-        mla(MlaAttention::new(&gpu, &cfg, 4, f32::NAN).map(|_| ())),
-        MlaError::Scale(_)
-    ));
-    assert!(matches!(
-        mla(MlaAttention::new(&gpu, &cfg, 4, -1.0).map(|_| ())),
-        MlaError::Scale(_)
-    ));
-
+    refuses_bad_shapes(&gpu, cfg);
     let cache = MlaCache::new(&gpu, cfg).unwrap();
     let row = m.row();
     let all: Vec<u32> = (0..8 * 16).collect();
     let rows = rng.signed_vec(all.len() * row);
     cache.write(&gpu, LAYER, &all, &rows).unwrap();
     let before = cache.read_rows(&gpu, LAYER, &all).unwrap();
-    // Writes and copies.
-    assert!(matches!(
-        mla(cache.write(&gpu, LAYER, &[0, 1], &rows[..row])),
-        MlaError::Len { what: "rows", .. }
-    ));
-    assert!(matches!(
-        mla(cache.write(&gpu, LAYER, &[0, 128], &rows[..2 * row])),
-        MlaError::Slot {
-            slot: 128,
-            slots: 128
-        }
-    ));
-    assert!(matches!(
-        mla(cache.write(&gpu, LAYER, &[5, 5], &rows[..2 * row])),
-        MlaError::SlotTwice(5)
-    ));
-    assert!(matches!(
-        mla(cache.write(&gpu, 2, &[0], &rows[..row])),
-        MlaError::Layer {
-            layer: 2,
-            layers: 2
-        }
-    ));
-    assert!(matches!(
-        mla(cache.copy_blocks(&gpu, &[[0, 8]])),
-        MlaError::Block {
-            what: "copy",
-            block: 8,
-            ..
-        }
-    ));
-    assert!(matches!(
-        mla(cache.copy_blocks(&gpu, &[[0, 3], [1, 3]])),
-        MlaError::CopyOverlap(3)
-    ));
-    assert!(matches!(
-        mla(cache.copy_blocks(&gpu, &[[0, 3], [3, 4]])),
-        MlaError::CopyOverlap(3)
-    ));
-    assert!(matches!(
-        mla(cache.read_rows(&gpu, 0, &[999]).map(|_| ())),
-        MlaError::Slot { slot: 999, .. }
-    ));
-
-    // Plans and runs.
+    refuses_bad_writes(&gpu, &cache, &rows, row);
     let attn = MlaAttention::new(&gpu, &cfg, m.heads as u32, 0.25).unwrap();
+    refuses_bad_plans(&gpu, &attn, &cache);
     let t: &[u32] = &[2, 5];
-    let plan = |tables: &[&[u32]], lens: &[u32], split| {
-        attn.plan_decode(&gpu, &cache, tables, lens, split)
-            .map(|_| ())
-    };
-    assert!(matches!(
-        mla(plan(&[&[2, 8]], &[20], Split::Auto)),
-        MlaError::Block {
-            what: "table",
-            block: 8,
-            ..
-        }
-    ));
-    assert!(matches!(
-        mla(plan(&[t], &[0], Split::Auto)),
-        MlaError::Visible {
-            query: 0,
-            visible: 0,
-            held: 32
-        }
-    ));
-    assert!(matches!(
-        mla(plan(&[t], &[33], Split::Auto)),
-        MlaError::Visible {
-            visible: 33,
-            held: 32,
-            ..
-        }
-    ));
-    assert!(matches!(
-        mla(plan(&[t, t], &[3], Split::Auto)),
-        MlaError::Len { what: "lens", .. }
-    ));
-    assert!(matches!(
-        mla(plan(&[], &[], Split::Auto)),
-        MlaError::Queries { count: 0, .. }
-    ));
-    assert!(matches!(
-        mla(plan(&[t], &[9], Split::Tokens(3))),
-        MlaError::Split { tokens: 3, .. }
-    ));
-    assert!(matches!(
-        mla(plan(&[t], &[9], Split::Tokens(0))),
-        MlaError::Split { tokens: 0, .. }
-    ));
-    assert!(matches!(
-        mla(attn
-            .plan_prefill(&gpu, &cache, &[t], &[30], &[3], Split::Auto)
-            .map(|_| ())),
-        MlaError::Visible {
-            query: 2,
-            visible: 33,
-            held: 32
-        }
-    ));
-    assert!(matches!(
-        mla(attn
-            .plan_prefill(&gpu, &cache, &[t], &[3], &[0], Split::Auto)
-            .map(|_| ())),
-        MlaError::Queries { count: 0, .. }
-    ));
     let good = attn
         .plan_decode(&gpu, &cache, &[t], &[20], Split::Auto)
         .unwrap();
@@ -959,4 +767,211 @@ fn bad_input_is_refused_and_changes_nothing() {
         let e = rel_l2(&got[h * m.rank..(h + 1) * m.rank], &want);
         assert!(e < TOL_ABSORBED, "head {h}: {e:e}");
     }
+}
+
+/// The MLA error of a refused call (a panic on any other outcome).
+fn mla(e: Result<(), GpuError>) -> MlaError {
+    match e {
+        Err(GpuError::Mla(e)) => e,
+        Err(other) => panic!("not an MlaError: {other}"),
+        Ok(()) => panic!("accepted"),
+    }
+}
+
+/// Shapes: cache configs and attention settings out of range.
+fn refuses_bad_shapes(gpu: &Gpu, cfg: MlaCacheConfig) {
+    for (bad, want) in [
+        (
+            MlaCacheConfig {
+                kv_lora_rank: 62,
+                ..cfg
+            },
+            "Dims",
+        ),
+        (MlaCacheConfig { rope_dim: 2, ..cfg }, "Dims"),
+        (
+            MlaCacheConfig {
+                kv_lora_rank: 1024,
+                ..cfg
+            },
+            "Dims",
+        ),
+        (
+            MlaCacheConfig {
+                kv_lora_rank: 0,
+                ..cfg
+            },
+            "Dims",
+        ),
+        (
+            MlaCacheConfig {
+                dtype: KvDtype::Int8,
+                ..cfg
+            },
+            "Dtype",
+        ),
+        (
+            MlaCacheConfig {
+                dtype: KvDtype::Fp8E4M3,
+                ..cfg
+            },
+            "Dtype",
+        ),
+        (
+            MlaCacheConfig {
+                num_layers: 0,
+                ..cfg
+            },
+            "EmptyPool",
+        ),
+        (
+            MlaCacheConfig {
+                num_blocks: 0,
+                ..cfg
+            },
+            "EmptyPool",
+        ),
+    ] {
+        let e = mla(MlaCache::new(gpu, bad).map(|_| ()));
+        assert!(format!("{e:?}").starts_with(want), "{bad:?}: {e:?}");
+        eprintln!("refused: {e}");
+    }
+    assert!(matches!(
+        MlaCache::new(
+            gpu,
+            MlaCacheConfig {
+                block_size: 12,
+                ..cfg
+            }
+        )
+        .err(),
+        Some(GpuError::Pool(PoolError::BlockSize(12)))
+    ));
+    assert!(matches!(
+        mla(MlaAttention::new(gpu, &cfg, 0, 0.1).map(|_| ())),
+        MlaError::Heads { heads: 0, .. }
+    ));
+    assert!(matches!(
+        mla(MlaAttention::new(gpu, &cfg, 300, 0.1).map(|_| ())),
+        MlaError::Heads { .. }
+    ));
+    assert!(matches!(
+        mla(MlaAttention::new(gpu, &cfg, 4, f32::NAN).map(|_| ())),
+        MlaError::Scale(_)
+    ));
+    assert!(matches!(
+        mla(MlaAttention::new(gpu, &cfg, 4, -1.0).map(|_| ())),
+        MlaError::Scale(_)
+    ));
+}
+
+/// Writes and copies out of range, to the wrong layer, or overlapping.
+fn refuses_bad_writes(gpu: &Gpu, cache: &MlaCache, rows: &[f32], row: usize) {
+    assert!(matches!(
+        mla(cache.write(gpu, LAYER, &[0, 1], &rows[..row])),
+        MlaError::Len { what: "rows", .. }
+    ));
+    assert!(matches!(
+        mla(cache.write(gpu, LAYER, &[0, 128], &rows[..2 * row])),
+        MlaError::Slot {
+            slot: 128,
+            slots: 128
+        }
+    ));
+    assert!(matches!(
+        mla(cache.write(gpu, LAYER, &[5, 5], &rows[..2 * row])),
+        MlaError::SlotTwice(5)
+    ));
+    assert!(matches!(
+        mla(cache.write(gpu, 2, &[0], &rows[..row])),
+        MlaError::Layer {
+            layer: 2,
+            layers: 2
+        }
+    ));
+    assert!(matches!(
+        mla(cache.copy_blocks(gpu, &[[0, 8]])),
+        MlaError::Block {
+            what: "copy",
+            block: 8,
+            ..
+        }
+    ));
+    assert!(matches!(
+        mla(cache.copy_blocks(gpu, &[[0, 3], [1, 3]])),
+        MlaError::CopyOverlap(3)
+    ));
+    assert!(matches!(
+        mla(cache.copy_blocks(gpu, &[[0, 3], [3, 4]])),
+        MlaError::CopyOverlap(3)
+    ));
+    assert!(matches!(
+        mla(cache.read_rows(gpu, 0, &[999]).map(|_| ())),
+        MlaError::Slot { slot: 999, .. }
+    ));
+}
+
+/// Plans over tables, lengths and splits the cache cannot serve.
+fn refuses_bad_plans(gpu: &Gpu, attn: &MlaAttention, cache: &MlaCache) {
+    let t: &[u32] = &[2, 5];
+    let plan = |tables: &[&[u32]], lens: &[u32], split| {
+        attn.plan_decode(gpu, cache, tables, lens, split)
+            .map(|_| ())
+    };
+    assert!(matches!(
+        mla(plan(&[&[2, 8]], &[20], Split::Auto)),
+        MlaError::Block {
+            what: "table",
+            block: 8,
+            ..
+        }
+    ));
+    assert!(matches!(
+        mla(plan(&[t], &[0], Split::Auto)),
+        MlaError::Visible {
+            query: 0,
+            visible: 0,
+            held: 32
+        }
+    ));
+    assert!(matches!(
+        mla(plan(&[t], &[33], Split::Auto)),
+        MlaError::Visible {
+            visible: 33,
+            held: 32,
+            ..
+        }
+    ));
+    assert!(matches!(
+        mla(plan(&[t, t], &[3], Split::Auto)),
+        MlaError::Len { what: "lens", .. }
+    ));
+    assert!(matches!(
+        mla(plan(&[], &[], Split::Auto)),
+        MlaError::Queries { count: 0, .. }
+    ));
+    assert!(matches!(
+        mla(plan(&[t], &[9], Split::Tokens(3))),
+        MlaError::Split { tokens: 3, .. }
+    ));
+    assert!(matches!(
+        mla(plan(&[t], &[9], Split::Tokens(0))),
+        MlaError::Split { tokens: 0, .. }
+    ));
+    assert!(matches!(
+        mla(attn
+            .plan_prefill(gpu, cache, &[t], &[30], &[3], Split::Auto)
+            .map(|_| ())),
+        MlaError::Visible {
+            query: 2,
+            visible: 33,
+            held: 32
+        }
+    ));
+    assert!(matches!(
+        mla(attn
+            .plan_prefill(gpu, cache, &[t], &[3], &[0], Split::Auto)
+            .map(|_| ())),
+        MlaError::Queries { count: 0, .. }
+    ));
 }

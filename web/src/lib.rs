@@ -688,6 +688,93 @@ struct MlaCheck {
     error: Option<String>,
 }
 
+/// The MLA check's shape and its up-projections: `checked` heads get
+/// queries absorbed from (q_nope, q_rope) and are checked unabsorbed too.
+struct MlaCase {
+    heads: usize,
+    rank: usize,
+    rope: usize,
+    nope: usize,
+    scale: f64,
+    checked: [usize; 2],
+    weights: pagedattn::reference::mla::Weights,
+}
+
+/// Each checked head's (q_nope, q_rope), per query row.
+type Unabsorbed = Vec<Vec<(Vec<f64>, Vec<f64>)>>;
+
+impl MlaCase {
+    /// `n` query rows: the checked heads absorbed from random (q_nope,
+    /// q_rope), the others random. Returns the rows and the checked heads'
+    /// originals.
+    fn queries(&self, rng: &mut pagedattn::rng::SplitMix64, n: usize) -> (Vec<f32>, Unabsorbed) {
+        let (heads, row) = (self.heads, self.rank + self.rope);
+        let mut q = Vec::with_capacity(n * heads * row);
+        let mut orig = Vec::new();
+        for _ in 0..n {
+            let mut o = Vec::new();
+            for h in 0..heads {
+                if let Some(i) = self.checked.iter().position(|&c| c == h) {
+                    let qn: Vec<f64> = (0..self.nope).map(|_| rng.next_signed() as f64).collect();
+                    let qr: Vec<f64> = (0..self.rope)
+                        .map(|_| rng.next_signed() as f64 * 2.0)
+                        .collect();
+                    q.extend(self.weights.absorb(i, &qn, &qr).iter().map(|&x| x as f32));
+                    o.push((qn, qr));
+                } else {
+                    q.extend((0..row).map(|_| rng.next_signed() * 1.9));
+                }
+            }
+            orig.push(o);
+        }
+        (q, orig)
+    }
+
+    /// The worst relative errors of `out` against the absorbed reference
+    /// (every head) and the unabsorbed one (the checked heads; in prefill,
+    /// every eighth row). `rows_q`: each query row's (sequence, tokens
+    /// seen) over the `stored` latent rows.
+    fn errors(
+        &self,
+        form: &str,
+        rows_q: &[(usize, usize)],
+        stored: &[Vec<f32>],
+        q: &[f32],
+        out: &[f32],
+        orig: &Unabsorbed,
+    ) -> (f64, f64) {
+        use pagedattn::reference::{mla::absorbed, rel_l2};
+        let (heads, rank, row, scale) = (self.heads, self.rank, self.rank + self.rope, self.scale);
+        let (mut wa, mut wu) = (0.0f64, 0.0f64);
+        for (r, &(s, seen)) in rows_q.iter().enumerate() {
+            let rows: Vec<&[f32]> = stored[s].chunks(row).take(seen).collect();
+            for h in 0..heads {
+                let qa: Vec<f64> = q[(r * heads + h) * row..][..row]
+                    .iter()
+                    .map(|&x| x as f64)
+                    .collect();
+                let got = &out[(r * heads + h) * rank..][..rank];
+                wa = wa.max(rel_l2(got, &absorbed(&qa, &rows, rank, scale)));
+                let unabsorbed = self.checked.iter().position(|&c| c == h);
+                let Some(i) = unabsorbed.filter(|_| form == "decode" || r % 8 == 0) else {
+                    continue;
+                };
+                let g64: Vec<f64> = got.iter().map(|&x| x as f64).collect();
+                let up: Vec<f32> = self
+                    .weights
+                    .up_project(i, &g64)
+                    .iter()
+                    .map(|&x| x as f32)
+                    .collect();
+                let (qn, qr) = &orig[r][i];
+                let want = self.weights.unabsorbed(i, qn, qr, &rows, scale);
+                wu = wu.max(rel_l2(&up, &want));
+            }
+        }
+        (wa, wu)
+    }
+}
+
 /// Multi-head latent attention at DeepSeek-V2-Lite's shape (16 heads, a
 /// latent row of 512 + 64) on this adapter: decode (unsplit and split) and
 /// causal prefill over a cached prefix, f32, f16 and bf16 latent pools
@@ -698,7 +785,7 @@ struct MlaCheck {
 #[wasm_bindgen]
 pub async fn mla_check(seed: u64) -> Result<String, JsValue> {
     use pagedattn::gpu::{MlaAttention, MlaCache, MlaCacheConfig, Split};
-    use pagedattn::reference::mla::{absorbed, Weights};
+    use pagedattn::reference::mla::Weights;
     let g = gpu().await?;
     let mut rng = pagedattn::rng::SplitMix64::new(seed);
     let (heads, rank, rope, nope, bs) = (16usize, 512usize, 64usize, 128usize, 64u32);
@@ -713,6 +800,15 @@ pub async fn mla_check(seed: u64) -> Result<String, JsValue> {
         v_dim: nope,
         w_uk: w(checked.len() * rank * nope),
         w_uv: w(checked.len() * rank * nope),
+    };
+    let case = MlaCase {
+        heads,
+        rank,
+        rope,
+        nope,
+        scale,
+        checked,
+        weights,
     };
     // Decode: three sequences; prefill: the last 30 tokens of each.
     let lens = [1u32, 70, 200];
@@ -777,62 +873,14 @@ pub async fn mla_check(seed: u64) -> Result<String, JsValue> {
                 ("decode", &decode, Split::Tokens(64)),
                 ("prefill", &prefill, Split::Auto),
             ] {
-                let mut q = Vec::with_capacity(rows_q.len() * heads * row);
-                let mut orig = Vec::new();
-                for _ in rows_q.iter() {
-                    let mut o = Vec::new();
-                    for h in 0..heads {
-                        if let Some(i) = checked.iter().position(|&c| c == h) {
-                            let qn: Vec<f64> =
-                                (0..nope).map(|_| rng.next_signed() as f64).collect();
-                            let qr: Vec<f64> =
-                                (0..rope).map(|_| rng.next_signed() as f64 * 2.0).collect();
-                            q.extend(weights.absorb(i, &qn, &qr).iter().map(|&x| x as f32));
-                            o.push((qn, qr));
-                        } else {
-                            q.extend((0..row).map(|_| rng.next_signed() * 1.9));
-                        }
-                    }
-                    orig.push(o);
-                }
+                let (q, orig) = case.queries(&mut rng, rows_q.len());
                 let plan = if form == "decode" {
                     attn.plan_decode(&g, &cache, &refs, &lens, split)?
                 } else {
                     attn.plan_prefill(&g, &cache, &refs, &starts, &news, split)?
                 };
                 let out = attn.run_async(&g, &plan, &cache, 0, &q).await?;
-                let (mut wa, mut wu) = (0.0f64, 0.0f64);
-                for (r, &(s, seen)) in rows_q.iter().enumerate() {
-                    let rows: Vec<&[f32]> = stored[s].chunks(row).take(seen).collect();
-                    for h in 0..heads {
-                        let qa: Vec<f64> = q[(r * heads + h) * row..][..row]
-                            .iter()
-                            .map(|&x| x as f64)
-                            .collect();
-                        let got = &out[(r * heads + h) * rank..][..rank];
-                        wa = wa.max(pagedattn::reference::rel_l2(
-                            got,
-                            &absorbed(&qa, &rows, rank, scale),
-                        ));
-                        if let Some(i) = checked
-                            .iter()
-                            .position(|&c| c == h)
-                            .filter(|_| form == "decode" || r % 8 == 0)
-                        {
-                            let g64: Vec<f64> = got.iter().map(|&x| x as f64).collect();
-                            let up: Vec<f32> = weights
-                                .up_project(i, &g64)
-                                .iter()
-                                .map(|&x| x as f32)
-                                .collect();
-                            let (qn, qr) = &orig[r][i];
-                            wu = wu.max(pagedattn::reference::rel_l2(
-                                &up,
-                                &weights.unabsorbed(i, qn, qr, &rows, scale),
-                            ));
-                        }
-                    }
-                }
+                let (wa, wu) = case.errors(form, rows_q, &stored, &q, &out, &orig);
                 results.push(MlaCheck {
                     form,
                     dtype: dtype.name(),

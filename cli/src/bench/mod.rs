@@ -1026,36 +1026,27 @@ pub fn host_step(gpu: &Gpu, steps: usize) -> Result<HostStep, BenchError> {
 /// Runs the benchmark.
 pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, BenchError> {
     cfg.validate()?;
-    let timer = Timer::new(gpu, cfg.wall_clock);
-    let mut rng = SplitMix64::new(0x5eed);
-    let (batches, contexts, dtypes): (&[u32], &[u32], &[KvDtype]) = if cfg.quick {
-        (&[1, 8], &[2048], &[KvDtype::F32, KvDtype::F16])
-    } else {
-        (
-            &[1, 8, 32, 64],
-            &[512, 2048, 8192],
-            &[KvDtype::F32, KvDtype::F16],
-        )
+    let mut s = Sections {
+        gpu,
+        cfg,
+        timer: Timer::new(gpu, cfg.wall_clock),
+        rng: SplitMix64::new(0x5eed),
+        // The bench's own tuner: the sections after the grid run its picks.
+        picks: pagedattn::gpu::Tuner::new(),
+        start: std::time::Instant::now(),
+        skipped: Vec::new(),
     };
-    let start = std::time::Instant::now();
-    // The decode grid gets three quarters of the budget, split-K the rest.
-    let over_budget = |share: f64| start.elapsed().as_secs_f64() > cfg.max_seconds * share;
     // Clocks up before anything is timed; the SM clock logged where
     // nvidia-smi reads it.
     progress(cfg, "warm-up (1 s of copies)");
-    timer.warm(1.0)?;
+    s.timer.warm(1.0)?;
     let clock = clock::ClockLog::start();
     let rated = clock::rated_gbs(&gpu.info.name);
     progress(cfg, "memcpy bandwidth");
-    let memcpy = memcpy_gbs(gpu, &timer)?;
-    let mut decode = Vec::new();
-    let mut skipped = Vec::new();
-    let mut tuner = Vec::new();
-    // The bench's own tuner: the sections after the grid run its picks.
-    let picks = pagedattn::gpu::Tuner::new();
+    let memcpy = memcpy_gbs(gpu, &s.timer)?;
     for section in SECTIONS {
         if !cfg.runs(section) {
-            skipped.push(match *section {
+            s.skipped.push(match *section {
                 "model" => {
                     "model: not selected (--only model; needs scripts/fetch-model.sh)".into()
                 }
@@ -1063,238 +1054,29 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, BenchError> {
             });
         }
     }
-    let dtypes = if cfg.runs("decode") { dtypes } else { &[] };
-    for &dtype in dtypes {
-        let dname = if dtype == KvDtype::F32 { "f32" } else { "f16" };
-        progress(cfg, &format!("tuning the decode kernel ({dname})"));
-        let probe = KvCache::new(gpu, grid_config(1, 1, dtype))?;
-        let report = picks.tune(
-            gpu,
-            &probe,
-            HEADS,
-            std::time::Duration::from_millis(1500),
-            true,
-        )?;
-        let chosen = report.chosen;
-        tuner.push(TunerRow {
-            dtype: dname,
-            chosen: chosen.name(),
-            micros: report.micros.iter().map(|(k, t)| (k.name(), *t)).collect(),
-            batch: report.batch,
-        });
-        for &batch in batches {
-            for &context in contexts {
-                progress(
-                    cfg,
-                    &format!("decode {dname} batch {batch} context {context}"),
-                );
-                if over_budget(0.75) {
-                    skipped.push(format!(
-                        "decode {dname} batch {batch} context {context}: over the {} s time budget",
-                        cfg.max_seconds
-                    ));
-                    continue;
-                }
-                let cell_start = std::time::Instant::now();
-                let Some(r) = rig(gpu, batch, context, dtype, &mut rng)? else {
-                    skipped.push(format!("decode {dname} batch {batch} context {context}: a layer exceeds the adapter's {} MiB binding limit", gpu.max_binding_bytes() >> 20));
-                    continue;
-                };
-                let paged = PagedAttention::with_kernel(gpu, &r.cache, HEADS, chosen)?;
-                let contiguous = PagedAttention::contiguous(
-                    gpu,
-                    &r.cache,
-                    HEADS,
-                    &pagedattn::gpu::AttentionConfig::new().kernel(chosen),
-                )?;
-                let others: Vec<PagedAttention> =
-                    PagedAttention::eligible_kernels(gpu, &r.cache, HEADS)
-                        .into_iter()
-                        .map(|k| PagedAttention::with_kernel(gpu, &r.cache, HEADS, k))
-                        .collect::<Result<_, _>>()?;
-                let shuffled = tables(batch, context, true, &mut rng);
-                let identity = tables(batch, context, false, &mut rng);
-                let split = Split::Auto;
-                let mut cells = vec![
-                    (&paged, &shuffled, split),
-                    (&paged, &identity, split),
-                    (&contiguous, &identity, split),
-                ];
-                cells.extend(others.iter().map(|a| (a, &shuffled, split)));
-                let t = r.time_interleaved(&timer, &cells)?;
-                let (paged_ms, identity_ms, contiguous_ms) = (t[0], t[1], t[2]);
-                let bytes = 2.0
-                    * batch as f64
-                    * context as f64
-                    * (KV_HEADS * HEAD_DIM) as f64
-                    * dtype.bytes() as f64;
-                let stream = stream_gbs(gpu, &timer, &r.cache)?;
-                let eff = bytes / paged_ms / 1e6;
-                let variants = others
-                    .iter()
-                    .zip(&t[3..])
-                    .map(|(a, &ms)| VariantCell {
-                        kernel: a.kernel().name(),
-                        ms,
-                        effective_gbs: bytes / ms / 1e6,
-                        bandwidth_ratio: bytes / ms / 1e6 / stream,
-                    })
-                    .collect();
-                decode.push(DecodeRow {
-                    batch,
-                    context,
-                    dtype: dname,
-                    paged_ms,
-                    identity_ms,
-                    contiguous_ms,
-                    paged_over_contiguous: paged_ms / contiguous_ms,
-                    effective_gbs: eff,
-                    stream_gbs: stream,
-                    bandwidth_ratio: eff / stream,
-                    of_rated: rated.map(|g| eff / g),
-                    sm_mhz: clock
-                        .as_ref()
-                        .and_then(|c| c.median_since(cell_start))
-                        .map(|c| c.0),
-                    kernel: chosen.name(),
-                    variants,
-                });
-            }
-        }
-    }
-    progress(cfg, "decode per KV dtype");
-    let dtypes = if !cfg.runs("dtypes") {
-        Vec::new()
-    } else if over_budget(0.8) {
-        skipped.push(format!(
-            "decode per dtype: over the {} s time budget",
-            cfg.max_seconds
-        ));
-        Vec::new()
-    } else {
-        let mut rows = dtype_rows(
-            gpu,
-            &picks,
-            &timer,
-            &mut rng,
-            8,
-            if cfg.quick { 1024 } else { 2048 },
-        )?;
-        if !cfg.quick {
-            // The real-GPU target's cell (dtypes whose layer exceeds the
-            // binding limit are left out: all of them on lavapipe).
-            rows.extend(dtype_rows(gpu, &picks, &timer, &mut rng, 32, 8192)?);
-        }
-        rows
-    };
-    progress(cfg, "cascade: sequences sharing a prompt");
-    let cells: &[(u32, u32)] = if !cfg.runs("cascade") {
-        &[]
-    } else if cfg.quick {
-        &[(1, 4096), (8, 512), (8, 4096)]
-    } else {
-        &[
-            (1, 512),
-            (1, 4096),
-            (1, 16384),
-            (4, 512),
-            (4, 4096),
-            (4, 16384),
-            (8, 512),
-            (8, 4096),
-            (8, 16384),
-            (32, 512),
-            (32, 4096),
-            (32, 16384),
-        ]
-    };
-    let mut cascade = Vec::new();
-    for &(n, prompt) in cells {
-        if over_budget(0.9) {
-            skipped.push(format!(
-                "cascade n {n} prompt {prompt}: over the {} s time budget",
-                cfg.max_seconds
-            ));
-            continue;
-        }
-        match cascade_row(gpu, &picks, &timer, &mut rng, n, prompt)? {
-            Some(r) => cascade.push(r),
-            None => skipped.push(format!(
-                "cascade n {n} prompt {prompt}: the pool exceeds the binding limit"
-            )),
-        }
-    }
-    let mut split = Vec::new();
-    let split_grid: &[(u32, u32)] = if !cfg.runs("split") {
-        &[]
-    } else if cfg.quick {
-        &[(1, 4096)]
-    } else {
-        &[
-            (1, 2048),
-            (1, 8192),
-            (1, 32768),
-            (4, 2048),
-            (4, 8192),
-            (4, 32768),
-        ]
-    };
-    for &(batch, context) in split_grid {
-        progress(cfg, &format!("split batch {batch} context {context}"));
-        if over_budget(1.0) {
-            skipped.push(format!(
-                "split batch {batch} context {context}: over the {} s time budget",
-                cfg.max_seconds
-            ));
-            continue;
-        }
-        let Some(r) = rig(gpu, batch, context, KvDtype::F16, &mut rng)? else {
-            skipped.push(format!(
-                "split batch {batch} context {context}: a layer exceeds the binding limit"
-            ));
-            continue;
-        };
-        let attn = attention(gpu, &picks, &r.cache)?;
-        let t = tables(batch, context, true, &mut rng);
-        let auto_partition = attn.partition_tokens(gpu, Split::Auto, batch, context);
-        // One pass per sequence only where the adapter can finish it.
-        let whole_ok = attn.partition_tokens(
-            gpu,
-            Split::Tokens(context.div_ceil(64) * 64),
-            batch,
-            context,
-        ) == context.div_ceil(64) * 64
-            && (auto_partition == 0 || !gpu.caps_loops() || auto_partition >= context);
-        let mut cells = vec![(&attn, &t, Split::Auto)];
-        if whole_ok {
-            cells.push((&attn, &t, Split::Never));
-        }
-        let tt = r.time_interleaved(&timer, &cells)?;
-        let whole_ms = tt.get(1).copied();
-        split.push(SplitRow {
-            batch,
-            context,
-            kernel: attn.kernel().name(),
-            whole_ms,
-            split_ms: tt[0],
-            speedup: whole_ms.map(|w| w / tt[0]),
-            auto_partition,
-        });
-    }
-    let (mut host, mut host_prefix, mut sched_us) = (0.0, 0.0, 0.0);
-    let mut host_step_row = HostStep::default();
-    if cfg.runs("host") {
+    let (decode, tuner) = s.decode_grid(rated, clock.as_ref())?;
+    let dtypes = s.dtypes()?;
+    let cascade = s.cascade()?;
+    let split = s.split()?;
+    let (host, host_prefix, sched_us, host_step) = if cfg.runs("host") {
         progress(cfg, "host bookkeeping");
-        host = host_bookkeeping_us_per_seq(if cfg.quick { 50 } else { 400 });
-        host_prefix = host_bookkeeping_us_per_seq_prefix_cache(if cfg.quick { 50 } else { 400 });
-        sched_us = scheduler_us_per_seq(if cfg.quick { 50 } else { 400 });
+        let seqs = if cfg.quick { 50 } else { 400 };
+        let host = host_bookkeeping_us_per_seq(seqs);
+        let prefix = host_bookkeeping_us_per_seq_prefix_cache(seqs);
+        let sched = scheduler_us_per_seq(seqs);
         progress(cfg, "host side of a planned 32-layer step");
-        host_step_row = host_step(gpu, if cfg.quick { 20 } else { 100 })?;
-    }
-    let host_step = host_step_row;
+        (
+            host,
+            prefix,
+            sched,
+            host_step(gpu, if cfg.quick { 20 } else { 100 })?,
+        )
+    } else {
+        (0.0, 0.0, 0.0, HostStep::default())
+    };
     let (wk_tps, wk_gbs, cb_ps, cb_gbs) = if cfg.runs("copy") {
         progress(cfg, "write_kv / copy_blocks");
-        write_and_copy(gpu, &timer, &mut rng)?
+        write_and_copy(gpu, &s.timer, &mut s.rng)?
     } else {
         (0.0, 0.0, 0.0, 0.0)
     };
@@ -1311,14 +1093,14 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, BenchError> {
             "export / import, time to first token with a remote prefix hit",
         );
         let (e, i) = transfer_rates(gpu)?;
-        let (c, h) = remote_ttft(gpu, ttft_tokens.0, ttft_tokens.1, &mut rng)?;
+        let (c, h) = remote_ttft(gpu, ttft_tokens.0, ttft_tokens.1, &mut s.rng)?;
         (e, i, c, h)
     } else {
         (0.0, 0.0, 0.0, 0.0)
     };
     let mla = if cfg.runs("mla") {
         progress(cfg, "MLA decode against GQA decode at the same bytes");
-        Some(mla_row(gpu, &picks, &timer, &mut rng, cfg.quick)?)
+        Some(mla_row(gpu, &s.picks, &s.timer, &mut s.rng, cfg.quick)?)
     } else {
         None
     };
@@ -1328,12 +1110,12 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, BenchError> {
     }
     Ok(BenchReport {
         adapter: gpu.describe(),
-        timing: timer.source(),
+        timing: s.timer.source(),
         shape: [HEADS, KV_HEADS, HEAD_DIM, BLOCK],
         memcpy_gbs: memcpy,
         rated_gbs: rated,
         decode,
-        skipped,
+        skipped: s.skipped,
         split,
         tuner,
         dtypes,
@@ -1355,6 +1137,279 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, BenchError> {
         scheduler_us_per_seq: sched_us,
         mla,
     })
+}
+
+/// What the timed sections of one bench run share: the adapter, the timer,
+/// the seeded inputs, the tuner's picks, the time budget and the list of
+/// cells left out (with why).
+struct Sections<'a> {
+    gpu: &'a Gpu,
+    cfg: &'a BenchConfig,
+    timer: Timer<'a>,
+    rng: SplitMix64,
+    picks: pagedattn::gpu::Tuner,
+    start: std::time::Instant,
+    skipped: Vec<String>,
+}
+
+impl Sections<'_> {
+    /// Whether the run has used `share` of its time budget (the decode grid
+    /// gets three quarters of it, the later sections the rest).
+    fn over_budget(&self, share: f64) -> bool {
+        self.start.elapsed().as_secs_f64() > self.cfg.max_seconds * share
+    }
+
+    /// Leaves `cell` out when the budget's `share` is spent, and says so.
+    fn out_of_time(&mut self, share: f64, cell: &str) -> bool {
+        let over = self.over_budget(share);
+        if over {
+            let budget = self.cfg.max_seconds;
+            self.skipped
+                .push(format!("{cell}: over the {budget} s time budget"));
+        }
+        over
+    }
+
+    /// The decode grid: per KV dtype the tuner's pick, then each batch and
+    /// context with the paged, identity-table and contiguous layouts and
+    /// every other eligible kernel, timed in turn.
+    fn decode_grid(
+        &mut self,
+        rated: Option<f64>,
+        clock: Option<&clock::ClockLog>,
+    ) -> Result<(Vec<DecodeRow>, Vec<TunerRow>), BenchError> {
+        let (batches, contexts): (&[u32], &[u32]) = if self.cfg.quick {
+            (&[1, 8], &[2048])
+        } else {
+            (&[1, 8, 32, 64], &[512, 2048, 8192])
+        };
+        let dtypes: &[KvDtype] = if self.cfg.runs("decode") {
+            &[KvDtype::F32, KvDtype::F16]
+        } else {
+            &[]
+        };
+        let (mut decode, mut tuner) = (Vec::new(), Vec::new());
+        for &dtype in dtypes {
+            let dname = if dtype == KvDtype::F32 { "f32" } else { "f16" };
+            progress(self.cfg, &format!("tuning the decode kernel ({dname})"));
+            let probe = KvCache::new(self.gpu, grid_config(1, 1, dtype))?;
+            let report = self.picks.tune(
+                self.gpu,
+                &probe,
+                HEADS,
+                std::time::Duration::from_millis(1500),
+                true,
+            )?;
+            let chosen = report.chosen;
+            tuner.push(TunerRow {
+                dtype: dname,
+                chosen: chosen.name(),
+                micros: report.micros.iter().map(|(k, t)| (k.name(), *t)).collect(),
+                batch: report.batch,
+            });
+            for &batch in batches {
+                for &context in contexts {
+                    let cell = format!("decode {dname} batch {batch} context {context}");
+                    progress(self.cfg, &cell);
+                    if self.out_of_time(0.75, &cell) {
+                        continue;
+                    }
+                    let cell_start = std::time::Instant::now();
+                    let Some(mut row) = self.decode_cell(batch, context, dtype, chosen)? else {
+                        let mib = self.gpu.max_binding_bytes() >> 20;
+                        self.skipped.push(format!(
+                            "{cell}: a layer exceeds the adapter's {mib} MiB binding limit"
+                        ));
+                        continue;
+                    };
+                    row.dtype = dname;
+                    row.of_rated = rated.map(|g| row.effective_gbs / g);
+                    row.sm_mhz = clock.and_then(|c| c.median_since(cell_start)).map(|c| c.0);
+                    decode.push(row);
+                }
+            }
+        }
+        Ok((decode, tuner))
+    }
+
+    /// One decode cell, or `None` where a layer exceeds the binding limit.
+    /// The dtype name, the rated share and the clock are the caller's.
+    fn decode_cell(
+        &mut self,
+        batch: u32,
+        context: u32,
+        dtype: KvDtype,
+        chosen: pagedattn::gpu::Kernel,
+    ) -> Result<Option<DecodeRow>, BenchError> {
+        let gpu = self.gpu;
+        let Some(r) = rig(gpu, batch, context, dtype, &mut self.rng)? else {
+            return Ok(None);
+        };
+        let paged = PagedAttention::with_kernel(gpu, &r.cache, HEADS, chosen)?;
+        let contiguous = PagedAttention::contiguous(
+            gpu,
+            &r.cache,
+            HEADS,
+            &pagedattn::gpu::AttentionConfig::new().kernel(chosen),
+        )?;
+        let others: Vec<PagedAttention> = PagedAttention::eligible_kernels(gpu, &r.cache, HEADS)
+            .into_iter()
+            .map(|k| PagedAttention::with_kernel(gpu, &r.cache, HEADS, k))
+            .collect::<Result<_, _>>()?;
+        let shuffled = tables(batch, context, true, &mut self.rng);
+        let identity = tables(batch, context, false, &mut self.rng);
+        let split = Split::Auto;
+        let mut cells = vec![
+            (&paged, &shuffled, split),
+            (&paged, &identity, split),
+            (&contiguous, &identity, split),
+        ];
+        cells.extend(others.iter().map(|a| (a, &shuffled, split)));
+        let t = r.time_interleaved(&self.timer, &cells)?;
+        let (paged_ms, identity_ms, contiguous_ms) = (t[0], t[1], t[2]);
+        let bytes = 2.0
+            * batch as f64
+            * context as f64
+            * (KV_HEADS * HEAD_DIM) as f64
+            * dtype.bytes() as f64;
+        let stream = stream_gbs(gpu, &self.timer, &r.cache)?;
+        let eff = bytes / paged_ms / 1e6;
+        let variants = others
+            .iter()
+            .zip(&t[3..])
+            .map(|(a, &ms)| VariantCell {
+                kernel: a.kernel().name(),
+                ms,
+                effective_gbs: bytes / ms / 1e6,
+                bandwidth_ratio: bytes / ms / 1e6 / stream,
+            })
+            .collect();
+        Ok(Some(DecodeRow {
+            batch,
+            context,
+            dtype: "",
+            paged_ms,
+            identity_ms,
+            contiguous_ms,
+            paged_over_contiguous: paged_ms / contiguous_ms,
+            effective_gbs: eff,
+            stream_gbs: stream,
+            bandwidth_ratio: eff / stream,
+            of_rated: None,
+            sm_mhz: None,
+            kernel: chosen.name(),
+            variants,
+        }))
+    }
+
+    /// Decode per KV dtype (every codec, f32 to fp8), at batch 8.
+    fn dtypes(&mut self) -> Result<Vec<DtypeRow>, BenchError> {
+        progress(self.cfg, "decode per KV dtype");
+        if !self.cfg.runs("dtypes") || self.out_of_time(0.8, "decode per dtype") {
+            return Ok(Vec::new());
+        }
+        let context = if self.cfg.quick { 1024 } else { 2048 };
+        let mut rows = dtype_rows(
+            self.gpu,
+            &self.picks,
+            &self.timer,
+            &mut self.rng,
+            8,
+            context,
+        )?;
+        if !self.cfg.quick {
+            // The real-GPU target's cell (dtypes whose layer exceeds the
+            // binding limit are left out: all of them on lavapipe).
+            rows.extend(dtype_rows(
+                self.gpu,
+                &self.picks,
+                &self.timer,
+                &mut self.rng,
+                32,
+                8192,
+            )?);
+        }
+        Ok(rows)
+    }
+
+    /// Cascade against plain decode: `n` sequences sharing a prompt.
+    fn cascade(&mut self) -> Result<Vec<CascadeRow>, BenchError> {
+        progress(self.cfg, "cascade: sequences sharing a prompt");
+        let cells: Vec<(u32, u32)> = if !self.cfg.runs("cascade") {
+            Vec::new()
+        } else if self.cfg.quick {
+            vec![(1, 4096), (8, 512), (8, 4096)]
+        } else {
+            let grid = [1, 4, 8, 32].into_iter();
+            grid.flat_map(|n| [512, 4096, 16384].map(|p| (n, p)))
+                .collect()
+        };
+        let mut cascade = Vec::new();
+        for (n, prompt) in cells {
+            if self.out_of_time(0.9, &format!("cascade n {n} prompt {prompt}")) {
+                continue;
+            }
+            match cascade_row(self.gpu, &self.picks, &self.timer, &mut self.rng, n, prompt)? {
+                Some(r) => cascade.push(r),
+                None => self.skipped.push(format!(
+                    "cascade n {n} prompt {prompt}: the pool exceeds the binding limit"
+                )),
+            }
+        }
+        Ok(cascade)
+    }
+
+    /// Split-KV against one pass per sequence, where the adapter can finish
+    /// one pass.
+    fn split(&mut self) -> Result<Vec<SplitRow>, BenchError> {
+        let grid: Vec<(u32, u32)> = if !self.cfg.runs("split") {
+            Vec::new()
+        } else if self.cfg.quick {
+            vec![(1, 4096)]
+        } else {
+            let grid = [1, 4].into_iter();
+            grid.flat_map(|b| [2048, 8192, 32768].map(|c| (b, c)))
+                .collect()
+        };
+        let gpu = self.gpu;
+        let mut split = Vec::new();
+        for (batch, context) in grid {
+            let cell = format!("split batch {batch} context {context}");
+            progress(self.cfg, &cell);
+            if self.out_of_time(1.0, &cell) {
+                continue;
+            }
+            let Some(r) = rig(gpu, batch, context, KvDtype::F16, &mut self.rng)? else {
+                self.skipped
+                    .push(format!("{cell}: a layer exceeds the binding limit"));
+                continue;
+            };
+            let attn = attention(gpu, &self.picks, &r.cache)?;
+            let t = tables(batch, context, true, &mut self.rng);
+            let auto_partition = attn.partition_tokens(gpu, Split::Auto, batch, context);
+            // One pass per sequence only where the adapter can finish it.
+            let whole = context.div_ceil(64) * 64;
+            let whole_ok = attn.partition_tokens(gpu, Split::Tokens(whole), batch, context)
+                == whole
+                && (auto_partition == 0 || !gpu.caps_loops() || auto_partition >= context);
+            let mut cells = vec![(&attn, &t, Split::Auto)];
+            if whole_ok {
+                cells.push((&attn, &t, Split::Never));
+            }
+            let tt = r.time_interleaved(&self.timer, &cells)?;
+            let whole_ms = tt.get(1).copied();
+            split.push(SplitRow {
+                batch,
+                context,
+                kernel: attn.kernel().name(),
+                whole_ms,
+                split_ms: tt[0],
+                speedup: whole_ms.map(|w| w / tt[0]),
+                auto_partition,
+            });
+        }
+        Ok(split)
+    }
 }
 
 /// Median ms of each of `n` variants, one run of each in turn (variant 0,
@@ -1642,6 +1697,16 @@ pub fn render(r: &BenchReport) -> String {
         r.shape[0], r.shape[1], r.shape[2], r.shape[3], r.memcpy_gbs,
         r.rated_gbs.map_or("unknown".into(), |g| format!("{g:.0} GB/s"))
     );
+    render_decode(&mut s, r);
+    render_dtypes_cascade(&mut s, r);
+    render_split(&mut s, r);
+    render_host(&mut s, r);
+    s
+}
+
+/// The decode grid, its kernels side by side, and the tuner's picks.
+fn render_decode(s: &mut String, r: &BenchReport) {
+    use std::fmt::Write;
     let _ = writeln!(s, "\n dtype  batch  context   paged ms  identity ms  contig ms  paged/contig  eff GB/s  stream GB/s  eff/stream  eff/rated  SM MHz");
     for d in &r.decode {
         let _ = writeln!(
@@ -1696,6 +1761,11 @@ pub fn render(r: &BenchReport) -> String {
             m.join(", ")
         );
     }
+}
+
+/// Decode per KV dtype, and the cascade against plain decode.
+fn render_dtypes_cascade(s: &mut String, r: &BenchReport) {
+    use std::fmt::Write;
     if !r.dtypes.is_empty() {
         let _ = writeln!(
             s,
@@ -1737,6 +1807,11 @@ pub fn render(r: &BenchReport) -> String {
             );
         }
     }
+}
+
+/// The cells left out, and split-KV against one pass per sequence.
+fn render_split(s: &mut String, r: &BenchReport) {
+    use std::fmt::Write;
     for k in &r.skipped {
         let _ = writeln!(s, " skipped: {k}");
     }
@@ -1762,6 +1837,11 @@ pub fn render(r: &BenchReport) -> String {
             }
         );
     }
+}
+
+/// The host side, the copies, swap, transfers, MLA and the scheduler.
+fn render_host(s: &mut String, r: &BenchReport) {
+    use std::fmt::Write;
     // Sections left out by --only have figures of 0: not printed.
     if r.host_us_per_seq > 0.0 {
         let _ = writeln!(
@@ -1834,5 +1914,4 @@ pub fn render(r: &BenchReport) -> String {
             r.scheduler_us_per_seq
         );
     }
-    s
 }

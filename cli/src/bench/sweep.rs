@@ -13,7 +13,7 @@ use super::timer::{self, Timer};
 use super::{rig, tables, BenchError, HostTables, BLOCK, HEADS, HEAD_DIM, KV_HEADS};
 use pagedattn::gpu::shader::ShaderShape;
 use pagedattn::gpu::{
-    AttentionConfig, Gpu, GpuError, Kernel, KvDtype, PagedAttention, ShaderChecks, Split,
+    AttentionConfig, Gpu, GpuError, Kernel, KvCache, KvDtype, PagedAttention, ShaderChecks, Split,
 };
 use pagedattn::rng::SplitMix64;
 use std::time::Instant;
@@ -273,33 +273,12 @@ fn kv_bytes(batch: u32, context: u32, dtype: KvDtype) -> f64 {
     2.0 * batch as f64 * context as f64 * (KV_HEADS * HEAD_DIM) as f64 * dtype.bytes() as f64
 }
 
-/// Runs the sweep on `gpu`.
-pub fn run(gpu: &Gpu, cfg: &SweepConfig) -> Result<SweepReport, BenchError> {
-    let timer = Timer::new(gpu, false);
-    let mut s = Sweep {
-        gpu,
-        cfg,
-        timer,
-        clock: ClockLog::start(),
-        rated: rated_gbs(&gpu.info.name),
-        ceiling: 0.0,
-        rows: Vec::new(),
-    };
-    s.say("warming up (at least 1 s of copies)");
-    s.timer.warm(if cfg.small { 1.0 } else { 2.0 })?;
-
-    // A: ceilings.
-    let total = if cfg.small { 256u64 << 20 } else { 1u64 << 30 };
-    s.copy(total.min(gpu.limits.max_buffer_size))?;
-    s.reads(total)?;
-
-    // B: decode variants per cell (f16).
-    let cells: &[(u32, u32)] = if cfg.small {
-        &[(8, 1024), (2, 4096)]
-    } else {
-        &[(32, 8192), (8, 2048), (1, 32768)]
-    };
-    let steps: &[(u32, u32)] = if cfg.small {
+/// The decode variants the sweep times, checked and trusted: the other
+/// kernels, then `stream` at each (unroll, workgroup) step. The small
+/// sweep (a software adapter) also runs the kernels besides `lanes`, so
+/// their checked / trusted ratio is measured where they are the default.
+fn variants(small: bool) -> Vec<Variant> {
+    let steps: &[(u32, u32)] = if small {
         &[(4, 128), (2, 64)]
     } else {
         &[
@@ -313,9 +292,7 @@ pub fn run(gpu: &Gpu, cfg: &SweepConfig) -> Result<SweepReport, BenchError> {
             (4, 256),
         ]
     };
-    // The small sweep (a software adapter) also runs the other kernels, so
-    // their checked / trusted ratio is measured where they are the default.
-    let others: &[Kernel] = if cfg.small {
+    let others: &[Kernel] = if small {
         &[Kernel::Lanes, Kernel::Serial, Kernel::Tiled]
     } else {
         &[Kernel::Lanes]
@@ -339,182 +316,49 @@ pub fn run(gpu: &Gpu, cfg: &SweepConfig) -> Result<SweepReport, BenchError> {
             });
         }
     }
+    variants
+}
+
+/// A filled f16 decode cell the sweep keeps for its later steps: batch,
+/// context, the rig and its shuffled tables.
+type Cell<'a> = (u32, u32, super::DecodeRig<'a>, HostTables);
+
+/// Runs the sweep on `gpu`.
+pub fn run(gpu: &Gpu, cfg: &SweepConfig) -> Result<SweepReport, BenchError> {
+    let timer = Timer::new(gpu, false);
+    let mut s = Sweep {
+        gpu,
+        cfg,
+        timer,
+        clock: ClockLog::start(),
+        rated: rated_gbs(&gpu.info.name),
+        ceiling: 0.0,
+        rows: Vec::new(),
+    };
+    s.say("warming up (at least 1 s of copies)");
+    s.timer.warm(if cfg.small { 1.0 } else { 2.0 })?;
+
+    // A: ceilings.
+    let total = if cfg.small { 256u64 << 20 } else { 1u64 << 30 };
+    s.copy(total.min(gpu.limits.max_buffer_size))?;
+    s.reads(total)?;
+
     let mut rng = SplitMix64::new(0x5eed_5eed);
-    // Each f16 cell's pool is filled once (a GiB at 32 x 8192) and kept for
-    // the split and paging steps.
-    let mut kept: Vec<(u32, u32, super::DecodeRig, HostTables)> = Vec::new();
-    let mut win = None;
-    for &(batch, context) in cells {
-        s.say(&format!("decode f16 batch {batch} context {context}"));
-        let Some(r) = rig(gpu, batch, context, KvDtype::F16, &mut rng)? else {
-            s.say("  skipped: a layer exceeds the binding limit");
-            continue;
-        };
-        let t = tables(batch, context, true, &mut rng);
-        let mut built = Vec::new();
-        for v in &variants {
-            match PagedAttention::with_config(gpu, &r.cache, HEADS, &v.config()) {
-                Ok(a) => built.push((*v, a)),
-                Err(GpuError::Shape(e)) => s.say(&format!("  {}: {e}", v.label())),
-                Err(e) => return Err(e.into()),
-            }
-        }
-        let rows: Vec<_> = built
-            .iter()
-            .map(|(v, a)| {
-                let what = format!("f16 {batch}x{context} {}", v.label());
-                (what, a, &t, Split::Auto, String::new())
-            })
-            .collect();
-        let bytes = kv_bytes(batch, context, KvDtype::F16);
-        let times = s.decode_rows("decode", &r, bytes, &rows)?;
-        // The winner of the first cell that fits runs the steps below.
-        if win.is_none() {
-            win = times
-                .iter()
-                .zip(&built)
-                .min_by(|a, b| a.0.total_cmp(b.0))
-                .map(|(_, (v, _))| *v);
-        }
-        kept.push((batch, context, r, t));
-    }
+    // B: decode variants per cell (f16).
+    let (kept, win) = s.decode_cells(&variants(cfg.small), &mut rng)?;
     let (Some(win), Some((batch, context, first, t))) = (win, kept.first()) else {
         return Err(BenchError::Config(
             "no decode cell fits this adapter".into(),
         ));
     };
-    let (batch, context) = (*batch, *context);
-    let lanes = Variant::lanes(win.checks);
-
+    let cell = (*batch, *context);
+    let pair = [Variant::lanes(win.checks), win];
     // C: splits, on lanes and the winner.
-    s.say(&format!(
-        "split-K at batch {batch} context {context}: {}",
-        win.label()
-    ));
-    let mut attns = Vec::new();
-    for v in [lanes, win] {
-        attns.push((
-            v,
-            PagedAttention::with_config(gpu, &first.cache, HEADS, &v.config())?,
-        ));
-    }
-    let mut rows = Vec::new();
-    for (v, a) in &attns {
-        let auto = a.partition_tokens(gpu, Split::Auto, batch, context);
-        rows.push((
-            format!("{batch}x{context} {} auto", v.label()),
-            a,
-            t,
-            Split::Auto,
-            format!(
-                "auto: {} partitions",
-                if auto == 0 { 1 } else { context.div_ceil(auto) }
-            ),
-        ));
-        // Splits the adapter refuses (a pass past a loop cap) are left out.
-        let fits = |split| super::decode_plan(gpu, a, t, split).is_ok();
-        if fits(Split::Never) {
-            let what = format!("{batch}x{context} {} 1 partition", v.label());
-            rows.push((what, a, t, Split::Never, String::new()));
-        }
-        for parts in [2u32, 4, 8, 16] {
-            let pt = context.div_ceil(parts).div_ceil(64) * 64;
-            if fits(Split::Tokens(pt)) {
-                rows.push((
-                    format!("{batch}x{context} {} {parts} partitions", v.label()),
-                    a,
-                    t,
-                    Split::Tokens(pt),
-                    format!("{pt} tokens each"),
-                ));
-            }
-        }
-    }
-    s.decode_rows(
-        "split",
-        first,
-        kv_bytes(batch, context, KvDtype::F16),
-        &rows,
-    )?;
-
-    // D: dtypes on lanes and the winner, timed interleaved per dtype: does
-    // time scale with bytes?
-    let mut f16_ms: Option<Vec<f64>> = None;
-    for dtype in [KvDtype::F16, KvDtype::Int8, KvDtype::Fp8E4M3] {
-        s.say(&format!("dtype {}", dtype.name()));
-        let filled;
-        let (r, t) = if dtype == KvDtype::F16 {
-            (first, t)
-        } else {
-            let Some(r) = rig(gpu, batch, context, dtype, &mut rng)? else {
-                continue;
-            };
-            filled = (r, tables(batch, context, true, &mut rng));
-            (&filled.0, &filled.1)
-        };
-        let mut built = Vec::new();
-        for v in [lanes, win] {
-            match PagedAttention::with_config(gpu, &r.cache, HEADS, &v.config()) {
-                Ok(a) => built.push((v, a)),
-                Err(GpuError::Shape(e)) => s.say(&format!("  {}: {e}", v.label())),
-                Err(e) => return Err(e.into()),
-            }
-        }
-        if built.len() != 2 {
-            continue;
-        }
-        let rows: Vec<_> = built
-            .iter()
-            .map(|(v, a)| {
-                let what = format!("{batch}x{context} {} {}", v.label(), dtype.name());
-                (what, a, t, Split::Auto, String::new())
-            })
-            .collect();
-        let times = s.decode_rows("dtype", r, kv_bytes(batch, context, dtype), &rows)?;
-        match &f16_ms {
-            None if dtype == KvDtype::F16 => f16_ms = Some(times),
-            Some(f) => {
-                let n = s.rows.len();
-                for (i, (ms, f)) in times.iter().zip(f).enumerate() {
-                    s.rows[n - 2 + i].note = format!("time / f16 {:.2}", ms / f);
-                }
-            }
-            None => {}
-        }
-    }
-
+    s.splits(first, t, cell, pair)?;
+    // D: dtypes on lanes and the winner: does time scale with bytes?
+    s.dtypes(first, t, cell, pair, &mut rng)?;
     // E: paged (shuffled) against contiguous, on the winner, every cell.
-    for (batch, context, r, shuffled) in &kept {
-        let (batch, context) = (*batch, *context);
-        s.say(&format!("paging at batch {batch} context {context}"));
-        let identity = tables(batch, context, false, &mut rng);
-        let paged = PagedAttention::with_config(gpu, &r.cache, HEADS, &win.config())?;
-        let contiguous = PagedAttention::contiguous(gpu, &r.cache, HEADS, &win.config())?;
-        let what = |k: &str| format!("{} {batch}x{context} {k}", win.label());
-        let times = s.decode_rows(
-            "paging",
-            r,
-            kv_bytes(batch, context, KvDtype::F16),
-            &[
-                (
-                    what("paged, shuffled"),
-                    &paged,
-                    shuffled,
-                    Split::Auto,
-                    String::new(),
-                ),
-                (
-                    what("contiguous"),
-                    &contiguous,
-                    &identity,
-                    Split::Auto,
-                    String::new(),
-                ),
-            ],
-        )?;
-        let n = s.rows.len();
-        s.rows[n - 2].note = format!("paged / contiguous {:.3}", times[0] / times[1]);
-    }
+    s.paging(&kept, win, &mut rng)?;
 
     Ok(SweepReport {
         adapter: gpu.describe(),
@@ -525,6 +369,207 @@ pub fn run(gpu: &Gpu, cfg: &SweepConfig) -> Result<SweepReport, BenchError> {
         read_ceiling_gbs: s.ceiling,
         rows: s.rows,
     })
+}
+
+impl<'a> Sweep<'a> {
+    /// `variants` built on `cache`; the ones the shape refuses are said
+    /// and left out.
+    fn build(
+        &self,
+        cache: &KvCache,
+        variants: &[Variant],
+    ) -> Result<Vec<(Variant, PagedAttention)>, BenchError> {
+        let mut built = Vec::new();
+        for v in variants {
+            match PagedAttention::with_config(self.gpu, cache, HEADS, &v.config()) {
+                Ok(a) => built.push((*v, a)),
+                Err(GpuError::Shape(e)) => self.say(&format!("  {}: {e}", v.label())),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(built)
+    }
+
+    /// Every variant on each f16 cell that fits, timed interleaved. Returns
+    /// the filled cells (kept for the later steps) and the winner of the
+    /// first one.
+    fn decode_cells(
+        &mut self,
+        variants: &[Variant],
+        rng: &mut SplitMix64,
+    ) -> Result<(Vec<Cell<'a>>, Option<Variant>), BenchError> {
+        let cells: &[(u32, u32)] = if self.cfg.small {
+            &[(8, 1024), (2, 4096)]
+        } else {
+            &[(32, 8192), (8, 2048), (1, 32768)]
+        };
+        // Each f16 cell's pool is filled once (a GiB at 32 x 8192) and kept
+        // for the split and paging steps.
+        let mut kept = Vec::new();
+        let mut win = None;
+        for &(batch, context) in cells {
+            self.say(&format!("decode f16 batch {batch} context {context}"));
+            let Some(r) = rig(self.gpu, batch, context, KvDtype::F16, rng)? else {
+                self.say("  skipped: a layer exceeds the binding limit");
+                continue;
+            };
+            let t = tables(batch, context, true, rng);
+            let built = self.build(&r.cache, variants)?;
+            let rows: Vec<_> = built
+                .iter()
+                .map(|(v, a)| {
+                    let what = format!("f16 {batch}x{context} {}", v.label());
+                    (what, a, &t, Split::Auto, String::new())
+                })
+                .collect();
+            let bytes = kv_bytes(batch, context, KvDtype::F16);
+            let times = self.decode_rows("decode", &r, bytes, &rows)?;
+            // The winner of the first cell that fits runs the steps below.
+            if win.is_none() {
+                win = times
+                    .iter()
+                    .zip(&built)
+                    .min_by(|a, b| a.0.total_cmp(b.0))
+                    .map(|(_, (v, _))| *v);
+            }
+            kept.push((batch, context, r, t));
+        }
+        Ok((kept, win))
+    }
+
+    /// Split-K on `pair` at one cell: Auto, one partition, and 2 to 16
+    /// partitions, where the adapter accepts them.
+    fn splits(
+        &mut self,
+        first: &super::DecodeRig,
+        t: &HostTables,
+        (batch, context): (u32, u32),
+        pair: [Variant; 2],
+    ) -> Result<(), BenchError> {
+        let gpu = self.gpu;
+        self.say(&format!(
+            "split-K at batch {batch} context {context}: {}",
+            pair[1].label()
+        ));
+        let mut attns = Vec::new();
+        for v in pair {
+            let a = PagedAttention::with_config(gpu, &first.cache, HEADS, &v.config())?;
+            attns.push((v, a));
+        }
+        let mut rows = Vec::new();
+        for (v, a) in &attns {
+            let auto = a.partition_tokens(gpu, Split::Auto, batch, context);
+            let parts = if auto == 0 { 1 } else { context.div_ceil(auto) };
+            let what = format!("{batch}x{context} {} auto", v.label());
+            rows.push((what, a, t, Split::Auto, format!("auto: {parts} partitions")));
+            // Splits the adapter refuses (a pass past a loop cap) are left out.
+            let fits = |split| super::decode_plan(gpu, a, t, split).is_ok();
+            if fits(Split::Never) {
+                let what = format!("{batch}x{context} {} 1 partition", v.label());
+                rows.push((what, a, t, Split::Never, String::new()));
+            }
+            for parts in [2u32, 4, 8, 16] {
+                let pt = context.div_ceil(parts).div_ceil(64) * 64;
+                if fits(Split::Tokens(pt)) {
+                    let what = format!("{batch}x{context} {} {parts} partitions", v.label());
+                    rows.push((what, a, t, Split::Tokens(pt), format!("{pt} tokens each")));
+                }
+            }
+        }
+        let bytes = kv_bytes(batch, context, KvDtype::F16);
+        self.decode_rows("split", first, bytes, &rows)?;
+        Ok(())
+    }
+
+    /// `pair` at f16, int8 and fp8 on one cell, timed interleaved per
+    /// dtype; each quantized row notes its time over f16's.
+    fn dtypes(
+        &mut self,
+        first: &super::DecodeRig,
+        t: &HostTables,
+        (batch, context): (u32, u32),
+        pair: [Variant; 2],
+        rng: &mut SplitMix64,
+    ) -> Result<(), BenchError> {
+        let mut f16_ms: Option<Vec<f64>> = None;
+        for dtype in [KvDtype::F16, KvDtype::Int8, KvDtype::Fp8E4M3] {
+            self.say(&format!("dtype {}", dtype.name()));
+            let filled;
+            let (r, t) = if dtype == KvDtype::F16 {
+                (first, t)
+            } else {
+                let Some(r) = rig(self.gpu, batch, context, dtype, rng)? else {
+                    continue;
+                };
+                filled = (r, tables(batch, context, true, rng));
+                (&filled.0, &filled.1)
+            };
+            let built = self.build(&r.cache, &pair)?;
+            if built.len() != 2 {
+                continue;
+            }
+            let rows: Vec<_> = built
+                .iter()
+                .map(|(v, a)| {
+                    let what = format!("{batch}x{context} {} {}", v.label(), dtype.name());
+                    (what, a, t, Split::Auto, String::new())
+                })
+                .collect();
+            let times = self.decode_rows("dtype", r, kv_bytes(batch, context, dtype), &rows)?;
+            match &f16_ms {
+                None if dtype == KvDtype::F16 => f16_ms = Some(times),
+                Some(f) => {
+                    let n = self.rows.len();
+                    for (i, (ms, f)) in times.iter().zip(f).enumerate() {
+                        self.rows[n - 2 + i].note = format!("time / f16 {:.2}", ms / f);
+                    }
+                }
+                None => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Paged (shuffled tables) against contiguous, on the winner, every
+    /// kept cell.
+    fn paging(
+        &mut self,
+        kept: &[Cell],
+        win: Variant,
+        rng: &mut SplitMix64,
+    ) -> Result<(), BenchError> {
+        let gpu = self.gpu;
+        for (batch, context, r, shuffled) in kept {
+            let (batch, context) = (*batch, *context);
+            self.say(&format!("paging at batch {batch} context {context}"));
+            let identity = tables(batch, context, false, rng);
+            let paged = PagedAttention::with_config(gpu, &r.cache, HEADS, &win.config())?;
+            let contiguous = PagedAttention::contiguous(gpu, &r.cache, HEADS, &win.config())?;
+            let what = |k: &str| format!("{} {batch}x{context} {k}", win.label());
+            let none = String::new;
+            let rows = [
+                (
+                    what("paged, shuffled"),
+                    &paged,
+                    shuffled,
+                    Split::Auto,
+                    none(),
+                ),
+                (
+                    what("contiguous"),
+                    &contiguous,
+                    &identity,
+                    Split::Auto,
+                    none(),
+                ),
+            ];
+            let bytes = kv_bytes(batch, context, KvDtype::F16);
+            let times = self.decode_rows("paging", r, bytes, &rows)?;
+            let n = self.rows.len();
+            self.rows[n - 2].note = format!("paged / contiguous {:.3}", times[0] / times[1]);
+        }
+        Ok(())
+    }
 }
 
 /// The table.

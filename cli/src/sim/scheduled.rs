@@ -65,6 +65,109 @@ fn count_copies(copies: &[[u32; 2]], c: &mut Counters) {
     }
 }
 
+/// The memory sample at the end of a step's writes: blocks held, tokens
+/// stored and logical, the slots reserved in partly filled tail blocks
+/// (at most what a sequence has left to write), and the queues.
+fn memory_sample(
+    sched: &Scheduler,
+    live: &BTreeMap<RequestId, Live>,
+    bs: usize,
+    now: u64,
+) -> Result<Sample, SimError> {
+    let st = sched.blocks().stats();
+    let mut reserved = 0usize;
+    let mut seqs = 0usize;
+    for (&rid, l) in live {
+        let ids = sched.sequences(rid).map_err(|e| internal("sequences", e))?;
+        let left = l
+            .seqs
+            .iter()
+            .map(|s| s.target - s.tail.len())
+            .max()
+            .unwrap_or(0);
+        let mut tails = std::collections::BTreeSet::new();
+        for &id in ids {
+            let b = sched.blocks();
+            if b.is_swapped(id).unwrap_or(true) {
+                continue;
+            }
+            seqs += 1;
+            let len = b.seq_len(id).unwrap_or(0);
+            let fill = len % bs;
+            if fill == 0 {
+                continue;
+            }
+            if let Some(&last) = b.block_table(id).ok().and_then(|t| t.last()) {
+                if tails.insert(last) {
+                    reserved += (bs - fill).min(left);
+                }
+            }
+        }
+    }
+    let (waiting, running, swapped) = sched.queue_lengths();
+    let c = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
+    Ok(Sample {
+        step: now,
+        held: c(st.capacity_held),
+        stored: c(st.tokens_stored),
+        logical: c(st.logical_tokens),
+        reserved: c(reserved),
+        seqs: c(seqs),
+        requests: c(running),
+        queue: c(waiting + swapped),
+    })
+}
+
+/// One step's tokens for a group: one per parallel sample, or the beam
+/// survivors drawn by [`select_beams`], from the request's own stream.
+/// `forks`: the first token of a one-sequence group, whose samples all
+/// fork from sequence 0. Returns the children; the unfinished ones become
+/// the group's sequences.
+fn advance(l: &mut Live, forks: bool, sampling: Sampling) -> Vec<Child> {
+    let mut children = Vec::new();
+    let mut next_seqs = Vec::new();
+    match sampling {
+        Sampling::Parallel(_) => {
+            for (j, s) in l.seqs.iter().enumerate() {
+                let token = l.rng.below(VOCAB) as u32;
+                let parent = if forks { 0 } else { j };
+                let mut s = s.clone();
+                s.tail.push(token);
+                let finished = s.tail.len() >= s.target;
+                children.push(Child {
+                    parent,
+                    token,
+                    finished,
+                });
+                if !finished {
+                    next_seqs.push(s);
+                }
+            }
+        }
+        Sampling::Beam(k) => {
+            let counts = select_beams(&mut l.rng, l.seqs.len(), k);
+            for (b, (s, &n)) in l.seqs.iter().zip(&counts).enumerate() {
+                for _ in 0..n {
+                    let token = l.rng.below(VOCAB) as u32;
+                    let mut s = s.clone();
+                    s.tail.push(token);
+                    let finished = s.tail.len() >= s.target;
+                    children.push(Child {
+                        parent: b,
+                        token,
+                        finished,
+                    });
+                    if !finished {
+                        next_seqs.push(s);
+                    }
+                }
+            }
+        }
+    }
+    l.seqs = next_seqs;
+    children
+}
+
 /// Runs the whole workload through the library scheduler.
 pub(super) fn run(
     reqs: &[Request],
@@ -140,48 +243,7 @@ pub(super) fn run(
             }
         }
         // Memory at the end of the step's writes.
-        let st = sched.blocks().stats();
-        let mut reserved = 0usize;
-        let mut seqs = 0usize;
-        for (&rid, l) in &live {
-            let ids = sched.sequences(rid).map_err(|e| internal("sequences", e))?;
-            let left = l
-                .seqs
-                .iter()
-                .map(|s| s.target - s.tail.len())
-                .max()
-                .unwrap_or(0);
-            let mut tails = std::collections::BTreeSet::new();
-            for &id in ids {
-                let b = sched.blocks();
-                if b.is_swapped(id).unwrap_or(true) {
-                    continue;
-                }
-                seqs += 1;
-                let len = b.seq_len(id).unwrap_or(0);
-                let fill = len % bs;
-                if fill == 0 {
-                    continue;
-                }
-                if let Some(&last) = b.block_table(id).ok().and_then(|t| t.last()) {
-                    if tails.insert(last) {
-                        reserved += (bs - fill).min(left);
-                    }
-                }
-            }
-        }
-        let (waiting, running, swapped) = sched.queue_lengths();
-        let c = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
-        log.samples.push(Sample {
-            step: now,
-            held: c(st.capacity_held),
-            stored: c(st.tokens_stored),
-            logical: c(st.logical_tokens),
-            reserved: c(reserved),
-            seqs: c(seqs),
-            requests: c(running),
-            queue: c(waiting + swapped),
-        });
+        log.samples.push(memory_sample(&sched, &live, bs, now)?);
         // Sampling: the groups whose every sequence has its logits.
         let mut outputs = Vec::with_capacity(step.sample().len());
         for &rid in step.sample() {
@@ -191,48 +253,8 @@ pub(super) fn run(
                 .sequences(rid)
                 .map_err(|e| internal("sequences", e))?
                 .len();
-            let mut children = Vec::new();
-            let mut next_seqs = Vec::new();
-            match sampling {
-                Sampling::Parallel(_) => {
-                    for (j, s) in l.seqs.iter().enumerate() {
-                        let token = l.rng.below(VOCAB) as u32;
-                        let parent = if first && group == 1 { 0 } else { j };
-                        let mut s = s.clone();
-                        s.tail.push(token);
-                        let finished = s.tail.len() >= s.target;
-                        children.push(Child {
-                            parent,
-                            token,
-                            finished,
-                        });
-                        if !finished {
-                            next_seqs.push(s);
-                        }
-                    }
-                }
-                Sampling::Beam(k) => {
-                    let counts = select_beams(&mut l.rng, l.seqs.len(), k);
-                    for (b, (s, &n)) in l.seqs.iter().zip(&counts).enumerate() {
-                        for _ in 0..n {
-                            let token = l.rng.below(VOCAB) as u32;
-                            let mut s = s.clone();
-                            s.tail.push(token);
-                            let finished = s.tail.len() >= s.target;
-                            children.push(Child {
-                                parent: b,
-                                token,
-                                finished,
-                            });
-                            if !finished {
-                                next_seqs.push(s);
-                            }
-                        }
-                    }
-                }
-            }
+            let children = advance(l, first && group == 1, sampling);
             log.generated += children.len() as u64;
-            l.seqs = next_seqs;
             outputs.push(GroupOutput {
                 request: rid,
                 children,

@@ -4,7 +4,7 @@
 
 use std::fmt::Write as _;
 
-use super::report::ScenarioReport;
+use super::report::{PolicyReport, ScenarioReport};
 
 const WIDTH: f64 = 960.0;
 const PANEL_H: f64 = 300.0;
@@ -160,47 +160,8 @@ fn panel(s: &mut String, sc: &ScenarioReport, y0: f64) {
     );
     // Lines, then the legend.
     for (i, p) in sc.policies.iter().enumerate() {
-        let colour = COLOURS[i % COLOURS.len()];
-        let n = p.series.len();
-        let bucket = n.div_ceil(MAX_POINTS).max(1);
-        let (mut held, mut stored) = (String::new(), String::new());
-        for chunk in p.series.chunks(bucket) {
-            let k = chunk.len() as f64;
-            let step = chunk.iter().map(|c| c.step as f64).sum::<f64>() / k;
-            let h = chunk.iter().map(|c| c.held as f64).sum::<f64>() / k;
-            let st = chunk.iter().map(|c| c.stored as f64).sum::<f64>() / k;
-            let _ = write!(held, "{:.1},{:.1} ", x(step), y(h));
-            let _ = write!(stored, "{:.1},{:.1} ", x(step), y(st));
-        }
-        let _ = writeln!(
-            s,
-            r#"<polyline points="{}" fill="none" stroke="{colour}" stroke-width="1.5"/>"#,
-            held.trim_end()
-        );
-        let _ = writeln!(
-            s,
-            r#"<polyline points="{}" fill="none" stroke="{colour}" stroke-width="1.5" stroke-dasharray="6,3"/>"#,
-            stored.trim_end()
-        );
-        let ly = py0 + 10.0 + i as f64 * 34.0;
-        let lx = px0 + pw + 16.0;
-        let _ = writeln!(
-            s,
-            r#"<line x1="{lx:.1}" y1="{ly:.1}" x2="{:.1}" y2="{ly:.1}" stroke="{colour}" stroke-width="1.5"/><text x="{:.1}" y="{:.1}">{} held</text>"#,
-            lx + 24.0,
-            lx + 30.0,
-            ly + 4.0,
-            esc(&p.label)
-        );
-        let _ = writeln!(
-            s,
-            r#"<line x1="{lx:.1}" y1="{0:.1}" x2="{1:.1}" y2="{0:.1}" stroke="{colour}" stroke-width="1.5" stroke-dasharray="6,3"/><text x="{2:.1}" y="{3:.1}">{4} stored</text>"#,
-            ly + 15.0,
-            lx + 24.0,
-            lx + 30.0,
-            ly + 19.0,
-            esc(&p.label)
-        );
+        let legend = (px0 + pw + 16.0, py0 + 10.0 + i as f64 * 34.0);
+        policy_lines(s, COLOURS[i % COLOURS.len()], p, &x, &y, legend);
     }
     let ly = py0 + 10.0 + sc.policies.len() as f64 * 34.0;
     let lx = px0 + pw + 16.0;
@@ -212,4 +173,55 @@ fn panel(s: &mut String, sc: &ScenarioReport, y0: f64) {
         ly + 4.0
     );
     let _ = writeln!(s, "</g>");
+}
+
+/// One policy's two lines (held solid, stored dashed; averaged into at
+/// most MAX_POINTS points) and its legend at `legend`.
+fn policy_lines(
+    s: &mut String,
+    colour: &str,
+    p: &PolicyReport,
+    x: &dyn Fn(f64) -> f64,
+    y: &dyn Fn(f64) -> f64,
+    legend: (f64, f64),
+) {
+    let n = p.series.len();
+    let bucket = n.div_ceil(MAX_POINTS).max(1);
+    let (mut held, mut stored) = (String::new(), String::new());
+    for chunk in p.series.chunks(bucket) {
+        let k = chunk.len() as f64;
+        let step = chunk.iter().map(|c| c.step as f64).sum::<f64>() / k;
+        let h = chunk.iter().map(|c| c.held as f64).sum::<f64>() / k;
+        let st = chunk.iter().map(|c| c.stored as f64).sum::<f64>() / k;
+        let _ = write!(held, "{:.1},{:.1} ", x(step), y(h));
+        let _ = write!(stored, "{:.1},{:.1} ", x(step), y(st));
+    }
+    let _ = writeln!(
+        s,
+        r#"<polyline points="{}" fill="none" stroke="{colour}" stroke-width="1.5"/>"#,
+        held.trim_end()
+    );
+    let _ = writeln!(
+        s,
+        r#"<polyline points="{}" fill="none" stroke="{colour}" stroke-width="1.5" stroke-dasharray="6,3"/>"#,
+        stored.trim_end()
+    );
+    let (lx, ly) = legend;
+    let _ = writeln!(
+        s,
+        r#"<line x1="{lx:.1}" y1="{ly:.1}" x2="{:.1}" y2="{ly:.1}" stroke="{colour}" stroke-width="1.5"/><text x="{:.1}" y="{:.1}">{} held</text>"#,
+        lx + 24.0,
+        lx + 30.0,
+        ly + 4.0,
+        esc(&p.label)
+    );
+    let _ = writeln!(
+        s,
+        r#"<line x1="{lx:.1}" y1="{0:.1}" x2="{1:.1}" y2="{0:.1}" stroke="{colour}" stroke-width="1.5" stroke-dasharray="6,3"/><text x="{2:.1}" y="{3:.1}">{4} stored</text>"#,
+        ly + 15.0,
+        lx + 24.0,
+        lx + 30.0,
+        ly + 19.0,
+        esc(&p.label)
+    );
 }

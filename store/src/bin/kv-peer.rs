@@ -67,6 +67,173 @@ fn main() {
     }
 }
 
+/// This process's engine: its device, pool, attention, block manager and
+/// the host mirror of the pool the reference reads.
+struct Peer {
+    gpu: Gpu,
+    kv: KvCache,
+    attn: PagedAttention,
+    m: BlockManager,
+    host: Vec<HostPool>,
+    stored: Stored,
+}
+
+/// Counts of one lookup: blocks imported, and imports refused.
+struct Lookup {
+    id: SeqId,
+    imported: usize,
+    refused: usize,
+}
+
+impl Peer {
+    /// The K/V of `tokens[first..]` at `slots` into the host mirror, per
+    /// layer; returns them for the GPU write.
+    fn mirror(
+        &mut self,
+        tokens: &[u32],
+        first: usize,
+        slots: &[u32],
+    ) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+        let (mut ks, mut vs) = (Vec::new(), Vec::new());
+        for l in 0..LAYERS {
+            let (mut k, mut v) = (Vec::new(), Vec::new());
+            for pos in first..first + slots.len() {
+                let (kr, vr) = kv_row(tokens, pos, l);
+                k.extend(kr);
+                v.extend(vr);
+            }
+            self.host[l as usize].write(slots, &k, &v, self.stored);
+            ks.push(k);
+            vs.push(v);
+        }
+        (ks, vs)
+    }
+
+    /// Adds the prompt with the remote blocks `fetch` found imported. An
+    /// import refused (a block of another layout) uncaches them and adds
+    /// the prompt to be computed in full.
+    fn add_prompt(
+        &mut self,
+        prompt: &[u32],
+        salt: &[u8],
+        fetch: &pagedattn_store::Fetch,
+    ) -> Result<Lookup, String> {
+        let (id, imports): (SeqId, _) = self
+            .m
+            .add_sequence_with_remote(prompt, salt, fetch.blocks.len())
+            .map_err(|e| e.to_string())?;
+        let mut look = Lookup {
+            id,
+            imported: 0,
+            refused: fetch.refused.len(),
+        };
+        // The local cache's hits come first: the imports are the last found.
+        let skip = fetch.blocks.len() - imports.len();
+        for ((block, _), fb) in imports.iter().zip(&fetch.blocks[skip..]) {
+            match self
+                .kv
+                .import_blocks(&self.gpu, &fb.layout, &fb.bytes, &[*block])
+            {
+                Ok(()) => look.imported += 1,
+                Err(e) => {
+                    // Its digest matched: a block of another layout (another
+                    // engine's pool), not a corrupt one, so it stays stored.
+                    eprintln!(
+                        "warning: kv-peer: import refused ({e}); computing the prompt locally"
+                    );
+                    look.refused += 1;
+                    break;
+                }
+            }
+        }
+        if look.imported < imports.len() {
+            let blocks: Vec<u32> = imports.iter().map(|i| i.0).collect();
+            self.m.uncache(&blocks);
+            self.m.free(id).map_err(|e| e.to_string())?;
+            look.id = self
+                .m
+                .add_sequence_salted(prompt, salt)
+                .map_err(|e| e.to_string())?;
+            look.imported = 0;
+        } else {
+            // The mirror of the imported blocks, from the same function.
+            for (i, (block, _)) in imports.iter().enumerate() {
+                let slots: Vec<u32> = (0..BS).map(|o| block * BS + o).collect();
+                self.mirror(prompt, (skip + i) * BS as usize, &slots);
+            }
+        }
+        Ok(look)
+    }
+
+    /// Computes the rest of the prompt (one prefill step's K/V) and
+    /// publishes the full blocks the manager reports stored. Returns the
+    /// tokens computed.
+    fn compute_and_publish(
+        &mut self,
+        id: SeqId,
+        prompt: &[u32],
+        salt: &[u8],
+        store: Option<&mut RedisPrefixStore>,
+    ) -> Result<usize, String> {
+        let view = self.m.batch_view(&[id]).map_err(|e| e.to_string())?;
+        let computed = view.slot_mapping.len();
+        let first = prompt.len() - computed;
+        let (ks, vs) = self.mirror(prompt, first, &view.slot_mapping);
+        for l in 0..LAYERS {
+            let (k, v) = (&ks[l as usize], &vs[l as usize]);
+            self.kv
+                .write_kv(&self.gpu, l, k, v, &view.slot_mapping)
+                .map_err(|e| e.to_string())?;
+        }
+        let Some(s) = store else {
+            return Ok(computed);
+        };
+        for e in self.m.take_events() {
+            if let KvEvent::Stored { hash, block } = e {
+                let len = self
+                    .kv
+                    .export_bytes(1, 0..LAYERS)
+                    .map_err(|e| e.to_string())?;
+                let mut bytes = vec![0u8; len as usize];
+                let layout = self
+                    .kv
+                    .export_blocks(&self.gpu, &[block], 0..LAYERS, &mut bytes)
+                    .map_err(|e| e.to_string())?;
+                if let Err(e) = s.put(salt, &hash, &layout, &bytes) {
+                    eprintln!("warning: kv-peer: publishing a block failed: {e}");
+                    break;
+                }
+            }
+        }
+        Ok(computed)
+    }
+
+    /// Decodes `q` on every layer; returns the output and the f64
+    /// reference's over the host mirror.
+    fn decode(&mut self, id: SeqId, q: &[f32]) -> Result<(Vec<f32>, Vec<f64>), String> {
+        let view = self.m.batch_view(&[id]).map_err(|e| e.to_string())?;
+        let p = AttnParams::new(HEADS as usize, HD as usize);
+        let (mut out, mut want) = (Vec::new(), Vec::new());
+        let (indptr, indices, lens) = (&view.kv_indptr, &view.kv_indices, &view.seq_lens);
+        for l in 0..LAYERS {
+            let o = self.attn.decode(
+                &self.gpu,
+                &self.kv,
+                l,
+                q,
+                indptr,
+                indices,
+                lens,
+                &AttnOptions::default(),
+            );
+            out.extend(o.map_err(|e| e.to_string())?);
+            let pool = self.host[l as usize].view();
+            want.extend(reference::decode(&pool, &p, q, indptr, indices, lens));
+        }
+        Ok((out, want))
+    }
+}
+
 fn run() -> Result<(), String> {
     let a = args()?;
     let get = |k: &str| a.get(k).cloned().ok_or(format!("--{k} is required"));
@@ -110,28 +277,16 @@ fn run() -> Result<(), String> {
         .map_err(|e| e.to_string())?;
     m.scramble_free_list(suffix_seed);
     m.record_events(true);
-    let stored = Stored::from(dtype);
-    let mut host: Vec<HostPool> = (0..LAYERS)
+    let host = (0..LAYERS)
         .map(|_| HostPool::new(BLOCKS as usize, KVH as usize, BS as usize, HD as usize))
         .collect();
-    let mirror = |host: &mut Vec<HostPool>,
-                  tokens: &[u32],
-                  first: usize,
-                  slots: &[u32]|
-     -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
-        let (mut ks, mut vs) = (Vec::new(), Vec::new());
-        for l in 0..LAYERS {
-            let (mut k, mut v) = (Vec::new(), Vec::new());
-            for pos in first..first + slots.len() {
-                let (kr, vr) = kv_row(tokens, pos, l);
-                k.extend(kr);
-                v.extend(vr);
-            }
-            host[l as usize].write(slots, &k, &v, stored);
-            ks.push(k);
-            vs.push(v);
-        }
-        (ks, vs)
+    let mut peer = Peer {
+        gpu,
+        kv,
+        attn,
+        m,
+        host,
+        stored: Stored::from(dtype),
     };
 
     // Look the prefix up; import what was found.
@@ -140,45 +295,12 @@ fn run() -> Result<(), String> {
     } else {
         Some(RedisPrefixStore::open(&url, StoreConfig::default()).map_err(|e| e.to_string())?)
     };
-    let hashes = m.prompt_hashes(&prompt, salt);
+    let hashes = peer.m.prompt_hashes(&prompt, salt);
     let fetch = match store.as_mut() {
         Some(s) => s.fetch_prefix(salt, &hashes),
         None => Default::default(),
     };
-    let (mut id, imports): (SeqId, _) = m
-        .add_sequence_with_remote(&prompt, salt, fetch.blocks.len())
-        .map_err(|e| e.to_string())?;
-    let mut refused = fetch.refused.len();
-    let mut imported = 0;
-    // The local cache's hits come first: the imports are the last found.
-    let skip = fetch.blocks.len() - imports.len();
-    for ((block, _), fb) in imports.iter().zip(&fetch.blocks[skip..]) {
-        match kv.import_blocks(&gpu, &fb.layout, &fb.bytes, &[*block]) {
-            Ok(()) => imported += 1,
-            Err(e) => {
-                // Its digest matched: a block of another layout (another
-                // engine's pool), not a corrupt one, so it stays stored.
-                eprintln!("warning: kv-peer: import refused ({e}); computing the prompt locally");
-                refused += 1;
-                break;
-            }
-        }
-    }
-    if imported < imports.len() {
-        let blocks: Vec<u32> = imports.iter().map(|i| i.0).collect();
-        m.uncache(&blocks);
-        m.free(id).map_err(|e| e.to_string())?;
-        id = m
-            .add_sequence_salted(&prompt, salt)
-            .map_err(|e| e.to_string())?;
-        imported = 0;
-    } else {
-        // The mirror of the imported blocks, from the same function.
-        for (i, (block, _)) in imports.iter().enumerate() {
-            let slots: Vec<u32> = (0..BS).map(|o| block * BS + o).collect();
-            mirror(&mut host, &prompt, (skip + i) * BS as usize, &slots);
-        }
-    }
+    let look = peer.add_prompt(&prompt, salt, &fetch)?;
 
     // A pause before the rest (`--pause-ms`): the two-process test kills
     // Redis here, mid-run, once this line is out.
@@ -190,68 +312,15 @@ fn run() -> Result<(), String> {
         std::thread::sleep(std::time::Duration::from_millis(ms));
     }
 
-    // Compute the rest (one prefill step's K/V), publish the full blocks.
-    let view = m.batch_view(&[id]).map_err(|e| e.to_string())?;
-    let computed = view.slot_mapping.len();
-    let first = prompt.len() - computed;
-    let (ks, vs) = mirror(&mut host, &prompt, first, &view.slot_mapping);
-    for l in 0..LAYERS {
-        kv.write_kv(
-            &gpu,
-            l,
-            &ks[l as usize],
-            &vs[l as usize],
-            &view.slot_mapping,
-        )
-        .map_err(|e| e.to_string())?;
-    }
-    if let Some(s) = store.as_mut() {
-        for e in m.take_events() {
-            if let KvEvent::Stored { hash, block } = e {
-                let mut bytes =
-                    vec![0u8; kv.export_bytes(1, 0..LAYERS).map_err(|e| e.to_string())? as usize];
-                let layout = kv
-                    .export_blocks(&gpu, &[block], 0..LAYERS, &mut bytes)
-                    .map_err(|e| e.to_string())?;
-                if let Err(e) = s.put(salt, &hash, &layout, &bytes) {
-                    eprintln!("warning: kv-peer: publishing a block failed: {e}");
-                    break;
-                }
-            }
-        }
-    }
-
+    let computed = peer.compute_and_publish(look.id, &prompt, salt, store.as_mut())?;
     // Decode on every layer, against the reference.
-    let view = m.batch_view(&[id]).map_err(|e| e.to_string())?;
-    let p = AttnParams::new(HEADS as usize, HD as usize);
-    let (mut out, mut want) = (Vec::new(), Vec::new());
-    for l in 0..LAYERS {
-        out.extend(
-            attn.decode(
-                &gpu,
-                &kv,
-                l,
-                &q,
-                &view.kv_indptr,
-                &view.kv_indices,
-                &view.seq_lens,
-                &AttnOptions::default(),
-            )
-            .map_err(|e| e.to_string())?,
-        );
-        want.extend(reference::decode(
-            &host[l as usize].view(),
-            &p,
-            &q,
-            &view.kv_indptr,
-            &view.kv_indices,
-            &view.seq_lens,
-        ));
-    }
+    let (out, want) = peer.decode(look.id, &q)?;
     let err = rel_l2(&out, &want);
     println!(
-        "imported {imported} computed {computed} of {} refused {refused} unavailable {} rel_l2 {err:.3e}",
+        "imported {} computed {computed} of {} refused {} unavailable {} rel_l2 {err:.3e}",
+        look.imported,
         prompt.len(),
+        look.refused,
         fetch.unavailable.is_some() as u32
     );
     let bytes: Vec<u8> = out.iter().flat_map(|x| x.to_le_bytes()).collect();
