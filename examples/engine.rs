@@ -308,14 +308,8 @@ impl Model {
         // pagedattn borrows the device: it enables nothing and installs no
         // error handler (the engine's stay in place).
         let gpu = Gpu::from_device(device, queue);
-        let cfg = KvCacheConfig {
-            num_layers: LAYERS as u32,
-            num_blocks: NUM_BLOCKS,
-            block_size: BS,
-            num_kv_heads: KVH as u32,
-            head_dim: HD as u32,
-            dtype: KvDtype::F32,
-        };
+        let cfg =
+            KvCacheConfig::new(NUM_BLOCKS, BS, KVH as u32, HD as u32).with_layers(LAYERS as u32);
         let cache = KvCache::new(&gpu, cfg)?;
         // Times every decode kernel variant once for this adapter and shape
         // and builds the fastest (the engine's tuner could name a tune file

@@ -85,9 +85,7 @@ fn shapes(kernel: &str) -> Vec<ShaderShape> {
     let mut out = Vec::new();
     for dtype in KvDtype::ALL {
         let base = ShaderShape {
-            head_dim: 128,
             group: 4,
-            block_size: 16,
             dtype,
             ..Default::default()
         };

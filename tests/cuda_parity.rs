@@ -49,15 +49,6 @@ struct Case {
     opts: AttnOptions,
 }
 
-fn tol(d: KvDtype) -> f64 {
-    match d {
-        KvDtype::F32 => 1e-5,
-        KvDtype::F16 => 2e-3,
-        // The CUDA twin refuses quantized and bf16 pools; no case uses them.
-        KvDtype::Int8 | KvDtype::Fp8E4M3 | KvDtype::Bf16 => 0.0,
-    }
-}
-
 /// Everything a case feeds the three paths.
 struct Inputs {
     cfg: KvCacheConfig,
@@ -74,14 +65,9 @@ fn inputs(rng: &mut SplitMix64, c: &Case) -> Inputs {
     let first = c.lens[0].div_ceil(c.block_size as usize) as u32;
     let nb = blocks_for(&c.lens, c.block_size, first + 3);
     let (_m, _ids, view) = shuffled_batch(rng, nb, c.block_size, &c.lens);
-    let cfg = KvCacheConfig {
-        num_layers: 2,
-        num_blocks: nb,
-        block_size: c.block_size,
-        num_kv_heads: c.num_kv_heads,
-        head_dim: c.head_dim,
-        dtype: c.dtype,
-    };
+    let cfg = KvCacheConfig::new(nb, c.block_size, c.num_kv_heads, c.head_dim)
+        .with_layers(2)
+        .with_dtype(c.dtype);
     let row = (c.num_kv_heads * c.head_dim) as usize;
     let mut writes = Vec::new();
     let slots = view.slot_mapping.clone();
@@ -234,7 +220,7 @@ fn check(cuda: &Cuda, gpu: Option<&Gpu>, c: &Case) {
     let mut rng = SplitMix64::new(s);
     let inp = inputs(&mut rng, c);
     let want = reference_out(c, &inp);
-    let t = tol(c.dtype);
+    let t = common::decode_tol(c.dtype);
     let got_cuda = cuda_out(cuda, &inp, &c.opts)
         .unwrap_or_else(|e| panic!("{}: CUDA failed: {e} (seed {s})", c.name));
     let err = rel_l2(&got_cuda, &want);
@@ -360,14 +346,7 @@ fn decode_parity_reference_wgpu_cuda() {
 #[test]
 fn cuda_rejects_bad_tables() {
     let Some(cuda) = cuda() else { return };
-    let cfg = KvCacheConfig {
-        num_layers: 1,
-        num_blocks: 4,
-        block_size: 16,
-        num_kv_heads: 1,
-        head_dim: 64,
-        dtype: KvDtype::F32,
-    };
+    let cfg = KvCacheConfig::new(4, 16, 1, 64);
     let cache = CudaKvCache::new(&cuda, cfg).unwrap();
     let attn = CudaAttention::new(&cuda, &cache, 2).unwrap();
     let q = vec![0.0; 2 * 64];

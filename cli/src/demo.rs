@@ -335,14 +335,14 @@ impl Demo {
         sched.scramble_free_list(rng.next_u64());
         let cache = KvCache::new(
             gpu,
-            KvCacheConfig {
-                num_layers: cfg.layers,
-                num_blocks: cfg.num_blocks,
-                block_size: cfg.block_size,
-                num_kv_heads: cfg.num_kv_heads,
-                head_dim: cfg.head_dim,
-                dtype: cfg.dtype,
-            },
+            KvCacheConfig::new(
+                cfg.num_blocks,
+                cfg.block_size,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+            )
+            .with_layers(cfg.layers)
+            .with_dtype(cfg.dtype),
         )?;
         if cfg.dtype == KvDtype::Fp8E4M3 {
             // K and V are drawn from [-1, 1]: map 1 to E4M3's 448.

@@ -221,14 +221,8 @@ fn tuned_demo(
 ) -> Result<Demo, Box<dyn Error>> {
     let probe = pagedattn::gpu::KvCache::new(
         gpu,
-        pagedattn::gpu::KvCacheConfig {
-            num_layers: 1,
-            num_blocks: 1,
-            block_size: cfg.block_size,
-            num_kv_heads: cfg.num_kv_heads,
-            head_dim: cfg.head_dim,
-            dtype: cfg.dtype,
-        },
+        pagedattn::gpu::KvCacheConfig::new(1, cfg.block_size, cfg.num_kv_heads, cfg.head_dim)
+            .with_dtype(cfg.dtype),
     )?;
     let tuner = pagedattn_cli::env::tuner();
     let tune = tuner.tune(

@@ -169,14 +169,14 @@ impl<'a> Soak<'a> {
         sched.scramble_free_list(cfg.seed);
         let kv = KvCache::new(
             gpu,
-            KvCacheConfig {
-                num_layers: cfg.layers,
-                num_blocks: cfg.num_blocks,
-                block_size: cfg.block_size,
-                num_kv_heads: cfg.num_kv_heads,
-                head_dim: cfg.head_dim,
-                dtype: cfg.dtype,
-            },
+            KvCacheConfig::new(
+                cfg.num_blocks,
+                cfg.block_size,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+            )
+            .with_layers(cfg.layers)
+            .with_dtype(cfg.dtype),
         )
         .unwrap();
         let attn = PagedAttention::new(gpu, &kv, cfg.num_heads).unwrap();

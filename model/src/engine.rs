@@ -558,14 +558,14 @@ fn attention(
 ) -> Result<(KvCache, PagedAttention), ModelError> {
     let cache = KvCache::new(
         gpu,
-        KvCacheConfig {
-            num_layers: s.layers as u32,
-            num_blocks: cfg.num_blocks,
-            block_size: cfg.block_size,
-            num_kv_heads: s.kv_heads as u32,
-            head_dim: s.head_dim as u32,
-            dtype: cfg.kv_dtype,
-        },
+        KvCacheConfig::new(
+            cfg.num_blocks,
+            cfg.block_size,
+            s.kv_heads as u32,
+            s.head_dim as u32,
+        )
+        .with_layers(s.layers as u32)
+        .with_dtype(cfg.kv_dtype),
     )?;
     let attn = match cfg.kernel {
         Some(k) => PagedAttention::with_kernel(gpu, &cache, s.heads as u32, k)?,
@@ -841,14 +841,14 @@ impl Model {
         let s = self.shape;
         let cache = KvCache::new(
             &self.gpu,
-            KvCacheConfig {
-                num_layers: s.layers as u32,
+            KvCacheConfig::new(
                 num_blocks,
-                block_size: self.cfg.block_size,
-                num_kv_heads: s.kv_heads as u32,
-                head_dim: s.head_dim as u32,
-                dtype: kv_dtype,
-            },
+                self.cfg.block_size,
+                s.kv_heads as u32,
+                s.head_dim as u32,
+            )
+            .with_layers(s.layers as u32)
+            .with_dtype(kv_dtype),
         )?;
         let attn = match kernel {
             Some(k) => PagedAttention::with_kernel(&self.gpu, &cache, s.heads as u32, k)?,

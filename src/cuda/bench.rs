@@ -200,14 +200,8 @@ pub fn bench_decode(cuda: &Cuda, b: &DecodeBench) -> Result<DecodeTiming, CudaEr
     let num_blocks = b.num_seqs.checked_mul(per_seq).ok_or_else(|| {
         CudaError::InvalidArgument(format!("{} x {per_seq} blocks overflow", b.num_seqs))
     })?;
-    let cfg = KvCacheConfig {
-        num_layers: 1,
-        num_blocks,
-        block_size: b.block_size,
-        num_kv_heads: b.num_kv_heads,
-        head_dim: b.head_dim,
-        dtype: b.dtype,
-    };
+    let cfg = KvCacheConfig::new(num_blocks, b.block_size, b.num_kv_heads, b.head_dim)
+        .with_dtype(b.dtype);
     let mut cache = CudaKvCache::new(cuda, cfg)?;
     let mut rng = SplitMix64::new(b.seed);
 

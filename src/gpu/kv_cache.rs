@@ -307,6 +307,31 @@ pub struct KvCacheConfig {
 }
 
 impl KvCacheConfig {
+    /// One layer of `num_blocks` blocks of `block_size` tokens, each token
+    /// `num_kv_heads` rows of `head_dim` f32s; [`with_layers`](Self::with_layers)
+    /// and [`with_dtype`](Self::with_dtype) set the rest. Checked when a
+    /// cache is made ([`validate`](Self::validate)).
+    pub const fn new(num_blocks: u32, block_size: u32, num_kv_heads: u32, head_dim: u32) -> Self {
+        KvCacheConfig {
+            num_layers: 1,
+            num_blocks,
+            block_size,
+            num_kv_heads,
+            head_dim,
+            dtype: KvDtype::F32,
+        }
+    }
+
+    /// The same shape with `num_layers` layers.
+    pub const fn with_layers(self, num_layers: u32) -> Self {
+        KvCacheConfig { num_layers, ..self }
+    }
+
+    /// The same shape stored as `dtype`.
+    pub const fn with_dtype(self, dtype: KvDtype) -> Self {
+        KvCacheConfig { dtype, ..self }
+    }
+
     /// Bytes one block takes in one layer, K and V buffers together
     /// (saturating at `u64::MAX` for shapes [`validate`](Self::validate)
     /// refuses). Quantized pools include the rows' side words.
@@ -808,13 +833,8 @@ impl KvCache {
         }
         let shape = ShaderShape {
             head_dim: cfg.head_dim,
-            group: 1,
             block_size: cfg.block_size,
             dtype: cfg.dtype,
-            qtile: 1,
-            paged: true,
-            q_f16: false,
-            out_f16: false,
             ..ShaderShape::default()
         };
         let q = if cfg.dtype.quantized() { "_q" } else { "" };

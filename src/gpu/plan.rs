@@ -1400,13 +1400,9 @@ impl KvCache {
                 super::kv_cache::write_kv_kernel(self.cfg.dtype),
                 &ShaderShape {
                     head_dim: self.cfg.head_dim,
-                    group: 1,
                     block_size: self.cfg.block_size,
                     dtype: self.cfg.dtype,
-                    qtile: 1,
-                    paged: true,
                     q_f16: true,
-                    out_f16: false,
                     act_bf16: act == ActDtype::Bf16,
                     ..ShaderShape::default()
                 },

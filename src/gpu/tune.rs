@@ -399,14 +399,7 @@ mod tests {
             return;
         };
         let gpu = Gpu::from_device(&device, &queue);
-        let cfg = KvCacheConfig {
-            num_layers: 1,
-            num_blocks: 4,
-            block_size: 16,
-            num_kv_heads: 1,
-            head_dim: 256,
-            dtype: crate::gpu::KvDtype::F32,
-        };
+        let cfg = KvCacheConfig::new(4, 16, 1, 256).with_dtype(crate::gpu::KvDtype::F32);
         let cache = KvCache::new(&gpu, cfg).unwrap();
         let heads = 8;
         let eligible = PagedAttention::eligible_kernels(&gpu, &cache, heads);

@@ -101,23 +101,10 @@ tally! {
     }
 }
 
-/// Reads the input a byte at a time; zeros once it runs out.
-struct Bytes<'a> {
-    data: &'a [u8],
-    pos: usize,
-}
+/// The input, read a byte at a time.
+type Bytes<'a> = harness::Input<'a>;
 
 impl Bytes<'_> {
-    fn byte(&mut self) -> u8 {
-        let b = self.data.get(self.pos).copied().unwrap_or(0);
-        self.pos += 1;
-        b
-    }
-
-    fn done(&self) -> bool {
-        self.pos >= self.data.len()
-    }
-
     fn tokens(&mut self, n: usize) -> Vec<u32> {
         (0..n).map(|_| (self.byte() % ALPHABET) as u32).collect()
     }
@@ -191,7 +178,7 @@ pub struct Harness {
 
 /// Runs one input; panics (with the last operations) on any broken invariant.
 pub fn run(data: &[u8]) -> Coverage {
-    let mut input = Bytes { data, pos: 0 };
+    let mut input = Bytes::new(data);
     let mut cov = Coverage {
         inputs: 1,
         ..Default::default()

@@ -38,22 +38,10 @@ tally! {
     }
 }
 
-struct Cursor<'a> {
-    data: &'a [u8],
-    at: usize,
-}
+/// The input, read a byte at a time.
+type Cursor<'a> = harness::Input<'a>;
 
 impl Cursor<'_> {
-    fn byte(&mut self) -> u8 {
-        let b = self.data.get(self.at).copied().unwrap_or(0);
-        self.at += 1;
-        b
-    }
-
-    fn done(&self) -> bool {
-        self.at >= self.data.len()
-    }
-
     /// A value from the palette around `range`.
     fn value(&mut self, range: [f32; 2]) -> f32 {
         let [lo, hi] = range;
@@ -105,7 +93,7 @@ fn in_range(x: f32, [lo, hi]: [f32; 2]) -> bool {
 
 /// Runs every case the input asks for.
 pub fn run(data: &[u8]) -> Reached {
-    let mut c = Cursor { data, at: 0 };
+    let mut c = Cursor::new(data);
     let mut r = Reached::default();
     while !c.done() {
         let tag = c.byte();

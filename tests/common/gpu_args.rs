@@ -33,23 +33,10 @@ tally! {
     }
 }
 
-/// Reads values from the input, favouring the edges where checks break.
-struct Cursor<'a> {
-    data: &'a [u8],
-    at: usize,
-}
+/// The input, read a byte at a time.
+type Cursor<'a> = harness::Input<'a>;
 
 impl Cursor<'_> {
-    fn byte(&mut self) -> u8 {
-        let b = self.data.get(self.at).copied().unwrap_or(0);
-        self.at += 1;
-        b
-    }
-
-    fn done(&self) -> bool {
-        self.at >= self.data.len()
-    }
-
     fn u32(&mut self) -> u32 {
         match self.byte() % 8 {
             0 => self.byte() as u32 % 8,
@@ -85,7 +72,7 @@ impl Cursor<'_> {
 
 /// Runs every check the input asks for and returns what was reached.
 pub fn run(data: &[u8]) -> Reached {
-    let mut c = Cursor { data, at: 0 };
+    let mut c = Cursor::new(data);
     let mut r = Reached::default();
     while !c.done() {
         match c.byte() % 4 {

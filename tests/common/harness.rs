@@ -79,3 +79,30 @@ macro_rules! tally {
         }
     };
 }
+
+/// A fuzz input read a byte at a time: zeros once it runs out, so any
+/// input, however short, drives a whole run. Each harness adds the readers
+/// of its own values (`impl harness::Input<'_>`).
+pub struct Input<'a> {
+    data: &'a [u8],
+    pos: usize,
+}
+
+#[allow(dead_code)]
+impl<'a> Input<'a> {
+    pub fn new(data: &'a [u8]) -> Self {
+        Input { data, pos: 0 }
+    }
+
+    /// The next byte, or 0 past the end.
+    pub fn byte(&mut self) -> u8 {
+        let b = self.data.get(self.pos).copied().unwrap_or(0);
+        self.pos += 1;
+        b
+    }
+
+    /// Whether every byte has been read.
+    pub fn done(&self) -> bool {
+        self.pos >= self.data.len()
+    }
+}

@@ -145,14 +145,8 @@ pub fn filled_pool(
 ) -> FilledPool {
     let nb = blocks_for(lens, block_size, slack);
     let (_m, _ids, view) = shuffled_batch(rng, nb, block_size, lens);
-    let cfg = pagedattn::gpu::KvCacheConfig {
-        num_layers: 1,
-        num_blocks: nb,
-        block_size,
-        num_kv_heads: kv_heads,
-        head_dim,
-        dtype,
-    };
+    let cfg =
+        pagedattn::gpu::KvCacheConfig::new(nb, block_size, kv_heads, head_dim).with_dtype(dtype);
     let cache = pagedattn::gpu::KvCache::new(gpu, cfg).unwrap();
     let row = (kv_heads * head_dim) as usize;
     let ntok = view.slot_mapping.len();
@@ -225,4 +219,21 @@ pub fn block_bytes(cfg: &pagedattn::gpu::KvCacheConfig, buf: &[u8], b: u32, is_k
     let at = cfg.data_words() as usize * 4 + b as usize * side;
     out.extend_from_slice(&buf[at..at + side]);
     out
+}
+
+/// The decode tolerance (relative L2 against the f64 reference) of a pool
+/// of `d`, shared by the kernel suites and the CUDA parity check.
+#[allow(dead_code)]
+pub fn decode_tol(d: pagedattn::gpu::KvDtype) -> f64 {
+    use pagedattn::gpu::KvDtype;
+    match d {
+        KvDtype::F32 => 1e-5,
+        KvDtype::F16 => 2e-3,
+        // The mirror holds the bf16-rounded values and the kernels widen
+        // them exactly: only f32 accumulation differs.
+        KvDtype::Bf16 => 1e-5,
+        // The quantized pools' bounds (tests/gpu/quantized.rs).
+        KvDtype::Int8 => 1e-2,
+        KvDtype::Fp8E4M3 => 5e-2,
+    }
 }

@@ -60,21 +60,8 @@ tally! {
     }
 }
 
-struct Bytes<'a> {
-    data: &'a [u8],
-    pos: usize,
-}
-
-impl Bytes<'_> {
-    fn next(&mut self) -> u8 {
-        let b = self.data.get(self.pos).copied().unwrap_or(0);
-        self.pos += 1;
-        b
-    }
-    fn done(&self) -> bool {
-        self.pos >= self.data.len()
-    }
-}
+/// The input, read a byte at a time.
+type Bytes<'a> = harness::Input<'a>;
 
 /// Token of sample `s` of request `key` at position `p`: what a sampler
 /// returns, whatever the scheduler does.
@@ -367,16 +354,16 @@ impl Harness {
 
 /// Runs one input; returns what it covered.
 pub fn run(data: &[u8]) -> Coverage {
-    let mut b = Bytes { data, pos: 0 };
-    let nb = 4 + b.next() as u32 % 48;
-    let bs = [1u32, 2, 4, 8, 16][b.next() as usize % 5];
-    let flags = b.next();
+    let mut b = Bytes::new(data);
+    let nb = 4 + b.byte() as u32 % 48;
+    let bs = [1u32, 2, 4, 8, 16][b.byte() as usize % 5];
+    let flags = b.byte();
     let prefix = flags & 1 != 0;
     let swap_blocks = (flags >> 1) as u32 % 24;
     let preemption =
-        [Preemption::Recompute, Preemption::Swap, Preemption::Auto][b.next() as usize % 3];
-    let max_tokens = 1 + b.next() as usize % 48;
-    let max_seqs = 1 + b.next() as usize % 8;
+        [Preemption::Recompute, Preemption::Swap, Preemption::Auto][b.byte() as usize % 3];
+    let max_tokens = 1 + b.byte() as usize % 48;
+    let max_seqs = 1 + b.byte() as usize % 8;
     let cfg = BlockManagerConfig::new(nb, bs)
         .with_prefix_caching(prefix)
         .with_swap_space(swap_blocks);
@@ -399,12 +386,12 @@ pub fn run(data: &[u8]) -> Coverage {
     let mut ops = 0;
     while !b.done() && ops < MAX_OPS {
         ops += 1;
-        let tag = b.next();
+        let tag = b.byte();
         match tag % 8 {
             0 | 1 => {
-                let len = b.next() as usize % 40;
-                let width = [1usize, 1, 2, 3, 4, 9][b.next() as usize % 6];
-                let out = 1 + b.next() as usize % 12;
+                let len = b.byte() as usize % 40;
+                let width = [1usize, 1, 2, 3, 4, 9][b.byte() as usize % 6];
+                let out = 1 + b.byte() as usize % 12;
                 let key = h.next_key;
                 let mut prompt: Vec<u32> = if tag & 8 != 0 {
                     stem[..len.min(24)].to_vec()
@@ -436,7 +423,7 @@ pub fn run(data: &[u8]) -> Coverage {
                 }
             }
             2 => {
-                let pick = b.next() as usize;
+                let pick = b.byte() as usize;
                 let target = if tag & 8 != 0 {
                     h.other_req
                 } else if h.order.is_empty() {
@@ -465,7 +452,7 @@ pub fn run(data: &[u8]) -> Coverage {
                 }
             }
             3..=6 => {
-                let bits = b.next();
+                let bits = b.byte();
                 h.step(bits);
             }
             _ => {

@@ -37,14 +37,7 @@ fn rig(gpu: &Gpu, rng: &mut SplitMix64, lens: &[usize], kvh: u32, group: u32, hd
     let bs = 16;
     let nb = blocks_for(lens, bs, 3);
     let (_m, _ids, view) = shuffled_batch(rng, nb, bs, lens);
-    let cfg = KvCacheConfig {
-        num_layers: 1,
-        num_blocks: nb,
-        block_size: bs,
-        num_kv_heads: kvh,
-        head_dim: hd,
-        dtype: KvDtype::F32,
-    };
+    let cfg = KvCacheConfig::new(nb, bs, kvh, hd);
     let cache = KvCache::new(gpu, cfg).unwrap();
     let row = (kvh * hd) as usize;
     let ntok = view.slot_mapping.len();
@@ -448,14 +441,7 @@ fn attention_checks_the_cache_it_is_given() {
 #[test]
 fn cache_shapes_that_overflow_are_refused() {
     let Some(gpu) = gpu() else { return };
-    let base = KvCacheConfig {
-        num_layers: 1,
-        num_blocks: 4,
-        block_size: 16,
-        num_kv_heads: 1,
-        head_dim: 64,
-        dtype: KvDtype::F32,
-    };
+    let base = KvCacheConfig::new(4, 16, 1, 64);
     for (what, cfg) in [
         (
             "elements per block a multiple of 2^32",
@@ -631,18 +617,7 @@ fn salted_prompts_keep_their_own_kv() {
         va.kv_indices.iter().all(|x| !vb.kv_indices.contains(x)),
         "{va:?} {vb:?}"
     );
-    let cache = KvCache::new(
-        &gpu,
-        KvCacheConfig {
-            num_layers: 1,
-            num_blocks: 16,
-            block_size: 4,
-            num_kv_heads: 1,
-            head_dim: 8,
-            dtype: KvDtype::F32,
-        },
-    )
-    .unwrap();
+    let cache = KvCache::new(&gpu, KvCacheConfig::new(16, 4, 1, 8)).unwrap();
     let ka = rng.signed_vec(9 * 8);
     let kb = rng.signed_vec(9 * 8);
     cache.write_kv(&gpu, 0, &ka, &ka, &va.slot_mapping).unwrap();
@@ -672,14 +647,7 @@ fn small_devices_get_typed_refusals() {
         return;
     };
     let full = adapter.limits();
-    let cfg = KvCacheConfig {
-        num_layers: 1,
-        num_blocks: 4,
-        block_size: 16,
-        num_kv_heads: 2,
-        head_dim: 64,
-        dtype: KvDtype::F32,
-    };
+    let cfg = KvCacheConfig::new(4, 16, 2, 64);
     let open = |limits: wgpu::Limits| {
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             required_limits: limits,

@@ -207,14 +207,7 @@ fn block_size_not_a_power_of_two() {
         let e = BlockManager::new(BlockManagerConfig::new(8, bs)).unwrap_err();
         assert_eq!(e, BlockError::BadBlockSize(bs));
         assert!(e.to_string().contains("power of two"), "{e}");
-        let kv = KvCacheConfig {
-            num_layers: 1,
-            num_blocks: 8,
-            block_size: bs,
-            num_kv_heads: 1,
-            head_dim: 64,
-            dtype: KvDtype::F32,
-        };
+        let kv = KvCacheConfig::new(8, bs, 1, 64);
         match kv.validate() {
             Err(e @ GpuError::Pool(PoolError::BlockSize(b))) => {
                 assert_eq!(b, bs);
@@ -248,14 +241,7 @@ fn pool_size_out_of_range() {
         );
     }
     let zero = |f: fn(&mut KvCacheConfig)| {
-        let mut c = KvCacheConfig {
-            num_layers: 1,
-            num_blocks: 8,
-            block_size: 16,
-            num_kv_heads: 1,
-            head_dim: 64,
-            dtype: KvDtype::F16,
-        };
+        let mut c = KvCacheConfig::new(8, 16, 1, 64).with_dtype(KvDtype::F16);
         f(&mut c);
         assert!(
             matches!(
@@ -329,14 +315,7 @@ const KVH: u32 = 2;
 const HD: u32 = 64;
 
 fn kv_config(num_blocks: u32, bs: u32) -> KvCacheConfig {
-    KvCacheConfig {
-        num_layers: 2,
-        num_blocks,
-        block_size: bs,
-        num_kv_heads: KVH,
-        head_dim: HD,
-        dtype: KvDtype::F32,
-    }
+    KvCacheConfig::new(num_blocks, bs, KVH, HD).with_layers(2)
 }
 
 /// A small pool filled with random K/V, its host mirror and the kernels.
@@ -401,14 +380,7 @@ fn invalid<T: std::fmt::Debug>(r: Result<T, GpuError>, needle: &str) {
 fn gpu_pool_larger_than_the_adapter_allows() {
     let Some(gpu) = gpu() else { return };
     let limit = gpu.max_binding_bytes();
-    let mut cfg = KvCacheConfig {
-        num_layers: 1,
-        num_blocks: 1,
-        block_size: 256,
-        num_kv_heads: 8,
-        head_dim: 256,
-        dtype: KvDtype::F32,
-    };
+    let mut cfg = KvCacheConfig::new(1, 256, 8, 256);
     let block = cfg.buffer_block_bytes(true); // 2 MiB
     let fit = cfg.max_blocks_for(limit);
     assert!(fit > 0 && fit as u64 * block <= limit);
@@ -490,14 +462,7 @@ fn gpu_allocation_the_adapter_must_refuse() {
         return;
     }
     // Layers of up to 1 GiB each, 1 TiB in all: more than any device holds.
-    let mut cfg = KvCacheConfig {
-        num_layers: 1,
-        num_blocks: 1,
-        block_size: 256,
-        num_kv_heads: 8,
-        head_dim: 128,
-        dtype: KvDtype::F32,
-    };
+    let mut cfg = KvCacheConfig::new(1, 256, 8, 128);
     cfg.num_blocks = cfg.max_blocks_for(gpu.max_binding_bytes().min(1 << 30));
     cfg.num_layers = ((1u64 << 40) / (2 * cfg.layer_bytes())).max(2) as u32;
     let t = Instant::now();

@@ -111,14 +111,7 @@ fn batch_shaped(
     prepare: impl FnOnce(&KvCache),
 ) -> Batch {
     let (indptr, indices, lens, nb) = random_tree(rng, seqs, roots);
-    let cfg = KvCacheConfig {
-        num_layers: 1,
-        num_blocks: nb,
-        block_size: BS,
-        num_kv_heads: kvh,
-        head_dim: hd,
-        dtype,
-    };
+    let cfg = KvCacheConfig::new(nb, BS, kvh, hd).with_dtype(dtype);
     let cache = KvCache::new(gpu, cfg).unwrap();
     prepare(&cache);
     let slots: Vec<u32> = (0..nb * BS).collect();
@@ -383,14 +376,7 @@ fn the_planner_uses_the_cascade_when_it_pays() {
     assert!(!t.pays_serial(1, bpt));
     // Saving too little to cover the extra dispatches: plain.
     assert!(!t.pays_serial(2, 16));
-    let cfg = KvCacheConfig {
-        num_layers: 1,
-        num_blocks: 72,
-        block_size: BS,
-        num_kv_heads: KVH,
-        head_dim: HD,
-        dtype: KvDtype::F32,
-    };
+    let cfg = KvCacheConfig::new(72, BS, KVH, HD);
     let cache = KvCache::new(&gpu, cfg).unwrap();
     let slots: Vec<u32> = (0..72 * BS).collect();
     let row = (KVH * HD) as usize;

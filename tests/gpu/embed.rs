@@ -252,14 +252,7 @@ fn steady_state_steps_create_nothing() {
     let s = seed("embed steady state");
     let mut rng = SplitMix64::new(s);
     let gpu = &e.gpu;
-    let cfg = KvCacheConfig {
-        num_layers: LAYERS,
-        num_blocks: NB,
-        block_size: BS,
-        num_kv_heads: KVH,
-        head_dim: HD,
-        dtype: KvDtype::F32,
-    };
+    let cfg = KvCacheConfig::new(NB, BS, KVH, HD).with_layers(LAYERS);
     let cache = KvCache::new(gpu, cfg).unwrap();
     let attn = PagedAttention::new(gpu, &cache, HEADS).unwrap();
     attn.warm_up(gpu).unwrap();
@@ -363,14 +356,7 @@ fn steady_state_steps_create_nothing() {
 fn engine_buffer_misuse_is_refused_before_recording() {
     let Some(e) = engine() else { return };
     let gpu = &e.gpu;
-    let cfg = KvCacheConfig {
-        num_layers: 2,
-        num_blocks: 8,
-        block_size: BS,
-        num_kv_heads: KVH,
-        head_dim: HD,
-        dtype: KvDtype::F32,
-    };
+    let cfg = KvCacheConfig::new(8, BS, KVH, HD).with_layers(2);
     let cache = KvCache::new(gpu, cfg).unwrap();
     let attn = PagedAttention::new(gpu, &cache, HEADS).unwrap();
     let other = PagedAttention::new(gpu, &cache, HEADS).unwrap();
@@ -536,14 +522,7 @@ fn fused_qkv_rows_are_read_in_place() {
     let s = seed("fused qkv");
     let mut rng = SplitMix64::new(s);
     let gpu = &e.gpu;
-    let cfg = KvCacheConfig {
-        num_layers: 1,
-        num_blocks: 16,
-        block_size: BS,
-        num_kv_heads: KVH,
-        head_dim: HD,
-        dtype: KvDtype::F32,
-    };
+    let cfg = KvCacheConfig::new(16, BS, KVH, HD);
     let cache = KvCache::new(gpu, cfg).unwrap();
     let attn = PagedAttention::new(gpu, &cache, HEADS).unwrap();
     let mut m = BlockManager::new(BlockManagerConfig::new(16, BS)).unwrap();
@@ -640,18 +619,7 @@ fn a_borrowed_device_keeps_its_handlers() {
     }));
     let gpu = Gpu::from_device(&device, &queue);
     assert_eq!(gpu.features, device.features(), "nothing enabled");
-    let cache = KvCache::new(
-        &gpu,
-        KvCacheConfig {
-            num_layers: 1,
-            num_blocks: 4,
-            block_size: BS,
-            num_kv_heads: 1,
-            head_dim: HD,
-            dtype: KvDtype::F32,
-        },
-    )
-    .unwrap();
+    let cache = KvCache::new(&gpu, KvCacheConfig::new(4, BS, 1, HD)).unwrap();
     cache
         .write_kv(
             &gpu,
@@ -719,14 +687,7 @@ fn f16_activations_in_and_out() {
                 .collect()
         };
         {
-            let cfg = KvCacheConfig {
-                num_layers: 1,
-                num_blocks: 32,
-                block_size: BS,
-                num_kv_heads: KVH,
-                head_dim: HD,
-                dtype,
-            };
+            let cfg = KvCacheConfig::new(32, BS, KVH, HD).with_dtype(dtype);
             let cache = KvCache::new(gpu, cfg).unwrap();
             let attn = PagedAttention::new(gpu, &cache, HEADS).unwrap();
             let mut host = HostPool::new(32, KVH as usize, BS as usize, HD as usize);
@@ -872,14 +833,7 @@ fn a_buffer_of_another_device_is_refused() {
     let ((device, queue), (other_device, _)) = (open(), open());
     let gpu = Gpu::from_device(&device, &queue);
     gpu.watch();
-    let cfg = KvCacheConfig {
-        num_layers: 1,
-        num_blocks: 8,
-        block_size: BS,
-        num_kv_heads: KVH,
-        head_dim: HD,
-        dtype: KvDtype::F32,
-    };
+    let cfg = KvCacheConfig::new(8, BS, KVH, HD);
     let cache = KvCache::new(&gpu, cfg).unwrap();
     let attn = PagedAttention::new(&gpu, &cache, HEADS).unwrap();
     let mut aplan = attn.plan();
@@ -945,14 +899,7 @@ fn a_plan_runs_only_on_its_cache_and_step() {
     let s = seed("plan binding");
     let mut rng = SplitMix64::new(s);
     let gpu = &e.gpu;
-    let cfg = KvCacheConfig {
-        num_layers: 1,
-        num_blocks: 8,
-        block_size: BS,
-        num_kv_heads: KVH,
-        head_dim: HD,
-        dtype: KvDtype::F32,
-    };
+    let cfg = KvCacheConfig::new(8, BS, KVH, HD);
     let row = (KVH * HD) as usize;
     let slots: Vec<u32> = (0..20).collect();
     let mut pools = Vec::new();
@@ -1049,14 +996,7 @@ fn plan_run_soak_of_random_tables_bindings_and_caches() {
     let mut rng = SplitMix64::new(s);
     let gpu = &e.gpu;
     let nb = 8u32;
-    let cfg = KvCacheConfig {
-        num_layers: 1,
-        num_blocks: nb,
-        block_size: BS,
-        num_kv_heads: KVH,
-        head_dim: HD,
-        dtype: KvDtype::F32,
-    };
+    let cfg = KvCacheConfig::new(nb, BS, KVH, HD);
     let row = (KVH * HD) as usize;
     let all: Vec<u32> = (0..nb * BS).collect();
     let mut caches = Vec::new();

@@ -22,19 +22,6 @@ struct Case {
     opts: AttnOptions,
 }
 
-fn tol(d: KvDtype) -> f64 {
-    match d {
-        KvDtype::F32 => 1e-5,
-        KvDtype::F16 => 2e-3,
-        // The mirror holds the bf16-rounded values and the kernels widen
-        // them exactly: only f32 accumulation differs.
-        KvDtype::Bf16 => 1e-5,
-        // The quantized pools' bounds (tests/quantized.rs).
-        KvDtype::Int8 => 1e-2,
-        KvDtype::Fp8E4M3 => 5e-2,
-    }
-}
-
 /// Runs one case on one decode kernel built as `checks` says and returns
 /// the relative L2 error.
 fn run_with(gpu: &Gpu, seed: u64, c: &Case, kernel: Kernel, checks: ShaderChecks) -> f64 {
@@ -97,7 +84,7 @@ fn check(name: &str, c: Case) {
 fn check_with(name: &str, c: Case, checks: &[ShaderChecks]) {
     let Some(gpu) = gpu() else { return };
     let s = seed(name);
-    let t = tol(c.dtype);
+    let t = common::decode_tol(c.dtype);
     for kernel in Kernel::ALL {
         for &ch in checks {
             let t0 = std::time::Instant::now();
@@ -358,14 +345,7 @@ fn storage_error_against_exact_inputs() {
         let (bs, kvh, hd, heads) = (16, 2, 128, 8);
         let nb = blocks_for(&lens, bs, 3);
         let (_m, _ids, view) = shuffled_batch(&mut rng, nb, bs, &lens);
-        let cfg = KvCacheConfig {
-            num_layers: 1,
-            num_blocks: nb,
-            block_size: bs,
-            num_kv_heads: kvh,
-            head_dim: hd,
-            dtype,
-        };
+        let cfg = KvCacheConfig::new(nb, bs, kvh, hd).with_dtype(dtype);
         let cache = KvCache::new(&gpu, cfg).unwrap();
         let n = view.slot_mapping.len() * (kvh * hd) as usize;
         let (k, v) = (rng.signed_vec(n), rng.signed_vec(n));
@@ -404,14 +384,9 @@ fn write_kv_scatters_to_slots() {
         let (bs, kvh, hd) = (8, 3, 80);
         let nb = blocks_for(&lens, bs, 2);
         let (_m, _ids, view) = shuffled_batch(&mut rng, nb, bs, &lens);
-        let cfg = KvCacheConfig {
-            num_layers: 2,
-            num_blocks: nb,
-            block_size: bs,
-            num_kv_heads: kvh,
-            head_dim: hd,
-            dtype,
-        };
+        let cfg = KvCacheConfig::new(nb, bs, kvh, hd)
+            .with_layers(2)
+            .with_dtype(dtype);
         let cache = KvCache::new(&gpu, cfg).unwrap();
         let n = view.slot_mapping.len() * (kvh * hd) as usize;
         let (k, v) = (rng.signed_vec(n), rng.signed_vec(n));

@@ -18,14 +18,9 @@ const HEADS: u32 = 8;
 const HD: u32 = 64;
 
 fn cache(gpu: &Gpu, layers: u32, num_blocks: u32, bs: u32, dtype: KvDtype) -> KvCache {
-    let cfg = KvCacheConfig {
-        num_layers: layers,
-        num_blocks,
-        block_size: bs,
-        num_kv_heads: KVH,
-        head_dim: HD,
-        dtype,
-    };
+    let cfg = KvCacheConfig::new(num_blocks, bs, KVH, HD)
+        .with_layers(layers)
+        .with_dtype(dtype);
     KvCache::new(gpu, cfg).unwrap()
 }
 

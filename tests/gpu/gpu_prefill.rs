@@ -163,14 +163,7 @@ fn prefill_variants() {
 #[test]
 fn prefill_rejects_bad_query_offsets() {
     let Some(gpu) = gpu() else { return };
-    let cfg = KvCacheConfig {
-        num_layers: 1,
-        num_blocks: 4,
-        block_size: 16,
-        num_kv_heads: 1,
-        head_dim: 64,
-        dtype: KvDtype::F32,
-    };
+    let cfg = KvCacheConfig::new(4, 16, 1, 64);
     let cache = KvCache::new(&gpu, cfg).unwrap();
     let attn = PagedAttention::new(&gpu, &cache, 2).unwrap();
     let q = vec![0.0; 3 * 2 * 64];
@@ -244,14 +237,7 @@ fn prefill_at_65k_tokens_of_context() {
 fn split_kv_prefill_is_chosen_for_long_contexts() {
     use pagedattn::gpu::{PrefillTables, Split};
     let Some(gpu) = gpu() else { return };
-    let cfg = KvCacheConfig {
-        num_layers: 1,
-        num_blocks: 300,
-        block_size: 16,
-        num_kv_heads: 2,
-        head_dim: 64,
-        dtype: KvDtype::F32,
-    };
+    let cfg = KvCacheConfig::new(300, 16, 2, 64);
     let cache = KvCache::new(&gpu, cfg).unwrap();
     let attn = PagedAttention::new(&gpu, &cache, 8).unwrap();
     let (lens, qo) = ([2000u32, 1500], [0u32, 8, 48]);

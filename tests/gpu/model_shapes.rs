@@ -131,14 +131,7 @@ fn run_model(gpu: &Gpu, md: &Model, dtype: KvDtype, window: Option<u32>) {
     let lens: Vec<usize> = DECODE_LENS.iter().copied().collect();
     let bs = 16;
     let nb = blocks_for(&lens, bs, 3) + blocks_for(&PREFILL.map(|p| p.0), bs, 3);
-    let cfg = KvCacheConfig {
-        num_layers: 1,
-        num_blocks: nb,
-        block_size: bs,
-        num_kv_heads: md.kv_heads,
-        head_dim: md.head_dim,
-        dtype,
-    };
+    let cfg = KvCacheConfig::new(nb, bs, md.kv_heads, md.head_dim).with_dtype(dtype);
     let cache = KvCache::new(gpu, cfg).unwrap();
     let mut all: Vec<usize> = lens.clone();
     all.extend(PREFILL.iter().map(|p| p.0));

@@ -75,14 +75,7 @@ fn rig(
     let (kvh, hd, bs) = (2u32, 128u32, 16u32);
     let nb = blocks_for(lens, bs, 3);
     let (_m, _ids, view) = shuffled_batch(rng, nb, bs, lens);
-    let cfg = KvCacheConfig {
-        num_layers: 1,
-        num_blocks: nb,
-        block_size: bs,
-        num_kv_heads: kvh,
-        head_dim: hd,
-        dtype,
-    };
+    let cfg = KvCacheConfig::new(nb, bs, kvh, hd).with_dtype(dtype);
     let cache = KvCache::new(gpu, cfg).unwrap();
     let ntok = view.slot_mapping.len();
     let row = (kvh * hd) as usize;
@@ -285,14 +278,7 @@ fn out_of_range_values_saturate_never_nan() {
     let Some(gpu) = gpu() else { return };
     let max = pagedattn::gpu::KV_MAX;
     for dtype in KvDtype::ALL {
-        let cfg = KvCacheConfig {
-            num_layers: 1,
-            num_blocks: 1,
-            block_size: 1,
-            num_kv_heads: 1,
-            head_dim: 8,
-            dtype,
-        };
+        let cfg = KvCacheConfig::new(1, 1, 1, 8).with_dtype(dtype);
         let cache = KvCache::new(&gpu, cfg).unwrap();
         let nan = if dtype.quantized() { f32::NAN } else { 0.0 };
         let k = [
@@ -354,14 +340,7 @@ fn huge_rows_never_make_decode_non_finite() {
     // The shape of the rig above (its kernels are compiled already).
     let (kvh, hd, bs) = (2u32, 128u32, 16u32);
     for dtype in KvDtype::ALL {
-        let cfg = KvCacheConfig {
-            num_layers: 1,
-            num_blocks: 4,
-            block_size: bs,
-            num_kv_heads: kvh,
-            head_dim: hd,
-            dtype,
-        };
+        let cfg = KvCacheConfig::new(4, bs, kvh, hd).with_dtype(dtype);
         let cache = KvCache::new(&gpu, cfg).unwrap();
         let row = (kvh * hd) as usize;
         // Sequence 0: block 0, 16 tokens, one of them a row of -f32::MAX.
@@ -437,14 +416,7 @@ fn huge_rows_never_make_decode_non_finite() {
 fn calibration_values_are_bounded() {
     use pagedattn::gpu::{FP8_SCALE_RANGE, K_OUTLIERS, K_OUTLIER_UNUSED, K_SMOOTHING_RANGE};
     let Some(gpu) = gpu() else { return };
-    let base = KvCacheConfig {
-        num_layers: 1,
-        num_blocks: 1,
-        block_size: 1,
-        num_kv_heads: 1,
-        head_dim: 64,
-        dtype: KvDtype::Int8,
-    };
+    let base = KvCacheConfig::new(1, 1, 1, 64).with_dtype(KvDtype::Int8);
     let int8 = KvCache::new(&gpu, base).unwrap();
     for bad in [3.4e38f32, 1e-20, 0.0, -1.0, f32::NAN, f32::INFINITY, 1e-45] {
         match int8.set_k_smoothing(&gpu, 0, &[bad; 64]) {
@@ -512,14 +484,9 @@ fn copy_blocks_moves_the_scales() {
     let Some(gpu) = gpu() else { return };
     let mut rng = SplitMix64::new(seed("quantized copy"));
     for dtype in [KvDtype::Int8, KvDtype::Fp8E4M3] {
-        let cfg = KvCacheConfig {
-            num_layers: 2,
-            num_blocks: 4,
-            block_size: 4,
-            num_kv_heads: 2,
-            head_dim: 8,
-            dtype,
-        };
+        let cfg = KvCacheConfig::new(4, 4, 2, 8)
+            .with_layers(2)
+            .with_dtype(dtype);
         let cache = KvCache::new(&gpu, cfg).unwrap();
         // Rows of very different magnitudes, so scales differ per row.
         let k: Vec<f32> = (0..4 * 16)
@@ -545,14 +512,7 @@ fn copy_blocks_moves_the_scales() {
 #[test]
 fn bad_fp8_scales_are_refused() {
     let Some(gpu) = gpu() else { return };
-    let cfg = KvCacheConfig {
-        num_layers: 1,
-        num_blocks: 1,
-        block_size: 1,
-        num_kv_heads: 2,
-        head_dim: 4,
-        dtype: KvDtype::Fp8E4M3,
-    };
+    let cfg = KvCacheConfig::new(1, 1, 2, 4).with_dtype(KvDtype::Fp8E4M3);
     let cache = KvCache::new(&gpu, cfg).unwrap();
     cache
         .set_fp8_scales(&gpu, 0, &[2.0, 2.0], &[2.0, 2.0])
@@ -597,14 +557,7 @@ fn bad_fp8_scales_are_refused() {
 #[test]
 fn quantized_blocks_are_about_half_of_f16() {
     for hd in [64u32, 128, 256] {
-        let cfg = |dtype| KvCacheConfig {
-            num_layers: 1,
-            num_blocks: 1000,
-            block_size: 16,
-            num_kv_heads: 8,
-            head_dim: hd,
-            dtype,
-        };
+        let cfg = |dtype| KvCacheConfig::new(1000, 16, 8, hd).with_dtype(dtype);
         let f16 = cfg(KvDtype::F16).block_bytes() as f64;
         for dtype in [KvDtype::Int8, KvDtype::Fp8E4M3] {
             let r = cfg(dtype).block_bytes() as f64 / f16;
@@ -682,14 +635,7 @@ fn outlier_channels_round_trip_and_refuse_bad_lists() {
     let Some(gpu) = gpu() else { return };
     let mut rng = SplitMix64::new(seed("outlier channels"));
     for dtype in [KvDtype::Int8, KvDtype::Fp8E4M3] {
-        let cfg = KvCacheConfig {
-            num_layers: 1,
-            num_blocks: 2,
-            block_size: 4,
-            num_kv_heads: 2,
-            head_dim: 16,
-            dtype,
-        };
+        let cfg = KvCacheConfig::new(2, 4, 2, 16).with_dtype(dtype);
         let cache = KvCache::new(&gpu, cfg).unwrap();
         let m = u32::MAX;
         let good = [3, 7, m, m, 0, 15, 8, m];
@@ -757,14 +703,7 @@ fn outlier_channels_round_trip_and_refuse_bad_lists() {
     }
     let f16 = KvCache::new(
         &gpu,
-        KvCacheConfig {
-            num_layers: 1,
-            num_blocks: 1,
-            block_size: 1,
-            num_kv_heads: 1,
-            head_dim: 4,
-            dtype: KvDtype::F16,
-        },
+        KvCacheConfig::new(1, 1, 1, 4).with_dtype(KvDtype::F16),
     )
     .unwrap();
     match f16.set_k_outlier_channels(&gpu, 0, &[0, 1, 2, 3]) {
@@ -805,14 +744,7 @@ fn serial_wide_loads_reach_every_word_of_the_pool() {
             let name = format!("wide {} hd {hd} kvh {kvh} bs {bs}", dtype.name());
             let s = seed(&name);
             let mut rng = SplitMix64::new(s);
-            let cfg = KvCacheConfig {
-                num_layers: 1,
-                num_blocks: nb,
-                block_size: bs,
-                num_kv_heads: kvh,
-                head_dim: hd,
-                dtype,
-            };
+            let cfg = KvCacheConfig::new(nb, bs, kvh, hd).with_dtype(dtype);
             if dtype.quantized() {
                 padded += ((cfg.tail_offset() + cfg.tail_bytes()) % 16 != 0) as u32;
                 assert_eq!(cfg.layer_bytes() % 16, 0, "{name}");

@@ -55,14 +55,9 @@ struct Engine {
 
 impl Engine {
     fn new(gpu: &Gpu) -> Engine {
-        let cfg = KvCacheConfig {
-            num_layers: LAYERS,
-            num_blocks: 24,
-            block_size: BS,
-            num_kv_heads: KVH,
-            head_dim: HD,
-            dtype: KvDtype::F16,
-        };
+        let cfg = KvCacheConfig::new(24, BS, KVH, HD)
+            .with_layers(LAYERS)
+            .with_dtype(KvDtype::F16);
         let kv = KvCache::new(gpu, cfg).unwrap();
         let attn = PagedAttention::new(gpu, &kv, HEADS).unwrap();
         let mut m =

@@ -25,14 +25,9 @@ fn swap_round_trip_is_byte_identical() {
     let Some(gpu) = gpu() else { return };
     for dtype in KvDtype::ALL {
         let mut rng = SplitMix64::new(seed(&format!("swap {}", dtype.name())));
-        let cfg = KvCacheConfig {
-            num_layers: 3,
-            num_blocks: 12,
-            block_size: 4,
-            num_kv_heads: 2,
-            head_dim: 16,
-            dtype,
-        };
+        let cfg = KvCacheConfig::new(12, 4, 2, 16)
+            .with_layers(3)
+            .with_dtype(dtype);
         let cache = KvCache::new(&gpu, cfg).unwrap();
         fill(&gpu, &cache, &mut rng);
         let before: Vec<[Vec<u8>; 2]> = (0..3).map(|l| raw(&gpu, &cache, l)).collect();
@@ -96,14 +91,9 @@ fn decode_after_a_swap_round_trip_is_identical() {
     let Some(gpu) = gpu() else { return };
     for dtype in KvDtype::ALL {
         let mut rng = SplitMix64::new(seed(&format!("swap decode {}", dtype.name())));
-        let cfg = KvCacheConfig {
-            num_layers: 2,
-            num_blocks: 40,
-            block_size: 4,
-            num_kv_heads: 2,
-            head_dim: 16,
-            dtype,
-        };
+        let cfg = KvCacheConfig::new(40, 4, 2, 16)
+            .with_layers(2)
+            .with_dtype(dtype);
         let cache = KvCache::new(&gpu, cfg).unwrap();
         let mut m = BlockManager::new(BlockManagerConfig::new(40, 4).with_swap_space(40)).unwrap();
         m.scramble_free_list(7);

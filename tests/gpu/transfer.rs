@@ -21,14 +21,9 @@ fn all_raw(gpu: &Gpu, cache: &KvCache) -> Vec<[Vec<u8>; 2]> {
 }
 
 fn config(dtype: KvDtype) -> KvCacheConfig {
-    KvCacheConfig {
-        num_layers: 3,
-        num_blocks: 12,
-        block_size: 4,
-        num_kv_heads: 2,
-        head_dim: 16,
-        dtype,
-    }
+    KvCacheConfig::new(12, 4, 2, 16)
+        .with_layers(3)
+        .with_dtype(dtype)
 }
 
 /// A pool with its per-layer state set as a calibrated engine would (fp8

@@ -351,14 +351,7 @@ fn table_packing_is_bounded() {
 /// (no adapter needed), in debug and release.
 #[test]
 fn cache_shapes_that_overflow_fail_validation() {
-    let base = KvCacheConfig {
-        num_layers: 1,
-        num_blocks: 4,
-        block_size: 16,
-        num_kv_heads: 1,
-        head_dim: 64,
-        dtype: KvDtype::F16,
-    };
+    let base = KvCacheConfig::new(4, 16, 1, 64).with_dtype(KvDtype::F16);
     for cfg in [
         KvCacheConfig {
             block_size: 256,

@@ -266,14 +266,7 @@ fn every_kernel_validates_and_translates_to_every_backend() {
 #[test]
 fn param_struct_sizes_match_wgsl() {
     let shape = ShaderShape {
-        head_dim: 128,
         group: 4,
-        block_size: 16,
-        dtype: KvDtype::F32,
-        qtile: 1,
-        paged: true,
-        q_f16: false,
-        out_f16: false,
         ..ShaderShape::default()
     };
     let (module, _) = parse("attention", &shape);
@@ -298,13 +291,6 @@ fn a_broken_shader_is_rejected() {
     // The checks above must be able to fail: a kernel body with a type error.
     let shape = ShaderShape {
         head_dim: 64,
-        group: 1,
-        block_size: 16,
-        dtype: KvDtype::F32,
-        qtile: 1,
-        paged: true,
-        q_f16: false,
-        out_f16: false,
         ..ShaderShape::default()
     };
     let src = source("copy_blocks", &shape)

@@ -148,14 +148,9 @@ pub async fn adapter() -> Result<String, JsValue> {
 pub async fn max_blocks(block_size: u32) -> Result<u32, JsValue> {
     let g = gpu().await?;
     let d = DemoConfig::default();
-    let cfg = KvCacheConfig {
-        num_layers: d.layers,
-        num_blocks: 1,
-        block_size,
-        num_kv_heads: d.num_kv_heads,
-        head_dim: d.head_dim,
-        dtype: KvDtype::F16,
-    };
+    let cfg = KvCacheConfig::new(1, block_size, d.num_kv_heads, d.head_dim)
+        .with_layers(d.layers)
+        .with_dtype(KvDtype::F16);
     Ok(cfg.max_blocks_for(g.max_binding_bytes()))
 }
 
@@ -569,14 +564,7 @@ pub async fn kernel_check(seed: u64) -> Result<String, JsValue> {
     let q = rng.signed_vec(lens.len() * (heads * hd) as usize);
     let mut results = Vec::new();
     for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Bf16] {
-        let cfg = KvCacheConfig {
-            num_layers: 1,
-            num_blocks: nb,
-            block_size: bs,
-            num_kv_heads: kvh,
-            head_dim: hd,
-            dtype,
-        };
+        let cfg = KvCacheConfig::new(nb, bs, kvh, hd).with_dtype(dtype);
         let cache = KvCache::new(&g, cfg).map_err(err)?;
         let (mut k, mut v) = (rng.signed_vec(elems), rng.signed_vec(elems));
         let [kb, vb] = cache.layer(0).map_err(err)?;

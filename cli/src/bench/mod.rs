@@ -130,14 +130,9 @@ pub const BLOCK: u32 = 16;
 
 /// A pool of the grid's shape: `num_blocks` blocks of `layers` layers.
 pub fn grid_config(num_layers: u32, num_blocks: u32, dtype: KvDtype) -> KvCacheConfig {
-    KvCacheConfig {
-        num_layers,
-        num_blocks,
-        block_size: BLOCK,
-        num_kv_heads: KV_HEADS,
-        head_dim: HEAD_DIM,
-        dtype,
-    }
+    KvCacheConfig::new(num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+        .with_layers(num_layers)
+        .with_dtype(dtype)
 }
 
 /// One decode cell of the grid.
@@ -645,13 +640,7 @@ impl StreamRead {
         use pagedattn::gpu::shader::ShaderShape;
         let shape = ShaderShape {
             head_dim: 4,
-            group: 1,
             block_size: 1,
-            dtype: KvDtype::F32,
-            qtile: 1,
-            paged: true,
-            q_f16: false,
-            out_f16: false,
             ..ShaderShape::default()
         };
         let pipe = pagedattn::gpu::kv_cache_pipeline(gpu, "stream_read", &shape)?;
@@ -763,14 +752,9 @@ pub fn scheduler_us_per_seq(steps: usize) -> f64 {
 fn transfer_pool(gpu: &Gpu) -> Result<KvCache, GpuError> {
     KvCache::new(
         gpu,
-        KvCacheConfig {
-            num_layers: 4,
-            num_blocks: 256,
-            block_size: BLOCK,
-            num_kv_heads: KV_HEADS,
-            head_dim: HEAD_DIM,
-            dtype: KvDtype::F16,
-        },
+        KvCacheConfig::new(256, BLOCK, KV_HEADS, HEAD_DIM)
+            .with_layers(4)
+            .with_dtype(KvDtype::F16),
     )
 }
 
@@ -839,14 +823,9 @@ fn remote_ttft(
 ) -> Result<(f64, f64), GpuError> {
     let layers = 4u32;
     let nb = total.div_ceil(BLOCK as usize) as u32;
-    let cfg = KvCacheConfig {
-        num_layers: layers,
-        num_blocks: nb,
-        block_size: BLOCK,
-        num_kv_heads: KV_HEADS,
-        head_dim: HEAD_DIM,
-        dtype: KvDtype::F16,
-    };
+    let cfg = KvCacheConfig::new(nb, BLOCK, KV_HEADS, HEAD_DIM)
+        .with_layers(layers)
+        .with_dtype(KvDtype::F16);
     let (a, b) = (KvCache::new(gpu, cfg)?, KvCache::new(gpu, cfg)?);
     let attn = PagedAttention::new(gpu, &a, HEADS)?;
     let row = (KV_HEADS * HEAD_DIM) as usize;
@@ -954,14 +933,9 @@ pub fn host_step(gpu: &Gpu, steps: usize) -> Result<HostStep, BenchError> {
     let num_blocks = batch * blocks_per_seq;
     let cache = KvCache::new(
         gpu,
-        KvCacheConfig {
-            num_layers: layers,
-            num_blocks,
-            block_size: BLOCK,
-            num_kv_heads: kvh,
-            head_dim: hd,
-            dtype: KvDtype::F16,
-        },
+        KvCacheConfig::new(num_blocks, BLOCK, kvh, hd)
+            .with_layers(layers)
+            .with_dtype(KvDtype::F16),
     )?;
     let attn = PagedAttention::new(gpu, &cache, 2 * kvh)?;
     let mut m = BlockManager::new(BlockManagerConfig::new(num_blocks, BLOCK))?;
@@ -1599,15 +1573,9 @@ fn dtype_rows(
             &r.out.as_entire_buffer_binding(),
         )
     })?;
-    let f16_block = KvCacheConfig {
-        num_layers: 1,
-        num_blocks: 1,
-        block_size: BLOCK,
-        num_kv_heads: KV_HEADS,
-        head_dim: HEAD_DIM,
-        dtype: KvDtype::F16,
-    }
-    .block_bytes() as f64;
+    let f16_block = KvCacheConfig::new(1, BLOCK, KV_HEADS, HEAD_DIM)
+        .with_dtype(KvDtype::F16)
+        .block_bytes() as f64;
     let mut rows: Vec<DtypeRow> = rigs
         .iter()
         .zip(&ms)

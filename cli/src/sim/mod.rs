@@ -285,14 +285,8 @@ pub struct SimConfig {
 /// what `KvCacheConfig::block_bytes` charges per token (blocks of 16: int8
 /// V scales are two per word from 2 tokens per block on).
 pub fn kv_bytes_per_token(dtype: pagedattn::gpu::KvDtype, head_dim: usize) -> usize {
-    let cfg = pagedattn::gpu::KvCacheConfig {
-        num_layers: 1,
-        num_blocks: 1,
-        block_size: 16,
-        num_kv_heads: 1,
-        head_dim: head_dim.min(256) as u32,
-        dtype,
-    };
+    let cfg =
+        pagedattn::gpu::KvCacheConfig::new(1, 16, 1, head_dim.min(256) as u32).with_dtype(dtype);
     (cfg.block_bytes() / 16) as usize
 }
 

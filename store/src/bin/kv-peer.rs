@@ -263,14 +263,9 @@ fn run() -> Result<(), String> {
             std::process::exit(3);
         }
     };
-    let cfg = KvCacheConfig {
-        num_layers: LAYERS,
-        num_blocks: BLOCKS,
-        block_size: BS,
-        num_kv_heads: KVH,
-        head_dim: HD,
-        dtype,
-    };
+    let cfg = KvCacheConfig::new(BLOCKS, BS, KVH, HD)
+        .with_layers(LAYERS)
+        .with_dtype(dtype);
     let kv = KvCache::new(&gpu, cfg).map_err(|e| e.to_string())?;
     let attn = PagedAttention::new(&gpu, &kv, HEADS).map_err(|e| e.to_string())?;
     let mut m = BlockManager::new(BlockManagerConfig::new(BLOCKS, BS).with_prefix_caching(true))
