@@ -36,7 +36,7 @@ use pagedattn::blocks::{
     BatchView, BlockManagerConfig, Child, GroupOutput, RequestId, Scheduler, SchedulerConfig, Step,
 };
 use pagedattn::gpu::{
-    AttentionPlan, AttnOptions, DecodeTables, Gpu, KvCache, KvCacheConfig, KvDtype, PagedAttention,
+    AttentionPlan, AttnOptions, DecodeTables, Gpu, KvCache, KvCacheConfig, PagedAttention,
     PrefillTables, WritePlan,
 };
 use pagedattn::reference::{rel_l2, AttnParams};
@@ -606,7 +606,7 @@ fn sample(
     a: RequestId,
     s: &mut Summary,
     line: &mut Vec<String>,
-) -> Vec<GroupOutput> {
+) -> Res<Vec<GroupOutput>> {
     let mut last_row = std::collections::HashMap::new();
     let mut at = 0usize;
     for row in step.rows() {
@@ -615,10 +615,11 @@ fn sample(
     }
     let mut outputs = Vec::new();
     for &request in step.sample() {
-        // The scheduler samples only requests the engine added.
-        let Some((_, group)) = live.iter_mut().find(|g| g.0 == request) else {
-            continue;
-        };
+        let group = &mut live
+            .iter_mut()
+            .find(|g| g.0 == request)
+            .ok_or("a sampled request untracked")?
+            .1;
         let starting = request == a && group.len() == 1 && group[0].out.is_empty();
         let parents: Vec<(usize, usize)> = if starting {
             (0..SAMPLES).map(|k| (0, k)).collect()
@@ -628,7 +629,9 @@ fn sample(
         let mut children = Vec::new();
         let mut next = Vec::new();
         for (parent, rank) in parents {
-            let r = last_row[&(request, parent)];
+            let r = *last_row
+                .get(&(request, parent))
+                .ok_or("a sampled sequence without a row")?;
             let tok = pick(&logits[r * VOCAB..(r + 1) * VOCAB], rank);
             let p = &group[parent];
             let name = if starting && rank > 0 {
@@ -655,7 +658,7 @@ fn sample(
         *group = next;
         outputs.push(GroupOutput { request, children });
     }
-    outputs
+    Ok(outputs)
 }
 
 /// Serves A (n = 4) and B on a device of the default adapter.
@@ -691,7 +694,7 @@ pub fn run_on(device: &Device, queue: &Queue, quiet: bool) -> Res<Summary> {
     let a = sched.add_request(&prompt_a, SAMPLES, b"")?;
     // Each request's sequences, in its group's order (the scheduler's
     // `Row::index`); A's prompt starts as one.
-    let mut live: Vec<(RequestId, Vec<Live>)> = vec![(a, vec![Live::new("A", 0, HostSeq::new())])];
+    let mut live: Groups = vec![(a, vec![Live::new("A", 0, HostSeq::new())])];
 
     let mut s = Summary {
         adapter,
@@ -726,7 +729,7 @@ pub fn run_on(device: &Device, queue: &Queue, quiet: bool) -> Res<Summary> {
 
         // Sample: each sequence's next token from its last row.
         let mut line = Vec::new();
-        let outputs = sample(&step, &mut live, &logits, a, &mut s, &mut line);
+        let outputs = sample(&step, &mut live, &logits, a, &mut s, &mut line)?;
         // Finished sequences' blocks go back (cached ones stay reusable).
         for f in sched.commit(&step, &outputs)? {
             live.retain(|g| g.0 != f.request);

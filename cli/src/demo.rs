@@ -460,7 +460,8 @@ impl Demo {
         if self.idle >= 2 {
             let (w, r, s) = self.sched.queue_lengths();
             return Err(DemoError::Stalled(format!(
-                "at step {}, {w} requests wait, {r} run and {s} are swapped out, but nothing                  was scheduled twice in a row",
+                "at step {}, {w} requests wait, {r} run and {s} are swapped out, but \
+                 nothing was scheduled twice in a row",
                 self.step
             )));
         }
@@ -476,7 +477,7 @@ impl Demo {
         rep.gpu_ms = now_ms() - t0;
         rep.max_rel_err = max_err;
         self.worst_err = self.worst_err.max(max_err);
-        let outputs = self.sample(&step, &mut rep);
+        let outputs = self.sample(&step, &mut rep)?;
         for f in self.sched.commit(&step, &outputs)? {
             rep.finished += f.sequences.len() as u32;
             self.reqs.remove(&f.request);
@@ -677,13 +678,17 @@ impl Demo {
 
     /// Sampling: the prompt's first token starts `samples` sequences, each
     /// with its own output length; then one token per sequence.
-    fn sample(&mut self, step: &pagedattn::blocks::Step, rep: &mut StepReport) -> Vec<GroupOutput> {
+    fn sample(
+        &mut self,
+        step: &pagedattn::blocks::Step,
+        rep: &mut StepReport,
+    ) -> Result<Vec<GroupOutput>, DemoError> {
         let mut outputs = Vec::with_capacity(step.sample().len());
         for &rid in step.sample() {
-            // The scheduler samples only requests the demo added.
-            let Some(st) = self.reqs.get_mut(&rid) else {
-                continue;
-            };
+            let st = self
+                .reqs
+                .get_mut(&rid)
+                .ok_or(SchedulerError::UnknownRequest(rid))?;
             let mut children = Vec::new();
             let mut next = Vec::new();
             let fresh = st.samples.is_empty();
@@ -724,7 +729,7 @@ impl Demo {
                 children,
             });
         }
-        outputs
+        Ok(outputs)
     }
 
     /// The sequences the pool holds now (swapped-out ones aside), by

@@ -57,7 +57,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     bm.free(id)?;
     // Decode at batch b, each sequence 32 tokens long.
     let ids: Vec<_> = (0..b)
-        .map(|i| bm.add_sequence(&vec![7 + i as u32; 32]))
+        .map(|i| bm.add_sequence(&[7 + i as u32; 32]))
         .collect::<Result<_, _>>()?;
     let _ = bm.batch_view(&ids)?;
     for &i in &ids {

@@ -125,17 +125,15 @@ fn invalid(key: &'static str, value: String, why: String) -> ConfigError {
 }
 
 /// The head shape: heads dividing the model width into a head_dim that is
-/// a multiple of 4, KV heads dividing the heads, no key, value or rotary
-/// length other than head_dim, and widths on the quantisation block.
-/// Returns head_dim.
+/// a multiple of 4, KV heads dividing the heads, and no key, value or
+/// rotary length other than head_dim. Returns head_dim.
 fn check_heads(
     g: &Gguf,
     d_model: usize,
-    d_ffn: usize,
     n_heads: usize,
     n_kv_heads: usize,
 ) -> Result<usize, ConfigError> {
-    if d_model % n_heads != 0 {
+    if !d_model.is_multiple_of(n_heads) {
         return Err(invalid(
             "llama.attention.head_count",
             n_heads.to_string(),
@@ -143,14 +141,14 @@ fn check_heads(
         ));
     }
     let head_dim = d_model / n_heads;
-    if head_dim % 4 != 0 {
+    if !head_dim.is_multiple_of(4) {
         return Err(invalid(
             "llama.attention.head_count",
             n_heads.to_string(),
             format!("head_dim = {d_model} / {n_heads} = {head_dim} is not a multiple of 4"),
         ));
     }
-    if n_kv_heads > n_heads || n_heads % n_kv_heads != 0 {
+    if n_kv_heads > n_heads || !n_heads.is_multiple_of(n_kv_heads) {
         return Err(invalid(
             "llama.attention.head_count_kv",
             n_kv_heads.to_string(),
@@ -162,11 +160,7 @@ fn check_heads(
             let v = g.get_u32(key)? as usize;
             if v != head_dim {
                 return Err(invalid(
-                    if key.ends_with("key_length") {
-                        "llama.attention.key_length"
-                    } else {
-                        "llama.attention.value_length"
-                    },
+                    key,
                     v.to_string(),
                     format!(
                         "only head_dim = embedding_length / head_count = {head_dim} is supported"
@@ -185,6 +179,11 @@ fn check_heads(
             ));
         }
     }
+    Ok(head_dim)
+}
+
+/// The model and FFN widths on the quantisation block.
+fn check_widths(d_model: usize, d_ffn: usize) -> Result<(), ConfigError> {
     for (key, v) in [
         ("llama.embedding_length", d_model),
         ("llama.feed_forward_length", d_ffn),
@@ -197,7 +196,7 @@ fn check_heads(
             ));
         }
     }
-    Ok(head_dim)
+    Ok(())
 }
 
 /// Every layer's tensors, of the shapes `[d_model, q width, kv width,
@@ -228,11 +227,7 @@ impl LlamaConfig {
         let size = |key: &'static str| -> Result<usize, ConfigError> {
             let v = g.get_u32(key)?;
             if v == 0 {
-                return Err(ConfigError::Invalid {
-                    key,
-                    value: v.to_string(),
-                    why: "must be positive".into(),
-                });
+                return Err(invalid(key, v.to_string(), "must be positive".into()));
             }
             Ok(v as usize)
         };
@@ -264,7 +259,8 @@ impl LlamaConfig {
                 "must be finite and positive".into(),
             ));
         }
-        let head_dim = check_heads(g, d_model, d_ffn, n_heads, n_kv_heads)?;
+        let head_dim = check_heads(g, d_model, n_heads, n_kv_heads)?;
+        check_widths(d_model, d_ffn)?;
 
         let embd = g
             .tensor_info(TOKEN_EMBD)

@@ -76,7 +76,7 @@ impl HostMatrix {
     /// Checks the byte count against the shape.
     pub fn check(&self, name: &str) -> Result<(), ModelError> {
         let want = self.rows * (self.cols / 32) * self.fmt.gguf_block_bytes();
-        if self.cols % 32 != 0 || self.data.len() != want {
+        if !self.cols.is_multiple_of(32) || self.data.len() != want {
             return Err(ModelError::Shape(format!(
                 "{name}: {} x {} {:?} needs {want} bytes (columns a multiple of 32), found {}",
                 self.rows,
@@ -252,6 +252,12 @@ pub struct StepInput<'a> {
 
 const MATMUL_TILES: [u32; 4] = [1, 4, 8, 16];
 const WG: usize = 64;
+
+/// The workgroups of a matmul of `n` output columns over `rows` rows at row
+/// tile `rt`: an invocation computes two columns, a workgroup 128.
+fn grid(n: u32, rt: u32, rows: u32) -> (u32, u32) {
+    (n.div_ceil(2 * WG as u32), rows.div_ceil(rt))
+}
 
 struct Mat {
     buf: Buffer,
@@ -485,7 +491,7 @@ pub fn rope_table(max_pos: usize, head_dim: usize, base: f32) -> Vec<[f32; 2]> {
 
 /// The fused QKV row: Q, then K and V each on a 256-byte boundary.
 /// Returns K's offset, V's offset and the row's length, in floats.
-fn qkv_layout(s: &Shape) -> [usize; 3] {
+fn fused_qkv(s: &Shape) -> [usize; 3] {
     let (qw, kw) = (s.heads * s.head_dim, s.kv_heads * s.head_dim);
     let align = |x: usize| x.div_ceil(64) * 64;
     let k_off = align(qw);
@@ -517,14 +523,10 @@ fn matmul_pipelines(
 }
 
 /// Every layer's weights on the device: Q, K and V stacked into one matrix
-/// at the fused row's offsets (`[k_off, v_off, row]`), gate and up into
-/// another.
-fn upload_layers(
-    gpu: &Gpu,
-    w: &HostWeights,
-    [k_off, v_off, qkv_row]: [usize; 3],
-) -> Result<Vec<LayerGpu>, ModelError> {
+/// at the fused row's offsets ([`fused_qkv`]), gate and up into another.
+fn upload_layers(gpu: &Gpu, w: &HostWeights) -> Result<Vec<LayerGpu>, ModelError> {
     let s = w.shape;
+    let [k_off, v_off, qkv_row] = fused_qkv(&s);
     let (qw, kw) = (s.heads * s.head_dim, s.kv_heads * s.head_dim);
     let mut layers = Vec::with_capacity(s.layers);
     for (i, l) in w.layers.iter().enumerate() {
@@ -549,13 +551,14 @@ fn upload_layers(
     Ok(layers)
 }
 
-/// The model's KV cache (one layer a transformer layer) and its attention,
-/// its pipelines compiled.
+/// The model's KV cache (one layer a transformer layer), its attention
+/// with its pipelines compiled, and their plans, which read K, V and Q
+/// from the fused QKV rows ([`fused_qkv`]).
 fn attention(
     gpu: &Gpu,
     s: &Shape,
     cfg: &EngineConfig,
-) -> Result<(KvCache, PagedAttention), ModelError> {
+) -> Result<(KvCache, PagedAttention, WritePlan, AttentionPlan), ModelError> {
     let cache = KvCache::new(
         gpu,
         KvCacheConfig::new(
@@ -572,7 +575,11 @@ fn attention(
         None => PagedAttention::new(gpu, &cache, s.heads as u32)?,
     };
     attn.warm_up(gpu)?;
-    Ok((cache, attn))
+    let qkv_row = fused_qkv(s)[2] as u32;
+    let (mut wplan, mut aplan) = (cache.plan(), attn.plan());
+    wplan.set_kv_stride(Some(qkv_row));
+    aplan.set_q_stride(Some(qkv_row));
+    Ok((cache, attn, wplan, aplan))
 }
 
 impl LayerGroups {
@@ -649,13 +656,10 @@ impl Model {
         let dev = &gpu.device;
         let scope = dev.push_error_scope(wgpu::ErrorFilter::Validation);
         let oom = dev.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
-        let (cache, attn) = attention(&gpu, &s, &cfg)?;
+        let (cache, attn, wplan, aplan) = attention(&gpu, &s, &cfg)?;
 
         let qw = s.heads * s.head_dim;
-        let [k_off, v_off, qkv_row] = qkv_layout(&s);
-        let (mut wplan, mut aplan) = (cache.plan(), attn.plan());
-        wplan.set_kv_stride(Some(qkv_row as u32));
-        aplan.set_q_stride(Some(qkv_row as u32));
+        let [k_off, v_off, qkv_row] = fused_qkv(&s);
 
         let layout4 = layout(dev, 2);
         let layout5 = layout(dev, 3);
@@ -673,7 +677,7 @@ impl Model {
         let pipe_norm = pipeline(&gpu, &playout5, "rmsnorm", WeightFormat::F32, 1)?;
         let pipe_rope = pipeline(&gpu, &playout4, "rope", WeightFormat::F32, 1)?;
         let matmuls = matmul_pipelines(&gpu, &playout4, w)?;
-        let layers = upload_layers(&gpu, w, [k_off, v_off, qkv_row])?;
+        let layers = upload_layers(&gpu, w)?;
         let embed_mat = Mat::upload(&gpu, "embedding", &w.embed);
         let head_mat = w.output.as_ref().map(|m| Mat::upload(&gpu, "output", m));
         let out_norm = upload(&gpu, "output norm", &w.output_norm);
@@ -775,13 +779,17 @@ impl Model {
                 w.layers.len()
             ));
         }
-        if s.d_model % 32 != 0 || s.ffn % 32 != 0 || s.head_dim % 4 != 0 || s.head_dim == 0 {
+        if !s.d_model.is_multiple_of(32)
+            || !s.ffn.is_multiple_of(32)
+            || !s.head_dim.is_multiple_of(4)
+            || s.head_dim == 0
+        {
             return bad(format!(
                 "d_model {} and ffn {} must be multiples of 32, head_dim {} of 4",
                 s.d_model, s.ffn, s.head_dim
             ));
         }
-        if s.kv_heads == 0 || s.heads % s.kv_heads != 0 {
+        if s.kv_heads == 0 || !s.heads.is_multiple_of(s.kv_heads) {
             return bad(format!("{} heads over {} KV heads", s.heads, s.kv_heads));
         }
         if s.context == 0 || s.context > 1 << 20 {
@@ -838,30 +846,15 @@ impl Model {
         kv_dtype: KvDtype,
         kernel: Option<Kernel>,
     ) -> Result<(), ModelError> {
-        let s = self.shape;
-        let cache = KvCache::new(
-            &self.gpu,
-            KvCacheConfig::new(
-                num_blocks,
-                self.cfg.block_size,
-                s.kv_heads as u32,
-                s.head_dim as u32,
-            )
-            .with_layers(s.layers as u32)
-            .with_dtype(kv_dtype),
-        )?;
-        let attn = match kernel {
-            Some(k) => PagedAttention::with_kernel(&self.gpu, &cache, s.heads as u32, k)?,
-            None => PagedAttention::new(&self.gpu, &cache, s.heads as u32)?,
+        let cfg = EngineConfig {
+            num_blocks,
+            kv_dtype,
+            kernel,
+            ..self.cfg
         };
-        attn.warm_up(&self.gpu)?;
-        let (mut wplan, mut aplan) = (cache.plan(), attn.plan());
-        wplan.set_kv_stride(Some(self.qkv_row as u32));
-        aplan.set_q_stride(Some(self.qkv_row as u32));
+        let (cache, attn, wplan, aplan) = attention(&self.gpu, &self.shape, &cfg)?;
         (self.cache, self.attn, self.wplan, self.aplan) = (cache, attn, wplan, aplan);
-        self.cfg.num_blocks = num_blocks;
-        self.cfg.kv_dtype = kv_dtype;
-        self.cfg.kernel = kernel;
+        self.cfg = cfg;
         Ok(())
     }
 
@@ -977,8 +970,6 @@ impl Model {
         let gpu = &self.gpu;
         // A step of prompt chunks only (none reaching its end) needs no logits.
         if l > 0 {
-            // Two output columns an invocation, 128 a workgroup.
-            let grid = |n: u32, rt: u32, rows: u32| (n.div_ceil(2 * WG as u32), rows.div_ceil(rt));
             let mut pass = enc.begin_compute_pass(&Default::default());
             pass.set_pipeline(&self.pipe_norm);
             pass.set_bind_group(0, &self.g_final, &[]);
@@ -1055,9 +1046,7 @@ impl Model {
         let (d, ffn, row) = (sh.d_model as u32, sh.ffn as u32, self.qkv_row as u32);
         let rope_heads = (sh.heads + sh.kv_heads) as u32;
         let half = (sh.head_dim / 2) as u32;
-        // A matmul invocation computes two output columns: a workgroup
-        // covers 128 columns, or 64 gated ones (a gate and an up row each).
-        let grid = |n: u32, rt: u32, rows: u32| (n.div_ceil(2 * WG as u32), rows.div_ceil(rt));
+        // 64 gated columns a workgroup (a gate and an up row each).
         let grid_gated = |n: u32, rt: u32, rows: u32| (n.div_ceil(WG as u32), rows.div_ceil(rt));
         let (k_bind, v_bind) = (
             wgpu::BufferBinding {

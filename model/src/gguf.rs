@@ -718,33 +718,18 @@ pub struct Gguf {
     tensor_index: HashMap<String, usize>,
 }
 
-/// A bounds-checked little-endian reader.
 /// The file's alignment: `general.alignment` (a u32, a power of two up to
 /// 2^30), or the default.
-fn alignment(
-    metadata: &[(String, Value)],
-    meta_index: &HashMap<String, usize>,
-) -> Result<u32, GgufError> {
-    Ok(match meta_index.get("general.alignment") {
-        None => DEFAULT_ALIGNMENT,
-        Some(&i) => {
-            let v = &metadata[i].1;
-            let a = match v {
-                Value::U32(a) => u64::from(*a),
-                other => {
-                    return Err(GgufError::WrongType {
-                        key: "general.alignment".into(),
-                        expected: "u32",
-                        found: other.type_name(),
-                    })
-                }
-            };
-            if a == 0 || !a.is_power_of_two() || a > 1 << 30 {
-                return Err(GgufError::BadAlignment(a));
-            }
-            a as u32
-        }
-    })
+fn file_alignment(value: Option<&Value>) -> Result<u32, GgufError> {
+    let a = match value {
+        None => return Ok(DEFAULT_ALIGNMENT),
+        Some(Value::U32(a)) => u64::from(*a),
+        Some(other) => return Err(Gguf::wrong("general.alignment", "u32", other)),
+    };
+    if a == 0 || !a.is_power_of_two() || a > 1 << 30 {
+        return Err(GgufError::BadAlignment(a));
+    }
+    Ok(a as u32)
 }
 
 /// Every tensor's bytes inside the file, and no two overlapping.
@@ -797,6 +782,7 @@ fn check_layout(tensors: &[TensorInfo], data_offset: u64, len: u64) -> Result<()
     Ok(())
 }
 
+/// A bounds-checked little-endian reader.
 struct Reader<'a> {
     bytes: &'a [u8],
     pos: usize,
@@ -807,9 +793,8 @@ impl<'a> Reader<'a> {
     /// within i64), a known type whose blocks divide the first dim, and
     /// an offset on the file's alignment.
     fn tensor_info(&mut self, alignment: u32) -> Result<TensorInfo, GgufError> {
-        let r = self;
-        let name = r.string()?;
-        let n_dims = r.u32()?;
+        let name = self.string()?;
+        let n_dims = self.u32()?;
         if n_dims > MAX_DIMS {
             return Err(GgufError::TooManyDims {
                 name,
@@ -819,10 +804,10 @@ impl<'a> Reader<'a> {
         }
         let mut dims = Vec::with_capacity(n_dims as usize);
         for _ in 0..n_dims {
-            dims.push(r.u64()?);
+            dims.push(self.u64()?);
         }
-        let ty_id = r.u32()?;
-        let offset = r.u64()?;
+        let ty_id = self.u32()?;
+        let offset = self.u64()?;
         // Element counts stay within i64 as ggml requires.
         let limit = i64::MAX as u64;
         let n_elements = dims
@@ -1054,7 +1039,8 @@ impl Gguf {
             metadata.push((key, value));
         }
 
-        let alignment = alignment(&metadata, &meta_index)?;
+        let alignment =
+            file_alignment(meta_index.get("general.alignment").map(|&i| &metadata[i].1))?;
 
         let mut tensors: Vec<TensorInfo> = Vec::with_capacity(n_tensors as usize);
         let mut tensor_index = HashMap::with_capacity(n_tensors as usize);

@@ -199,11 +199,22 @@ impl State {
         } else {
             match self.req.decoding {
                 Decoding::Sample { .. } => {
-                    for i in 0..self.live.len() {
-                        let lp = rows_of(i)?;
-                        let mut s = self.live[i].sampler.take().ok_or_else(|| {
-                            ModelError::Step(format!("sample {i} has no sampler"))
-                        })?;
+                    // Everything that can fail first: the state stays as
+                    // it was on an error.
+                    let rows: Vec<&[f64]> = (0..self.live.len())
+                        .map(rows_of)
+                        .collect::<Result<_, _>>()?;
+                    let samplers = self
+                        .live
+                        .iter()
+                        .enumerate()
+                        .map(|(i, l)| {
+                            l.sampler.clone().ok_or_else(|| {
+                                ModelError::Step(format!("sample {i} has no sampler"))
+                            })
+                        })
+                        .collect::<Result<Vec<_>, _>>()?;
+                    for (i, (mut s, lp)) in samplers.into_iter().zip(rows).enumerate() {
                         let t = s.sample(lp);
                         picks.push((i, t, lp[t as usize], Some(s)));
                     }
@@ -507,7 +518,7 @@ impl Server {
         }
         self.stats.preempted += step.preempted().len();
         self.import_remote(&step).await?;
-        self.swap(&step).await?;
+        self.run_swaps(&step).await?;
         if step.rows().is_empty() {
             for f in self.sched.commit(&step, &[])? {
                 ended.push(self.finish(f.request));
@@ -618,7 +629,7 @@ impl Server {
     }
 
     /// The step's swaps: out to the swap space first, then back in.
-    async fn swap(&mut self, step: &Step) -> Result<(), ModelError> {
+    async fn run_swaps(&mut self, step: &Step) -> Result<(), ModelError> {
         if step.swap_out().is_empty() && step.swap_in().is_empty() {
             return Ok(());
         }

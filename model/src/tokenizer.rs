@@ -260,8 +260,7 @@ pub struct Tokenizer {
     bytes: Vec<u8>,
     starts: Vec<usize>,
     vocab: HashMap<String, u32>,
-    /// `(left, right) -> (rank, merged)`.
-    merges: HashMap<(u32, u32), (u32, u32)>,
+    merges: Merges,
     /// The token of each single byte, if the vocabulary has one.
     byte_ids: [Option<u32>; 256],
     /// Tokens matched in text: `(text, id, control)`, longest first.

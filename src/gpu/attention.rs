@@ -525,7 +525,6 @@ impl PagedAttention {
             group: num_heads / c.num_kv_heads,
             block_size: c.block_size,
             dtype: c.dtype,
-            qtile: 1,
             paged,
             ..ShaderShape::default()
         }

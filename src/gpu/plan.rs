@@ -734,7 +734,7 @@ impl PagedAttention {
             }
         };
         let row4 = self.num_heads * (self.head_dim / 4);
-        if plan.q_stride != 0 && (plan.q_stride % 4 != 0 || plan.q_stride / 4 < row4) {
+        if plan.q_stride != 0 && (!plan.q_stride.is_multiple_of(4) || plan.q_stride / 4 < row4) {
             return Err(BatchError::Stride {
                 what: "q",
                 stride: plan.q_stride,
@@ -1497,7 +1497,7 @@ impl KvCache {
             return Err(PoolError::SlotTwice { slot: s }.into());
         }
         let row4 = self.cfg.num_kv_heads * self.cfg.head_dim / 4;
-        if plan.kv_stride != 0 && (plan.kv_stride % 4 != 0 || plan.kv_stride / 4 < row4) {
+        if plan.kv_stride != 0 && (!plan.kv_stride.is_multiple_of(4) || plan.kv_stride / 4 < row4) {
             return Err(BatchError::Stride {
                 what: "K/V",
                 stride: plan.kv_stride,

@@ -399,7 +399,7 @@ mod tests {
             return;
         };
         let gpu = Gpu::from_device(&device, &queue);
-        let cfg = KvCacheConfig::new(4, 16, 1, 256).with_dtype(crate::gpu::KvDtype::F32);
+        let cfg = KvCacheConfig::new(4, 16, 1, 256);
         let cache = KvCache::new(&gpu, cfg).unwrap();
         let heads = 8;
         let eligible = PagedAttention::eligible_kernels(&gpu, &cache, heads);

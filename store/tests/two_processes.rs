@@ -138,7 +138,7 @@ fn parse(tag: &str, stdout: &str, out: &Path, stderr: String) -> Option<Run> {
         total: num("of"),
         refused: num("refused"),
         unavailable: num("unavailable") == 1,
-        out: std::fs::read(&out).unwrap(),
+        out: std::fs::read(out).unwrap(),
         stderr,
     };
     eprintln!("{tag}: {}", line.trim());

@@ -157,7 +157,7 @@ fn tables(c: &mut Cursor, r: &mut Reached) {
 
 fn options(c: &mut Cursor, r: &mut Reached) {
     let num_heads = c.byte() as u32 % 5;
-    let opt = |c: &mut Cursor| c.byte() % 2 == 0;
+    let opt = |c: &mut Cursor| c.byte().is_multiple_of(2);
     let o = AttnOptions {
         scale: opt(c).then(|| c.f32()),
         soft_cap: opt(c).then(|| c.f32()),
@@ -211,7 +211,7 @@ fn config(c: &mut Cursor, r: &mut Reached) {
         block_size: c.u32(),
         num_kv_heads: c.u32(),
         head_dim: c.u32(),
-        dtype: if c.byte() % 2 == 0 {
+        dtype: if c.byte().is_multiple_of(2) {
             KvDtype::F32
         } else {
             KvDtype::F16
@@ -220,7 +220,7 @@ fn config(c: &mut Cursor, r: &mut Reached) {
     let want = (1..=256).contains(&cfg.block_size)
         && cfg.block_size.is_power_of_two()
         && cfg.head_dim > 0
-        && cfg.head_dim % 4 == 0
+        && cfg.head_dim.is_multiple_of(4)
         && cfg.head_dim <= 256
         && (1..=MAX_LAYERS).contains(&cfg.num_layers)
         && (1..=MAX_KV_HEADS).contains(&cfg.num_kv_heads)
@@ -251,12 +251,12 @@ fn config(c: &mut Cursor, r: &mut Reached) {
 
 fn pack(c: &mut Cursor, r: &mut Reached) {
     let (_, _, indptr, indices, lens) = csr(c);
-    let slopes: Option<Vec<f32>> = (c.byte() % 2 == 0).then(|| {
+    let slopes: Option<Vec<f32>> = c.byte().is_multiple_of(2).then(|| {
         let n = c.byte() as usize % 4;
         (0..n).map(|_| c.f32()).collect()
     });
     let qtile = c.u32();
-    let qo: Option<Vec<u32>> = (c.byte() % 2 == 0).then(|| {
+    let qo: Option<Vec<u32>> = c.byte().is_multiple_of(2).then(|| {
         let mut v = vec![0u32];
         for _ in 0..lens.len() {
             let last = *v.last().unwrap();
@@ -265,7 +265,7 @@ fn pack(c: &mut Cursor, r: &mut Reached) {
                 _ => last.saturating_add(c.byte() as u32 % 9),
             });
         }
-        if c.byte() % 5 == 0 {
+        if c.byte().is_multiple_of(5) {
             v.pop();
         }
         v

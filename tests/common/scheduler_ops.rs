@@ -369,7 +369,7 @@ pub fn run(data: &[u8]) -> Coverage {
         .with_swap_space(swap_blocks);
     let mut sc = SchedulerConfig::new(max_tokens, max_seqs);
     sc.preemption = preemption;
-    let s = Scheduler::new(cfg.clone(), sc).expect("a valid configuration");
+    let s = Scheduler::new(cfg, sc).expect("a valid configuration");
     let other = Scheduler::new(cfg, sc).expect("a valid configuration");
     let mut h = Harness {
         s,

@@ -172,7 +172,7 @@ fn device_loss_is_seen_by_every_call() {
         ),
         (
             "decode",
-            is_device(&decode_view(&r.attn, &gpu, &r.cache, &q, &v, &opts)),
+            is_device(&decode_view(&r.attn, &gpu, &r.cache, &q, v, &opts)),
         ),
         ("prefill", is_device(&r.prefill(&gpu, &mut rng, 1, &opts))),
         ("read_layer", is_device(&r.cache.read_layer(&gpu, 0))),
@@ -305,7 +305,7 @@ fn device_loss_while_threads_are_busy() {
     assert!(gpu.is_lost());
     let q = r.q(&mut rng);
     let v = &r.view;
-    let d = decode_view(&r.attn, &gpu, &r.cache, &q, &v, &Default::default());
+    let d = decode_view(&r.attn, &gpu, &r.cache, &q, v, &Default::default());
     assert!(is_device(&d), "{d:?}");
 }
 
@@ -397,7 +397,7 @@ fn attention_checks_the_cache_it_is_given() {
     let small = rig(&gpu, &mut rng, &[40], 2, 2, 64);
     let q = big.q(&mut rng);
     let v = &big.view;
-    let r = decode_view(&big.attn, &gpu, &small.cache, &q, &v, &Default::default());
+    let r = decode_view(&big.attn, &gpu, &small.cache, &q, v, &Default::default());
     match r {
         Err(e @ GpuError::Shape(ShapeError::OtherCache { .. })) => {
             assert!(e.to_string().contains("built for"), "{e}")

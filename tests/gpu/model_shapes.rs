@@ -128,7 +128,7 @@ fn run_model(gpu: &Gpu, md: &Model, dtype: KvDtype, window: Option<u32>) {
     );
     let s = seed(&name);
     let mut rng = SplitMix64::new(s);
-    let lens: Vec<usize> = DECODE_LENS.iter().copied().collect();
+    let lens: Vec<usize> = DECODE_LENS.to_vec();
     let bs = 16;
     let nb = blocks_for(&lens, bs, 3) + blocks_for(&PREFILL.map(|p| p.0), bs, 3);
     let cfg = KvCacheConfig::new(nb, bs, md.kv_heads, md.head_dim).with_dtype(dtype);

@@ -18,16 +18,16 @@ use pagedattn::gpu::{
 use pagedattn::reference::{self, rel_l2, AttnParams};
 use pagedattn::rng::SplitMix64;
 
-/// The bound: the targets (int8 1e-2, fp8 5e-2) on unit-normal K/V, and on
-/// outlier keys once calibrated; uncalibrated outlier keys (measured int8
+/// The bound: the targets (`common::decode_tol`: int8 1e-2, fp8 5e-2) on
+/// unit-normal K/V, and on outlier keys once calibrated; uncalibrated
+/// outlier keys (measured int8
 /// 4.2e-2, fp8 8.6e-2) get 6e-2 and 1.2e-1. A x20 channel's rounding error
 /// is 20 times an ordinary one's, and so is its share of q.k's error: it
 /// needs the 4 extra bits of an outlier channel (int8 also needs K
 /// smoothing, so the outliers do not set every row's scale).
 fn bound(d: KvDtype, outliers: usize, calibrated: bool) -> f64 {
     match (d, outliers > 0 && !calibrated) {
-        (KvDtype::Int8, false) => 1e-2,
-        (KvDtype::Fp8E4M3, false) => 5e-2,
+        (KvDtype::Int8 | KvDtype::Fp8E4M3, false) => common::decode_tol(d),
         (KvDtype::Int8, true) => 6e-2,
         (KvDtype::Fp8E4M3, true) => 1.2e-1,
         _ => unreachable!(),
@@ -162,7 +162,7 @@ fn decode_and_prefill_within_the_bounds() {
                         split,
                         ..Default::default()
                     };
-                    let out = decode_view(&attn, &gpu, &r.cache, &q, &v, &o).unwrap();
+                    let out = decode_view(&attn, &gpu, &r.cache, &q, v, &o).unwrap();
                     let e = rel_l2(&out, &want);
                     eprintln!(
                         "{name} decode [{kernel} {split:?}]: rel L2 {e:.3e} (bound {:.1e})",
@@ -746,7 +746,7 @@ fn serial_wide_loads_reach_every_word_of_the_pool() {
             let mut rng = SplitMix64::new(s);
             let cfg = KvCacheConfig::new(nb, bs, kvh, hd).with_dtype(dtype);
             if dtype.quantized() {
-                padded += ((cfg.tail_offset() + cfg.tail_bytes()) % 16 != 0) as u32;
+                padded += !(cfg.tail_offset() + cfg.tail_bytes()).is_multiple_of(16) as u32;
                 assert_eq!(cfg.layer_bytes() % 16, 0, "{name}");
                 assert_eq!(cfg.v_layer_bytes() % 16, 0, "{name}");
                 assert!(cfg.tail_offset() + cfg.tail_bytes() <= cfg.layer_bytes());

@@ -87,7 +87,7 @@ fn randomized_search_for_blocks_shared_across_prefixes_or_tenants() {
         let mut live: Vec<(SeqId, u8)> = Vec::new();
         for _ in 0..200 {
             match rng.below(5) {
-                0 | 1 | 2 => {
+                0..=2 => {
                     let len = 1 + rng.below(12) as usize;
                     let prompt: Vec<u32> =
                         (0..len).map(|_| rng.below(vocab as u64) as u32).collect();

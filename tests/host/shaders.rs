@@ -66,11 +66,11 @@ fn shapes() -> Vec<ShaderShape> {
 fn stream_fit(shape: ShaderShape) -> Option<ShaderShape> {
     let w = pagedattn::gpu::shader::stream_wide(shape.dtype);
     let d4 = shape.head_dim / 4;
-    if d4 % w != 0 {
+    if !d4.is_multiple_of(w) {
         return None;
     }
     let mut lpt = shape.lpt.max(1);
-    while (d4 / w) % lpt != 0 {
+    while !(d4 / w).is_multiple_of(lpt) {
         lpt /= 2;
     }
     Some(ShaderShape {

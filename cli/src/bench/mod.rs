@@ -1127,15 +1127,11 @@ struct Sections<'a> {
 }
 
 impl Sections<'_> {
-    /// Whether the run has used `share` of its time budget (the decode grid
-    /// gets three quarters of it, the later sections the rest).
-    fn over_budget(&self, share: f64) -> bool {
-        self.start.elapsed().as_secs_f64() > self.cfg.max_seconds * share
-    }
-
-    /// Leaves `cell` out when the budget's `share` is spent, and says so.
+    /// Leaves `cell` out when the run has used `share` of its time budget
+    /// (the decode grid gets three quarters of it, the later sections the
+    /// rest), and says so.
     fn out_of_time(&mut self, share: f64, cell: &str) -> bool {
-        let over = self.over_budget(share);
+        let over = self.start.elapsed().as_secs_f64() > self.cfg.max_seconds * share;
         if over {
             let budget = self.cfg.max_seconds;
             self.skipped
@@ -1164,7 +1160,7 @@ impl Sections<'_> {
         };
         let (mut decode, mut tuner) = (Vec::new(), Vec::new());
         for &dtype in dtypes {
-            let dname = if dtype == KvDtype::F32 { "f32" } else { "f16" };
+            let dname = dtype.name();
             progress(self.cfg, &format!("tuning the decode kernel ({dname})"));
             let probe = KvCache::new(self.gpu, grid_config(1, 1, dtype))?;
             let report = self.picks.tune(
@@ -1188,17 +1184,15 @@ impl Sections<'_> {
                     if self.out_of_time(0.75, &cell) {
                         continue;
                     }
-                    let cell_start = std::time::Instant::now();
-                    let Some(mut row) = self.decode_cell(batch, context, dtype, chosen)? else {
+                    let Some(row) =
+                        self.decode_cell(batch, context, dtype, chosen, rated, clock)?
+                    else {
                         let mib = self.gpu.max_binding_bytes() >> 20;
                         self.skipped.push(format!(
                             "{cell}: a layer exceeds the adapter's {mib} MiB binding limit"
                         ));
                         continue;
                     };
-                    row.dtype = dname;
-                    row.of_rated = rated.map(|g| row.effective_gbs / g);
-                    row.sm_mhz = clock.and_then(|c| c.median_since(cell_start)).map(|c| c.0);
                     decode.push(row);
                 }
             }
@@ -1206,15 +1200,19 @@ impl Sections<'_> {
         Ok((decode, tuner))
     }
 
-    /// One decode cell, or `None` where a layer exceeds the binding limit.
-    /// The dtype name, the rated share and the clock are the caller's.
+    /// One decode cell, or `None` where a layer exceeds the binding limit;
+    /// its share of the `rated` bandwidth and the SM clock `clock` logged
+    /// while it ran.
     fn decode_cell(
         &mut self,
         batch: u32,
         context: u32,
         dtype: KvDtype,
         chosen: pagedattn::gpu::Kernel,
+        rated: Option<f64>,
+        clock: Option<&clock::ClockLog>,
     ) -> Result<Option<DecodeRow>, BenchError> {
+        let cell_start = std::time::Instant::now();
         let gpu = self.gpu;
         let Some(r) = rig(gpu, batch, context, dtype, &mut self.rng)? else {
             return Ok(None);
@@ -1261,7 +1259,7 @@ impl Sections<'_> {
         Ok(Some(DecodeRow {
             batch,
             context,
-            dtype: "",
+            dtype: dtype.name(),
             paged_ms,
             identity_ms,
             contiguous_ms,
@@ -1269,8 +1267,8 @@ impl Sections<'_> {
             effective_gbs: eff,
             stream_gbs: stream,
             bandwidth_ratio: eff / stream,
-            of_rated: None,
-            sm_mhz: None,
+            of_rated: rated.map(|g| eff / g),
+            sm_mhz: clock.and_then(|c| c.median_since(cell_start)).map(|c| c.0),
             kernel: chosen.name(),
             variants,
         }))
@@ -1667,6 +1665,9 @@ pub fn render(r: &BenchReport) -> String {
     );
     render_decode(&mut s, r);
     render_dtypes_cascade(&mut s, r);
+    for k in &r.skipped {
+        let _ = writeln!(s, " skipped: {k}");
+    }
     render_split(&mut s, r);
     render_host(&mut s, r);
     s
@@ -1777,12 +1778,9 @@ fn render_dtypes_cascade(s: &mut String, r: &BenchReport) {
     }
 }
 
-/// The cells left out, and split-KV against one pass per sequence.
+/// Split-KV against one pass per sequence.
 fn render_split(s: &mut String, r: &BenchReport) {
     use std::fmt::Write;
-    for k in &r.skipped {
-        let _ = writeln!(s, " skipped: {k}");
-    }
     let _ = writeln!(
         s,
         "\n split (f16)  kernel  batch  context   whole ms   auto ms  whole/auto  auto picks"

@@ -319,9 +319,14 @@ fn variants(small: bool) -> Vec<Variant> {
     variants
 }
 
-/// A filled f16 decode cell the sweep keeps for its later steps: batch,
-/// context, the rig and its shuffled tables.
-type Cell<'a> = (u32, u32, super::DecodeRig<'a>, HostTables);
+/// A filled f16 decode cell the sweep keeps for its later steps.
+struct KeptCell<'a> {
+    batch: u32,
+    context: u32,
+    rig: super::DecodeRig<'a>,
+    /// Shuffled block tables over the rig's pool.
+    tables: HostTables,
+}
 
 /// Runs the sweep on `gpu`.
 pub fn run(gpu: &Gpu, cfg: &SweepConfig) -> Result<SweepReport, BenchError> {
@@ -346,17 +351,16 @@ pub fn run(gpu: &Gpu, cfg: &SweepConfig) -> Result<SweepReport, BenchError> {
     let mut rng = SplitMix64::new(0x5eed_5eed);
     // B: decode variants per cell (f16).
     let (kept, win) = s.decode_cells(&variants(cfg.small), &mut rng)?;
-    let (Some(win), Some((batch, context, first, t))) = (win, kept.first()) else {
+    let (Some(win), Some(first)) = (win, kept.first()) else {
         return Err(BenchError::Config(
             "no decode cell fits this adapter".into(),
         ));
     };
-    let cell = (*batch, *context);
     let pair = [Variant::lanes(win.checks), win];
     // C: splits, on lanes and the winner.
-    s.splits(first, t, cell, pair)?;
+    s.splits(first, pair)?;
     // D: dtypes on lanes and the winner: does time scale with bytes?
-    s.dtypes(first, t, cell, pair, &mut rng)?;
+    s.dtypes(first, pair, &mut rng)?;
     // E: paged (shuffled) against contiguous, on the winner, every cell.
     s.paging(&kept, win, &mut rng)?;
 
@@ -371,6 +375,7 @@ pub fn run(gpu: &Gpu, cfg: &SweepConfig) -> Result<SweepReport, BenchError> {
     })
 }
 
+/// The sweep's steps after the ceilings.
 impl<'a> Sweep<'a> {
     /// `variants` built on `cache`; the ones the shape refuses are said
     /// and left out.
@@ -397,7 +402,7 @@ impl<'a> Sweep<'a> {
         &mut self,
         variants: &[Variant],
         rng: &mut SplitMix64,
-    ) -> Result<(Vec<Cell<'a>>, Option<Variant>), BenchError> {
+    ) -> Result<(Vec<KeptCell<'a>>, Option<Variant>), BenchError> {
         let cells: &[(u32, u32)] = if self.cfg.small {
             &[(8, 1024), (2, 4096)]
         } else {
@@ -432,21 +437,21 @@ impl<'a> Sweep<'a> {
                     .min_by(|a, b| a.0.total_cmp(b.0))
                     .map(|(_, (v, _))| *v);
             }
-            kept.push((batch, context, r, t));
+            kept.push(KeptCell {
+                batch,
+                context,
+                rig: r,
+                tables: t,
+            });
         }
         Ok((kept, win))
     }
 
     /// Split-K on `pair` at one cell: Auto, one partition, and 2 to 16
     /// partitions, where the adapter accepts them.
-    fn splits(
-        &mut self,
-        first: &super::DecodeRig,
-        t: &HostTables,
-        (batch, context): (u32, u32),
-        pair: [Variant; 2],
-    ) -> Result<(), BenchError> {
+    fn splits(&mut self, cell: &KeptCell, pair: [Variant; 2]) -> Result<(), BenchError> {
         let gpu = self.gpu;
+        let (batch, context, first, t) = (cell.batch, cell.context, &cell.rig, &cell.tables);
         self.say(&format!(
             "split-K at batch {batch} context {context}: {}",
             pair[1].label()
@@ -485,12 +490,11 @@ impl<'a> Sweep<'a> {
     /// dtype; each quantized row notes its time over f16's.
     fn dtypes(
         &mut self,
-        first: &super::DecodeRig,
-        t: &HostTables,
-        (batch, context): (u32, u32),
+        cell: &KeptCell,
         pair: [Variant; 2],
         rng: &mut SplitMix64,
     ) -> Result<(), BenchError> {
+        let (batch, context, first, t) = (cell.batch, cell.context, &cell.rig, &cell.tables);
         let mut f16_ms: Option<Vec<f64>> = None;
         for dtype in [KvDtype::F16, KvDtype::Int8, KvDtype::Fp8E4M3] {
             self.say(&format!("dtype {}", dtype.name()));
@@ -534,33 +538,32 @@ impl<'a> Sweep<'a> {
     /// kept cell.
     fn paging(
         &mut self,
-        kept: &[Cell],
+        kept: &[KeptCell],
         win: Variant,
         rng: &mut SplitMix64,
     ) -> Result<(), BenchError> {
         let gpu = self.gpu;
-        for (batch, context, r, shuffled) in kept {
-            let (batch, context) = (*batch, *context);
+        for cell in kept {
+            let (batch, context, r, shuffled) = (cell.batch, cell.context, &cell.rig, &cell.tables);
             self.say(&format!("paging at batch {batch} context {context}"));
             let identity = tables(batch, context, false, rng);
             let paged = PagedAttention::with_config(gpu, &r.cache, HEADS, &win.config())?;
             let contiguous = PagedAttention::contiguous(gpu, &r.cache, HEADS, &win.config())?;
             let what = |k: &str| format!("{} {batch}x{context} {k}", win.label());
-            let none = String::new;
             let rows = [
                 (
                     what("paged, shuffled"),
                     &paged,
                     shuffled,
                     Split::Auto,
-                    none(),
+                    String::new(),
                 ),
                 (
                     what("contiguous"),
                     &contiguous,
                     &identity,
                     Split::Auto,
-                    none(),
+                    String::new(),
                 ),
             ];
             let bytes = kv_bytes(batch, context, KvDtype::F16);

@@ -411,7 +411,7 @@ impl SimConfig {
                     .map_err(|e| SimError::Config(format!("--mla: {e}")))?;
             }
         }
-        if self.head_dim == 0 || self.head_dim % 4 != 0 || self.head_dim > 256 {
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(4) || self.head_dim > 256 {
             return bad(format!(
                 "--head-dim {} is not a multiple of 4 in 4..=256",
                 self.head_dim

@@ -110,7 +110,7 @@ impl Writer {
 
     /// An f32 tensor of `dims` (ne0 first), filled with a ramp.
     fn tensor(&mut self, name: &str, dims: &[u64]) -> &mut Self {
-        while self.data.len() % 32 != 0 {
+        while !self.data.len().is_multiple_of(32) {
             self.data.push(0);
         }
         Self::string(&mut self.infos, name);
@@ -136,7 +136,7 @@ impl Writer {
         out.extend(self.n_kv.to_le_bytes());
         out.extend(&self.kv);
         out.extend(&self.infos);
-        while out.len() % 32 != 0 {
+        while !out.len().is_multiple_of(32) {
             out.push(0);
         }
         out.extend(&self.data);

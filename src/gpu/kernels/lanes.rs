@@ -83,7 +83,7 @@ pub fn lanes_per_token(head_dim: u32, most: u32) -> u32 {
     if lpt > most.max(1) {
         lpt /= 2;
     }
-    while lpt > 1 && d4 % lpt != 0 {
+    while lpt > 1 && !d4.is_multiple_of(lpt) {
         lpt /= 2;
     }
     lpt

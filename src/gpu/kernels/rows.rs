@@ -75,7 +75,7 @@ pub(in crate::gpu) fn shape(gpu: &Gpu, base: &ShaderShape) -> Option<ShaderShape
     // Lanes per row: powers of two dividing d4, up to 16, until a lane
     // keeps at most ROWS_MAX_COLUMNS columns.
     let mut lpr = 1;
-    while lpr < 16 && d4 / lpr > ROWS_MAX_COLUMNS && d4 % (lpr * 2) == 0 {
+    while lpr < 16 && d4 / lpr > ROWS_MAX_COLUMNS && d4.is_multiple_of(lpr * 2) {
         lpr *= 2;
     }
     let rows = (64 / lpr).max(1);

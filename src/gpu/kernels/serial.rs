@@ -92,8 +92,8 @@ impl DecodeKernel for Serial {
 pub fn wide(s: &ShaderShape) -> u32 {
     let d4 = s.head_dim / 4;
     match s.dtype {
-        KvDtype::Int8 | KvDtype::Fp8E4M3 if d4 % 4 == 0 => 4,
-        KvDtype::F16 | KvDtype::Bf16 if d4 % 2 == 0 => 2,
+        KvDtype::Int8 | KvDtype::Fp8E4M3 if d4.is_multiple_of(4) => 4,
+        KvDtype::F16 | KvDtype::Bf16 if d4.is_multiple_of(2) => 2,
         _ => 1,
     }
 }

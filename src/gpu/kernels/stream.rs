@@ -48,7 +48,7 @@ impl DecodeKernel for Stream {
     fn shape(&self, gpu: &Gpu, base: ShaderShape, limit: u32) -> Option<ShaderShape> {
         let d4 = base.head_dim / 4;
         let w = wide(base.dtype);
-        if d4 == 0 || d4 % w != 0 {
+        if d4 == 0 || !d4.is_multiple_of(w) {
             return None;
         }
         let chunks = d4 / w;
@@ -60,7 +60,7 @@ impl DecodeKernel for Stream {
             16
         };
         let mut lanes = 1;
-        while lanes * 2 <= most && chunks % (lanes * 2) == 0 {
+        while lanes * 2 <= most && chunks.is_multiple_of(lanes * 2) {
             lanes *= 2;
         }
         let lv = chunks / lanes * w;
@@ -191,7 +191,7 @@ mod tests {
         for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Int8] {
             for head_dim in [64u32, 128, 256] {
                 for lanes in [1u32, 2, 4, 8, 16] {
-                    if (head_dim / 4 / wide(dtype)) % lanes != 0 {
+                    if !(head_dim / 4 / wide(dtype)).is_multiple_of(lanes) {
                         continue;
                     }
                     for unroll in [1u32, 2, 4] {

@@ -22,7 +22,7 @@ use pagedattn::blocks::{BlockManager, BlockManagerConfig, KvEvent, SeqId};
 use pagedattn::gpu::{AttnOptions, Gpu, KvCache, KvCacheConfig, KvDtype, PagedAttention};
 use pagedattn::reference::{self, rel_l2, AttnParams, HostPool, Stored};
 use pagedattn::rng::SplitMix64;
-use pagedattn_store::{RedisPrefixStore, StoreConfig};
+use pagedattn_store::{Fetch, RedisPrefixStore, StoreConfig};
 
 const LAYERS: u32 = 2;
 const BLOCKS: u32 = 24;
@@ -112,12 +112,7 @@ impl Peer {
     /// Adds the prompt with the remote blocks `fetch` found imported. An
     /// import refused (a block of another layout) uncaches them and adds
     /// the prompt to be computed in full.
-    fn add_prompt(
-        &mut self,
-        prompt: &[u32],
-        salt: &[u8],
-        fetch: &pagedattn_store::Fetch,
-    ) -> Result<Lookup, String> {
+    fn add_prompt(&mut self, prompt: &[u32], salt: &[u8], fetch: &Fetch) -> Result<Lookup, String> {
         let (id, imports): (SeqId, _) = self
             .m
             .add_sequence_with_remote(prompt, salt, fetch.blocks.len())
