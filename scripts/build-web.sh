@@ -20,7 +20,10 @@ want=$(awk '/^name = "wasm-bindgen"$/ { getline; gsub(/version = |"/, ""); print
 have=$(wasm-bindgen --version 2>/dev/null | awk '{ print $2 }' || true)
 if [ "$have" != "$want" ]; then
   echo "installing wasm-bindgen-cli $want (have: ${have:-none})"
-  cargo install wasm-bindgen-cli --version "$want"
+  # Only the `wasm-bindgen` binary, without the TLS stack the test
+  # runner's downloads need (its published lock names crate versions the
+  # registry may not have, so no --locked).
+  cargo install wasm-bindgen-cli --version "$want" --no-default-features --bin wasm-bindgen
 fi
 
 # `cargo rustc --crate-type cdylib` rather than a cdylib in [lib]: native
