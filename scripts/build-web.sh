@@ -6,7 +6,7 @@
 #
 # Needs: rustup (adds the wasm32 target if missing) and the wasm-bindgen CLI
 # at exactly the version of the wasm-bindgen crate in Cargo.lock (installed
-# with `cargo install` if missing: about 4 minutes, once).
+# with `cargo install` if missing: about 2 minutes, once).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
