@@ -23,7 +23,11 @@ if [ "$have" != "$want" ]; then
   # Only the `wasm-bindgen` binary, without the TLS stack the test
   # runner's downloads need (its published lock names crate versions the
   # registry may not have, so no --locked).
-  cargo install wasm-bindgen-cli --version "$want" --no-default-features --bin wasm-bindgen
+  # A tool run once a build on one small module: built at opt-level 1
+  # without LTO, which halves its build on 2 cores (see benches/NOTES.md,
+  # CI time); the profile applies to this install only.
+  CARGO_PROFILE_RELEASE_OPT_LEVEL=1 CARGO_PROFILE_RELEASE_LTO=false CARGO_PROFILE_RELEASE_CODEGEN_UNITS=16 \
+    cargo install wasm-bindgen-cli --version "$want" --no-default-features --bin wasm-bindgen
 fi
 
 # `cargo rustc --crate-type cdylib` rather than a cdylib in [lib]: native

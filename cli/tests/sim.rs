@@ -23,6 +23,11 @@ fn args(extra: &[&str]) -> SimulateArgs {
 
 /// A small sharegpt run that still puts memory under pressure; flags in
 /// `extra` replace the defaults set here.
+/// [`small`] with its flags in one line, split at spaces.
+fn small_line(flags: &str) -> Report {
+    small(&flags.split_whitespace().collect::<Vec<_>>())
+}
+
 fn small(extra: &[&str]) -> Report {
     let mut flags: Vec<&str> = extra.to_vec();
     for (flag, value) in [
@@ -430,18 +435,9 @@ fn quantized_kv_buys_concurrency_under_the_same_memory() {
 /// holds the same tokens and the paged run is step for step f16's.
 #[test]
 fn bf16_kv_holds_what_f16_holds() {
-    let r = small(&[
-        "--kv-dtype",
-        "f16,bf16",
-        "--policies",
-        "paged",
-        "--sampling",
-        "single",
-        "--arrival",
-        "all",
-        "--requests",
-        "300",
-    ]);
+    let r = small_line(
+        "--kv-dtype f16,bf16 --policies paged --sampling single --arrival all --requests 300",
+    );
     let p = &r.scenarios[0].policies;
     assert_eq!(p.len(), 2);
     let (f16, bf16) = (&p[0], &p[1]);
@@ -522,20 +518,7 @@ fn recompute_and_swap_are_compared_by_block_size() {
 /// tokens, and the same requests finish in no more steps.
 #[test]
 fn an_mla_pool_holds_what_its_bytes_hold() {
-    let r = small(&[
-        "--kv-dtype",
-        "f16",
-        "--mla",
-        "512:64",
-        "--policies",
-        "paged",
-        "--sampling",
-        "single",
-        "--budget",
-        "4096",
-        "--requests",
-        "200",
-    ]);
+    let r = small_line("--kv-dtype f16 --mla 512:64 --policies paged --sampling single --budget 4096 --requests 200");
     let p = &r.scenarios[0].policies;
     assert_eq!(p.len(), 2);
     let (gqa, mla) = (&p[0], &p[1]);

@@ -1098,6 +1098,23 @@ impl Harness {
         None
     }
 
+    /// A swap the model says fails with `err`: the manager returned that
+    /// error and changed nothing. Whether it was refused.
+    fn swap_refused(
+        &mut self,
+        res: &Result<Vec<[u32; 2]>, BlockError>,
+        err: Option<BlockError>,
+        pre: &BlockManager,
+        what: &str,
+    ) -> bool {
+        let Some(e) = err else { return false };
+        self.cov.unknown += matches!(e, BlockError::UnknownSequence(_)) as usize;
+        self.cov.duplicate += matches!(e, BlockError::DuplicateInBatch(_)) as usize;
+        assert_eq!(*res, Err(e));
+        self.expect_unchanged(pre, what);
+        true
+    }
+
     fn op_swap_out(&mut self, input: &mut Bytes) {
         let group = self.pick_group(input, false);
         let pre = self.m.clone();
@@ -1125,11 +1142,7 @@ impl Harness {
                 self.cov.swap_full += 1;
             }
         }
-        if let Some(e) = err {
-            self.cov.unknown += matches!(e, BlockError::UnknownSequence(_)) as usize;
-            self.cov.duplicate += matches!(e, BlockError::DuplicateInBatch(_)) as usize;
-            assert_eq!(res, Err(e));
-            self.expect_unchanged(&pre, "swap_out");
+        if self.swap_refused(&res, err, &pre, "swap_out") {
             return;
         }
         let pairs = res.expect("a swap-out that fits must succeed");
@@ -1207,11 +1220,7 @@ impl Harness {
                 self.cov.out_of_blocks += 1;
             }
         }
-        if let Some(e) = err {
-            self.cov.unknown += matches!(e, BlockError::UnknownSequence(_)) as usize;
-            self.cov.duplicate += matches!(e, BlockError::DuplicateInBatch(_)) as usize;
-            assert_eq!(res, Err(e));
-            self.expect_unchanged(&pre, "swap_in");
+        if self.swap_refused(&res, err, &pre, "swap_in") {
             return;
         }
         let pairs = res.expect("a swap-in that fits must succeed");

@@ -142,6 +142,25 @@ fn run(
     run_with(gpu, b, kernel, ActDtype::F32, q, f32::NAN, o)
 }
 
+/// One cascade run's checks: it took the cascade (segments, fewer K/V
+/// bytes than plain decode) and its output is within `tol` of `want`.
+fn assert_cascade(
+    what: &str,
+    (out, rep): (Vec<f32>, Option<(u64, u64, usize)>),
+    want: &[f64],
+    tol: f64,
+    seed: u64,
+) {
+    let (cb, pb, segs) = rep.expect("a tree with shared blocks runs the cascade");
+    assert!(segs > 0 && cb < pb, "{what}: {cb} >= {pb} bytes");
+    let e = rel_l2(&out, want);
+    eprintln!(
+        "{what}: rel L2 {e:.3e}, {segs} segments, K/V bytes {:.2} of plain",
+        cb as f64 / pb as f64
+    );
+    assert!(e < tol, "{what}: rel L2 {e:.3e} (seed {seed})");
+}
+
 /// [`run`] with bf16 activations: Q given as bf16, the output read as bf16.
 fn run_bf16(
     gpu: &Gpu,
@@ -287,15 +306,9 @@ fn cascade_matches_the_reference_on_random_trees() {
                     &b.lens,
                 );
                 for kernel in [Kernel::Tiled, Kernel::Lanes, Kernel::Serial] {
-                    let (out, rep) = run(&gpu, &b, kernel, &q, &o);
-                    let (cb, pb, segs) = rep.expect("a tree with shared blocks runs the cascade");
-                    assert!(segs > 0 && cb < pb, "{name} {vname}: {cb} >= {pb} bytes");
-                    let e = rel_l2(&out, &want);
-                    eprintln!("{name} {vname} [{kernel}]: rel L2 {e:.3e}, {segs} segments, K/V bytes {:.2} of plain", cb as f64 / pb as f64);
-                    assert!(
-                        e < tol,
-                        "{name} {vname} [{kernel}]: rel L2 {e:.3e} (seed {s})"
-                    );
+                    let what = format!("{name} {vname} [{kernel}]");
+                    let ran = run(&gpu, &b, kernel, &q, &o);
+                    assert_cascade(&what, ran, &want, tol, s);
                 }
                 // And plain decode gives the same.
                 let plain = AttnOptions {
@@ -338,12 +351,8 @@ fn cascade_takes_bf16_activations() {
         &b.lens,
     );
     for kernel in [Kernel::Tiled, Kernel::Lanes, Kernel::Serial] {
-        let (out, rep) = run_bf16(&gpu, &b, kernel, &q, &o);
-        let (cb, pb, segs) = rep.expect("a tree with shared blocks runs the cascade");
-        assert!(segs > 0 && cb < pb);
-        let e = rel_l2(&out, &want);
-        eprintln!("bf16 activations, cascade [{kernel}]: rel L2 {e:.3e}, {segs} segments");
-        assert!(e < 8e-3, "[{kernel}]: rel L2 {e:.3e} (seed {s})");
+        let what = format!("bf16 activations, cascade [{kernel}]");
+        assert_cascade(&what, run_bf16(&gpu, &b, kernel, &q, &o), &want, 8e-3, s);
     }
 }
 
@@ -524,7 +533,8 @@ fn rows_segment_pass_matches_the_reference_over_head_shapes() {
         (1, 20, 48, KvDtype::F16),
         (1, 2, 256, KvDtype::F32),
     ];
-    for (kvh, group, hd, dtype) in shapes {
+    // A secondary backend: an odd group over f16, and the widest head.
+    for (kvh, group, hd, dtype) in grid("rows pass shapes", &shapes, &[1, 4]) {
         let heads = kvh * group;
         let slopes: Vec<f32> = (0..heads)
             .map(|h| 2f32.powf(-(h as f32 + 1.0) / 2.0))

@@ -124,14 +124,17 @@ fn rig(
 fn decode_and_prefill_within_the_bounds() {
     let Some(gpu) = gpu() else { return };
     let lens = [1usize, 40, 333, 1200];
-    for (dtype, outliers, calibrated) in [
+    let configs = [
         (KvDtype::Int8, 0, false),
         (KvDtype::Int8, 4, false),
         (KvDtype::Int8, 4, true),
         (KvDtype::Fp8E4M3, 0, false),
         (KvDtype::Fp8E4M3, 4, false),
         (KvDtype::Fp8E4M3, 4, true),
-    ] {
+    ];
+    // A secondary backend: each dtype once, the outliers and the
+    // calibration through one of them.
+    for (dtype, outliers, calibrated) in grid("quantized pools", &configs, &[0, 5]) {
         {
             let name = format!(
                 "{} outliers {outliers}{}",

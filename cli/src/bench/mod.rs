@@ -1732,17 +1732,28 @@ fn render_decode(s: &mut String, r: &BenchReport) {
     }
 }
 
+/// A table: its header line, then one line per row; nothing when there
+/// are no rows.
+fn table<T>(s: &mut String, header: &str, rows: &[T], line: impl Fn(&T) -> String) {
+    if rows.is_empty() {
+        return;
+    }
+    s.push_str(header);
+    s.push('\n');
+    for r in rows {
+        s.push_str(&line(r));
+        s.push('\n');
+    }
+}
+
 /// Decode per KV dtype, and the cascade against plain decode.
 fn render_dtypes_cascade(s: &mut String, r: &BenchReport) {
-    use std::fmt::Write;
-    if !r.dtypes.is_empty() {
-        let _ = writeln!(
-            s,
-            "\n KV dtype  batch  context  kernel      ms    K+V MB  block/f16  time/f16"
-        );
-        for d in &r.dtypes {
-            let _ = writeln!(
-                s,
+    table(
+        s,
+        "\n KV dtype  batch  context  kernel      ms    K+V MB  block/f16  time/f16",
+        &r.dtypes,
+        |d| {
+            format!(
                 " {:<8}  {:>5}  {:>7}  {:<8}  {:>8.3}  {:>7.1}  {:>9.3}  {:>8.2}",
                 d.dtype,
                 d.batch,
@@ -1752,17 +1763,15 @@ fn render_dtypes_cascade(s: &mut String, r: &BenchReport) {
                 d.kv_bytes as f64 / 1e6,
                 d.block_bytes_over_f16,
                 d.time_over_f16
-            );
-        }
-    }
-    if !r.cascade.is_empty() {
-        let _ = writeln!(
-            s,
-            "\n cascade (f16): n  prompt  private  kernel    plain ms  cascade ms  plain/cascade  K/V bytes cascade/plain  Auto picks"
-        );
-        for c in &r.cascade {
-            let _ = writeln!(
-                s,
+            )
+        },
+    );
+    table(
+        s,
+        "\n cascade (f16): n  prompt  private  kernel    plain ms  cascade ms  plain/cascade  K/V bytes cascade/plain  Auto picks",
+        &r.cascade,
+        |c| {
+            format!(
                 "  {:>13}  {:>6}  {:>7.0}  {:<8}  {:>8.3}  {:>10.3}  {:>13.2}  {:>24.3}  {}",
                 c.n,
                 c.prompt,
@@ -1773,9 +1782,9 @@ fn render_dtypes_cascade(s: &mut String, r: &BenchReport) {
                 c.speedup,
                 c.cascade_bytes as f64 / c.plain_bytes.max(1) as f64,
                 if c.auto_uses { "cascade" } else { "plain" }
-            );
-        }
-    }
+            )
+        },
+    );
 }
 
 /// Split-KV against one pass per sequence.
