@@ -8,7 +8,7 @@
 # web/screenshot-model.png (or $PAGEDATTN_SCREENSHOT and
 # $PAGEDATTN_MODEL_SCREENSHOT).
 #
-# The first run also installs the wasm-bindgen CLI (about 2 minutes); caching
+# The first run also installs the wasm-bindgen CLI (about 1 minute); caching
 # ~/.cargo/bin/wasm-bindgen in CI skips that.
 set -euo pipefail
 cd "$(dirname "$0")/.."
