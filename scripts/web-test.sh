@@ -13,14 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if [ ! -x /usr/bin/chromium ]; then
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq
-  apt-get install -y -qq chromium >/dev/null
-fi
-if [ ! -d web/test/node_modules/playwright-core ]; then
-  (cd web/test && npm ci --no-audit --no-fund --loglevel=error)
-fi
+scripts/web-test-deps.sh
 
 scripts/build-web.sh
 # The real-model page loads the fetched model from the served folder.

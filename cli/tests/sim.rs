@@ -21,13 +21,13 @@ fn args(extra: &[&str]) -> SimulateArgs {
     Cli::try_parse_from(v).expect("valid flags").args
 }
 
-/// A small sharegpt run that still puts memory under pressure; flags in
-/// `extra` replace the defaults set here.
 /// [`small`] with its flags in one line, split at spaces.
 fn small_line(flags: &str) -> Report {
     small(&flags.split_whitespace().collect::<Vec<_>>())
 }
 
+/// A small sharegpt run that still puts memory under pressure; flags in
+/// `extra` replace the defaults set here.
 fn small(extra: &[&str]) -> Report {
     let mut flags: Vec<&str> = extra.to_vec();
     for (flag, value) in [

@@ -12,6 +12,7 @@ use pagedattn::gpu::{
 use pagedattn::reference::{self, rel_l2, AttnParams};
 use pagedattn::rng::SplitMix64;
 
+#[derive(Clone)]
 struct Case {
     block_size: u32,
     num_kv_heads: u32,
@@ -176,22 +177,22 @@ fn mixed_batch_f16() {
 /// and a GQA-8 head of 64 in blocks of 8 split into 64-token partitions.
 #[test]
 fn mixed_batch_bf16() {
+    let cases = [
+        (
+            "bf16 mixed",
+            case(16, 2, 4, 128, KvDtype::Bf16, &[1, 15, 16, 17, 300, 1200]),
+        ),
+        (
+            "bf16 bs8 gqa8 split",
+            with(case(8, 1, 8, 64, KvDtype::Bf16, &[7, 8, 9, 250]), |o| {
+                o.split = Split::Tokens(64)
+            }),
+        ),
+    ];
     // A secondary backend runs the first: every kernel over a bf16 pool
     // (attention_variants runs its split-K partitions in f32 and f16).
-    for which in grid("bf16 cases", &[0, 1], &[0]) {
-        if which == 0 {
-            check(
-                "bf16 mixed",
-                case(16, 2, 4, 128, KvDtype::Bf16, &[1, 15, 16, 17, 300, 1200]),
-            );
-        } else {
-            check(
-                "bf16 bs8 gqa8 split",
-                with(case(8, 1, 8, 64, KvDtype::Bf16, &[7, 8, 9, 250]), |o| {
-                    o.split = Split::Tokens(64)
-                }),
-            );
-        }
+    for (name, c) in grid("bf16 cases", &cases, &[0]) {
+        check(name, c);
     }
 }
 
