@@ -7,6 +7,7 @@ use naga::back::{glsl, hlsl, msl, spv};
 use naga::valid::{Capabilities, ModuleInfo, ValidationFlags, Validator};
 use pagedattn::gpu::shader::{source, ShaderShape, KERNELS};
 use pagedattn::gpu::{params::PARAM_STRUCTS, KvDtype};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 fn shapes() -> Vec<ShaderShape> {
     let mut v = Vec::new();
@@ -235,7 +236,7 @@ fn every_mla_kernel_validates_and_translates_to_every_backend() {
 
 #[test]
 fn every_kernel_validates_and_translates_to_every_backend() {
-    let mut n = 0;
+    let mut work = Vec::new();
     let mut skipped = 0;
     for (kernel, _) in KERNELS {
         for shape in shapes() {
@@ -253,12 +254,31 @@ fn every_kernel_validates_and_translates_to_every_backend() {
                 },
                 _ => shape,
             };
-            let (module, info) = parse(kernel, &shape);
-            translate(kernel, &shape, &module, &info);
-            n += 1;
+            work.push((*kernel, shape));
         }
     }
-    eprintln!("{n} kernel instances validated and translated to SPIR-V, MSL, HLSL and GLSL");
+    // Each instance is independent CPU work (naga parses, validates and
+    // writes four languages): the machine's threads share the list. A
+    // panic in one (naming its kernel and shape) fails the test at the join.
+    let next = AtomicUsize::new(0);
+    let done = AtomicUsize::new(0);
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some((kernel, shape)) = work.get(i) else {
+                    break;
+                };
+                let (module, info) = parse(kernel, shape);
+                translate(kernel, shape, &module, &info);
+                done.fetch_add(1, Ordering::Relaxed);
+            });
+        }
+    });
+    let n = done.into_inner();
+    eprintln!("{n} kernel instances validated and translated to SPIR-V, MSL, HLSL and GLSL ({threads} threads)");
+    assert_eq!(n, work.len());
     assert_eq!(n + skipped, KERNELS.len() * shapes().len());
     assert!(n > skipped);
 }
