@@ -259,9 +259,9 @@ fn every_kernel_validates_and_translates_to_every_backend() {
     }
     // Each instance is independent CPU work (naga parses, validates and
     // writes four languages): the machine's threads share the list. A
-    // panic in one (naming its kernel and shape) fails the test at the join.
+    // panic in one (naming its kernel and shape) fails the test at the
+    // join, so past it every instance passed.
     let next = AtomicUsize::new(0);
-    let done = AtomicUsize::new(0);
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     std::thread::scope(|s| {
         for _ in 0..threads {
@@ -272,13 +272,11 @@ fn every_kernel_validates_and_translates_to_every_backend() {
                 };
                 let (module, info) = parse(kernel, shape);
                 translate(kernel, shape, &module, &info);
-                done.fetch_add(1, Ordering::Relaxed);
             });
         }
     });
-    let n = done.into_inner();
+    let n = work.len();
     eprintln!("{n} kernel instances validated and translated to SPIR-V, MSL, HLSL and GLSL ({threads} threads)");
-    assert_eq!(n, work.len());
     assert_eq!(n + skipped, KERNELS.len() * shapes().len());
     assert!(n > skipped);
 }
