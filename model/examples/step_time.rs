@@ -1,12 +1,13 @@
 //! Times the model's forward step on the default adapter: a prefill of
 //! `P` rows, then decode steps at batch `B` (env `STEP_P`, `STEP_B`,
-//! `STEP_N` repetitions). For comparing kernel variants with farm-bench or
-//! by eye; not a test.
+//! `STEP_N` repetitions; `STEP_MATMUL` = `workgroup` or `subgroup` picks
+//! the matmul's staging, else the engine's `Auto`). For comparing kernel
+//! variants with farm-bench or by eye; not a test.
 
 use std::time::Instant;
 
 use pagedattn::blocks::{BlockManager, BlockManagerConfig};
-use pagedattn_model::engine::{EngineConfig, Model, StepInput};
+use pagedattn_model::engine::{EngineConfig, MatmulStaging, Model, StepInput};
 use pagedattn_model::generate::{default_model_path, open_device};
 
 fn env(k: &str, d: usize) -> usize {
@@ -24,6 +25,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         num_blocks: 128,
         max_rows: p.max(b),
         max_logit_rows: b.max(1),
+        matmul: match std::env::var("STEP_MATMUL").as_deref() {
+            Ok("workgroup") => MatmulStaging::Workgroup,
+            Ok("subgroup") => MatmulStaging::Subgroup,
+            _ => MatmulStaging::Auto,
+        },
         ..EngineConfig::default()
     };
     let mut model = Model::new(&device, &queue, &l.weights, cfg)?;

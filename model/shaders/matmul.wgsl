@@ -4,15 +4,22 @@
 // One invocation per output column c (a weight row) and tile of R
 // activation rows (R = 1, 4, 8 or 16): it dequantizes each 32-element block of
 // its weight row once, four elements at a time, and applies it to the R
-// rows, so a step reads its weights once per tile of R rows. The tile's
-// rows of the current block are staged in workgroup memory. Accumulators
+// rows, so a step reads its weights once per tile of R rows. Accumulators
 // are vec4s (four rows of the tile each), never arrays, so they stay in
 // registers. Accumulation in f32.
+//
+// Every invocation needs the tile's rows of the current block. How they
+// are shared is the staging file appended after this one, which also
+// declares the entry point `main` (calling `run` below) and defines
+// `stage`, `unstage` and `row`:
+//   matmul_tile.wgsl:     through workgroup memory (every adapter);
+//   matmul_subgroup.wgsl: through subgroup shuffles (subgroups of 8+ lanes).
+// The engine's `MatmulStaging` picks one.
 //
 // mode 0: out = acc; mode 1: out += acc (the residual);
 // mode 2 (gated FFN): W holds the n_out gate rows, then the n_out up rows;
 //         out = silu(gate) * up.
-// The Rust side prepends FMT, BLOCK_WORDS and R.
+// The Rust side prepends FMT, BLOCK_WORDS and R, and appends the staging.
 
 struct Params {
     m: u32,       // activation rows
@@ -32,9 +39,6 @@ struct Params {
 
 const WG: u32 = 64u;
 
-// The tile's R rows of the current block: R x 8 vec4s (rows past m are 0).
-var<workgroup> tile: array<vec4<f32>, R * 8u>;
-
 // The tile's rows r0..r0+3 at vec4 column j.
 struct T4 {
     a: vec4<f32>,
@@ -44,7 +48,7 @@ struct T4 {
 }
 
 fn rows4(r0: u32, j: u32) -> T4 {
-    return T4(tile[r0 * 8u + j], tile[(r0 + 1u) * 8u + j], tile[(r0 + 2u) * 8u + j], tile[(r0 + 3u) * 8u + j]);
+    return T4(row(r0, j), row(r0 + 1u, j), row(r0 + 2u, j), row(r0 + 3u, j));
 }
 
 fn dots(wv: vec4<f32>, t: T4) -> vec4<f32> {
@@ -61,7 +65,7 @@ struct Acc {
 // Two weight vec4s (of two rows) against the tile: each tile load serves both.
 fn accumulate(acc: ptr<function, Acc>, acc2: ptr<function, Acc>, wv: vec4<f32>, wv2: vec4<f32>, j: u32) {
     if R == 1u {
-        let t = tile[j];
+        let t = row(0u, j);
         (*acc).a.x += dot(wv, t);
         (*acc2).a.x += dot(wv2, t);
     } else {
@@ -137,8 +141,10 @@ fn store4(r0: u32, c: u32, g: vec4<f32>, u: vec4<f32>, n: u32) {
     }
 }
 
-@compute @workgroup_size(64)
-fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
+// The body of the entry point, which the staging file declares (with the
+// builtins its staging reads): workgroup wid, invocation lid of it, lane sid
+// of its subgroup (0 without subgroups).
+fn run(wid: vec3<u32>, lid: vec3<u32>, sid: u32) {
     let gated = p.mode == 2u;
     // Gated: columns c of the gate and of the up rows; else columns c and
     // c + 64 of a workgroup's 128.
@@ -155,21 +161,14 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid
     let z = vec4<f32>(0.0);
     var acc = Acc(z, z, z, z);
     var acc2 = Acc(z, z, z, z);
+    // Columns past the matrix read its last row, their sums never stored:
+    // every invocation runs the loop (the subgroup staging needs them all).
+    let cr = min(c, p.n_out - 1u);
+    let cr2 = select(cr, c2, live2);
     for (var kb = 0u; kb < nb; kb++) {
-        for (var i = lid.x; i < R * 8u; i += WG) {
-            let r = t0 + i / 8u;
-            var x = vec4<f32>(0.0);
-            if r < p.m {
-                x = a[r * (p.lda / 4u) + kb * 8u + i % 8u];
-            }
-            tile[i] = x;
-        }
-        workgroupBarrier();
-        if live {
-            // A second column past the matrix reads the first's row again.
-            block(&acc, &acc2, c, select(c, c2, live2), kb, nb);
-        }
-        workgroupBarrier();
+        stage(t0, kb, lid.x, sid);
+        block(&acc, &acc2, cr, cr2, kb, nb);
+        unstage();
     }
     if !live {
         return;

@@ -225,6 +225,54 @@ pub struct EngineConfig {
     pub max_logit_rows: usize,
     /// The decode kernel; `None`: pagedattn's default for the adapter.
     pub kernel: Option<Kernel>,
+    /// How the matmul shares activation rows among its invocations.
+    pub matmul: MatmulStaging,
+}
+
+/// How the matmul's invocations share the activation rows of a tile (each
+/// invocation computes output columns, and every column needs every row).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum MatmulStaging {
+    /// [`Subgroup`](Self::Subgroup) on a CPU adapter whose device has
+    /// subgroups of at least 8 lanes (measured there: benches/NOTES.md),
+    /// [`Workgroup`](Self::Workgroup) everywhere else.
+    #[default]
+    Auto,
+    /// The workgroup copies the rows into workgroup memory, and every
+    /// invocation reads them from there. Every adapter.
+    Workgroup,
+    /// Each lane loads an eighth of the rows, and subgroup shuffles hand
+    /// them to the others: no workgroup memory, no barriers. Needs
+    /// `Features::SUBGROUP` with subgroups of at least 8 lanes.
+    Subgroup,
+}
+
+impl MatmulStaging {
+    /// Whether `gpu`'s device runs the subgroup staging.
+    pub fn subgroups_fit(gpu: &Gpu) -> bool {
+        gpu.features.contains(wgpu::Features::SUBGROUP) && gpu.info.subgroup_min_size >= 8
+    }
+
+    /// What this choice runs on `gpu`: `Workgroup` or `Subgroup`; an error
+    /// for `Subgroup` where the device has no subgroups of 8 lanes.
+    pub fn resolve(self, gpu: &Gpu) -> Result<Self, ModelError> {
+        let fit = Self::subgroups_fit(gpu);
+        match self {
+            Self::Auto if fit && gpu.info.device_type == wgpu::DeviceType::Cpu => Ok(Self::Subgroup),
+            Self::Auto | Self::Workgroup => Ok(Self::Workgroup),
+            Self::Subgroup if fit => Ok(Self::Subgroup),
+            Self::Subgroup => Err(ModelError::Shape(format!(
+                "the subgroup matmul needs Features::SUBGROUP with subgroups of at least 8 lanes; {} has {}",
+                gpu.info.name,
+                if gpu.features.contains(wgpu::Features::SUBGROUP) {
+                    format!("subgroups of {} to {} lanes", gpu.info.subgroup_min_size, gpu.info.subgroup_max_size)
+                } else {
+                    "no subgroups on this device".to_string()
+                }
+            ))),
+        }
+    }
 }
 
 impl Default for EngineConfig {
@@ -236,6 +284,7 @@ impl Default for EngineConfig {
             max_rows: 256,
             max_logit_rows: 32,
             kernel: None,
+            matmul: MatmulStaging::Auto,
         }
     }
 }
@@ -412,17 +461,30 @@ fn bind(dev: &wgpu::Device, layout: &BindGroupLayout, bufs: &[&Buffer]) -> BindG
 }
 
 /// The WGSL source of a kernel as compiled: the prelude of constants, the
-/// shared quant helpers, the kernel file.
-pub fn shader_source(kernel: &str, fmt: WeightFormat, rt: u32) -> Result<String, ModelError> {
-    let body = match kernel {
-        "matmul" => include_str!("../shaders/matmul.wgsl"),
-        "embed" => include_str!("../shaders/embed.wgsl"),
-        "rmsnorm" => include_str!("../shaders/rmsnorm.wgsl"),
-        "rope" => include_str!("../shaders/rope.wgsl"),
+/// shared quant helpers, the kernel file, and for the matmul the staging
+/// file `staging` picks (`Auto` reads as `Workgroup` here: resolve it
+/// against a device first).
+pub fn shader_source(
+    kernel: &str,
+    fmt: WeightFormat,
+    rt: u32,
+    staging: MatmulStaging,
+) -> Result<String, ModelError> {
+    let (body, tail) = match kernel {
+        "matmul" => (
+            include_str!("../shaders/matmul.wgsl"),
+            match staging {
+                MatmulStaging::Subgroup => include_str!("../shaders/matmul_subgroup.wgsl"),
+                _ => include_str!("../shaders/matmul_tile.wgsl"),
+            },
+        ),
+        "embed" => (include_str!("../shaders/embed.wgsl"), ""),
+        "rmsnorm" => (include_str!("../shaders/rmsnorm.wgsl"), ""),
+        "rope" => (include_str!("../shaders/rope.wgsl"), ""),
         other => return Err(ModelError::Shape(format!("no kernel named {other}"))),
     };
     Ok(format!(
-        "// prelude (generated)\nconst FMT: u32 = {}u;\nconst BLOCK_WORDS: u32 = {}u;\nconst R: u32 = {rt}u;\n\n{}\n{body}",
+        "// prelude (generated)\nconst FMT: u32 = {}u;\nconst BLOCK_WORDS: u32 = {}u;\nconst R: u32 = {rt}u;\n\n{}\n{body}\n{tail}",
         fmt.shader_id(),
         fmt.gpu_block_words(),
         include_str!("../shaders/quant.wgsl"),
@@ -438,8 +500,9 @@ fn pipeline(
     kernel: &str,
     fmt: WeightFormat,
     rt: u32,
+    staging: MatmulStaging,
 ) -> Result<ComputePipeline, ModelError> {
-    let src = shader_source(kernel, fmt, rt)?;
+    let src = shader_source(kernel, fmt, rt, staging)?;
     let module = gpu
         .device
         .create_shader_module(wgpu::ShaderModuleDescriptor {
@@ -505,6 +568,7 @@ fn matmul_pipelines(
     gpu: &Gpu,
     layout: &PipelineLayout,
     w: &HostWeights,
+    staging: MatmulStaging,
 ) -> Result<HashMap<(WeightFormat, u32), ComputePipeline>, ModelError> {
     let head = w.output.as_ref().unwrap_or(&w.embed);
     let mut fmts = vec![head.fmt];
@@ -516,7 +580,7 @@ fn matmul_pipelines(
     let mut matmuls = HashMap::new();
     for &fm in &fmts {
         for rt in MATMUL_TILES {
-            matmuls.insert((fm, rt), pipeline(gpu, layout, "matmul", fm, rt)?);
+            matmuls.insert((fm, rt), pipeline(gpu, layout, "matmul", fm, rt, staging)?);
         }
     }
     Ok(matmuls)
@@ -673,10 +737,12 @@ impl Model {
         let (playout4, playout5) = (pl(&layout4), pl(&layout5));
         let embed_fmt = w.embed.fmt;
         let head = w.output.as_ref().unwrap_or(&w.embed);
-        let pipe_embed = pipeline(&gpu, &playout4, "embed", embed_fmt, 1)?;
-        let pipe_norm = pipeline(&gpu, &playout5, "rmsnorm", WeightFormat::F32, 1)?;
-        let pipe_rope = pipeline(&gpu, &playout4, "rope", WeightFormat::F32, 1)?;
-        let matmuls = matmul_pipelines(&gpu, &playout4, w)?;
+        let none = MatmulStaging::Workgroup;
+        let pipe_embed = pipeline(&gpu, &playout4, "embed", embed_fmt, 1, none)?;
+        let pipe_norm = pipeline(&gpu, &playout5, "rmsnorm", WeightFormat::F32, 1, none)?;
+        let pipe_rope = pipeline(&gpu, &playout4, "rope", WeightFormat::F32, 1, none)?;
+        let staging = cfg.matmul.resolve(&gpu)?;
+        let matmuls = matmul_pipelines(&gpu, &playout4, w, staging)?;
         let layers = upload_layers(&gpu, w)?;
         let embed_mat = Mat::upload(&gpu, "embedding", &w.embed);
         let head_mat = w.output.as_ref().map(|m| Mat::upload(&gpu, "output", m));

@@ -105,8 +105,11 @@ pub fn open_device() -> Result<(wgpu::Device, wgpu::Queue, String), ModelError> 
     })?;
     let info = adapter.get_info();
     let name = format!("{} ({:?})", info.name, info.backend);
+    // Subgroups where the adapter has them: the matmul's subgroup staging
+    // (and the library's subgroup kernels) can then be chosen.
     let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
         label: Some("pagedattn-model"),
+        required_features: adapter.features() & wgpu::Features::SUBGROUP,
         required_limits: adapter.limits(),
         ..Default::default()
     }))
@@ -202,7 +205,7 @@ pub fn run(o: &GenerateOptions, out: &mut dyn Write) -> Result<Report, ModelErro
         kv_dtype: o.kv_dtype,
         max_rows: o.max_batch_tokens,
         max_logit_rows: o.max_seqs,
-        kernel: None,
+        ..EngineConfig::default()
     };
     let model = Model::new(&device, &queue, &weights, ecfg)?;
     drop(weights);

@@ -10,8 +10,8 @@
 use pagedattn::blocks::{BlockManager, BlockManagerConfig};
 use pagedattn::rng::SplitMix64;
 use pagedattn_model::engine::{
-    rope_table, EngineConfig, HostLayer, HostMatrix, HostWeights, Model, Shape, StepInput,
-    WeightFormat,
+    rope_table, EngineConfig, HostLayer, HostMatrix, HostWeights, MatmulStaging, Model, Shape,
+    StepInput, WeightFormat,
 };
 use pagedattn_model::generate::open_device;
 
@@ -215,20 +215,51 @@ fn rel_l2(got: &[f32], want: &[f64]) -> f64 {
     (num / den.max(1e-300)).sqrt()
 }
 
-/// Two sequences through a prefill step (every row's logits, some tiles
-/// partly filled) and three decode steps, against the host model.
+/// The tokens each sequence appends before steps 1, 2 and 3: rows of 2, 1
+/// and 6 (row tiles 4, 1 and 8; the prefill's 32 rows take tiles of 16).
+const APPENDS: [[usize; 2]; 3] = [[1, 1], [1, 0], [3, 3]];
+
+/// The matmul stagings the device runs: workgroup memory always, subgroup
+/// shuffles where the device has subgroups of 8 lanes.
+fn stagings(device: &wgpu::Device, queue: &wgpu::Queue) -> Vec<MatmulStaging> {
+    let mut v = vec![MatmulStaging::Workgroup];
+    if MatmulStaging::subgroups_fit(&pagedattn::gpu::Gpu::from_device(device, queue)) {
+        v.push(MatmulStaging::Subgroup);
+    }
+    v
+}
+
+/// For each matmul staging the device runs: two sequences through a
+/// prefill step (every row's logits, some tiles partly filled) and three
+/// decode steps of 2, 1 and 6 rows, against the host model.
 fn check(embed_fmt: WeightFormat, tied: bool, seed: u64) {
     let Some((device, queue, adapter)) = device() else {
         return;
     };
     let w = model_weights(seed, embed_fmt, tied);
-    let cfg = EngineConfig {
-        num_blocks: 16,
-        max_rows: 32,
-        max_logit_rows: 32,
-        ..EngineConfig::default()
-    };
-    let mut model = Model::new(&device, &queue, &w, cfg).expect("model");
+    for staging in stagings(&device, &queue) {
+        let cfg = EngineConfig {
+            num_blocks: 16,
+            max_rows: 32,
+            max_logit_rows: 32,
+            matmul: staging,
+            ..EngineConfig::default()
+        };
+        let mut model = Model::new(&device, &queue, &w, cfg).expect("model");
+        let worst = steps(
+            &mut model,
+            &w,
+            seed,
+            &format!("{embed_fmt:?} tied {tied}, {staging:?}"),
+        );
+        eprintln!(
+            "{adapter}: {embed_fmt:?} embedding, tied {tied}, {staging:?} matmul: worst logits rel L2 {worst:.2e}"
+        );
+    }
+}
+
+/// Runs [`check`]'s steps on `model`; the worst logits error.
+fn steps(model: &mut Model, w: &HostWeights, seed: u64, what: &str) -> f64 {
     let mut rng = SplitMix64::new(seed ^ 0xabc);
     // Lengths 13 and 19: prefill tiles of 16 rows, one full and one partial.
     let mut toks: Vec<Vec<u32>> = [13usize, 19]
@@ -245,19 +276,36 @@ fn check(embed_fmt: WeightFormat, tied: bool, seed: u64) {
         .map(|t| bm.add_sequence(t).expect("seq"))
         .collect();
     let mut worst: f64 = 0.0;
-    for step in 0..4 {
-        let view = bm.batch_view(&ids).expect("view");
+    for step in 0..=APPENDS.len() {
+        // Before a decode step, each sequence appends its random tokens.
+        let mut active = vec![0, 1];
+        if step > 0 {
+            active.clear();
+            for (i, &n) in APPENDS[step - 1].iter().enumerate() {
+                let next: Vec<u32> = (0..n)
+                    .map(|_| rng.below(w.shape.vocab as u64) as u32)
+                    .collect();
+                if n > 0 {
+                    toks[i].extend(&next);
+                    bm.append(ids[i], &next).expect("append");
+                    active.push(i);
+                }
+            }
+        }
+        let seqs: Vec<_> = active.iter().map(|&i| ids[i]).collect();
+        let view = bm.batch_view(&seqs).expect("view");
         let mut tokens = Vec::new();
         let mut positions = Vec::new();
         let mut want = Vec::new();
         let mut logit_rows = Vec::new();
-        for (i, t) in toks.iter().enumerate() {
-            let n = (view.new_indptr[i + 1] - view.new_indptr[i]) as usize;
-            let host = host_logits(&w, t);
+        for (k, &i) in active.iter().enumerate() {
+            let t = &toks[i];
+            let n = (view.new_indptr[k + 1] - view.new_indptr[k]) as usize;
+            let host = host_logits(w, t);
             for p in t.len() - n..t.len() {
                 tokens.push(t[p]);
                 positions.push(p as u32);
-                // Prefill: every row's logits; decode: the new row's.
+                // Every new row's logits.
                 logit_rows.push(tokens.len() as u32 - 1);
                 want.extend(host[p].iter().copied());
             }
@@ -276,16 +324,11 @@ fn check(embed_fmt: WeightFormat, tied: bool, seed: u64) {
         worst = worst.max(err);
         assert!(
             err <= TOL,
-            "{embed_fmt:?} tied {tied}, step {step}: logits rel L2 {err:.3e} over {TOL:.0e}"
+            "{what}, step {step} ({} rows): logits rel L2 {err:.3e} over {TOL:.0e}",
+            tokens.len()
         );
-        // Next step: each sequence takes its argmax-free next token (random).
-        for (i, t) in toks.iter_mut().enumerate() {
-            let next = rng.below(w.shape.vocab as u64) as u32;
-            t.push(next);
-            bm.append(ids[i], &[next]).expect("append");
-        }
     }
-    eprintln!("{adapter}: {embed_fmt:?} embedding, tied {tied}: worst logits rel L2 {worst:.2e}");
+    worst
 }
 
 #[test]
@@ -372,6 +415,28 @@ fn bad_steps_and_shapes_are_refused() {
         ..ok
     };
     assert!(model.forward(&none).expect("no logits").is_empty());
+    // The subgroup matmul on a device opened without subgroups is refused
+    // by name (the adapter's own device, without features).
+    let info = device.adapter_info();
+    let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
+    desc.backends = info.backend.into();
+    let adapter =
+        pollster::block_on(wgpu::Instance::new(desc).request_adapter(&Default::default()))
+            .expect("the same adapter again");
+    let (plain, plain_q) = pollster::block_on(adapter.request_device(&Default::default()))
+        .expect("a device without features");
+    let sub = EngineConfig {
+        matmul: MatmulStaging::Subgroup,
+        ..cfg
+    };
+    let e = Model::new(&plain, &plain_q, &w, sub)
+        .err()
+        .expect("subgroup matmul refused without subgroups")
+        .to_string();
+    assert!(e.contains("subgroups of at least 8 lanes"), "{e}");
+    // Auto there runs the workgroup staging.
+    let mut auto = Model::new(&plain, &plain_q, &w, cfg).expect("auto without subgroups");
+    assert_eq!(auto.forward(&ok).expect("ok").len(), 120);
     // A weight of the wrong shape is refused before anything is made.
     w.layers[1].k.rows -= 1;
     let e = Model::new(&device, &queue, &w, cfg)

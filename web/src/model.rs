@@ -143,7 +143,7 @@ impl WebModel {
             kv_dtype,
             max_rows: lc.max_batch_tokens,
             max_logit_rows: MAX_SEQS,
-            kernel: None,
+            ..EngineConfig::default()
         };
         let model = Model::new_async(&g.device, &g.queue, &loaded.weights, ecfg)
             .await
