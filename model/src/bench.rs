@@ -20,7 +20,8 @@ pub struct DecodeRow {
     pub batch: usize,
     pub tokens_per_s: f64,
     pub ms_per_step: f64,
-    /// Share of a step spent in the attention kernels.
+    /// Share of a step spent in the attention kernels; NaN where no step
+    /// of only decode rows reached the batch (rendered as not timed).
     pub attention_share: f64,
 }
 
@@ -189,12 +190,16 @@ pub fn render(b: &ModelBench) -> String {
     );
     s += &format!(" decode rows at a context of {} tokens\n", b.decode_context);
     for d in &b.decode {
+        // NaN: no step of only decode rows reached the batch (the first
+        // requests finish while the last prompts are still prefilled).
+        let share = if d.attention_share.is_finite() {
+            format!("{:>14.1} %", d.attention_share * 100.0)
+        } else {
+            format!("{:>16}", "- (not timed)")
+        };
         s += &format!(
-            " {:>5}  {:>8.1}  {:>7.1}  {:>14.1} %\n",
-            d.batch,
-            d.tokens_per_s,
-            d.ms_per_step,
-            d.attention_share * 100.0
+            " {:>5}  {:>8.1}  {:>7.1}  {share}\n",
+            d.batch, d.tokens_per_s, d.ms_per_step
         );
     }
     s += " sharing                    blocks (shared)  blocks (each its own)  saved\n";
@@ -208,4 +213,31 @@ pub fn render(b: &ModelBench) -> String {
         );
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_untimed_attention_share_renders_as_such() {
+        let row = |batch, share| DecodeRow {
+            batch,
+            tokens_per_s: 10.0,
+            ms_per_step: 100.0,
+            attention_share: share,
+        };
+        let b = ModelBench {
+            adapter: "test".into(),
+            prompt_tokens: 4,
+            decode_context: 24,
+            prefill_tokens_per_s: 1.0,
+            decode: vec![row(1, 0.25), row(32, f64::NAN)],
+            sharing: vec![],
+        };
+        let text = render(&b);
+        assert!(text.contains("25.0 %"), "{text}");
+        assert!(text.contains("- (not timed)"), "{text}");
+        assert!(!text.contains("NaN"), "{text}");
+    }
 }
