@@ -20,9 +20,10 @@ pub struct DecodeRow {
     pub batch: usize,
     pub tokens_per_s: f64,
     pub ms_per_step: f64,
-    /// Share of a step spent in the attention kernels; NaN where no step
-    /// of only decode rows reached the batch (rendered as not timed).
-    pub attention_share: f64,
+    /// Share of a step spent in the attention kernels; `None` where no step
+    /// of only decode rows reached the batch (the first requests finish
+    /// while the last prompts are still prefilled).
+    pub attention_share: Option<f64>,
 }
 
 /// Memory of one request that shares its prompt.
@@ -110,7 +111,7 @@ pub fn run(model_path: &std::path::Path, quick: bool) -> Result<ModelBench, Mode
             batch,
             tokens_per_s: st.decode_tokens as f64 / st.decode_secs.max(1e-9),
             ms_per_step: st.decode_secs * 1e3 / (st.decode_tokens as f64 / batch as f64).max(1.0),
-            attention_share: st.attention_share.unwrap_or(f64::NAN),
+            attention_share: st.attention_share,
         });
         model = Some(server.into_model());
     }
@@ -190,12 +191,9 @@ pub fn render(b: &ModelBench) -> String {
     );
     s += &format!(" decode rows at a context of {} tokens\n", b.decode_context);
     for d in &b.decode {
-        // NaN: no step of only decode rows reached the batch (the first
-        // requests finish while the last prompts are still prefilled).
-        let share = if d.attention_share.is_finite() {
-            format!("{:>14.1} %", d.attention_share * 100.0)
-        } else {
-            format!("{:>16}", "- (not timed)")
+        let share = match d.attention_share {
+            Some(a) => format!("{:>14.1} %", a * 100.0),
+            None => format!("{:>16}", "- (not timed)"),
         };
         s += &format!(
             " {:>5}  {:>8.1}  {:>7.1}  {share}\n",
@@ -232,7 +230,7 @@ mod tests {
             prompt_tokens: 4,
             decode_context: 24,
             prefill_tokens_per_s: 1.0,
-            decode: vec![row(1, 0.25), row(32, f64::NAN)],
+            decode: vec![row(1, Some(0.25)), row(32, None)],
             sharing: vec![],
         };
         let text = render(&b);

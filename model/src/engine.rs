@@ -737,10 +737,11 @@ impl Model {
         let (playout4, playout5) = (pl(&layout4), pl(&layout5));
         let embed_fmt = w.embed.fmt;
         let head = w.output.as_ref().unwrap_or(&w.embed);
-        let none = MatmulStaging::Workgroup;
-        let pipe_embed = pipeline(&gpu, &playout4, "embed", embed_fmt, 1, none)?;
-        let pipe_norm = pipeline(&gpu, &playout5, "rmsnorm", WeightFormat::F32, 1, none)?;
-        let pipe_rope = pipeline(&gpu, &playout4, "rope", WeightFormat::F32, 1, none)?;
+        // Only the matmul reads a staging; the other kernels take any.
+        let unused = MatmulStaging::Workgroup;
+        let pipe_embed = pipeline(&gpu, &playout4, "embed", embed_fmt, 1, unused)?;
+        let pipe_norm = pipeline(&gpu, &playout5, "rmsnorm", WeightFormat::F32, 1, unused)?;
+        let pipe_rope = pipeline(&gpu, &playout4, "rope", WeightFormat::F32, 1, unused)?;
         let staging = cfg.matmul.resolve(&gpu)?;
         let matmuls = matmul_pipelines(&gpu, &playout4, w, staging)?;
         let layers = upload_layers(&gpu, w)?;

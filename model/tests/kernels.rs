@@ -220,11 +220,27 @@ fn rel_l2(got: &[f32], want: &[f64]) -> f64 {
 const APPENDS: [[usize; 2]; 3] = [[1, 1], [1, 0], [3, 3]];
 
 /// The matmul stagings the device runs: workgroup memory always, subgroup
-/// shuffles where the device has subgroups of 8 lanes.
+/// shuffles where the device has subgroups of 8 lanes. CI's adapter
+/// (lavapipe: Vulkan on the CPU, subgroups of 8) must run both, so a device
+/// opened without subgroups fails there instead of skipping the staging.
 fn stagings(device: &wgpu::Device, queue: &wgpu::Queue) -> Vec<MatmulStaging> {
     let mut v = vec![MatmulStaging::Workgroup];
-    if MatmulStaging::subgroups_fit(&pagedattn::gpu::Gpu::from_device(device, queue)) {
+    let gpu = pagedattn::gpu::Gpu::from_device(device, queue);
+    if MatmulStaging::subgroups_fit(&gpu) {
         v.push(MatmulStaging::Subgroup);
+    } else {
+        let lavapipe = gpu.info.device_type == wgpu::DeviceType::Cpu
+            && gpu.info.backend == wgpu::Backend::Vulkan;
+        let required = std::env::var("PAGEDATTN_REQUIRE_GPU").is_ok_and(|v| v == "1");
+        assert!(
+            !(lavapipe && required),
+            "{}: a CPU Vulkan adapter opened without subgroups of 8 lanes; the subgroup matmul would go untested",
+            gpu.info.name
+        );
+        eprintln!(
+            "{}: no subgroups of 8 lanes, the subgroup matmul not run",
+            gpu.info.name
+        );
     }
     v
 }
