@@ -1,5 +1,5 @@
 // Shared structs and helpers of every kernel. The host prepends a generated
-// prelude (see src/gpu/shader.rs) that defines:
+// prelude (see src/gpu/compose.rs) that defines:
 //   HEAD_DIM4  : u32   head_dim / 4 (rows are handled as vec4)
 //   GROUP      : u32   query heads per kv head (GQA group size)
 //   BLOCK_SIZE : u32   tokens per block

@@ -1,7 +1,7 @@
 // Streaming-read reference for the benchmark: reads two buffers (a layer's K
 // and V pools, or a ceiling's chunks) once with 16-byte loads, grid-stride,
 // LOADS independent loads per thread per iteration (generated: see
-// src/gpu/shader.rs), and writes almost nothing. Decode's effective
+// src/gpu/kernels/mod.rs), and writes almost nothing. Decode's effective
 // bandwidth is reported against it.
 
 @group(0) @binding(0) var<storage, read> a: array<vec4<f32>>;

@@ -1,12 +1,16 @@
 //! Paged attention kernels on the GPU: decode (one query per sequence), with
 //! an optional split-K path (partitions merged by `reduce`).
 
+use super::cascade::{Cascade, CASCADE_CHUNK_TOKENS};
+use super::compose::ShaderShape;
+use super::context::Gpu;
+use super::error::GpuError;
 use super::error::{BatchError, OptionError, ShapeError};
-use super::kernel::{self, Kernel};
-use super::kv_cache::pipeline;
-use super::plan::StepTables;
-use super::shader::{self, ShaderShape};
-use super::{params, Gpu, GpuError, KvCache};
+use super::kernel::{Kernel, PORTABLE_WORKGROUP_BYTES};
+use super::kernels::{self, serial};
+use super::kv_cache::{KvCache, KvCacheConfig};
+use super::params;
+use super::pass::{next_id, pipeline};
 
 /// How decode splits long sequences into partitions.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -53,7 +57,7 @@ pub struct AttnOptions {
     /// only). A plan uses the cascade for all its variants, or for none:
     /// none if any variant says `Off`; else when some variant says `On` and
     /// the batch shares a segment, or under `Auto` when the cost model pays.
-    pub cascade: super::Cascade,
+    pub cascade: Cascade,
 }
 
 impl AttnOptions {
@@ -106,7 +110,7 @@ impl AttnOptions {
             if k == 0 || self.sliding_window.is_none() {
                 return Err(OptionError::SinkTokens(k));
             }
-            if self.cascade == super::Cascade::On {
+            if self.cascade == Cascade::On {
                 return Err(OptionError::CascadeWithSinkTokens);
             }
         }
@@ -290,7 +294,7 @@ pub(crate) fn pack_into(
 /// Decode kernels specialised for one cache shape and head count.
 pub struct PagedAttention {
     /// The cache shape the kernels were built for.
-    pub(super) cache_cfg: super::KvCacheConfig,
+    pub(super) cache_cfg: KvCacheConfig,
     pub(super) num_heads: u32,
     pub(super) num_kv_heads: u32,
     pub(super) head_dim: u32,
@@ -325,7 +329,7 @@ pub struct AttentionConfig {
     pub kernel: Option<Kernel>,
     /// Longest shared segment one cascade pass walks where the segment pass
     /// runs on GPUs (the rows kernel), in tokens: a multiple of 16 from 16
-    /// to 4096; [`CASCADE_CHUNK_TOKENS`](super::CASCADE_CHUNK_TOKENS) by
+    /// to 4096; [`CASCADE_CHUNK_TOKENS`](CASCADE_CHUNK_TOKENS) by
     /// default (shorter segments helped small batches on an H200 and hurt
     /// large ones: `benches/NOTES.md` item 33).
     pub cascade_chunk_tokens: u32,
@@ -380,7 +384,7 @@ impl Default for AttentionConfig {
     fn default() -> Self {
         Self {
             kernel: None,
-            cascade_chunk_tokens: super::CASCADE_CHUNK_TOKENS,
+            cascade_chunk_tokens: CASCADE_CHUNK_TOKENS,
             shader_checks: ShaderChecks::Auto,
             stream_unroll: 0,
             stream_workgroup: 0,
@@ -486,18 +490,15 @@ impl PagedAttention {
     /// pipeline-stats`).
     #[doc(hidden)]
     pub fn decode_shader(&self) -> (&'static str, ShaderShape) {
-        (self.kernel.shader(), self.decode_shape)
+        (kernels::decode(self.kernel).shader(), self.decode_shape)
     }
 
     /// Workgroup memory (bytes) of the decode and the prefill kernels as
     /// built: both within [`PORTABLE_WORKGROUP_BYTES`](super::PORTABLE_WORKGROUP_BYTES)
     /// (WebGPU's default) on every shape.
     pub fn workgroup_bytes(&self) -> (u32, u32) {
-        let decode = super::kernels::decode(self.kernel).workgroup_bytes(&self.decode_shape);
-        (
-            decode,
-            super::kernels::tiled::workgroup_bytes(&self.prefill_shape),
-        )
+        let decode = kernels::decode(self.kernel).workgroup_bytes(&self.decode_shape);
+        (decode, kernels::tiled::workgroup_bytes(&self.prefill_shape))
     }
 
     /// Query heads per pass of the decode kernel (a GQA group larger than
@@ -515,11 +516,11 @@ impl PagedAttention {
         let base = Self::base_shape(c, num_heads, true);
         Kernel::ALL
             .into_iter()
-            .filter(|&k| kernel::decode_shape(gpu, k, base).is_some())
+            .filter(|&k| kernels::decode_shape(gpu, k, base).is_some())
             .collect()
     }
 
-    pub(super) fn base_shape(c: &super::KvCacheConfig, num_heads: u32, paged: bool) -> ShaderShape {
+    pub(super) fn base_shape(c: &KvCacheConfig, num_heads: u32, paged: bool) -> ShaderShape {
         ShaderShape {
             head_dim: c.head_dim,
             group: num_heads / c.num_kv_heads,
@@ -533,7 +534,7 @@ impl PagedAttention {
     /// `base_shape` as `config` builds it: its checks and stream step.
     pub(super) fn config_shape(
         gpu: &Gpu,
-        c: &super::KvCacheConfig,
+        c: &KvCacheConfig,
         num_heads: u32,
         paged: bool,
         config: &AttentionConfig,
@@ -578,9 +579,9 @@ impl PagedAttention {
         }
         let base = Self::config_shape(gpu, c, num_heads, paged, config);
         let tiled =
-            kernel::decode_shape(gpu, Kernel::Tiled, base).ok_or(GpuError::DeviceLimit {
+            kernels::decode_shape(gpu, Kernel::Tiled, base).ok_or(GpuError::DeviceLimit {
                 limit: "max_compute_workgroup_storage_size",
-                needed: kernel::min_workgroup_bytes(&base) as u64,
+                needed: kernels::min_workgroup_bytes(&base) as u64,
                 available: gpu.limits.max_compute_workgroup_storage_size as u64,
             })?;
         if c.num_kv_heads as u64 * tiled.head_tiles() as u64 > max_dim as u64 {
@@ -597,9 +598,9 @@ impl PagedAttention {
         }
         let (kernel, strict) = match config.kernel {
             Some(k) => (k, true),
-            None => (kernel::default_kernel(gpu), false),
+            None => (kernels::default_kernel(gpu), false),
         };
-        let (kernel, decode_shape) = match kernel::decode_shape(gpu, kernel, base) {
+        let (kernel, decode_shape) = match kernels::decode_shape(gpu, kernel, base) {
             Some(s) => (kernel, s),
             None if !strict => (Kernel::Tiled, tiled),
             None => {
@@ -618,8 +619,8 @@ impl PagedAttention {
         let have = gpu
             .limits
             .max_compute_workgroup_storage_size
-            .min(kernel::PORTABLE_WORKGROUP_BYTES);
-        let qtile = super::kernels::tiled::prefill_qtile(&tiled, have);
+            .min(PORTABLE_WORKGROUP_BYTES);
+        let qtile = kernels::tiled::prefill_qtile(&tiled, have);
         Ok(Self {
             cache_cfg: *c,
             num_heads,
@@ -635,7 +636,7 @@ impl PagedAttention {
             prefill_shape: ShaderShape { qtile, ..tiled },
             unused_ml: gpu.storage("unused split (max, sum)", 16)?,
             cascade_chunk: chunk,
-            id: super::plan::next_id(),
+            id: next_id(),
         })
     }
 
@@ -649,12 +650,12 @@ impl PagedAttention {
             Split::Auto => {
                 let passes =
                     n as u64 * self.num_kv_heads as u64 * self.decode_shape.head_tiles() as u64;
-                kernel::auto_partition(
+                kernels::auto_partition(
                     self.kernel,
                     &self.decode_shape,
                     passes,
                     max_len,
-                    kernel::pass_cap(gpu, self.kernel, &self.decode_shape),
+                    kernels::pass_cap(gpu, self.kernel, &self.decode_shape),
                     gpu.compute_units().map(|u| u.count),
                 )
             }
@@ -678,28 +679,24 @@ impl PagedAttention {
         let passes =
             tiles as u64 * self.num_kv_heads as u64 * self.prefill_shape.head_tiles() as u64;
         // Prefill keeps the fixed target: its query tiles are the work.
-        kernel::auto_partition(
+        kernels::auto_partition(
             Kernel::Tiled,
             &self.prefill_shape,
             passes,
             max_len,
-            kernel::pass_cap(gpu, Kernel::Tiled, &self.prefill_shape),
+            kernels::pass_cap(gpu, Kernel::Tiled, &self.prefill_shape),
             None,
         )
     }
 
     /// The most tokens one decode pass may walk here (`None`: no limit).
     pub(super) fn decode_pass_cap(&self, gpu: &Gpu) -> Option<u32> {
-        kernel::pass_cap(gpu, self.kernel, &self.decode_shape)
+        kernels::pass_cap(gpu, self.kernel, &self.decode_shape)
     }
 
     /// The decode grid of `n` sequences in `parts` partitions.
     pub(super) fn decode_grid(&self, n: u32, parts: u32) -> Result<(u32, u32, u32), GpuError> {
-        self.serial_grid(
-            n,
-            parts,
-            shader::serial_workgroup_size(self.decode_shape.qtile),
-        )
+        self.serial_grid(n, parts, serial::workgroup_size(self.decode_shape.qtile))
     }
 
     /// `decode_grid` with `per_wg` invocations per workgroup of the
@@ -711,7 +708,7 @@ impl PagedAttention {
         per_wg: u32,
     ) -> Result<(u32, u32, u32), GpuError> {
         let units = self.num_kv_heads * self.decode_shape.head_tiles();
-        match super::kernels::decode(self.kernel).flat_grid() {
+        match kernels::decode(self.kernel).flat_grid() {
             false => Ok((n, units, parts)),
             true => {
                 let total = n as u64 * units as u64 * parts as u64;
@@ -740,7 +737,11 @@ impl PagedAttention {
         if let Some(p) = self.decode.get() {
             return Ok(p);
         }
-        let p = pipeline(gpu, self.kernel.shader(), &self.decode_shape)?;
+        let p = pipeline(
+            gpu,
+            kernels::decode(self.kernel).shader(),
+            &self.decode_shape,
+        )?;
         Ok(self.decode.get_or_init(|| p))
     }
 
@@ -863,7 +864,7 @@ impl PagedAttention {
         max_len: u32,
     ) -> Result<(u32, u32), GpuError> {
         let pt = self.prefill_partition(gpu, split, tiles, num_queries, max_len);
-        let cap = kernel::pass_cap(gpu, Kernel::Tiled, &self.prefill_shape);
+        let cap = kernels::pass_cap(gpu, Kernel::Tiled, &self.prefill_shape);
         self.checked_split(gpu, pt, max_len, "prefill", cap)
     }
 
@@ -912,35 +913,6 @@ impl PagedAttention {
         Ok((pt, parts))
     }
 
-    /// Prefill from host slices: validates, runs, returns
-    /// `[num_queries][num_heads][head_dim]`. A one-step plan
-    /// ([`plan_prefill`](Self::plan_prefill), [`run`](Self::run)) made and
-    /// dropped. Native only (blocks on readback).
-    #[cfg(not(target_arch = "wasm32"))]
-    #[allow(clippy::too_many_arguments)]
-    pub fn prefill(
-        &self,
-        gpu: &Gpu,
-        cache: &KvCache,
-        layer: u32,
-        q: &[f32],
-        qo_indptr: &[u32],
-        kv_indptr: &[u32],
-        kv_indices: &[u32],
-        seq_lens: &[u32],
-        opts: &AttnOptions,
-    ) -> Result<Vec<f32>, GpuError> {
-        let _serial = gpu.serial();
-        let t = StepTables {
-            kv_indptr,
-            kv_indices,
-            seq_lens,
-            qo_indptr: Some(qo_indptr),
-        };
-        let (out, bytes) = gpu.scoped_try(|| self.one_step(gpu, cache, layer, q, &t, opts))?;
-        gpu.read(&out, bytes)
-    }
-
     /// Checks host-side CSR tables against the pool and the batch
     /// ([`check_csr_tables`] with this kernel's pool).
     pub fn check_tables(
@@ -961,110 +933,6 @@ impl PagedAttention {
 
     pub(super) fn check_options(&self, o: &AttnOptions) -> Result<(), GpuError> {
         o.validate(self.num_heads).map_err(GpuError::from)
-    }
-
-    /// Decode from host slices: validates everything, runs, returns
-    /// `[num_seqs][num_heads][head_dim]`. Native only (blocks on readback).
-    #[cfg(not(target_arch = "wasm32"))]
-    #[allow(clippy::too_many_arguments)]
-    pub fn decode(
-        &self,
-        gpu: &Gpu,
-        cache: &KvCache,
-        layer: u32,
-        q: &[f32],
-        kv_indptr: &[u32],
-        kv_indices: &[u32],
-        seq_lens: &[u32],
-        opts: &AttnOptions,
-    ) -> Result<Vec<f32>, GpuError> {
-        let _serial = gpu.serial();
-        let (out, bytes) = gpu.scoped_try(|| {
-            self.one_step(
-                gpu,
-                cache,
-                layer,
-                q,
-                &StepTables::decode(kv_indptr, kv_indices, seq_lens),
-                opts,
-            )
-        })?;
-        gpu.read(&out, bytes)
-    }
-
-    /// Async twin of [`decode`](Self::decode) (the browser path).
-    #[allow(clippy::too_many_arguments)]
-    pub async fn decode_async(
-        &self,
-        gpu: &Gpu,
-        cache: &KvCache,
-        layer: u32,
-        q: &[f32],
-        kv_indptr: &[u32],
-        kv_indices: &[u32],
-        seq_lens: &[u32],
-        opts: &AttnOptions,
-    ) -> Result<Vec<f32>, GpuError> {
-        let (out, bytes) = gpu
-            .scoped(|| {
-                let t = StepTables::decode(kv_indptr, kv_indices, seq_lens);
-                self.one_step(gpu, cache, layer, q, &t, opts)
-            })
-            .await??;
-        gpu.read_async(&out, bytes).await
-    }
-
-    /// The host calls' one-step plan: checks `q` against the tables,
-    /// poisons a fresh output (so a kernel that skips a write cannot pass),
-    /// plans, records and submits; returns the output and its bytes.
-    fn one_step(
-        &self,
-        gpu: &Gpu,
-        cache: &KvCache,
-        layer: u32,
-        q: &[f32],
-        t: &StepTables,
-        opts: &AttnOptions,
-    ) -> Result<(wgpu::Buffer, u64), GpuError> {
-        self.check_cache(gpu, cache)?;
-        cache.layer(layer)?;
-        let mut plan = self.plan();
-        self.plan_any(gpu, &mut plan, t, std::slice::from_ref(opts), true)?;
-        let nq = plan.num_queries() as usize;
-        let row = self.num_heads as usize * self.head_dim as usize;
-        if nq.checked_mul(row) != Some(q.len()) {
-            return Err(BatchError::QLength {
-                floats: q.len() as u64,
-                queries: nq as u64,
-                heads: self.num_heads,
-                head_dim: self.head_dim,
-            }
-            .into());
-        }
-        let bytes = (q.len() * 4) as u64;
-        let out = gpu.storage("attention out", bytes.max(16))?;
-        gpu.queue.write_buffer(
-            &out,
-            0,
-            bytemuck::cast_slice(&vec![f32::NAN; q.len().max(4)]),
-        );
-        if nq == 0 {
-            return Ok((out, 0));
-        }
-        let qb = gpu.storage_init("q", q)?;
-        let mut enc = gpu.device.create_command_encoder(&Default::default());
-        self.run(
-            gpu,
-            &mut enc,
-            &mut plan,
-            cache,
-            layer,
-            0,
-            &qb.as_entire_buffer_binding(),
-            &out.as_entire_buffer_binding(),
-        )?;
-        gpu.queue.submit([enc.finish()]);
-        Ok((out, bytes))
     }
 }
 

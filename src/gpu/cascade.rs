@@ -262,6 +262,40 @@ pub fn find_segments(
     t
 }
 
+/// Longest shared segment one cascade pass walks (longer shared prefixes
+/// are cut into several segments, which also spreads them over more
+/// workgroups: on an H200, 2048-token segments left most of the GPU idle
+/// and made the cascade 6.7x slower than plain decode at 8 sequences over
+/// 4096 shared tokens; 256 gives split-K's parallelism).
+pub const CASCADE_CHUNK_TOKENS: u32 = 256;
+
+/// Whether `Cascade::Auto` may take the cascade where its segment pass
+/// runs on the rows kernel (GPUs, where decode runs `lanes`), when
+/// `CascadeTables::pays_gpu` says so: at most 3/4 of plain decode's K/V
+/// bytes and at least `CASCADE_MIN_SAVED_BYTES` (1 GiB) saved per layer.
+/// Measured on an NVIDIA H200 (Vulkan, 2026-11-30, `bench --only cascade`,
+/// the full grid): the rows pass was 1.13x of plain decode's speed at 32
+/// sequences over 16384 shared tokens and 0.36-0.93x in the other shared
+/// cells, all of which save less than 1 GiB (the tiled pass had been
+/// 0.39-0.88x everywhere). Where the segment pass runs on the tiled
+/// kernel, `Auto` is plain decode. The serial kernel has its own rule
+/// (`SERIAL_CASCADE_AUTO`).
+pub const CASCADE_AUTO: bool = true;
+
+/// Longest shared segment of a cascade pass on the `serial` kernel (one
+/// invocation per tile of query slots, head tile and segment): shorter, so
+/// a few shared prefixes still make enough invocations for every core.
+pub(crate) const SERIAL_CASCADE_CHUNK_TOKENS: u32 = 512;
+
+/// Whether `Cascade::Auto` takes the cascade where the segment pass runs on
+/// the `serial` kernel (the decode kernel of software adapters) and
+/// `CascadeTables::pays_serial` says so. Measured on lavapipe (2026-11-30,
+/// `bench --only cascade`, the full grid, 2 query slots per invocation):
+/// 0.98-1.54x of plain decode's speed in the cells with 4 or more
+/// sequences sharing a prompt (10 of 12 cells faster); one sequence stays
+/// plain.
+pub const SERIAL_CASCADE_AUTO: bool = true;
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,6 +1,6 @@
 //! The device: adapter choice, limits, and small buffer helpers.
 
-use super::GpuError;
+use super::error::GpuError;
 
 /// A wgpu device and queue, with what the adapter is and allows.
 ///
@@ -38,14 +38,14 @@ pub struct Gpu {
     pipelines: std::sync::Arc<
         std::sync::Mutex<
             std::collections::HashMap<
-                (&'static str, super::shader::PipelineKey),
+                (&'static str, super::compose::PipelineKey),
                 wgpu::ComputePipeline,
             >,
         >,
     >,
     counts: std::sync::Arc<Counts>,
     /// The compute units, read on first use (see [`Gpu::compute_units`]).
-    units: std::sync::Arc<std::sync::OnceLock<Option<super::ComputeUnits>>>,
+    units: std::sync::Arc<std::sync::OnceLock<Option<super::units::ComputeUnits>>>,
     /// Held by the library's calls on the GL backend (see [`Gpu::serial`]).
     gl_lock: std::sync::Arc<std::sync::Mutex<()>>,
 }
@@ -290,7 +290,7 @@ impl Gpu {
     /// from [`KNOWN_ADAPTERS`](super::KNOWN_ADAPTERS) by name; `None` for
     /// software adapters and the unknown. `Split::Auto` fills the device
     /// from this count where it has one.
-    pub fn compute_units(&self) -> Option<super::ComputeUnits> {
+    pub fn compute_units(&self) -> Option<super::units::ComputeUnits> {
         *self.units.get_or_init(|| {
             if self.is_software() {
                 None
@@ -359,7 +359,7 @@ impl Gpu {
     pub(crate) fn cached_pipeline(
         &self,
         kernel: &'static str,
-        shape: super::shader::PipelineKey,
+        shape: super::compose::PipelineKey,
         make: impl FnOnce() -> Result<wgpu::ComputePipeline, GpuError>,
     ) -> Result<wgpu::ComputePipeline, GpuError> {
         if let Some(p) = lock(&self.pipelines).get(&(kernel, shape)) {

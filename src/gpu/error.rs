@@ -60,7 +60,7 @@ pub enum GpuError {
         /// The adapter's name.
         adapter: String,
         /// The kernel running the pass.
-        kernel: super::Kernel,
+        kernel: super::kernel::Kernel,
         /// The head width.
         head_dim: u32,
     },
@@ -416,7 +416,7 @@ pub enum MlaError {
     },
     /// A latent pool of a dtype the MLA kernels do not read.
     #[error("MLA pools hold f32, f16 or bf16, not {}", .0.name())]
-    Dtype(super::KvDtype),
+    Dtype(super::dtype::KvDtype),
     /// A pool with no layers or blocks, or too many layers.
     #[error("MLA pool of {layers} layers and {blocks} blocks: both must be positive, layers at most {limit}")]
     EmptyPool {
@@ -628,7 +628,7 @@ pub enum ShapeError {
     #[error("the {kernel} kernel cannot run {heads} query heads over {kv_heads} kv heads at head_dim {head_dim} on {adapter} (workgroup memory); eligible: {eligible:?}")]
     Kernel {
         /// The kernel asked for.
-        kernel: super::Kernel,
+        kernel: super::kernel::Kernel,
         /// Query heads.
         heads: u32,
         /// KV heads.
@@ -638,7 +638,7 @@ pub enum ShapeError {
         /// The adapter's name.
         adapter: String,
         /// The kernels that can.
-        eligible: Vec<super::Kernel>,
+        eligible: Vec<super::kernel::Kernel>,
     },
     /// No kernel at all runs the shape (the tuner's refusal).
     #[error("no kernel runs {heads} query heads over {kv_heads} kv heads at head_dim {head_dim}")]

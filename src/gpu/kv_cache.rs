@@ -2,95 +2,12 @@
 //! `write_kv` (scatter new tokens into their slots) and `copy_blocks`
 //! (apply a copy-on-write list).
 
+use super::compose::ShaderShape;
+use super::context::Gpu;
+pub use super::dtype::KvDtype;
 use super::error::ShapeError;
-use super::shader::{self, ShaderShape};
-use super::{Gpu, GpuError, PoolError};
-
-/// Element type of the pool.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum KvDtype {
-    /// 32-bit floats.
-    F32,
-    /// IEEE half floats packed two per `u32` (read with `unpack2x16float`,
-    /// so no `shader-f16` feature is needed).
-    F16,
-    /// bfloat16 (an f32's high 16 bits: f32's range, 8 bits of mantissa),
-    /// packed two per `u32`: read by a shift, written rounded to nearest
-    /// (ties to even) on the GPU. The native dtype of most checkpoints.
-    Bf16,
-    /// Symmetric int8, four per `u32`, with one scale per (token, KV head)
-    /// in the row's side word after the layer's blocks: `write_kv`
-    /// quantizes on the GPU (scale = the row's largest |x|, rounded up to
-    /// bf16, / 127; round to nearest), the kernels dequantize as they read.
-    /// K may be smoothed per channel ([`KvCache::set_k_smoothing`]) and up
-    /// to [`K_OUTLIERS`] channels per KV head kept to about 12 bits
-    /// ([`KvCache::set_k_outlier_channels`]). Needs no `shader-f16` or int8
-    /// feature (`pack4x8snorm` / `unpack4x8snorm`).
-    Int8,
-    /// FP8 E4M3 (bias 7, no infinities, max 448), four per `u32`, with one
-    /// f32 scale per (layer, KV head) set by the engine
-    /// ([`KvCache::set_fp8_scales`]; 1.0 until then), and up to
-    /// [`K_OUTLIERS`] K channels per KV head kept to 7 mantissa bits
-    /// ([`KvCache::set_k_outlier_channels`]). Encoded and decoded
-    /// with bit operations; values past +-448 x scale saturate, non-finite
-    /// inputs are stored as 0: never NaN.
-    Fp8E4M3,
-}
-
-/// How a host mirror ([`HostPool`](crate::reference::HostPool)) stores a
-/// value written to a pool of this dtype: f16 rounded, as the packed pool
-/// holds it; the quantized pools' exact inputs (their rounding is what
-/// their tolerances bound).
-impl From<KvDtype> for crate::reference::Stored {
-    fn from(d: KvDtype) -> Self {
-        match d {
-            KvDtype::F16 => crate::reference::Stored::F16,
-            KvDtype::Bf16 => crate::reference::Stored::Bf16,
-            KvDtype::F32 | KvDtype::Int8 | KvDtype::Fp8E4M3 => crate::reference::Stored::Exact,
-        }
-    }
-}
-
-impl KvDtype {
-    /// Every dtype, in the order the CLI and the bench list them.
-    pub const ALL: [KvDtype; 5] = [
-        KvDtype::F32,
-        KvDtype::F16,
-        KvDtype::Bf16,
-        KvDtype::Int8,
-        KvDtype::Fp8E4M3,
-    ];
-
-    /// The dtype of a [`name`](Self::name).
-    pub fn from_name(name: &str) -> Option<KvDtype> {
-        Self::ALL.into_iter().find(|d| d.name() == name)
-    }
-
-    /// Bytes per element (scales not included).
-    pub fn bytes(self) -> u64 {
-        match self {
-            KvDtype::F32 => 4,
-            KvDtype::F16 | KvDtype::Bf16 => 2,
-            KvDtype::Int8 | KvDtype::Fp8E4M3 => 1,
-        }
-    }
-
-    /// Whether values are stored quantized with scales.
-    pub fn quantized(self) -> bool {
-        matches!(self, KvDtype::Int8 | KvDtype::Fp8E4M3)
-    }
-
-    /// The name used by the command line and the bench.
-    pub fn name(self) -> &'static str {
-        match self {
-            KvDtype::F32 => "f32",
-            KvDtype::F16 => "f16",
-            KvDtype::Bf16 => "bf16",
-            KvDtype::Int8 => "int8",
-            KvDtype::Fp8E4M3 => "fp8",
-        }
-    }
-}
+use super::error::{GpuError, PoolError};
+use super::pass::pipeline;
 
 /// The write_kv kernel for a pool of `dtype`.
 pub(super) fn write_kv_kernel(dtype: KvDtype) -> &'static str {
@@ -684,134 +601,6 @@ pub struct KvCache {
     pub(super) write_epoch: std::sync::atomic::AtomicU64,
 }
 
-/// Creates the pipeline of `kernel` for `shape`, reporting shader errors as ours.
-pub fn pipeline(
-    gpu: &Gpu,
-    kernel: &'static str,
-    shape: &ShaderShape,
-) -> Result<wgpu::ComputePipeline, GpuError> {
-    cached_pipeline(gpu, kernel, shader::PipelineKey::Attention(*shape), || {
-        shader::source(kernel, shape)
-    })
-}
-
-/// The pipeline of `kernel` at `key` from the device's cache, compiled from
-/// `source` (`None`: no such kernel) on first use, shader errors as ours.
-pub(crate) fn cached_pipeline(
-    gpu: &Gpu,
-    kernel: &'static str,
-    key: shader::PipelineKey,
-    source: impl FnOnce() -> Option<String>,
-) -> Result<wgpu::ComputePipeline, GpuError> {
-    let _serial = gpu.serial();
-    gpu.alive()?;
-    let trusted = matches!(key, shader::PipelineKey::Attention(s) if s.trusted);
-    gpu.cached_pipeline(kernel, key, || {
-        let src = source().ok_or(ShapeError::NoShader(kernel))?;
-        #[cfg(not(target_arch = "wasm32"))]
-        {
-            gpu.scoped_blocking(|| make_pipeline(gpu, kernel, &src, trusted))
-        }
-        #[cfg(target_arch = "wasm32")]
-        {
-            Ok(make_pipeline(gpu, kernel, &src, trusted))
-        }
-    })
-}
-
-fn make_pipeline(gpu: &Gpu, kernel: &str, src: &str, trusted: bool) -> wgpu::ComputePipeline {
-    let desc = wgpu::ShaderModuleDescriptor {
-        label: Some(kernel),
-        source: wgpu::ShaderSource::Wgsl(src.into()),
-    };
-    // Trusted modules are native-only: the browser keeps wgpu's checks.
-    let module = if trusted && cfg!(not(target_arch = "wasm32")) {
-        // SAFETY: the attention kernels index only what the host validated
-        // before recording (tables within the pool, lengths within the
-        // tables, every offset inside its buffer; `check_csr_tables` and the
-        // plan's checks), their loops are bounded by those lengths, and
-        // they test each table entry against the pool themselves (INVALID).
-        // Nothing else is built trusted.
-        unsafe {
-            gpu.device
-                .create_shader_module_trusted(desc, wgpu::ShaderRuntimeChecks::unchecked())
-        }
-    } else {
-        gpu.device.create_shader_module(desc)
-    };
-    gpu.device
-        .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-            label: Some(kernel),
-            layout: None,
-            module: &module,
-            entry_point: Some("main"),
-            compilation_options: Default::default(),
-            cache: None,
-        })
-}
-
-/// Workgroup counts for `threads` threads of a 64-wide kernel, folded into two
-/// dimensions past the 65535-per-dimension limit.
-pub(crate) fn grid_1d(threads: u64) -> (u32, u32) {
-    let wgs = threads.div_ceil(64).max(1);
-    if wgs <= 65535 {
-        (wgs as u32, 1)
-    } else {
-        (65535, wgs.div_ceil(65535) as u32)
-    }
-}
-
-pub fn bind(
-    gpu: &Gpu,
-    pipeline: &wgpu::ComputePipeline,
-    buffers: &[&wgpu::Buffer],
-) -> wgpu::BindGroup {
-    let bindings: Vec<wgpu::BufferBinding> = buffers
-        .iter()
-        .map(|b| b.as_entire_buffer_binding())
-        .collect();
-    bind_ranges(gpu, pipeline, &bindings)
-}
-
-/// A bind group of buffer ranges, binding i = `bindings[i]`.
-pub(crate) fn bind_ranges(
-    gpu: &Gpu,
-    pipeline: &wgpu::ComputePipeline,
-    bindings: &[wgpu::BufferBinding],
-) -> wgpu::BindGroup {
-    let layout = pipeline.get_bind_group_layout(0);
-    let entries: Vec<wgpu::BindGroupEntry> = bindings
-        .iter()
-        .enumerate()
-        .map(|(i, b)| wgpu::BindGroupEntry {
-            binding: i as u32,
-            resource: wgpu::BindingResource::Buffer(b.clone()),
-        })
-        .collect();
-    gpu.count_bind_group();
-    gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
-        label: None,
-        layout: &layout,
-        entries: &entries,
-    })
-}
-
-pub fn dispatch(
-    enc: &mut wgpu::CommandEncoder,
-    label: &str,
-    pipeline: &wgpu::ComputePipeline,
-    bg: &wgpu::BindGroup,
-    grid: (u32, u32, u32),
-) {
-    let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
-        label: Some(label),
-        timestamp_writes: None,
-    });
-    pass.set_pipeline(pipeline);
-    pass.set_bind_group(0, bg, &[]);
-    pass.dispatch_workgroups(grid.0, grid.1, grid.2);
-}
-
 impl KvCache {
     /// Allocates the pool. Errors name the largest `num_blocks` that would
     /// fit when the adapter's binding limit is too small.
@@ -882,7 +671,7 @@ impl KvCache {
             layers,
             write_kv,
             copy_blocks,
-            id: super::plan::next_id(),
+            id: super::pass::next_id(),
             write_epoch: std::sync::atomic::AtomicU64::new(0),
         })
     }
@@ -907,62 +696,6 @@ impl KvCache {
                 layer,
                 layers: self.cfg.num_layers,
             }))
-    }
-
-    /// Writes new tokens' K and V (host slices, `[n][num_kv_heads][head_dim]`)
-    /// into `slots` of `layer`, and submits.
-    pub fn write_kv(
-        &self,
-        gpu: &Gpu,
-        layer: u32,
-        k: &[f32],
-        v: &[f32],
-        slots: &[u32],
-    ) -> Result<(), GpuError> {
-        let _serial = gpu.serial();
-        gpu.alive()?;
-        self.layer(layer)?;
-        let row = self.cfg.num_kv_heads as usize * self.cfg.head_dim as usize;
-        let n = slots.len();
-        let want = n.checked_mul(row);
-        if want != Some(k.len()) || want != Some(v.len()) {
-            return Err(PoolError::KvLength {
-                slots: n as u64,
-                need: n as u128 * row as u128,
-                k: k.len() as u64,
-                v: v.len() as u64,
-            }
-            .into());
-        }
-        if n > u32::MAX as usize {
-            return Err(PoolError::TooMany {
-                what: "write_kv tokens",
-                count: n as u64,
-                limit: u32::MAX as u64,
-            }
-            .into());
-        }
-        if n == 0 {
-            // Still checked like any write (the layer above), but no step.
-            return Ok(());
-        }
-        gpu.scoped_try(|| {
-            let mut plan = self.plan();
-            self.plan_write_step(gpu, &mut plan, slots, &[], false)?;
-            let kb = gpu.storage_init("k_new", k)?;
-            let vb = gpu.storage_init("v_new", v)?;
-            let mut enc = gpu.device.create_command_encoder(&Default::default());
-            self.run_write_kv(
-                gpu,
-                &mut enc,
-                &mut plan,
-                layer,
-                &kb.as_entire_buffer_binding(),
-                &vb.as_entire_buffer_binding(),
-            )?;
-            gpu.queue.submit([enc.finish()]);
-            Ok(())
-        })
     }
 
     /// Sets the fp8 scales of `layer`, one per KV head for K and for V: a
@@ -1130,23 +863,6 @@ impl KvCache {
             ));
         }
         out
-    }
-
-    /// Applies a copy list `(src, dst)` to every layer in one submit.
-    pub fn copy_blocks(&self, gpu: &Gpu, copies: &[[u32; 2]]) -> Result<(), GpuError> {
-        let _serial = gpu.serial();
-        gpu.alive()?;
-        if copies.is_empty() {
-            return Ok(());
-        }
-        gpu.scoped_try(|| {
-            let mut plan = self.plan();
-            self.plan_write_step(gpu, &mut plan, &[], copies, false)?;
-            let mut enc = gpu.device.create_command_encoder(&Default::default());
-            self.run_copy_blocks(gpu, &mut enc, &mut plan)?;
-            gpu.queue.submit([enc.finish()]);
-            Ok(())
-        })
     }
 
     /// Reads one layer's K and V pools back as f32 (f16 pools are widened).

@@ -2,10 +2,18 @@
 //! It takes block tables, slot mappings and copy lists from
 //! [`blocks`](crate::blocks) as plain integers and never decides allocation.
 
+// Floors, each importing only those below it: `dtype`, `kernel`, `params`,
+// `units`, `cascade`, `error`; `compose` (shapes, WGSL composition);
+// `context` (the device); `kernels` (one module per kernel, its registry);
+// `pass` (pipelines, bind groups, passes); `kv_cache`, `mla`;
+// `attention`; `plan`; `host`, `swap`, `transfer`, `tune`.
 mod attention;
 mod cascade;
+mod compose;
 mod context;
+mod dtype;
 mod error;
+mod host;
 mod kernel;
 mod kernels;
 mod kv_cache;
@@ -14,15 +22,28 @@ mod mla;
 /// layout against `shaders/common.wgsl`): not API.
 #[doc(hidden)]
 pub mod params;
+mod pass;
 mod plan;
-/// WGSL composition (`shader::source`), for the shader tests, the bench
-/// and `examples/shaders.rs`: not API an engine should rely on.
-#[doc(hidden)]
-pub mod shader;
 mod swap;
 mod transfer;
 mod tune;
 mod units;
+
+/// WGSL as compiled (`shader::source`), for the shader tests, the bench
+/// and `examples/shaders.rs`: not API an engine should rely on. The
+/// composition is `compose.rs`; what each kernel adds is its module's.
+#[doc(hidden)]
+pub mod shader {
+    pub use super::compose::{
+        balanced_head_tile, kernel_takes, prelude, shared_source, ShaderShape, COMMON, KERNELS,
+        SHARED,
+    };
+    pub use super::kernels::lanes::lanes_per_token;
+    pub use super::kernels::rows::workgroup_size as rows_workgroup_size;
+    pub use super::kernels::serial::workgroup_size as serial_workgroup_size;
+    pub use super::kernels::source;
+    pub use super::kernels::stream::wide as stream_wide;
+}
 
 /// The host packing of block tables (what a plan uploads), for the fuzz
 /// targets and tests of its bounds: not API an engine needs.
@@ -32,21 +53,19 @@ pub use attention::{
     check_csr_tables, AttentionConfig, AttnOptions, PagedAttention, ShaderChecks, Split, MAX_BATCH,
     MAX_SEQ_LEN,
 };
-pub use cascade::{find_segments, Cascade, CascadeTables, CASCADE_MIN_SAVED_BYTES};
+pub use cascade::{
+    find_segments, Cascade, CascadeTables, CASCADE_AUTO, CASCADE_CHUNK_TOKENS,
+    CASCADE_MIN_SAVED_BYTES, SERIAL_CASCADE_AUTO,
+};
 pub use context::{adapter_backends, parse_backends, Counters, Gpu};
+pub use dtype::{ActDtype, KvDtype};
 pub use error::{
     BatchError, BindingError, GpuError, MlaError, OptionError, PlanMismatch, PoolError, ShapeError,
     TransferError,
 };
 pub use kernel::{Kernel, PORTABLE_WORKGROUP_BYTES};
-/// Kernel plumbing for the benchmark in the CLI crate (`stream_read`): not
-/// part of the API an engine should rely on.
-#[doc(hidden)]
 pub use kv_cache::{
-    bind as bind_buffers, dispatch as dispatch_pass, pipeline as kv_cache_pipeline,
-};
-pub use kv_cache::{
-    KvCache, KvCacheConfig, KvDtype, FP8_SCALE_RANGE, KV_MAX, K_OUTLIERS, K_OUTLIER_UNUSED,
+    KvCache, KvCacheConfig, FP8_SCALE_RANGE, KV_MAX, K_OUTLIERS, K_OUTLIER_UNUSED,
     K_SMOOTHING_RANGE, MAX_KV_HEADS, MAX_LAYERS,
 };
 /// The MLA kernels' shapes and sources, for the shader tests and
@@ -57,10 +76,11 @@ pub use mla::{
     MlaAttention, MlaCache, MlaCacheConfig, MlaPlan, MLA_MAX_HEADS, MLA_MAX_LAYERS,
     MLA_MAX_QUERIES, MLA_MAX_ROW,
 };
-pub use plan::{
-    ActDtype, AttentionPlan, DecodeTables, PrefillTables, WritePlan, CASCADE_AUTO,
-    CASCADE_CHUNK_TOKENS, SERIAL_CASCADE_AUTO,
-};
+/// Kernel plumbing for the benchmark in the CLI crate (`stream_read`): not
+/// part of the API an engine should rely on.
+#[doc(hidden)]
+pub use pass::{bind as bind_buffers, dispatch as dispatch_pass, pipeline as kv_cache_pipeline};
+pub use plan::{AttentionPlan, DecodeTables, PrefillTables, WritePlan};
 pub use swap::{SwapSpace, MAX_SWAP_BYTES};
 pub use transfer::{KvLayout, KV_LAYOUT_BYTES, KV_LAYOUT_VERSION};
 pub use tune::{TuneReport, Tuner};

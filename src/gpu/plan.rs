@@ -20,16 +20,23 @@
 //! ([`Gpu::counters`] shows it; `tests/gpu/embed.rs` checks it).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::attention::{pack_into, PackedMeta};
-use super::cascade::{find_segments, Cascade};
+use super::attention::{AttnOptions, PagedAttention};
+use super::cascade::{
+    find_segments, Cascade, CascadeTables, CASCADE_AUTO, CASCADE_CHUNK_TOKENS, SERIAL_CASCADE_AUTO,
+    SERIAL_CASCADE_CHUNK_TOKENS,
+};
+use super::compose::ShaderShape;
+use super::context::Gpu;
+use super::dtype::ActDtype;
 use super::error::{BatchError, BindingError, PoolError};
-use super::kernel::{self, Kernel};
-use super::kernels::SegmentFamily;
-use super::kv_cache::{bind_ranges, dispatch, grid_1d, pipeline};
-use super::shader::{self, ShaderShape};
-use super::{params, AttnOptions, Gpu, GpuError, KvCache, PagedAttention, PlanMismatch};
+use super::error::{GpuError, PlanMismatch};
+use super::kernel::Kernel;
+use super::kernels::{self, serial, SegmentFamily};
+use super::kv_cache::KvCache;
+use super::params;
+use super::pass::{bind_ranges, dispatch, grid_1d, pipeline};
 
 /// The first slot written twice in `slots` (`SKIP_WRITE` aside), found by
 /// sorting a copy in `scratch`.
@@ -46,39 +53,6 @@ pub(crate) fn duplicate_slot(slots: &[u32], scratch: &mut Vec<u32>) -> Option<u3
     );
     scratch.sort_unstable();
     scratch.windows(2).find(|w| w[0] == w[1]).map(|w| w[0])
-}
-
-/// A fresh id for a kernel object or plan owner.
-pub(crate) fn next_id() -> u64 {
-    static NEXT: AtomicU64 = AtomicU64::new(1);
-    NEXT.fetch_add(1, Ordering::Relaxed)
-}
-
-/// Element type of the activations an engine hands over (Q, new K/V) and
-/// receives (attention output).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum ActDtype {
-    /// 32-bit floats.
-    #[default]
-    F32,
-    /// IEEE half floats: the bytes of an `f16` array. Read and written as
-    /// pairs packed in `u32` (`unpack2x16float`), so no `shader-f16`
-    /// feature is needed; accumulation stays f32.
-    F16,
-    /// bfloat16 (most checkpoints' native type): the bytes of a `bf16`
-    /// array, packed two per `u32`, widened by a shift and written
-    /// rounded to nearest (ties to even); accumulation stays f32.
-    Bf16,
-}
-
-impl ActDtype {
-    /// Bytes per element.
-    pub fn bytes(self) -> u64 {
-        match self {
-            ActDtype::F32 => 4,
-            ActDtype::F16 | ActDtype::Bf16 => 2,
-        }
-    }
 }
 
 /// A buffer the library owns and reuses, reallocated (to twice what is
@@ -330,40 +304,6 @@ pub struct AttentionPlan {
     c_words: Vec<u32>,
 }
 
-/// Longest shared segment one cascade pass walks (longer shared prefixes
-/// are cut into several segments, which also spreads them over more
-/// workgroups: on an H200, 2048-token segments left most of the GPU idle
-/// and made the cascade 6.7x slower than plain decode at 8 sequences over
-/// 4096 shared tokens; 256 gives split-K's parallelism).
-pub const CASCADE_CHUNK_TOKENS: u32 = 256;
-
-/// Whether `Cascade::Auto` may take the cascade where its segment pass
-/// runs on the rows kernel (GPUs, where decode runs `lanes`), when
-/// `CascadeTables::pays_gpu` says so: at most 3/4 of plain decode's K/V
-/// bytes and at least `CASCADE_MIN_SAVED_BYTES` (1 GiB) saved per layer.
-/// Measured on an NVIDIA H200 (Vulkan, 2026-11-30, `bench --only cascade`,
-/// the full grid): the rows pass was 1.13x of plain decode's speed at 32
-/// sequences over 16384 shared tokens and 0.36-0.93x in the other shared
-/// cells, all of which save less than 1 GiB (the tiled pass had been
-/// 0.39-0.88x everywhere). Where the segment pass runs on the tiled
-/// kernel, `Auto` is plain decode. The serial kernel has its own rule
-/// (`SERIAL_CASCADE_AUTO`).
-pub const CASCADE_AUTO: bool = true;
-
-/// Longest shared segment of a cascade pass on the `serial` kernel (one
-/// invocation per tile of query slots, head tile and segment): shorter, so
-/// a few shared prefixes still make enough invocations for every core.
-pub(crate) const SERIAL_CASCADE_CHUNK_TOKENS: u32 = 512;
-
-/// Whether `Cascade::Auto` takes the cascade where the segment pass runs on
-/// the `serial` kernel (the decode kernel of software adapters) and
-/// `CascadeTables::pays_serial` says so. Measured on lavapipe (2026-11-30,
-/// `bench --only cascade`, the full grid, 2 query slots per invocation):
-/// 0.98-1.54x of plain decode's speed in the cells with 4 or more
-/// sequences sharing a prompt (10 of 12 cells faster); one sequence stays
-/// plain.
-pub const SERIAL_CASCADE_AUTO: bool = true;
-
 /// Which kernel runs a cascade's segment pass: the decode kernel's family.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum SegPass {
@@ -396,7 +336,7 @@ impl<'a> StepTables<'a> {
 
 /// The cascade a step takes: its segments and the kernel of their pass.
 struct CascadeChoice {
-    t: super::CascadeTables,
+    t: CascadeTables,
     seg: SegPass,
     /// Queries per tile (query slots, for `serial`) of the segment pass.
     seg_qtile: u32,
@@ -523,7 +463,7 @@ impl PagedAttention {
         let (name, shape) = if prefill {
             ("attention", self.prefill_shape)
         } else {
-            (self.kernel.shader(), self.decode_shape)
+            (kernels::decode(self.kernel).shader(), self.decode_shape)
         };
         if !f16 {
             let main = if prefill {
@@ -748,15 +688,16 @@ impl PagedAttention {
     /// The kernel of the cascade's segment pass: the decode kernel's
     /// family, with its query slots or tile.
     fn segment_pass(&self, gpu: &Gpu) -> (SegPass, u32) {
-        let seg = match super::kernels::decode(self.kernel).segment_family() {
+        let seg = match kernels::decode(self.kernel).segment_family() {
             SegmentFamily::Serial => SegPass::Serial,
-            SegmentFamily::Rows => super::kernels::rows::shape(gpu, &self.decode_shape)
-                .map_or(SegPass::Tiled, SegPass::Rows),
+            SegmentFamily::Rows => {
+                kernels::rows::shape(gpu, &self.decode_shape).map_or(SegPass::Tiled, SegPass::Rows)
+            }
             SegmentFamily::Tiled => SegPass::Tiled,
         };
         // Queries per tile of the segment pass.
         let qtile = match seg {
-            SegPass::Serial => super::kernels::serial::cascade_queries(&self.decode_shape),
+            SegPass::Serial => serial::cascade_queries(&self.decode_shape),
             SegPass::Rows(rs) => rs.qtile,
             SegPass::Tiled => self.prefill_shape.qtile,
         };
@@ -797,13 +738,13 @@ impl PagedAttention {
             return Ok(None);
         }
         let chunk_tokens = match seg {
-            SegPass::Serial => kernel::pass_cap(gpu, self.kernel, &self.decode_shape)
+            SegPass::Serial => kernels::pass_cap(gpu, self.kernel, &self.decode_shape)
                 .unwrap_or(u32::MAX)
                 .min(SERIAL_CASCADE_CHUNK_TOKENS),
-            SegPass::Rows(rs) => super::kernels::rows::pass_cap(gpu, &rs)
+            SegPass::Rows(rs) => kernels::rows::pass_cap(gpu, &rs)
                 .unwrap_or(u32::MAX)
                 .min(self.cascade_chunk),
-            SegPass::Tiled => kernel::pass_cap(gpu, Kernel::Tiled, &self.prefill_shape)
+            SegPass::Tiled => kernels::pass_cap(gpu, Kernel::Tiled, &self.prefill_shape)
                 .unwrap_or(u32::MAX)
                 .min(CASCADE_CHUNK_TOKENS),
         };
@@ -1063,7 +1004,7 @@ impl PagedAttention {
             // split pipeline itself when that is 1).
             SegPass::Serial => pipeline(
                 gpu,
-                self.kernel.shader(),
+                kernels::decode(self.kernel).shader(),
                 &ShaderShape {
                     qtile: c.seg_qtile,
                     q_f16,
@@ -1087,8 +1028,7 @@ impl PagedAttention {
         let bpt = self.bytes_per_token();
         Ok(CascadeStep {
             num_tiles: cmeta.num_tiles,
-            serial_wg: (c.seg == SegPass::Serial)
-                .then(|| shader::serial_workgroup_size(c.seg_qtile)),
+            serial_wg: (c.seg == SegPass::Serial).then(|| serial::workgroup_size(c.seg_qtile)),
             head_tiles: match c.seg {
                 SegPass::Rows(rs) => rs.head_tiles(),
                 _ => self.prefill_shape.head_tiles(),

@@ -7,9 +7,9 @@
 //! (int8 scales, K outlier residuals); per-layer data (fp8 scales, K
 //! smoothing, outlier channels) stays in the pool.
 
+use super::context::Gpu;
+use super::error::{GpuError, PoolError};
 use super::kv_cache::{KvCache, KvCacheConfig};
-use super::transfer::runs;
-use super::{Gpu, GpuError, PoolError};
 
 /// Most host memory one [`SwapSpace`] takes: 16 GiB.
 pub const MAX_SWAP_BYTES: u64 = 16 << 30;
@@ -51,6 +51,19 @@ impl SwapSpace {
         let at = (h as usize).checked_mul(per)?;
         self.data.get(at..at + per)
     }
+}
+
+/// Runs of consecutive pool blocks in `blocks` (in order): `(first index,
+/// blocks in the run)`; swap's copies and transfer's coalesce them.
+pub(super) fn runs(blocks: &[u32]) -> Vec<(usize, usize)> {
+    let mut out: Vec<(usize, usize)> = Vec::new();
+    for (i, &b) in blocks.iter().enumerate() {
+        match out.last_mut() {
+            Some(r) if blocks[i - 1].checked_add(1) == Some(b) => r.1 += 1,
+            _ => out.push((i, 1)),
+        }
+    }
+    out
 }
 
 /// A block's byte ranges in the K (`is_k`) or V buffer of a layer: its
@@ -266,5 +279,18 @@ impl KvCache {
             gpu.queue.submit([enc.finish()]);
             Ok(())
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runs_of_consecutive_blocks() {
+        assert_eq!(runs(&[3, 4, 5, 9, 10, 2]), vec![(0, 3), (3, 2), (5, 1)]);
+        assert_eq!(runs(&[]), vec![]);
+        assert_eq!(runs(&[u32::MAX, 0]), vec![(0, 1), (1, 1)]);
+        assert_eq!(runs(&[7, 7]), vec![(0, 1), (1, 1)]);
     }
 }

@@ -21,10 +21,12 @@ use std::ops::Range;
 
 use sha2::{Digest, Sha256};
 
+use super::context::Gpu;
+use super::dtype::KvDtype;
+use super::error::GpuError;
 use super::error::TransferError;
-use super::kv_cache::{KvCache, KvDtype};
-use super::swap::{block_ranges, MAX_SWAP_BYTES};
-use super::{Gpu, GpuError};
+use super::kv_cache::KvCache;
+use super::swap::{block_ranges, runs, MAX_SWAP_BYTES};
 
 /// The version of the byte layout [`KvLayout`] describes; an import of
 /// another version is refused.
@@ -219,19 +221,6 @@ impl KvLayout {
         }
         Ok(())
     }
-}
-
-/// Runs of consecutive pool blocks in `blocks` (in order): `(first index,
-/// blocks in the run)`; swap's copies coalesce the same way.
-pub(super) fn runs(blocks: &[u32]) -> Vec<(usize, usize)> {
-    let mut out: Vec<(usize, usize)> = Vec::new();
-    for (i, &b) in blocks.iter().enumerate() {
-        match out.last_mut() {
-            Some(r) if blocks[i - 1].checked_add(1) == Some(b) => r.1 += 1,
-            _ => out.push((i, 1)),
-        }
-    }
-    out
 }
 
 /// Where each part of each block lies in the staging planes
@@ -540,14 +529,6 @@ impl KvCache {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn runs_of_consecutive_blocks() {
-        assert_eq!(runs(&[3, 4, 5, 9, 10, 2]), vec![(0, 3), (3, 2), (5, 1)]);
-        assert_eq!(runs(&[]), vec![]);
-        assert_eq!(runs(&[u32::MAX, 0]), vec![(0, 1), (1, 1)]);
-        assert_eq!(runs(&[7, 7]), vec![(0, 1), (1, 1)]);
-    }
 
     #[test]
     fn library_version_is_the_crate_version() {

@@ -4,9 +4,15 @@
 //! a process-wide table: building a [`PagedAttention`] with
 //! [`new`](PagedAttention::new) is not changed by any tuning.
 
-use super::kernel::{self, Kernel};
+use super::attention::{AttnOptions, PagedAttention};
+use super::compose::ShaderShape;
+use super::context::Gpu;
+use super::dtype::KvDtype;
+use super::error::GpuError;
+use super::kernel::Kernel;
+use super::kv_cache::{KvCache, KvCacheConfig};
+use super::plan::AttentionPlan;
 use super::plan::DecodeTables;
-use super::{AttnOptions, Gpu, GpuError, KvCache, KvCacheConfig, PagedAttention};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -94,7 +100,7 @@ impl Tuner {
             return None;
         }
         let base = PagedAttention::base_shape(c, num_heads, true);
-        let key = kernel::tune_key(gpu, &base, num_heads, c.num_kv_heads);
+        let key = tune_key(gpu, &base, num_heads, c.num_kv_heads);
         self.choice(&key)
             .filter(|k| PagedAttention::eligible_kernels(gpu, cache, num_heads).contains(k))
     }
@@ -144,7 +150,7 @@ impl Tuner {
             .into());
         }
         let base = PagedAttention::base_shape(&c, num_heads, true);
-        let key = kernel::tune_key(gpu, &base, num_heads, c.num_kv_heads);
+        let key = tune_key(gpu, &base, num_heads, c.num_kv_heads);
         let per_token = 2 * c.num_kv_heads as u64 * c.head_dim as u64 * c.dtype.bytes();
         let tokens = (TUNE_BYTES / (TUNE_SEQS as u64 * per_token)).clamp(64, 2048) as u32;
         let batch = (TUNE_SEQS, tokens);
@@ -189,24 +195,23 @@ impl Tuner {
             attn.plan_decode(gpu, &mut plan, &tables, &[AttnOptions::default()])?;
             runs.push((kern, attn, plan, Vec::<f64>::new()));
         }
-        let time =
-            |attn: &PagedAttention, plan: &mut super::AttentionPlan| -> Result<f64, GpuError> {
-                let t0 = Instant::now();
-                let mut enc = gpu.device.create_command_encoder(&Default::default());
-                attn.run(
-                    gpu,
-                    &mut enc,
-                    plan,
-                    &scratch,
-                    0,
-                    0,
-                    &qb.as_entire_buffer_binding(),
-                    &out.as_entire_buffer_binding(),
-                )?;
-                gpu.queue.submit([enc.finish()]);
-                gpu.wait()?;
-                Ok(t0.elapsed().as_secs_f64() * 1e6)
-            };
+        let time = |attn: &PagedAttention, plan: &mut AttentionPlan| -> Result<f64, GpuError> {
+            let t0 = Instant::now();
+            let mut enc = gpu.device.create_command_encoder(&Default::default());
+            attn.run(
+                gpu,
+                &mut enc,
+                plan,
+                &scratch,
+                0,
+                0,
+                &qb.as_entire_buffer_binding(),
+                &out.as_entire_buffer_binding(),
+            )?;
+            gpu.queue.submit([enc.finish()]);
+            gpu.wait()?;
+            Ok(t0.elapsed().as_secs_f64() * 1e6)
+        };
         // Warm-up: first dispatches pay for lazy driver work.
         for (_, attn, plan, _) in runs.iter_mut() {
             time(attn, plan)?;
@@ -300,13 +305,13 @@ fn random_scratch(
     let elems = (k.size() / 4) as usize;
     let words: Vec<u32> = (0..elems)
         .map(|_| match c.dtype {
-            super::KvDtype::F32 => rng.next_signed().to_bits(),
-            super::KvDtype::F16 => {
+            KvDtype::F32 => rng.next_signed().to_bits(),
+            KvDtype::F16 => {
                 let a = half::f16::from_f32(rng.next_signed()).to_bits() as u32;
                 let b = half::f16::from_f32(rng.next_signed()).to_bits() as u32;
                 a | b << 16
             }
-            super::KvDtype::Bf16 => {
+            KvDtype::Bf16 => {
                 let a = half::bf16::from_f32(rng.next_signed()).to_bits() as u32;
                 let b = half::bf16::from_f32(rng.next_signed()).to_bits() as u32;
                 a | b << 16
@@ -328,6 +333,22 @@ fn random_scratch(
     gpu.queue.write_buffer(k, 0, bytemuck::cast_slice(&words));
     gpu.queue.write_buffer(v, 0, bytemuck::cast_slice(&v_words));
     Ok(scratch)
+}
+
+/// The key of one tuning result: adapter, driver and shape.
+fn tune_key(gpu: &Gpu, s: &ShaderShape, num_heads: u32, num_kv_heads: u32) -> String {
+    format!(
+        "{}|{}|{:?}|{}x{}|d{}|b{}|{:?}",
+        gpu.info.name,
+        gpu.info.driver_info,
+        gpu.info.backend,
+        num_heads,
+        num_kv_heads,
+        s.head_dim,
+        s.block_size,
+        s.dtype
+    )
+    .replace(['\n', '='], " ")
 }
 
 #[cfg(test)]
@@ -405,7 +426,7 @@ mod tests {
         let eligible = PagedAttention::eligible_kernels(&gpu, &cache, heads);
         assert!(!eligible.contains(&Kernel::Lanes), "{eligible:?}");
         let base = PagedAttention::base_shape(&cfg, heads, true);
-        let key = kernel::tune_key(&gpu, &base, heads, cfg.num_kv_heads);
+        let key = tune_key(&gpu, &base, heads, cfg.num_kv_heads);
         let dir = std::env::temp_dir().join(format!("pagedattn-tuner-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let file = dir.join("tune");
@@ -423,7 +444,7 @@ mod tests {
         // `new` takes the adapter's default whatever was tuned.
         assert_eq!(Tuner::new().choice(&key), None);
         let plain = PagedAttention::new(&gpu, &cache, heads).unwrap();
-        assert_eq!(plain.kernel(), kernel::default_kernel(&gpu));
+        assert_eq!(plain.kernel(), crate::gpu::kernels::default_kernel(&gpu));
         // A tuner remembers in memory: asked again it times nothing.
         let (_, second) = tuner.attention(&gpu, &cache, heads).unwrap();
         assert!(second.cached && second.micros.is_empty());

@@ -4,9 +4,9 @@
 //! subgroups, online softmax per slot merged once at the end, exp2. Its
 //! cascade runs on the rows pass (`rows`).
 
-use super::{DecodeKernel, SegmentFamily};
-use crate::gpu::shader::{balanced_head_tile, ShaderShape};
-use crate::gpu::Gpu;
+use super::spec::{DecodeKernel, SegmentFamily};
+use crate::gpu::compose::{balanced_head_tile, ShaderShape};
+use crate::gpu::context::Gpu;
 
 pub(in crate::gpu) struct Lanes;
 

@@ -3,9 +3,10 @@
 //! in a few lanes' registers, every row walking the same tokens, so each
 //! K/V load serves all of a segment's query rows.
 
-use crate::gpu::kernel::{cap_for, PORTABLE_WORKGROUP_BYTES};
-use crate::gpu::shader::{balanced_head_tile, ShaderShape};
-use crate::gpu::Gpu;
+use super::spec::cap_for;
+use crate::gpu::compose::{balanced_head_tile, ShaderShape};
+use crate::gpu::context::Gpu;
+use crate::gpu::kernel::PORTABLE_WORKGROUP_BYTES;
 
 /// Token groups of `attention_rows.wgsl` (each of `ROWS x LPR` lanes walks
 /// every TG-th token of the segment; merged once at the end): 4, so a

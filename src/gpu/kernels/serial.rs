@@ -4,9 +4,10 @@
 //! vec4s, is expanded from `shaders/templates/serial_token.wgsl`. Its
 //! cascade mode holds query slots.
 
-use super::{DecodeKernel, SegmentFamily};
-use crate::gpu::shader::{balanced_head_tile, ShaderShape};
-use crate::gpu::{Gpu, KvDtype};
+use super::spec::{DecodeKernel, SegmentFamily};
+use crate::gpu::compose::{balanced_head_tile, ShaderShape};
+use crate::gpu::context::Gpu;
+use crate::gpu::dtype::KvDtype;
 
 /// Query-row vec4s one `serial` invocation holds (and as many of
 /// accumulator): a head tile of 4 rows at head_dim 128. On llvmpipe a

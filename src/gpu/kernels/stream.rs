@@ -7,9 +7,10 @@
 //! straight-line code expanded from `shaders/templates/stream_step.wgsl`.
 //! Its cascade runs on the rows pass, as `lanes`' does.
 
-use super::{DecodeKernel, SegmentFamily};
-use crate::gpu::shader::{balanced_head_tile, ShaderShape};
-use crate::gpu::{Gpu, KvDtype};
+use super::spec::{DecodeKernel, SegmentFamily};
+use crate::gpu::compose::{balanced_head_tile, ShaderShape};
+use crate::gpu::context::Gpu;
+use crate::gpu::dtype::KvDtype;
 
 /// Tokens per lane group per step when the config leaves it open (on a
 /// device with subgroups; 1 without): 4, so a

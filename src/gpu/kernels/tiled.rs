@@ -4,9 +4,9 @@
 //! prefill kernel (QTILE queries per workgroup) and the cascade's segment
 //! pass where no other fits.
 
-use super::DecodeKernel;
-use crate::gpu::shader::{balanced_head_tile, ShaderShape};
-use crate::gpu::Gpu;
+use super::spec::DecodeKernel;
+use crate::gpu::compose::{balanced_head_tile, ShaderShape};
+use crate::gpu::context::Gpu;
 
 /// Most query rows the tiled kernel keeps per pass (per-thread registers).
 const TILED_MAX_ROWS: u32 = 16;
