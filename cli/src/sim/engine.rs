@@ -19,67 +19,13 @@
 
 use std::collections::VecDeque;
 
+use super::live::Live;
 use super::memory::{Counters, EndState, Memory};
 use super::workload::{Request, Sampling};
 use super::SimError;
 use pagedattn::rng::SplitMix64;
 
 pub(super) const VOCAB: u64 = 32_000;
-
-/// One sequence of a request (a sample or a beam).
-#[derive(Clone, Debug)]
-pub(super) struct Seq {
-    /// Tokens generated so far (the prompt is the request's).
-    pub tail: Vec<u32>,
-    /// Tokens it will have generated when it finishes.
-    pub target: usize,
-    /// Contiguous policies: slots reserved for it.
-    pub reserved: usize,
-}
-
-/// A request that has arrived and not finished: queued or running.
-#[derive(Clone, Debug)]
-pub(super) struct Live {
-    /// Index into the workload.
-    pub req: usize,
-    /// Its live sequences.
-    pub seqs: Vec<Seq>,
-    /// Contiguous beam search: reserved slabs not owned by a beam right now.
-    pub parked: usize,
-    /// Decode stream of this request.
-    pub rng: SplitMix64,
-    /// Tokens drawn for the current step, one per sequence, not yet written
-    /// (kept across a preemption so the request resumes the same step).
-    pending: Option<Vec<u32>>,
-    /// Whether it has been admitted before (a readmission is a recompute).
-    pub admitted: bool,
-}
-
-impl Live {
-    pub(super) fn new(req: &Request, sampling: Sampling, seed: u64) -> Self {
-        let seq = |target| Seq {
-            tail: Vec::new(),
-            target,
-            reserved: 0,
-        };
-        let seqs = match sampling {
-            Sampling::Parallel(_) => req.outputs.iter().map(|&t| seq(t)).collect(),
-            Sampling::Beam(_) => vec![seq(req.outputs[0])],
-        };
-        let mut rng = SplitMix64::new(
-            seed ^ 0xDEC0_DE00_0000_0000 ^ (req.id as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15),
-        );
-        rng.next_u64();
-        Self {
-            req: req.id,
-            seqs,
-            parked: 0,
-            rng,
-            pending: None,
-            admitted: false,
-        }
-    }
-}
 
 /// One end-of-step sample of the run.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -6,7 +6,7 @@
 //! operations differ, so any gap between policies in the report comes from
 //! memory alone.
 
-use super::engine::{Live, Seq};
+use super::live::{Live, Seq};
 use super::workload::{Request, Sampling};
 use super::SimError;
 

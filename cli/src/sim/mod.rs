@@ -20,6 +20,7 @@
 //! `pagedattn simulate`.
 
 mod engine;
+mod live;
 mod memory;
 mod report;
 mod scheduled;

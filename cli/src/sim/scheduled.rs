@@ -13,7 +13,8 @@
 
 use std::collections::BTreeMap;
 
-use super::engine::{select_beams, Live, RunLog, Sample, VOCAB};
+use super::engine::{select_beams, RunLog, Sample, VOCAB};
+use super::live::Live;
 use super::memory::{Counters, EndState};
 use super::workload::{Request, Sampling};
 use super::SimError;
