@@ -52,7 +52,12 @@ var<private> has_res: bool;
 @compute @workgroup_size(WGS)
 fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
     let p = params;
-    let units = p.num_kv_heads * HTILES;
+    // The GQA group and its head tiles come from the uniforms (the source
+    // is compiled at one head tile of the group, GROUP = HT): one pipeline
+    // serves every group with this head tile.
+    let group = p.num_heads / max(p.num_kv_heads, 1u);
+    let htiles = (group + HT - 1u) / HT;
+    let units = p.num_kv_heads * htiles;
     // Flattened over a 2D grid (more than 65535 workgroups of 64 in x).
     let flat = gid.x + gid.y * nwg.x * WGS;
     let np = p.num_partitions;
@@ -116,11 +121,11 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
         range = decode_range(p, span.len, part);
         slot = part;
     }
-    let kvh = unit / HTILES;
-    let hg0 = (unit % HTILES) * HT;
-    let h0 = kvh * GROUP + hg0;
+    let kvh = unit / htiles;
+    let hg0 = (unit % htiles) * HT;
+    let h0 = kvh * group + hg0;
     // Rows of this tile that are real heads (the last tile of an odd group is partial).
-    let live = min(GROUP - hg0, HT);
+    let live = min(group - hg0, HT);
 
     let q_stride = select(p.num_heads * HEAD_DIM4, p.q_stride, p.q_stride != 0u);
     for (var s = 0u; s < QTILE; s++) {

@@ -24,8 +24,9 @@ pub fn pipeline(
     kernel: &'static str,
     shape: &ShaderShape,
 ) -> Result<wgpu::ComputePipeline, GpuError> {
-    cached_pipeline(gpu, kernel, PipelineKey::Attention(*shape), || {
-        kernels::source(kernel, shape)
+    let key = kernels::compiled_shape(kernel, shape);
+    cached_pipeline(gpu, kernel, PipelineKey::Attention(key), || {
+        kernels::source(kernel, &key)
     })
 }
 

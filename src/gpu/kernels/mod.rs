@@ -49,12 +49,18 @@ pub(super) fn by_shader(shader: &str) -> Option<&'static dyn DecodeKernel> {
         .find(|d| d.shader() == shader)
 }
 
+/// The shape `kernel` (a file of `shaders/`) is compiled at for `shape`
+/// ([`DecodeKernel::compiled_shape`]): what its pipeline is cached by.
+pub(super) fn compiled_shape(kernel: &str, shape: &ShaderShape) -> ShaderShape {
+    by_shader(kernel).map_or(*shape, |k| k.compiled_shape(shape))
+}
+
 /// The full source of `kernel` (a file of `shaders/`) at `shape`, as
 /// compiled: the shared composition (`compose.rs`) with what the
 /// kernel adds (its KV4s per pool load, the code generated for it); `None`
 /// for an unknown kernel name.
 pub fn source(kernel: &str, shape: &ShaderShape) -> Option<String> {
-    let mut shape = *shape;
+    let mut shape = compiled_shape(kernel, shape);
     let decode = by_shader(kernel);
     if kernel != "attention_rows" && !decode.is_some_and(|k| k.reads_subgroups()) {
         // Only the lanes and rows kernels read subgroups.
@@ -193,6 +199,46 @@ mod tests {
         assert_eq!(pt(8, 32768, Some(132)), 512);
         assert_eq!(pt(256, 8192, None), 2048, "fixed target 1024 / 256 units");
         assert_eq!(pt(256, 600, Some(132)), 0, "shorter than two partitions");
+    }
+
+    /// The serial kernel reads its GQA group from the uniforms: shapes
+    /// that differ only in the group (same head tile) compose one source
+    /// and key one pipeline, and its WGSL names neither group constant
+    /// outside comments. The tiled kernel keeps the group in its source.
+    #[test]
+    fn serial_shapes_share_a_source_across_groups() {
+        let at = |group, htile| ShaderShape {
+            head_dim: 64,
+            group,
+            htile,
+            ..Default::default()
+        };
+        let serial = |s| source("attention_serial", &s).expect("serial composes");
+        let one = serial(at(4, 4));
+        for (group, htile) in [(8, 4), (12, 4), (6, 4)] {
+            assert_eq!(serial(at(group, htile)), one, "group {group}");
+            assert_eq!(
+                compiled_shape("attention_serial", &at(group, htile)),
+                compiled_shape("attention_serial", &at(4, 4))
+            );
+        }
+        assert_ne!(serial(at(8, 8)), one, "another head tile is another source");
+        let body = compose::KERNELS
+            .iter()
+            .find(|(n, _)| *n == "attention_serial")
+            .expect("the serial kernel's file")
+            .1;
+        for line in body.lines().filter(|l| !l.trim_start().starts_with("//")) {
+            assert!(
+                !line.contains("GROUP") && !line.contains("HTILES"),
+                "serial reads the group from its uniforms: {line}"
+            );
+        }
+        assert_ne!(
+            source("attention", &at(8, 4)),
+            source("attention", &at(4, 4)),
+            "tiled keeps the group"
+        );
     }
 
     #[test]

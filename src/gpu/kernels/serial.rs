@@ -71,6 +71,17 @@ impl DecodeKernel for Serial {
     fn segment_family(&self) -> SegmentFamily {
         SegmentFamily::Serial
     }
+    // The GQA group and the head tiles per KV head are read from the
+    // uniforms (num_heads / num_kv_heads), once per invocation: the source
+    // is compiled at one head tile of the group, so GQA shapes with the
+    // same head tile share a pipeline (and llvmpipe compiles it once).
+    fn compiled_shape(&self, s: &ShaderShape) -> ShaderShape {
+        ShaderShape {
+            group: s.head_tile(),
+            htile: 0,
+            ..*s
+        }
+    }
     fn wide_loads(&self, s: &ShaderShape) -> u32 {
         wide(s)
     }

@@ -60,6 +60,12 @@ pub(in crate::gpu) trait DecodeKernel: Sync {
     fn wide_loads(&self, _s: &ShaderShape) -> u32 {
         1
     }
+    /// The shape its source is compiled at for shape `s`: `s`, less what
+    /// the kernel reads from its uniforms instead, so one pipeline serves
+    /// every shape that differs only there.
+    fn compiled_shape(&self, s: &ShaderShape) -> ShaderShape {
+        *s
+    }
     /// The WGSL Rust writes for it at shape `s` (unrolled row code), placed
     /// before its file; empty for none.
     fn generated(&self, _s: &ShaderShape) -> String {
