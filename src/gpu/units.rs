@@ -2,7 +2,7 @@
 //! report: read through wgpu's Vulkan backend from
 //! `VK_NV_shader_sm_builtins` or `VK_AMD_shader_core_properties` where the
 //! driver has them, else from a table of known adapters. `Split::Auto`
-//! sizes its partitions from them ([`super::kernel::auto_partition`]).
+//! sizes its partitions from them (`kernels::auto_partition`).
 
 /// Where a compute-unit count came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
