@@ -4,8 +4,7 @@
 use super::cascade::{Cascade, CASCADE_CHUNK_TOKENS};
 use super::compose::ShaderShape;
 use super::context::Gpu;
-use super::error::GpuError;
-use super::error::{BatchError, OptionError, ShapeError};
+use super::error::{BatchError, GpuError, OptionError, ShapeError};
 use super::kernel::{Kernel, PORTABLE_WORKGROUP_BYTES};
 use super::kernels::{self, serial};
 use super::kv_cache::{KvCache, KvCacheConfig};

@@ -6,8 +6,7 @@
 
 use super::attention::{AttnOptions, PagedAttention};
 use super::context::Gpu;
-use super::error::GpuError;
-use super::error::{BatchError, PoolError};
+use super::error::{BatchError, GpuError, PoolError};
 use super::kv_cache::KvCache;
 use super::plan::StepTables;
 

@@ -5,8 +5,7 @@
 use super::compose::ShaderShape;
 use super::context::Gpu;
 pub use super::dtype::KvDtype;
-use super::error::ShapeError;
-use super::error::{GpuError, PoolError};
+use super::error::{GpuError, PoolError, ShapeError};
 use super::pass::pipeline;
 
 /// The write_kv kernel for a pool of `dtype`.

@@ -21,8 +21,7 @@
 
 use std::collections::HashMap;
 
-use super::attention::{pack_into, PackedMeta};
-use super::attention::{AttnOptions, PagedAttention};
+use super::attention::{pack_into, AttnOptions, PackedMeta, PagedAttention};
 use super::cascade::{
     find_segments, Cascade, CascadeTables, CASCADE_AUTO, CASCADE_CHUNK_TOKENS, SERIAL_CASCADE_AUTO,
     SERIAL_CASCADE_CHUNK_TOKENS,
@@ -30,8 +29,7 @@ use super::cascade::{
 use super::compose::ShaderShape;
 use super::context::Gpu;
 use super::dtype::ActDtype;
-use super::error::{BatchError, BindingError, PoolError};
-use super::error::{GpuError, PlanMismatch};
+use super::error::{BatchError, BindingError, GpuError, PlanMismatch, PoolError};
 use super::kernel::Kernel;
 use super::kernels::{self, serial, SegmentFamily};
 use super::kv_cache::KvCache;

@@ -23,8 +23,7 @@ use sha2::{Digest, Sha256};
 
 use super::context::Gpu;
 use super::dtype::KvDtype;
-use super::error::GpuError;
-use super::error::TransferError;
+use super::error::{GpuError, TransferError};
 use super::kv_cache::KvCache;
 use super::swap::{block_ranges, runs, MAX_SWAP_BYTES};
 
