@@ -1,10 +1,15 @@
-//! WGSL sources and their specialisation.
+//! WGSL sources and their specialisation: the shapes kernels are compiled
+//! at ([`ShaderShape`], [`MlaShape`], the pipeline cache's key) and the
+//! composition every kernel shares.
 //!
 //! Each kernel is `shaders/<kernel>.wgsl`, with the shared structs of
 //! `shaders/common.wgsl`. Shapes that set loop trip counts and workgroup
 //! array sizes (head_dim, GQA group, block size, KV element type) are baked
 //! in by a generated prelude, so loops have constant bounds the compiler can
-//! unroll, and a pipeline exists per shape actually used.
+//! unroll, and a pipeline exists per shape actually used. This file knows
+//! no kernel in particular: what a kernel adds to [`compose`] (its
+//! generated code, its pool view) comes from its module, through
+//! `kernels::source`.
 
 use super::dtype::KvDtype;
 
