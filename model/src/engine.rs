@@ -717,6 +717,8 @@ impl Model {
         let s = w.shape;
         Self::check(w, &cfg)?;
         let gpu = Gpu::from_device(device, queue);
+        // Refused before anything is made on the engine's device.
+        let staging = cfg.matmul.resolve(&gpu)?;
         let dev = &gpu.device;
         let scope = dev.push_error_scope(wgpu::ErrorFilter::Validation);
         let oom = dev.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
@@ -742,7 +744,6 @@ impl Model {
         let pipe_embed = pipeline(&gpu, &playout4, "embed", embed_fmt, 1, unused)?;
         let pipe_norm = pipeline(&gpu, &playout5, "rmsnorm", WeightFormat::F32, 1, unused)?;
         let pipe_rope = pipeline(&gpu, &playout4, "rope", WeightFormat::F32, 1, unused)?;
-        let staging = cfg.matmul.resolve(&gpu)?;
         let matmuls = matmul_pipelines(&gpu, &playout4, w, staging)?;
         let layers = upload_layers(&gpu, w)?;
         let embed_mat = Mat::upload(&gpu, "embedding", &w.embed);

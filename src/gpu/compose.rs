@@ -228,7 +228,7 @@ pub const SHARED: &[(&str, &str)] = &[
 ];
 
 /// A file of `shaders/shared/` by name (without `.wgsl`).
-pub fn shared_source(name: &str) -> Option<&'static str> {
+pub(crate) fn shared_source(name: &str) -> Option<&'static str> {
     SHARED.iter().find(|(n, _)| *n == name).map(|(_, s)| *s)
 }
 
