@@ -80,12 +80,12 @@ pub fn run(model_path: &std::path::Path, quick: bool) -> Result<ModelBench, Mode
     // compiles every pipeline).
     let mut server = Server::new(model.take().expect("model"), scfg)?;
     server.add(Request::greedy(prompt(&l.tokenizer, 99), 2))?;
-    server.run(&mut |_, _, _| {})?;
+    server.run(&mut |_, _| {})?;
     let p = prompt(&l.tokenizer, 0);
     let prompt_tokens = p.len();
     server.add(Request::greedy(p, 1))?;
     let t = Instant::now();
-    server.run(&mut |_, _, _| {})?;
+    server.run(&mut |_, _| {})?;
     let prefill_tokens_per_s = prompt_tokens as f64 / t.elapsed().as_secs_f64();
     model = Some(server.into_model());
 
@@ -105,7 +105,7 @@ pub fn run(model_path: &std::path::Path, quick: bool) -> Result<ModelBench, Mode
             p[0] = 100 + i as u32; // distinct prompts
             server.add(Request::greedy(p, steps + 1))?;
         }
-        server.run(&mut |_, _, _| {})?;
+        server.run(&mut |_, _| {})?;
         let st = server.stats;
         decode.push(DecodeRow {
             batch,
@@ -150,7 +150,7 @@ pub fn run(model_path: &std::path::Path, quick: bool) -> Result<ModelBench, Mode
         let bs = server.sched.blocks().block_size() as usize;
         let (mut peak_shared, mut peak_unshared) = (0usize, 0usize);
         while server.has_work() {
-            server.step(&mut |_, _, _| {})?;
+            server.step(&mut |_, _| {})?;
             let Ok(seqs) = server.sched.sequences(id) else {
                 continue;
             };

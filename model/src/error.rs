@@ -36,7 +36,23 @@ pub enum ModelError {
     /// From pagedattn's scheduler.
     #[error(transparent)]
     Scheduler(#[from] pagedattn::blocks::SchedulerError),
+    /// A step failed to run; the requests it could have touched were
+    /// dropped (their blocks freed), and the server serves on.
+    #[error("{source} (requests dropped: {})", list(aborted))]
+    StepFailed {
+        aborted: Vec<pagedattn::blocks::RequestId>,
+        source: Box<ModelError>,
+    },
     /// No adapter or device.
     #[error("device: {0}")]
     Device(String),
+}
+
+fn list(ids: &[pagedattn::blocks::RequestId]) -> String {
+    let names: Vec<String> = ids.iter().map(|r| r.to_string()).collect();
+    if names.is_empty() {
+        "none".into()
+    } else {
+        names.join(", ")
+    }
 }

@@ -178,12 +178,9 @@ fn requests(o: &GenerateOptions, tokenizer: &Tokenizer) -> Vec<Request> {
             }
         };
         requests.push(Request {
-            prompt: ids,
-            max_tokens: o.max_tokens,
             decoding,
-            stop: Some(tokenizer.eos_id()),
-            record_top: 0,
-            salt: Vec::new(),
+            stop: vec![tokenizer.eos_id()],
+            ..Request::greedy(ids, o.max_tokens)
         });
     }
     requests
@@ -217,6 +214,7 @@ pub fn run(o: &GenerateOptions, out: &mut dyn Write) -> Result<Report, ModelErro
         swap_blocks: o.num_blocks,
         prefix_caching: true,
         num_blocks: None,
+        ..ServerConfig::default()
     };
     let mut server = Server::new(model, scfg)?;
     server.profile = Some(1);
@@ -245,8 +243,9 @@ pub fn run(o: &GenerateOptions, out: &mut dyn Write) -> Result<Report, ModelErro
     let many = ids.len() > 1;
     let mut last_note = Instant::now();
     while server.has_work() {
-        let mut on_token = |r, seq: usize, t: u32| {
-            if streaming && r == first && seq == 0 && Some(t) != Some(tokenizer.eos_id()) {
+        let mut on_token = |r, g: &crate::serve::Generated| {
+            let t = g.tokens[g.tokens.len() - 1];
+            if streaming && r == first && g.branch == 0 && t != tokenizer.eos_id() {
                 let s = dec.push(&tokenizer, t);
                 let _ = out.write_all(s.as_bytes());
                 let _ = out.flush();

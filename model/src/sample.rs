@@ -65,6 +65,91 @@ impl SamplingParams {
     }
 }
 
+/// vLLM's penalties on tokens a sequence has seen, applied to its logits
+/// before sampling (the reported logprobs stay the model's own).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Penalties {
+    /// Subtracted once per earlier occurrence of the token in the output.
+    pub frequency: f32,
+    /// Subtracted once if the token occurs in the output at all.
+    pub presence: f32,
+    /// A token of the prompt or the output: a positive logit is divided by
+    /// it, a negative one multiplied (1: none).
+    pub repetition: f32,
+}
+
+impl Default for Penalties {
+    fn default() -> Self {
+        Self {
+            frequency: 0.0,
+            presence: 0.0,
+            repetition: 1.0,
+        }
+    }
+}
+
+/// The largest repetition penalty accepted.
+pub const MAX_REPETITION_PENALTY: f32 = 100.0;
+
+impl Penalties {
+    /// Checks the ranges: frequency and presence in -2..=2 (OpenAI's),
+    /// repetition in (0, 100].
+    pub fn validate(&self) -> Result<(), ModelError> {
+        for (name, v) in [
+            ("frequency_penalty", self.frequency),
+            ("presence_penalty", self.presence),
+        ] {
+            if !(v.is_finite() && (-2.0..=2.0).contains(&v)) {
+                return Err(ModelError::Request(format!("{name} {v} outside -2..=2")));
+            }
+        }
+        let r = self.repetition;
+        if !(r.is_finite() && r > 0.0 && r <= MAX_REPETITION_PENALTY) {
+            return Err(ModelError::Request(format!(
+                "repetition_penalty {r} outside (0, {MAX_REPETITION_PENALTY}]"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Whether these change nothing.
+    pub fn is_none(&self) -> bool {
+        self.frequency == 0.0 && self.presence == 0.0 && self.repetition == 1.0
+    }
+
+    /// The log-probabilities to sample from: `logits` with the penalties
+    /// of a sequence whose prompt is `prompt` and whose output so far is
+    /// `output`, through [`log_softmax`]. Token ids past the row are passed
+    /// over.
+    pub fn apply(&self, logits: &[f32], prompt: &[u32], output: &[u32]) -> Vec<f64> {
+        let mut l = logits.to_vec();
+        if self.repetition != 1.0 {
+            let mut seen = vec![false; l.len()];
+            for &t in prompt.iter().chain(output) {
+                if let Some(s) = seen.get_mut(t as usize) {
+                    *s = true;
+                }
+            }
+            let r = self.repetition;
+            for (x, _) in l.iter_mut().zip(&seen).filter(|(_, &s)| s) {
+                *x = if *x > 0.0 { *x / r } else { *x * r };
+            }
+        }
+        if self.frequency != 0.0 || self.presence != 0.0 {
+            let mut count = std::collections::HashMap::<u32, u32>::new();
+            for &t in output {
+                *count.entry(t).or_default() += 1;
+            }
+            for (t, n) in count {
+                if let Some(x) = l.get_mut(t as usize) {
+                    *x -= self.frequency * n as f32 + self.presence;
+                }
+            }
+        }
+        log_softmax(&l)
+    }
+}
+
 /// The most likely token (the lowest id among equals). NaN never wins.
 pub fn argmax(logits: &[f32]) -> u32 {
     let mut best = 0usize;
@@ -259,6 +344,84 @@ mod tests {
         ] {
             let e = bad.validate(10).unwrap_err().to_string();
             assert!(e.contains("outside") || e.contains("over"), "{e}");
+        }
+    }
+
+    #[test]
+    fn penalties_follow_vllms_rules() {
+        let logits = [2.0f32, -1.0, 0.5, 0.0];
+        // None: the plain log-softmax.
+        assert_eq!(
+            Penalties::default().apply(&logits, &[1], &[0]),
+            log_softmax(&logits)
+        );
+        // Repetition 2 over prompt token 1 and output token 0: 2 -> 1, -1 -> -2.
+        let r = Penalties {
+            repetition: 2.0,
+            ..Default::default()
+        };
+        assert_eq!(
+            r.apply(&logits, &[1], &[0]),
+            log_softmax(&[1.0, -2.0, 0.5, 0.0])
+        );
+        // Frequency 0.5 and presence 0.25 over the output [2, 2, 3]; the
+        // prompt is not counted.
+        let f = Penalties {
+            frequency: 0.5,
+            presence: 0.25,
+            ..Default::default()
+        };
+        assert_eq!(
+            f.apply(&logits, &[0, 0], &[2, 2, 3]),
+            log_softmax(&[2.0, -1.0, 0.5 - 1.0 - 0.25, -0.5 - 0.25])
+        );
+        // Ids past the row are passed over.
+        assert_eq!(f.apply(&logits, &[9], &[9]), log_softmax(&logits));
+    }
+
+    #[test]
+    fn penalties_out_of_range_are_refused() {
+        let ok = Penalties::default();
+        assert!(ok.validate().is_ok() && ok.is_none());
+        for (bad, name) in [
+            (
+                Penalties {
+                    frequency: 2.5,
+                    ..ok
+                },
+                "frequency_penalty",
+            ),
+            (
+                Penalties {
+                    presence: -2.01,
+                    ..ok
+                },
+                "presence_penalty",
+            ),
+            (
+                Penalties {
+                    presence: f32::NAN,
+                    ..ok
+                },
+                "presence_penalty",
+            ),
+            (
+                Penalties {
+                    repetition: 0.0,
+                    ..ok
+                },
+                "repetition_penalty",
+            ),
+            (
+                Penalties {
+                    repetition: f32::INFINITY,
+                    ..ok
+                },
+                "repetition_penalty",
+            ),
+        ] {
+            let e = bad.validate().unwrap_err().to_string();
+            assert!(e.contains(name) && e.contains("outside"), "{e}");
         }
     }
 

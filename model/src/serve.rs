@@ -11,12 +11,13 @@ use crate::clock::Instant;
 use std::collections::HashMap;
 
 use pagedattn::blocks::{
-    BlockManagerConfig, Child, GroupOutput, Preemption, RequestId, Scheduler, SchedulerConfig, Step,
+    Admission, BlockManagerConfig, Child, GroupOutput, Preemption, RequestId, Reservation,
+    Scheduler, SchedulerConfig, Step,
 };
 use pagedattn::gpu::{KvLayout, SwapSpace};
 
 use crate::engine::{Model, StepInput};
-use crate::sample::{beam_step, log_softmax, top_k, Sampler, SamplingParams};
+use crate::sample::{beam_step, log_softmax, top_k, Penalties, Sampler, SamplingParams};
 use crate::ModelError;
 
 /// How a request chooses its tokens.
@@ -34,13 +35,24 @@ pub struct Request {
     pub prompt: Vec<u32>,
     pub max_tokens: usize,
     pub decoding: Decoding,
-    /// A sequence that emits this token ends there (`None`: always
-    /// `max_tokens` tokens).
-    pub stop: Option<u32>,
-    /// Record the top-N logprobs of every step (0: none).
+    /// A sequence that emits one of these tokens ends there (empty: only
+    /// `max_tokens` and `stop_strings` end it).
+    pub stop: Vec<u32>,
+    /// A sequence whose text (the [`Server::set_token_text`] bytes of its
+    /// tokens) comes to contain one of these ends there; the text from the
+    /// match on is not part of the answer ([`Finish::Text`]).
+    pub stop_strings: Vec<Vec<u8>>,
+    /// Penalties on seen tokens (sampling only).
+    pub penalties: Penalties,
+    /// Record the top-N logprobs of every step (0: none). The chosen
+    /// token's logprob is always recorded.
     pub record_top: usize,
     /// Prefix-cache salt (requests share cached blocks only with equal salts).
     pub salt: Vec<u8>,
+    /// The output length the request will have, where the caller knows it
+    /// (a benchmark): what [`Reservation::Oracle`](pagedattn::blocks::Reservation)
+    /// reserves. `None`: `max_tokens`.
+    pub expected_tokens: Option<usize>,
 }
 
 impl Request {
@@ -53,9 +65,12 @@ impl Request {
                 params: SamplingParams::default(),
                 n: 1,
             },
-            stop: None,
+            stop: Vec::new(),
+            stop_strings: Vec::new(),
+            penalties: Penalties::default(),
             record_top: 0,
             salt: Vec::new(),
+            expected_tokens: None,
         }
     }
 
@@ -66,6 +81,18 @@ impl Request {
             Decoding::Beam { width } => width,
         }
     }
+}
+
+/// Why a sequence ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Finish {
+    /// It reached `max_tokens`.
+    Length,
+    /// It emitted this stop token (the last of its tokens).
+    Token(u32),
+    /// Its text came to contain `stop_strings[index]`, starting at byte
+    /// `at` of the text: the answer is `text[..at]`.
+    Text { index: usize, at: usize },
 }
 
 /// One generated sequence.
@@ -79,6 +106,23 @@ pub struct Generated {
     pub branch: usize,
     /// Top-N `(token, logprob)` of every step, when asked for.
     pub top: Vec<Vec<(u32, f64)>>,
+    /// The logprob of each token, as the model gave it (before penalties).
+    pub logprobs: Vec<f64>,
+    /// Its text so far: the [`Server::set_token_text`] bytes of its tokens
+    /// (empty when the server has none).
+    pub text: Vec<u8>,
+    /// Why it ended (`None` while it runs).
+    pub finish: Option<Finish>,
+}
+
+impl Generated {
+    /// The answer's bytes: the text, cut where a stop string matched.
+    pub fn answer(&self) -> &[u8] {
+        match self.finish {
+            Some(Finish::Text { at, .. }) => &self.text[..at.min(self.text.len())],
+            _ => &self.text,
+        }
+    }
 }
 
 /// A finished request: samples in branch order, beams best first.
@@ -88,6 +132,8 @@ pub struct Completion {
     pub sequences: Vec<Generated>,
     /// Dropped by the scheduler: it could not fit even with the pool to itself.
     pub aborted: bool,
+    /// Prompt tokens whose K/V came from the prefix cache at admission.
+    pub cached_tokens: usize,
 }
 
 /// Counters of a server's run.
@@ -135,6 +181,8 @@ pub struct ServerConfig {
     pub prefix_caching: bool,
     /// Pool blocks the scheduler may use (`None`: all of the model's).
     pub num_blocks: Option<u32>,
+    /// Paging, or one of the reservations it is compared against.
+    pub reservation: Reservation,
 }
 
 impl Default for ServerConfig {
@@ -146,6 +194,7 @@ impl Default for ServerConfig {
             swap_blocks: 0,
             prefix_caching: true,
             num_blocks: None,
+            reservation: Reservation::Paged,
         }
     }
 }
@@ -160,28 +209,56 @@ struct State {
     started: bool,
     live: Vec<Live>,
     done: Vec<Generated>,
+    /// Prompt tokens the prefix cache held at admission (set at the
+    /// request's first row).
+    cached_tokens: Option<usize>,
+}
+
+/// One logit row: the raw logits and their log-softmax.
+type RowOf<'l> = dyn Fn(usize) -> Result<(&'l [f32], &'l [f64]), ModelError> + 'l;
+
+/// Where the first of `stops` occurs in `text` at or after `from`:
+/// `(index of the stop string, byte offset)`, the earliest match first.
+fn find_stop(text: &[u8], from: usize, stops: &[Vec<u8>]) -> Option<(usize, usize)> {
+    let mut best: Option<(usize, usize)> = None;
+    for (i, s) in stops.iter().enumerate() {
+        if s.is_empty() || from + s.len() > text.len() {
+            continue;
+        }
+        if let Some(p) = text[from..].windows(s.len()).position(|w| w == &s[..]) {
+            let at = from + p;
+            if best.is_none_or(|(_, b)| at < b) {
+                best = Some((i, at));
+            }
+        }
+    }
+    best
 }
 
 impl State {
     /// One step of the request's sequences: the picks from each sequence's
-    /// log-probabilities (`rows_of(i)`; samples draw, beams keep the best),
-    /// each a child of the sequence it extends; `on_token(branch, token)`
-    /// hears each. Returns the children for the scheduler.
+    /// logits (`rows_of(i)`; samples draw, beams keep the best), each a
+    /// child of the sequence it extends; `on_token` hears each new
+    /// sequence state. `text_of(token)` is a token's text, for stop strings.
+    /// Returns the children for the scheduler.
     fn advance<'l>(
         &mut self,
-        rows_of: &dyn Fn(usize) -> Result<&'l [f64], ModelError>,
-        on_token: &mut dyn FnMut(usize, u32),
+        rows_of: &RowOf<'l>,
+        text_of: &dyn Fn(u32) -> &'l [u8],
+        on_token: &mut dyn FnMut(&Generated),
     ) -> Result<Vec<Child>, ModelError> {
         let rec = self.req.record_top;
+        let pen = self.req.penalties;
         // (parent, token, logprob, the sample's sampler)
         let mut picks: Vec<(usize, u32, f64, Option<Sampler>)> = Vec::new();
         if !self.started {
-            let lp = rows_of(0)?;
+            let (logits, lp) = rows_of(0)?;
             match self.req.decoding {
                 Decoding::Sample { params, n } => {
+                    let shaped = (!pen.is_none()).then(|| pen.apply(logits, &self.req.prompt, &[]));
                     for b in 0..n {
                         let mut s = Sampler::new(params, b as u64);
-                        let t = s.sample(lp);
+                        let t = s.sample(shaped.as_deref().unwrap_or(lp));
                         picks.push((0, t, lp[t as usize], Some(s)));
                     }
                 }
@@ -201,7 +278,7 @@ impl State {
                 Decoding::Sample { .. } => {
                     // Everything that can fail first: the state stays as
                     // it was on an error.
-                    let rows: Vec<&[f64]> = (0..self.live.len())
+                    let rows: Vec<(&[f32], &[f64])> = (0..self.live.len())
                         .map(rows_of)
                         .collect::<Result<_, _>>()?;
                     let samplers = self
@@ -214,15 +291,20 @@ impl State {
                             })
                         })
                         .collect::<Result<Vec<_>, _>>()?;
-                    for (i, (mut s, lp)) in samplers.into_iter().zip(rows).enumerate() {
-                        let t = s.sample(lp);
+                    for (i, (mut s, (logits, lp))) in samplers.into_iter().zip(rows).enumerate() {
+                        let t = if pen.is_none() {
+                            s.sample(lp)
+                        } else {
+                            let out = &self.live[i].gen.tokens;
+                            s.sample(&pen.apply(logits, &self.req.prompt, out))
+                        };
                         picks.push((i, t, lp[t as usize], Some(s)));
                     }
                 }
                 Decoding::Beam { .. } => {
                     let keep = self.req.width() - self.done.len();
                     let rows: Vec<&[f64]> = (0..self.live.len())
-                        .map(rows_of)
+                        .map(|i| rows_of(i).map(|r| r.1))
                         .collect::<Result<_, _>>()?;
                     let scores: Vec<f64> = self.live.iter().map(|l| l.gen.score).collect();
                     for (b, t, s) in beam_step(&scores, &rows, keep) {
@@ -231,6 +313,13 @@ impl State {
                 }
             }
         }
+        let longest_stop = self
+            .req
+            .stop_strings
+            .iter()
+            .map(Vec::len)
+            .max()
+            .unwrap_or(0);
         let mut children = Vec::with_capacity(picks.len());
         let mut next = Vec::with_capacity(picks.len());
         for (k, (parent, token, lp, sampler)) in picks.into_iter().enumerate() {
@@ -240,11 +329,28 @@ impl State {
             }
             gen.tokens.push(token);
             gen.score += lp;
+            gen.logprobs.push(lp);
             if rec > 0 {
-                gen.top.push(top_k(rows_of(parent)?, rec));
+                gen.top.push(top_k(rows_of(parent)?.1, rec));
             }
-            let finished = gen.tokens.len() >= self.req.max_tokens || self.req.stop == Some(token);
-            on_token(k, token);
+            let before = gen.text.len();
+            let is_stop = self.req.stop.contains(&token);
+            if !is_stop {
+                gen.text.extend_from_slice(text_of(token));
+            }
+            // A match may start in the bytes before this token's.
+            let from = before.saturating_sub(longest_stop.saturating_sub(1));
+            gen.finish = if is_stop {
+                Some(Finish::Token(token))
+            } else if let Some((index, at)) = find_stop(&gen.text, from, &self.req.stop_strings) {
+                Some(Finish::Text { index, at })
+            } else if gen.tokens.len() >= self.req.max_tokens {
+                Some(Finish::Length)
+            } else {
+                None
+            };
+            let finished = gen.finish.is_some();
+            on_token(&gen);
             children.push(Child {
                 parent,
                 token,
@@ -280,6 +386,8 @@ pub struct Server {
     remote: HashMap<RequestId, Vec<(KvLayout, Vec<u8>)>>,
     /// Blocks imported from remote prefixes.
     pub imported_blocks: usize,
+    /// Each token's text, for stop strings ([`set_token_text`](Self::set_token_text)).
+    token_text: Vec<Vec<u8>>,
 }
 
 /// A running request as it stands: its live sequences (beams in the order
@@ -341,6 +449,7 @@ impl Server {
         bc.max_seq_len = model.shape.context;
         let mut sc = SchedulerConfig::new(cfg.max_batch_tokens, cfg.max_seqs);
         sc.preemption = cfg.preemption;
+        sc.reservation = cfg.reservation;
         let sched = Scheduler::new(bc, sc)?;
         let swap = match cfg.swap_blocks {
             0 => None,
@@ -357,6 +466,7 @@ impl Server {
             last_copies: Vec::new(),
             remote: HashMap::new(),
             imported_blocks: 0,
+            token_text: Vec::new(),
         })
     }
 
@@ -368,6 +478,37 @@ impl Server {
     /// The scheduling configuration.
     pub fn config(&self) -> &ServerConfig {
         &self.cfg
+    }
+
+    /// The text of every token, by id, as answers show it (a tokenizer's
+    /// bytes; control tokens usually empty): what stop strings are matched
+    /// against and what [`Generated::text`] holds. Needs one entry per
+    /// vocabulary token.
+    pub fn set_token_text(&mut self, text: Vec<Vec<u8>>) -> Result<(), ModelError> {
+        if text.len() != self.model.shape.vocab {
+            return Err(ModelError::Request(format!(
+                "{} token texts for a vocabulary of {}",
+                text.len(),
+                self.model.shape.vocab
+            )));
+        }
+        self.token_text = text;
+        Ok(())
+    }
+
+    /// Drops a request wherever it is (queued, running, swapped out),
+    /// returning its blocks to the pool at once. Between steps only; an
+    /// unknown or ended request is an error.
+    pub fn abort(&mut self, request: RequestId) -> Result<(), ModelError> {
+        self.sched.abort(request)?;
+        self.reqs.remove(&request);
+        self.remote.remove(&request);
+        Ok(())
+    }
+
+    /// Requests queued, running or swapped out.
+    pub fn requests(&self) -> usize {
+        self.reqs.len()
     }
 
     /// Queues a request, after checking it against the model and the pool.
@@ -426,7 +567,17 @@ impl Server {
                         self.cfg.max_seqs
                     ));
                 }
+                if !req.penalties.is_none() {
+                    return bad("penalties apply to sampling, not to beam search".into());
+                }
             }
+        }
+        req.penalties.validate()?;
+        if !req.stop_strings.is_empty() && self.token_text.is_empty() {
+            return bad("stop strings need the tokens' text (Server::set_token_text)".into());
+        }
+        if let Some(e) = req.expected_tokens.filter(|&e| e == 0 || e > n) {
+            return bad(format!("expected_tokens {e} outside 1..=max_tokens {n}"));
         }
         let bs = self.model.cfg.block_size as usize;
         let pool = self.sched.blocks().config().num_blocks as usize;
@@ -437,9 +588,14 @@ impl Server {
                 "prompt of {p} tokens, {w} sequences of up to {n} more need up to {need} blocks of {bs}; the pool holds {pool}"
             ));
         }
+        let admission = Admission {
+            remote_blocks: remote.len(),
+            max_tokens: Some(n),
+            expected_tokens: req.expected_tokens,
+        };
         let id = self
             .sched
-            .add_request_with_remote(&req.prompt, w, &req.salt, remote.len())?;
+            .add_request_with(&req.prompt, w, &req.salt, admission)?;
         if !remote.is_empty() {
             self.remote.insert(id, remote);
         }
@@ -451,6 +607,7 @@ impl Server {
                 started: false,
                 live: Vec::new(),
                 done: Vec::new(),
+                cached_tokens: None,
             },
         );
         Ok(id)
@@ -471,12 +628,12 @@ impl Server {
         self.sched.has_work()
     }
 
-    /// Runs every request to its end; `on_token(request, sequence, token)`
-    /// sees each token as it is chosen.
+    /// Runs every request to its end; `on_token(request, sequence)` sees
+    /// each sequence as a token is chosen for it (the token is its last).
     #[cfg(not(target_arch = "wasm32"))]
     pub fn run(
         &mut self,
-        on_token: &mut dyn FnMut(RequestId, usize, u32),
+        on_token: &mut dyn FnMut(RequestId, &Generated),
     ) -> Result<Vec<Completion>, ModelError> {
         let mut out = Vec::new();
         while self.has_work() {
@@ -489,7 +646,7 @@ impl Server {
     #[cfg(not(target_arch = "wasm32"))]
     pub fn step(
         &mut self,
-        on_token: &mut dyn FnMut(RequestId, usize, u32),
+        on_token: &mut dyn FnMut(RequestId, &Generated),
     ) -> Result<Vec<Completion>, ModelError> {
         pollster::block_on(self.step_async(on_token))
     }
@@ -499,28 +656,56 @@ impl Server {
     /// swap space.
     pub async fn step_async(
         &mut self,
-        on_token: &mut dyn FnMut(RequestId, usize, u32),
+        on_token: &mut dyn FnMut(RequestId, &Generated),
     ) -> Result<Vec<Completion>, ModelError> {
         let t0 = Instant::now();
         let step = self.sched.schedule()?;
+        match self.run_step(&step, t0, on_token).await {
+            Ok(ended) => Ok(ended),
+            Err(source) => {
+                // The step did not run: the K/V of every request it could
+                // have touched is in doubt. Drop those (waiting requests
+                // stay queued) so that the scheduler serves on.
+                let aborted = self.sched.abandon(&step)?;
+                for r in &aborted {
+                    self.reqs.remove(r);
+                    self.remote.remove(r);
+                }
+                self.stats.aborted += aborted.len();
+                Err(ModelError::StepFailed {
+                    aborted,
+                    source: Box::new(source),
+                })
+            }
+        }
+    }
+
+    /// Runs a scheduled step and commits it.
+    async fn run_step(
+        &mut self,
+        step: &Step,
+        t0: Instant,
+        on_token: &mut dyn FnMut(RequestId, &Generated),
+    ) -> Result<Vec<Completion>, ModelError> {
         self.last_copies.clear();
         self.last_copies.extend_from_slice(&step.view().copies);
         let mut ended = Vec::new();
         for &r in step.aborted() {
-            self.reqs.remove(&r);
+            let cached_tokens = self.reqs.remove(&r).and_then(|s| s.cached_tokens);
             self.remote.remove(&r);
             self.stats.aborted += 1;
             ended.push(Completion {
                 request: r,
                 sequences: Vec::new(),
                 aborted: true,
+                cached_tokens: cached_tokens.unwrap_or(0),
             });
         }
         self.stats.preempted += step.preempted().len();
-        self.import_remote(&step).await?;
-        self.run_swaps(&step).await?;
+        self.import_remote(step).await?;
+        self.run_swaps(step).await?;
         if step.rows().is_empty() {
-            for f in self.sched.commit(&step, &[])? {
+            for f in self.sched.commit(step, &[])? {
                 ended.push(self.finish(f.request));
             }
             return Ok(ended);
@@ -535,7 +720,12 @@ impl Server {
                 row_of.insert((row.request, row.index), logit_rows.len());
                 logit_rows.push(positions.len() as u32 - 1);
             }
-            let started = self.reqs.get(&row.request).is_some_and(|s| s.started);
+            let st = self.reqs.get_mut(&row.request);
+            let started = st.as_ref().is_some_and(|s| s.started);
+            if let Some(st) = st {
+                // A request's first row starts after its cached prefix.
+                st.cached_tokens.get_or_insert(row.positions.start);
+            }
             prompt_work |= row.positions.len() > 1 || !started;
         }
         let input = StepInput {
@@ -558,22 +748,27 @@ impl Server {
         // Each logit row's log-probabilities, once: sampling, beam scores
         // and the recorded top-N all read them.
         let vocab = self.model.shape.vocab;
-        let lps: Vec<Vec<f64>> = logits.chunks_exact(vocab).map(log_softmax).collect();
+        let rows: Vec<&[f32]> = logits.chunks_exact(vocab).collect();
+        let lps: Vec<Vec<f64>> = rows.iter().map(|r| log_softmax(r)).collect();
+        let empty: &[u8] = &[];
+        let texts = &self.token_text;
+        let text_of = |t: u32| texts.get(t as usize).map_or(empty, |b| &b[..]);
         let mut outputs = Vec::with_capacity(step.sample().len());
+        let (row_of, rows, lps) = (&row_of, &rows, &lps);
         for &request in step.sample() {
             let st = self
                 .reqs
                 .get_mut(&request)
                 .ok_or(ModelError::Request(format!("unknown request {request}")))?;
-            let rows_of = |i: usize| {
-                let row = row_of.get(&(request, i)).map(|&r| &lps[r][..]);
+            let rows_of = move |i: usize| {
+                let row = row_of.get(&(request, i)).map(|&r| (rows[r], &lps[r][..]));
                 row.ok_or_else(|| ModelError::Step(format!("no logits for {request} sequence {i}")))
             };
-            let children = st.advance(&rows_of, &mut |k, t| on_token(request, k, t))?;
+            let children = st.advance(&rows_of, &text_of, &mut |g| on_token(request, g))?;
             outputs.push(GroupOutput { request, children });
         }
         let st = self.sched.blocks().stats();
-        let finished = self.sched.commit(&step, &outputs)?;
+        let finished = self.sched.commit(step, &outputs)?;
         for f in finished {
             ended.push(self.finish(f.request));
         }
@@ -651,9 +846,13 @@ impl Server {
     }
 
     fn finish(&mut self, request: RequestId) -> Completion {
-        let (mut sequences, beams) = match self.reqs.remove(&request) {
-            Some(s) => (s.done, matches!(s.req.decoding, Decoding::Beam { .. })),
-            None => (Vec::new(), false),
+        let (mut sequences, beams, cached_tokens) = match self.reqs.remove(&request) {
+            Some(s) => (
+                s.done,
+                matches!(s.req.decoding, Decoding::Beam { .. }),
+                s.cached_tokens.unwrap_or(0),
+            ),
+            None => (Vec::new(), false, 0),
         };
         if beams {
             sequences.sort_by(|a, b| b.score.total_cmp(&a.score));
@@ -664,6 +863,34 @@ impl Server {
             request,
             sequences,
             aborted: false,
+            cached_tokens,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stop_strings_match_the_earliest_place_from_where_they_can_start() {
+        let stops = vec![b"END".to_vec(), b"\n\n".to_vec(), Vec::new()];
+        assert_eq!(find_stop(b"abc\n\nxEND", 0, &stops), Some((1, 3)));
+        assert_eq!(find_stop(b"abcEND\n\n", 0, &stops), Some((0, 3)));
+        // Not before `from`, and not past the text.
+        assert_eq!(find_stop(b"abcEND", 4, &stops), None);
+        assert_eq!(find_stop(b"EN", 0, &stops), None);
+        assert_eq!(find_stop(b"xEND", 1, &stops), Some((0, 1)));
+        let g = Generated {
+            text: b"hello END".to_vec(),
+            finish: Some(Finish::Text { index: 0, at: 6 }),
+            ..Generated::default()
+        };
+        assert_eq!(g.answer(), b"hello ");
+        let g = Generated {
+            finish: Some(Finish::Length),
+            ..g
+        };
+        assert_eq!(g.answer(), b"hello END");
     }
 }

@@ -150,7 +150,7 @@ fn parallel_samples_match_the_reference_and_share_the_prompt_blocks() {
         let mut checked = false;
         let mut done = Vec::new();
         while server.has_work() {
-            done.extend(server.step(&mut |_, _, _| {}).expect("step"));
+            done.extend(server.step(&mut |_, _| {}).expect("step"));
             let Ok(seqs) = server.sched.sequences(id) else {
                 continue;
             };
@@ -233,10 +233,10 @@ fn chunked_and_mixed_prefill_give_the_one_shot_tokens() {
     for g in &f.greedy[..k] {
         ids.push(server.add(greedy_request(g, n, 0)).expect("request"));
         let before = server.stats.prefill_tokens;
-        done.extend(server.step(&mut |_, _, _| {}).expect("step"));
+        done.extend(server.step(&mut |_, _| {}).expect("step"));
         mixed += (server.stats.prefill_tokens > before && ids.len() > 1) as usize;
     }
-    done.extend(server.run(&mut |_, _, _| {}).expect("run"));
+    done.extend(server.run(&mut |_, _| {}).expect("run"));
     let st = server.sched.blocks().stats();
     assert_eq!(st.free + st.evictable, st.total, "no block leaked");
     *m = Some(server.into_model());
@@ -259,14 +259,14 @@ fn a_prefix_cache_hit_gives_identical_tokens() {
     let model = m.take().expect("model");
     let mut server = pagedattn_model::serve::Server::new(model, cfg()).expect("server");
     let a = server.add(greedy_request(g, n, 0)).expect("a");
-    let mut done = server.run(&mut |_, _, _| {}).expect("run");
+    let mut done = server.run(&mut |_, _| {}).expect("run");
     let hits1 = server.sched.blocks().prefix_hit_tokens();
     let b = server.add(greedy_request(g, n, 0)).expect("b");
-    done.extend(server.run(&mut |_, _, _| {}).expect("run"));
+    done.extend(server.run(&mut |_, _| {}).expect("run"));
     let hits2 = server.sched.blocks().prefix_hit_tokens();
     let other = &f.greedy[1];
     let c = server.add(greedy_request(other, n, 0)).expect("c");
-    done.extend(server.run(&mut |_, _, _| {}).expect("run"));
+    done.extend(server.run(&mut |_, _| {}).expect("run"));
     let hits3 = server.sched.blocks().prefix_hit_tokens();
     let st = server.sched.blocks().stats();
     assert_eq!(st.free + st.evictable, st.total, "no block leaked");
@@ -315,7 +315,7 @@ fn a_remote_prefix_hit_gives_identical_tokens() {
     let mut a = pagedattn_model::serve::Server::new(model, cfg()).expect("server A");
     a.sched.record_events(true);
     let ra = a.add(greedy_request(g, n, 0)).expect("a");
-    let done = a.run(&mut |_, _, _| {}).expect("run A");
+    let done = a.run(&mut |_, _| {}).expect("run A");
     let got = done.iter().find(|x| x.request == ra).expect("A finished");
     assert_eq!(got.sequences[0].tokens, g.tokens[..n]);
     // A's stored blocks, by digest: what a store would hold.
@@ -354,7 +354,7 @@ fn a_remote_prefix_hit_gives_identical_tokens() {
     let rb = b
         .add_with_remote(greedy_request(g, n, 0), remote)
         .expect("b");
-    let done = b.run(&mut |_, _, _| {}).expect("run B");
+    let done = b.run(&mut |_, _| {}).expect("run B");
     let imported = b.imported_blocks;
     let hits = b.sched.blocks().remote_hit_tokens();
     let prefill = b.stats.prefill_tokens;

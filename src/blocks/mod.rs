@@ -10,8 +10,8 @@ mod scheduler;
 pub use error::BlockError;
 pub use manager::{BlockManager, BlockManagerConfig, KvEvent, RemoteBlock, StepPlan, MAX_BLOCKS};
 pub use scheduler::{
-    Child, Finished, GroupOutput, Preemption, RequestId, Row, Scheduler, SchedulerConfig,
-    SchedulerError, SchedulerStats, Step,
+    Admission, Child, Finished, GroupOutput, Preemption, RequestId, Reservation, Row, Scheduler,
+    SchedulerConfig, SchedulerError, SchedulerStats, Step,
 };
 
 /// Table entry of a block dropped by

@@ -55,6 +55,81 @@ pub enum Preemption {
     Auto,
 }
 
+/// What a request holds of the pool while it runs: its blocks as it
+/// fills them (paging), or, as the systems before paging did, a slab
+/// reserved whole at admission. The reservations are the vLLM paper's
+/// baselines (Orca-Max, -Pow2, -Oracle), run in the same scheduler over
+/// the same pool so that a comparison measures the policy alone: a
+/// request is admitted only while the reservations of the requests
+/// holding memory (running or swapped out) and its own fit in the pool.
+/// Each sequence of a group reserves its own slab; nothing is shared.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Reservation {
+    /// No reservation: blocks are taken as tokens arrive.
+    #[default]
+    Paged,
+    /// The longest sequence the pool allows (`max_seq_len`) per sequence.
+    Max,
+    /// The next power of two of prompt + `max_tokens` per sequence.
+    Pow2,
+    /// Prompt + the output length the request will have
+    /// ([`Admission::expected_tokens`], else `max_tokens`) per sequence.
+    Oracle,
+}
+
+impl Reservation {
+    /// Every policy, paging first.
+    pub const ALL: [Reservation; 4] = [Self::Paged, Self::Max, Self::Pow2, Self::Oracle];
+
+    /// Its name: `paged`, `max`, `pow2`, `oracle`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Paged => "paged",
+            Self::Max => "max",
+            Self::Pow2 => "pow2",
+            Self::Oracle => "oracle",
+        }
+    }
+
+    /// The policy of that name.
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|r| r.name() == name)
+    }
+
+    /// Tokens one sequence reserves: a prompt of `prompt` tokens that may
+    /// generate `max_tokens` and will generate `expected`, in a pool whose
+    /// sequences hold at most `max_seq_len` tokens (0 for paging).
+    pub fn tokens(
+        self,
+        prompt: usize,
+        max_tokens: usize,
+        expected: usize,
+        max_seq_len: usize,
+    ) -> usize {
+        match self {
+            Self::Paged => 0,
+            Self::Max => max_seq_len,
+            Self::Pow2 => (prompt + max_tokens).next_power_of_two().min(max_seq_len),
+            Self::Oracle => (prompt + expected).min(max_seq_len),
+        }
+    }
+}
+
+/// What the scheduler learns of a request besides its prompt, width and
+/// salt (all optional).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Admission {
+    /// Leading full prompt blocks a remote prefix store holds
+    /// ([`Scheduler::add_request_with_remote`]).
+    pub remote_blocks: usize,
+    /// The most tokens it may generate (`None`: up to `max_seq_len`).
+    pub max_tokens: Option<usize>,
+    /// The tokens it will generate, where the caller knows it: what
+    /// [`Reservation::Oracle`] reserves (`None`: `max_tokens`).
+    pub expected_tokens: Option<usize>,
+}
+
 /// Limits of one step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SchedulerConfig {
@@ -67,6 +142,8 @@ pub struct SchedulerConfig {
     /// Free blocks kept back at admission, so that running groups can grow
     /// without preempting at once.
     pub watermark_blocks: usize,
+    /// What a request holds while it runs (paging, or a reservation).
+    pub reservation: Reservation,
 }
 
 impl SchedulerConfig {
@@ -78,6 +155,7 @@ impl SchedulerConfig {
             max_seqs,
             preemption: Preemption::Auto,
             watermark_blocks: 0,
+            reservation: Reservation::Paged,
         }
     }
 }
@@ -280,6 +358,9 @@ struct Group {
     salt: Vec<u8>,
     /// Leading full prompt blocks a remote store holds (first admission).
     remote: usize,
+    /// Blocks the group reserves while it holds memory (running or
+    /// swapped out; 0 under paging).
+    reserve: usize,
     width: usize,
     /// Live sequences (running or swapped).
     seqs: Vec<SeqId>,
@@ -509,6 +590,25 @@ impl Scheduler {
         cache_salt: &[u8],
         remote_blocks: usize,
     ) -> Result<RequestId, SchedulerError> {
+        let admission = Admission {
+            remote_blocks,
+            ..Admission::default()
+        };
+        self.add_request_with(prompt, width, cache_salt, admission)
+    }
+
+    /// [`add_request`](Self::add_request) with what else the scheduler
+    /// may know of the request: remote prefix blocks, and the output
+    /// lengths a [`Reservation`] reserves for. Refused if its
+    /// reservation alone is more than the pool.
+    pub fn add_request_with(
+        &mut self,
+        prompt: &[u32],
+        width: usize,
+        cache_salt: &[u8],
+        admission: Admission,
+    ) -> Result<RequestId, SchedulerError> {
+        let remote_blocks = admission.remote_blocks;
         if remote_blocks > 0 && !self.blocks.config().prefix_caching {
             return Err(BlockError::PrefixCachingOff.into());
         }
@@ -538,6 +638,26 @@ impl Scheduler {
                 bc.num_blocks
             )));
         }
+        let max_tokens = admission
+            .max_tokens
+            .unwrap_or(limit - prompt.len())
+            .min(limit - prompt.len());
+        let expected = admission
+            .expected_tokens
+            .unwrap_or(max_tokens)
+            .min(max_tokens);
+        let r = self.cfg.reservation;
+        let reserve = width
+            * r.tokens(prompt.len(), max_tokens, expected, limit)
+                .div_ceil(bc.block_size as usize);
+        if reserve > bc.num_blocks as usize {
+            return Err(SchedulerError::Invalid(format!(
+                "under the {} reservation a prompt of {} tokens decoded by {width} sequences reserves {reserve} blocks; the pool has {}",
+                r.name(),
+                prompt.len(),
+                bc.num_blocks
+            )));
+        }
         let id = RequestId {
             number: self.next_request,
             owner: self.blocks.owner(),
@@ -547,6 +667,7 @@ impl Scheduler {
             id,
             salt: cache_salt.to_vec(),
             remote: remote_blocks,
+            reserve,
             width,
             seqs: Vec::new(),
             sources: vec![prompt.to_vec()],
@@ -555,6 +676,50 @@ impl Scheduler {
             done: Vec::new(),
         });
         Ok(id)
+    }
+
+    /// Blocks reserved by the groups that hold memory (0 under paging).
+    pub fn reserved_blocks(&self) -> usize {
+        self.running
+            .iter()
+            .chain(&self.swapped)
+            .map(|g| g.reserve)
+            .sum()
+    }
+
+    /// Gives up the step in flight when it could not run (the device
+    /// failed it): every running and swapped-out request is dropped, since
+    /// the step may have left their K/V half written; waiting requests
+    /// stay queued (they hold no blocks). Blocks the step imported leave
+    /// the prefix cache. Returns the dropped requests; the scheduler then
+    /// schedules again.
+    pub fn abandon(&mut self, step: &Step) -> Result<Vec<RequestId>, SchedulerError> {
+        if self.in_flight != Some(step.number) || step.owner != self.blocks.owner() {
+            return Err(SchedulerError::StepOrder(
+                "abandon of a step that is not in flight",
+            ));
+        }
+        self.in_flight = None;
+        for (_, imported) in &step.imports {
+            let blocks: Vec<u32> = imported.iter().map(|b| b.0).collect();
+            self.blocks.uncache(&blocks);
+        }
+        let groups: Vec<Group> = self
+            .running
+            .drain(..)
+            .chain(self.swapped.drain(..))
+            .collect();
+        let mut dropped = Vec::with_capacity(groups.len());
+        for g in groups {
+            for id in g.seqs {
+                self.blocks.free(id)?;
+            }
+            dropped.push(g.id);
+        }
+        // Copies into blocks the dropped groups held are dead work.
+        self.blocks.take_copies();
+        self.stats.aborted += dropped.len() as u64;
+        Ok(dropped)
     }
 
     /// Drops a request wherever it is, freeing its blocks. Not while a step
@@ -972,6 +1137,12 @@ impl Scheduler {
             // Headroom of one block per sequence to grow; an idle pool
             // admits without it (it would only wait for itself).
             let idle = self.running.is_empty();
+            if g.reserve > 0
+                && self.reserved_blocks() + g.reserve > self.blocks.config().num_blocks as usize
+            {
+                // Its slab does not fit beside the others': it waits.
+                break;
+            }
             let (blocks, shared) = self.admission_blocks(g);
             let need = blocks + g.width + if idle { 0 } else { self.cfg.watermark_blocks };
             let available = self.blocks.available_blocks();

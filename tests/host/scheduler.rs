@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 use crate::scheduler_ops;
 
 use pagedattn::blocks::{
-    BlockError, BlockManager, BlockManagerConfig, Child, GroupOutput, Preemption, RequestId,
-    Scheduler, SchedulerConfig, SchedulerError,
+    Admission, BlockError, BlockManager, BlockManagerConfig, Child, GroupOutput, Preemption,
+    RequestId, Reservation, Scheduler, SchedulerConfig, SchedulerError, Step,
 };
 use pagedattn::rng::SplitMix64;
 
@@ -167,12 +167,42 @@ fn run_workload(
     requests: u64,
     nb: u32,
 ) -> Outcome {
+    run_workload_with(
+        seed,
+        preemption,
+        swap_blocks,
+        prefix,
+        requests,
+        nb,
+        Reservation::Paged,
+    )
+    .0
+}
+
+/// [`run_workload`] under a reservation policy; also returns the most
+/// requests that ran at once.
+fn run_workload_with(
+    seed: u64,
+    preemption: Preemption,
+    swap_blocks: u32,
+    prefix: bool,
+    requests: u64,
+    nb: u32,
+    reservation: Reservation,
+) -> (Outcome, usize) {
     let bs = 4usize;
-    let cfg = BlockManagerConfig::new(nb, bs as u32)
+    let mut cfg = BlockManagerConfig::new(nb, bs as u32)
         .with_prefix_caching(prefix)
         .with_swap_space(swap_blocks);
+    if reservation != Reservation::Paged {
+        // The longest sequence, what Max reserves: a third of the pool, so
+        // that a group of 3 fits (the longest the workload makes is 62).
+        cfg.max_seq_len = (nb as usize / 3) * bs;
+    }
     let mut sc = SchedulerConfig::new(24, 12);
     sc.preemption = preemption;
+    sc.reservation = reservation;
+    let mut peak_running = 0;
     let mut sim = Sim {
         sched: Scheduler::new(cfg, sc).unwrap(),
         pool: scheduler_ops::SimPool::new(nb, swap_blocks, bs as u32),
@@ -197,10 +227,19 @@ fn run_workload(
             prompt.extend((0..extra).map(|i| token(key, 99, i)));
             let width = [1, 1, 2, 3][rng.below(4) as usize];
             let out = rng.range(1, 24) as usize;
-            let id = sim.sched.add_request(&prompt, width, b"").unwrap();
+            let admission = Admission {
+                max_tokens: Some(out),
+                ..Admission::default()
+            };
+            let id = sim
+                .sched
+                .add_request_with(&prompt, width, b"", admission)
+                .unwrap();
             sim.reqs.insert(id, (key, out, width, Vec::new()));
         }
         let step = sim.sched.schedule().unwrap();
+        assert!(sim.sched.reserved_blocks() <= nb as usize);
+        peak_running = peak_running.max(sim.sched.queue_lengths().1);
         sim.pool.run_step(&sim.sched, &step);
         for r in step.aborted() {
             aborted.push(sim.reqs.remove(r).unwrap().0);
@@ -271,11 +310,114 @@ fn run_workload(
     assert_eq!(st.swap_used, 0);
     done.sort();
     aborted.sort();
-    Outcome {
+    let outcome = Outcome {
         done,
         aborted,
         stats: sim.sched.stats(),
+    };
+    (outcome, peak_running)
+}
+
+/// The paper's baselines in the same scheduler: every reservation
+/// generates what paging generates, a reservation never preempts (its
+/// slab holds the whole sequence) and never holds more than the pool, and
+/// the tighter the reservation the more requests run at once.
+#[test]
+fn reservations_generate_the_same_and_run_fewer_requests_at_once() {
+    let mut peaks: HashMap<&str, usize> = HashMap::new();
+    for seed in 0..6u64 {
+        let run = |r| run_workload_with(seed, Preemption::Recompute, 0, false, 24, 64, r);
+        let (paged, paged_peak) = run(Reservation::Paged);
+        for r in Reservation::ALL {
+            let (got, peak) = run(r);
+            assert_eq!(got.done, paged.done, "seed {seed} {r:?}");
+            assert!(got.aborted.is_empty() && paged.aborted.is_empty());
+            if r != Reservation::Paged {
+                assert_eq!(got.stats.recomputed_groups, 0, "seed {seed} {r:?}");
+                assert!(
+                    peak <= paged_peak,
+                    "seed {seed} {r:?}: {peak} > {paged_peak}"
+                );
+            }
+            *peaks.entry(r.name()).or_default() += peak;
+        }
     }
+    // Max reserves a third of the pool a sequence: at most 3 run at once.
+    assert!(peaks["max"] <= 6 * 3, "{peaks:?}");
+    assert!(
+        peaks["oracle"] > peaks["pow2"] && peaks["pow2"] > peaks["max"],
+        "{peaks:?}"
+    );
+    assert!(peaks["paged"] >= peaks["oracle"], "{peaks:?}");
+}
+
+#[test]
+fn a_reservation_larger_than_the_pool_is_refused_at_once() {
+    let mut sc = SchedulerConfig::new(24, 12);
+    sc.reservation = Reservation::Max;
+    let mut cfg = BlockManagerConfig::new(16, 4);
+    cfg.max_seq_len = 100; // 25 blocks of 4 per sequence
+    let mut s = Scheduler::new(cfg, sc).unwrap();
+    let e = s.add_request(&[1, 2, 3], 1, b"").unwrap_err().to_string();
+    assert!(
+        e.contains("max reservation") && e.contains("25 blocks") && e.contains("16"),
+        "{e}"
+    );
+    assert!(!s.has_work(), "nothing queued");
+    // Pow2 of 3 + 5 tokens is 8 (2 blocks a sequence); three sequences fit.
+    sc.reservation = Reservation::Pow2;
+    let mut s = Scheduler::new(cfg, sc).unwrap();
+    let admission = Admission {
+        max_tokens: Some(5),
+        ..Admission::default()
+    };
+    s.add_request_with(&[1, 2, 3], 3, b"", admission).unwrap();
+    let step = s.schedule().unwrap();
+    assert_eq!(s.reserved_blocks(), 6);
+    assert_eq!(step.rows().len(), 1);
+}
+
+#[test]
+fn an_abandoned_step_drops_what_it_touched_and_keeps_the_queue() {
+    let cfg = BlockManagerConfig::new(16, 4).with_prefix_caching(true);
+    let mut s = Scheduler::new(cfg, SchedulerConfig::new(6, 4)).unwrap();
+    let a = s.add_request(&toks(0, 6), 2, b"").unwrap();
+    let b = s.add_request(&toks(100, 6), 1, b"").unwrap();
+    let step = s.schedule().unwrap();
+    // The budget of 6 tokens admitted a; b waits.
+    assert_eq!(s.queue_lengths(), (1, 1, 0));
+    // Abandoning another step, or out of order, is refused.
+    let e = s.abandon(&Step::default()).unwrap_err();
+    assert!(matches!(e, SchedulerError::StepOrder(_)), "{e}");
+    assert_eq!(s.abandon(&step).unwrap(), vec![a]);
+    assert!(s.abandon(&step).is_err(), "only once");
+    let st = s.blocks().stats();
+    assert_eq!((st.used, st.sequences), (0, 0), "a's blocks came back");
+    // Nothing of a was committed, so nothing of it is cached: b and a
+    // new a run as if a had never been.
+    let a2 = s.add_request(&toks(0, 6), 1, b"").unwrap();
+    let step = s.schedule().unwrap();
+    assert_eq!(
+        step.rows().iter().map(|r| r.request).collect::<Vec<_>>(),
+        vec![b]
+    );
+    assert_eq!(step.rows()[0].positions, 0..6);
+    let out = GroupOutput {
+        request: b,
+        children: vec![Child {
+            parent: 0,
+            token: 7,
+            finished: true,
+        }],
+    };
+    assert_eq!(s.commit(&step, &[out]).unwrap()[0].request, b);
+    let step = s.schedule().unwrap();
+    assert_eq!(step.rows()[0].request, a2);
+    assert_eq!(
+        step.rows()[0].positions,
+        0..6,
+        "no prefix hit on a's unwritten blocks"
+    );
 }
 
 #[test]

@@ -175,6 +175,7 @@ impl WebModel {
             swap_blocks: 0,
             prefix_caching: true,
             num_blocks: None,
+            ..ServerConfig::default()
         };
         let server = Server::new(model, scfg).map_err(err)?;
         Ok(WebModel {
@@ -234,7 +235,7 @@ impl WebModel {
         };
         let req = Request {
             decoding,
-            stop: Some(tokenizer.eos_id()),
+            stop: vec![tokenizer.eos_id()],
             ..Request::greedy(ids.clone(), gc.max_tokens)
         };
         let id = server.add(req).map_err(err)?;
@@ -269,7 +270,7 @@ impl WebModel {
                 .ok_or_else(|| err("a step is already running"))?;
             let t0 = js_sys::Date::now();
             let result = if server.has_work() {
-                server.step_async(&mut |_, _, _| {}).await.map(Some)
+                server.step_async(&mut |_, _| {}).await.map(Some)
             } else {
                 Ok(None)
             };

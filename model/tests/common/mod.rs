@@ -116,7 +116,7 @@ pub fn serve(
         .into_iter()
         .map(|r| server.add(r).expect("request"))
         .collect();
-    let result = server.run(&mut |_, _, _| {});
+    let result = server.run(&mut |_, _| {});
     let hits = server.sched.blocks().prefix_hit_tokens();
     let st = server.sched.blocks().stats();
     let stats = server.stats;
