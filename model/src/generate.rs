@@ -160,7 +160,7 @@ pub fn check(o: &GenerateOptions) -> Result<(), ModelError> {
 
 /// The options' prompts as requests: the chat template applied where
 /// asked, sampled or beam-searched, ending at the end-of-turn token.
-fn requests(o: &GenerateOptions, tokenizer: &Tokenizer) -> Vec<Request> {
+fn requests(o: &GenerateOptions, tokenizer: &Tokenizer) -> Result<Vec<Request>, ModelError> {
     let mut requests = Vec::new();
     for p in &o.prompts {
         let text = if o.chat {
@@ -168,7 +168,7 @@ fn requests(o: &GenerateOptions, tokenizer: &Tokenizer) -> Vec<Request> {
         } else {
             p.clone()
         };
-        let ids = tokenizer.encode(&text, o.chat);
+        let ids = tokenizer.try_encode(&text, o.chat)?;
         let decoding = if o.beams > 0 {
             Decoding::Beam { width: o.beams }
         } else {
@@ -183,7 +183,7 @@ fn requests(o: &GenerateOptions, tokenizer: &Tokenizer) -> Vec<Request> {
             ..Request::greedy(ids, o.max_tokens)
         });
     }
-    requests
+    Ok(requests)
 }
 
 /// Loads the model, serves the prompts, streams the first to `out` and
@@ -194,7 +194,7 @@ pub fn run(o: &GenerateOptions, out: &mut dyn Write) -> Result<Report, ModelErro
     let Loaded {
         weights, tokenizer, ..
     } = load(&o.model)?;
-    let requests = requests(o, &tokenizer);
+    let requests = requests(o, &tokenizer)?;
     let (device, queue, adapter) = open_device()?;
     let ecfg = EngineConfig {
         num_blocks: o.num_blocks,

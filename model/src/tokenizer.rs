@@ -75,6 +75,10 @@ pub enum TokenizerError {
     },
     #[error("no end-of-turn token: neither {IM_END:?} nor tokenizer.ggml.eos_token_id")]
     NoEos,
+    /// Text the vocabulary cannot spell: one of the character's UTF-8
+    /// bytes has no token (and the vocabulary has no byte fallback).
+    #[error("character {} (U+{:04X}) at position {at} has no token in the vocabulary: the text cannot be encoded without changing it", .ch.escape_debug(), *.ch as u32)]
+    Unencodable { ch: char, at: usize },
 }
 
 /// Which pre-tokenizer splits plain text.
@@ -488,6 +492,30 @@ impl Tokenizer {
         }
         self.encode_plain(&text[plain_start..], &mut out);
         out
+    }
+
+    /// [`encode`](Self::encode), refusing text that would not come back
+    /// from [`decode`](Self::decode) as it went in: a character one of
+    /// whose UTF-8 bytes has no token would otherwise be dropped.
+    pub fn try_encode(&self, text: &str, parse_special: bool) -> Result<Vec<u32>, TokenizerError> {
+        if let Some((at, ch)) = self.unencodable(text) {
+            return Err(TokenizerError::Unencodable { ch, at });
+        }
+        Ok(self.encode(text, parse_special))
+    }
+
+    /// The first character of `text` the vocabulary cannot spell, and its
+    /// position in characters.
+    pub fn unencodable(&self, text: &str) -> Option<(usize, char)> {
+        if text.bytes().all(|b| self.byte_ids[b as usize].is_some()) {
+            return None;
+        }
+        text.chars().enumerate().find(|(_, c)| {
+            let mut buf = [0u8; 4];
+            c.encode_utf8(&mut buf)
+                .bytes()
+                .any(|b| self.byte_ids[b as usize].is_none())
+        })
     }
 
     fn encode_plain(&self, text: &str, out: &mut Vec<u32>) {

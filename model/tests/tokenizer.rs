@@ -181,6 +181,46 @@ fn decode_inverts_encode_and_streams_the_same_text() {
     }
 }
 
+/// A prompt never changes silently: every Unicode scalar value either
+/// round-trips through encode and decode, or `try_encode` refuses it,
+/// naming it and its position.
+#[test]
+fn every_scalar_value_round_trips_or_is_refused() {
+    let Some(t) = tokenizer("every_scalar_value_round_trips_or_is_refused") else {
+        return;
+    };
+    let (mut kept, mut refused) = (0usize, Vec::new());
+    for c in (0..=0x10FFFFu32).filter_map(char::from_u32) {
+        let text = format!("a{c}");
+        match t.try_encode(&text, false) {
+            Ok(ids) => {
+                assert_eq!(t.decode(&ids), text, "U+{:04X}", c as u32);
+                kept += 1;
+            }
+            Err(e) => {
+                let want = format!("(U+{:04X}) at position 1 ", c as u32);
+                assert!(e.to_string().contains(&want), "{e}");
+                refused.push(c);
+            }
+        }
+    }
+    // SmolLM2's vocabulary lacks 6 control bytes and the lead bytes of
+    // U+40000..=U+BFFFF (0xF1, 0xF2): those characters, nothing else.
+    let lacking = [0x04u8, 0x06, 0x13, 0x14, 0x16, 0x1D, 0xF1, 0xF2];
+    let spellable = |c: char| {
+        let mut buf = [0u8; 4];
+        !c.encode_utf8(&mut buf)
+            .bytes()
+            .any(|b| lacking.contains(&b))
+    };
+    assert!(refused.iter().all(|&c| !spellable(c)));
+    assert_eq!(kept + refused.len(), 1_112_064);
+    assert_eq!(refused.len(), 6 + 0x80000, "{}", refused.len());
+    // The plain encode, given a refused character, drops it: why the
+    // server encodes with try_encode.
+    assert_ne!(t.decode(&t.encode("a\u{4}b", false)), "a\u{4}b");
+}
+
 #[test]
 fn special_tokens_and_ids() {
     let Some(t) = tokenizer("special_tokens_and_ids") else {
