@@ -49,6 +49,69 @@ pub enum Command {
     /// Text from a real model (SmolLM2-135M-Instruct, fetched by
     /// `bash scripts/fetch-model.sh`) through the paged KV cache.
     Generate(GenerateArgs),
+    /// An OpenAI-compatible server (completions, chat, SSE streams,
+    /// /metrics) over the real model and the paged KV cache.
+    Serve(ServeArgs),
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct ServeArgs {
+    /// The GGUF file (default: $PAGEDATTN_MODEL or models/SmolLM2-135M-Instruct.Q4_1.gguf).
+    #[arg(long)]
+    pub model: Option<std::path::PathBuf>,
+    /// The name clients pass as `model` (default: the file's stem).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Address to listen on (loopback unless --api-keys or --allow-unauthenticated).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: std::net::IpAddr,
+    /// Port (0: any free one).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// KV pool element type: f16, f32, bf16, int8 or fp8.
+    #[arg(long, default_value = "f16")]
+    pub kv_dtype: String,
+    /// Blocks of 16 tokens in the KV pool.
+    #[arg(long, default_value_t = 1024)]
+    pub num_blocks: u32,
+    /// Sequences in one step (1 to 256).
+    #[arg(long, default_value_t = 32)]
+    pub max_seqs: usize,
+    /// Tokens in one step, the prefill chunk (at least --max-seqs, at most 8192).
+    #[arg(long, default_value_t = 256)]
+    pub max_batch_tokens: usize,
+    /// Requests held beyond --max-seqs before new ones get 429.
+    #[arg(long, default_value_t = 1024)]
+    pub max_queue: usize,
+    /// The largest request body, in bytes (413 past it).
+    #[arg(long, default_value_t = 1 << 20)]
+    pub max_body_bytes: usize,
+    /// A file of `KEY TENANT` lines: bearer keys, each tenant with its own
+    /// prefix-cache namespace. Without it: one tenant, no key.
+    #[arg(long)]
+    pub api_keys: Option<std::path::PathBuf>,
+    /// Listen on a non-loopback address without --api-keys.
+    #[arg(long)]
+    pub allow_unauthenticated: bool,
+    /// What a request holds of the pool: paged, or the paper's baselines
+    /// max, pow2, oracle (a slab reserved at admission).
+    #[arg(long, default_value = "paged")]
+    pub reservation: String,
+    /// Preemption: recompute, swap or auto.
+    #[arg(long, default_value = "auto")]
+    pub preemption: String,
+    /// Host swap blocks (0: preemption recomputes).
+    #[arg(long, default_value_t = 1024)]
+    pub swap_blocks: u32,
+    /// Turn the prefix cache off.
+    #[arg(long)]
+    pub no_prefix_caching: bool,
+    /// Seconds requests in flight may take to finish after SIGINT/SIGTERM.
+    #[arg(long, default_value_t = 30)]
+    pub shutdown_timeout: u64,
+    /// Seconds between SSE keep-alive comments while a stream waits.
+    #[arg(long, default_value_t = 5)]
+    pub keep_alive: u64,
 }
 
 #[derive(clap::Args, Debug, Clone)]
@@ -225,6 +288,11 @@ pub enum Checked {
         /// Validated options (the prompts file read).
         opts: pagedattn_cli::model::generate::GenerateOptions,
     },
+    /// The server.
+    Serve {
+        /// Validated configuration (the key file read).
+        cfg: pagedattn_cli::server::ServeConfig,
+    },
 }
 
 /// The outcome of parsing an argv.
@@ -343,7 +411,64 @@ pub fn check(cli: Cli) -> Result<Checked, String> {
         }),
         Some(Command::PipelineStats(a)) => Ok(Checked::PipelineStats { json: a.json }),
         Some(Command::Generate(a)) => generate(&a),
+        Some(Command::Serve(a)) => serve(&a),
     }
+}
+
+fn serve(a: &ServeArgs) -> Result<Checked, String> {
+    use pagedattn::blocks::{Preemption, Reservation};
+    use pagedattn_cli::server::{ApiKeys, ServeConfig};
+    let reservation = Reservation::from_name(&a.reservation).ok_or_else(|| {
+        format!(
+            "--reservation {:?}: expected paged, max, pow2 or oracle",
+            a.reservation
+        )
+    })?;
+    let preemption = match a.preemption.as_str() {
+        "recompute" => Preemption::Recompute,
+        "swap" => Preemption::Swap,
+        "auto" => Preemption::Auto,
+        other => {
+            return Err(format!(
+                "--preemption {other:?}: expected recompute, swap or auto"
+            ))
+        }
+    };
+    if !(1..=3600).contains(&a.shutdown_timeout) || !(1..=3600).contains(&a.keep_alive) {
+        return Err(format!(
+            "--shutdown-timeout {} and --keep-alive {} must be in 1..=3600 seconds",
+            a.shutdown_timeout, a.keep_alive
+        ));
+    }
+    let api_keys = match &a.api_keys {
+        Some(p) => Some(ApiKeys::load(p).map_err(|e| e.to_string())?),
+        None => None,
+    };
+    let cfg = ServeConfig {
+        model: a
+            .model
+            .clone()
+            .unwrap_or_else(pagedattn_cli::model::generate::default_model_path),
+        served_model_name: a.served_model_name.clone(),
+        host: a.host,
+        port: a.port,
+        kv_dtype: pagedattn_cli::demo::parse_kv_dtype(&a.kv_dtype)?,
+        num_blocks: a.num_blocks,
+        max_seqs: a.max_seqs,
+        max_batch_tokens: a.max_batch_tokens,
+        max_queue: a.max_queue,
+        max_body_bytes: a.max_body_bytes,
+        api_keys,
+        allow_unauthenticated: a.allow_unauthenticated,
+        reservation,
+        preemption,
+        swap_blocks: a.swap_blocks,
+        prefix_caching: !a.no_prefix_caching,
+        shutdown_timeout: std::time::Duration::from_secs(a.shutdown_timeout),
+        keep_alive: std::time::Duration::from_secs(a.keep_alive),
+    };
+    cfg.check().map_err(|e| e.to_string())?;
+    Ok(Checked::Serve { cfg })
 }
 
 /// Most prompts one `--prompts` file may hold.

@@ -12,3 +12,7 @@ pub mod sim;
 /// The real model behind `pagedattn generate` (SmolLM2-135M through the paged cache).
 #[cfg(not(target_arch = "wasm32"))]
 pub use pagedattn_model as model;
+
+/// `pagedattn serve`: the OpenAI-compatible server over the real model.
+#[cfg(not(target_arch = "wasm32"))]
+pub use pagedattn_server as server;

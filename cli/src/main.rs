@@ -381,6 +381,9 @@ fn run(checked: Checked) -> Res {
         Checked::Generate { opts } => {
             pagedattn_cli::model::generate::run(&opts, &mut out)?;
         }
+        Checked::Serve { cfg } => {
+            pagedattn_cli::server::run(cfg)?;
+        }
     }
     out.flush()?;
     Ok(())

@@ -1,0 +1,510 @@
+//! The OpenAI request bodies of `/v1/completions` and
+//! `/v1/chat/completions`, checked field by field into the engine's
+//! requests. Every refusal is a 400 naming the field, the value and the
+//! limit; fields the server does not know are ignored (clients send
+//! vLLM's and guidellm's extras).
+
+use pagedattn_model::sample::{Penalties, SamplingParams, MAX_TEMPERATURE};
+use pagedattn_model::serve::{Decoding, Request};
+use serde::Deserialize;
+use serde_json::Value;
+
+use crate::chat;
+use crate::engine::ModelInfo;
+use crate::ApiError;
+
+/// Most `logprobs` / `top_logprobs` (OpenAI's limit).
+pub const MAX_LOGPROBS: usize = 20;
+/// Most stop strings, and their longest.
+pub const MAX_STOPS: usize = 16;
+pub const MAX_STOP_BYTES: usize = 256;
+/// Most stop token ids.
+pub const MAX_STOP_IDS: usize = 64;
+/// Most prompts in one completions request.
+pub const MAX_PROMPTS: usize = 256;
+/// `max_tokens` of a completion when the request gives none (OpenAI's).
+pub const DEFAULT_COMPLETION_TOKENS: usize = 16;
+
+/// Which route a body came to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Route {
+    Completions,
+    Chat,
+}
+
+/// The fields both routes read (the body may hold more).
+#[derive(Deserialize, Default, Debug)]
+#[serde(default)]
+struct Body {
+    model: Option<String>,
+    prompt: Option<Value>,
+    messages: Option<Vec<Message>>,
+    max_tokens: Option<u64>,
+    max_completion_tokens: Option<u64>,
+    n: Option<u64>,
+    use_beam_search: Option<bool>,
+    temperature: Option<f64>,
+    top_p: Option<f64>,
+    top_k: Option<i64>,
+    seed: Option<i64>,
+    frequency_penalty: Option<f64>,
+    presence_penalty: Option<f64>,
+    repetition_penalty: Option<f64>,
+    stop: Option<Value>,
+    stop_token_ids: Option<Vec<u64>>,
+    ignore_eos: Option<bool>,
+    /// Completions: an integer (top N); chat: a boolean.
+    logprobs: Option<Value>,
+    top_logprobs: Option<u64>,
+    echo: Option<bool>,
+    stream: Option<bool>,
+    stream_options: Option<StreamOptions>,
+    cache_salt: Option<String>,
+    /// This server's extension: the output length the request will have
+    /// (a benchmark's), what the oracle reservation reserves.
+    expected_output_tokens: Option<u64>,
+}
+
+#[derive(Deserialize, Default, Debug)]
+#[serde(default)]
+struct StreamOptions {
+    include_usage: Option<bool>,
+}
+
+/// One chat message.
+#[derive(Deserialize, Debug)]
+pub struct Message {
+    pub role: String,
+    #[serde(default)]
+    pub content: Value,
+}
+
+/// A checked request: the engine requests (one per prompt) and how to
+/// answer.
+#[derive(Debug)]
+pub struct Plan {
+    pub route: Route,
+    pub requests: Vec<Request>,
+    /// Choices per prompt.
+    pub n: usize,
+    pub beam: bool,
+    pub stream: bool,
+    pub include_usage: bool,
+    /// Some(k): each token's logprob and its top k.
+    pub logprobs: Option<usize>,
+    /// The prompt's text before the answer (completions' `echo`).
+    pub echo: Vec<String>,
+    pub stop_strings: Vec<String>,
+    /// Stop token ids the client gave (reported as `stop_reason`).
+    pub stop_ids: Vec<u32>,
+}
+
+impl Plan {
+    /// The longest stop string, in bytes.
+    pub fn longest_stop(&self) -> usize {
+        self.stop_strings.iter().map(String::len).max().unwrap_or(0)
+    }
+}
+
+/// A fresh seed for a request that gives none.
+fn random_seed() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let mut x = t ^ COUNTER.fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed);
+    x ^= x >> 31;
+    x.wrapping_mul(0xBF58_476D_1CE4_E5B9)
+}
+
+/// Parses a body: malformed JSON and wrong types are 400s naming the
+/// field (`max_tokens: invalid type: string "x", expected u64`).
+fn parse_body(bytes: &[u8]) -> Result<Body, ApiError> {
+    let v: Value = serde_json::from_slice(bytes)
+        .map_err(|e| ApiError::invalid(format!("the body is not valid JSON: {e}")))?;
+    if !v.is_object() {
+        return Err(ApiError::invalid("the body must be a JSON object"));
+    }
+    serde_path_to_error::deserialize(v).map_err(|e| {
+        let path = e.path().to_string();
+        ApiError::param(&path, format!("{path}: {}", e.inner()))
+    })
+}
+
+/// The `model` field against the served name: 404 for another.
+fn check_model(body: &Body, served: &str) -> Result<(), ApiError> {
+    match &body.model {
+        Some(m) if m != served => Err(ApiError::not_found(format!(
+            "the model {m:?} does not exist here; this server serves {served:?} (GET /v1/models)"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// The tenant's prefix-cache namespace: the tenant, then any `cache_salt`.
+pub fn salt(tenant: &str, cache_salt: Option<&str>) -> Vec<u8> {
+    let mut s = b"t:".to_vec();
+    s.extend_from_slice(tenant.as_bytes());
+    if let Some(c) = cache_salt {
+        s.push(0);
+        s.extend_from_slice(c.as_bytes());
+    }
+    s
+}
+
+fn range_f32(name: &str, v: Option<f64>, default: f32, lo: f64, hi: f64) -> Result<f32, ApiError> {
+    match v {
+        None => Ok(default),
+        Some(x) if x.is_finite() && (lo..=hi).contains(&x) => Ok(x as f32),
+        Some(x) => Err(ApiError::param(
+            name,
+            format!("{name} {x} outside {lo}..={hi}"),
+        )),
+    }
+}
+
+/// The prompts of a completions body: a string, strings, token ids, or
+/// lists of token ids.
+fn prompts(v: &Value, info: &ModelInfo) -> Result<Vec<Vec<u32>>, ApiError> {
+    let bad = |m: String| ApiError::param("prompt", m);
+    let ids = |a: &[Value], at: &str| -> Result<Vec<u32>, ApiError> {
+        a.iter()
+            .enumerate()
+            .map(|(i, t)| match t.as_u64() {
+                Some(t) if (t as usize) < info.vocab => Ok(t as u32),
+                Some(t) => Err(bad(format!(
+                    "prompt{at}[{i}]: token {t} outside the vocabulary of {}",
+                    info.vocab
+                ))),
+                None => Err(bad(format!("prompt{at}[{i}]: {t} is not a token id"))),
+            })
+            .collect()
+    };
+    let text = |s: &str, at: &str| -> Result<Vec<u32>, ApiError> {
+        info.tokenizer
+            .try_encode(s, true)
+            .map_err(|e| bad(format!("prompt{at}: {e}")))
+    };
+    let out = match v {
+        Value::String(s) => vec![text(s, "")?],
+        Value::Array(a) if a.is_empty() => return Err(bad("prompt is an empty list".into())),
+        Value::Array(a) if a.iter().all(Value::is_number) => vec![ids(a, "")?],
+        Value::Array(a) if a.len() > MAX_PROMPTS => {
+            return Err(bad(format!(
+                "{} prompts in one request; at most {MAX_PROMPTS}",
+                a.len()
+            )))
+        }
+        Value::Array(a) => a
+            .iter()
+            .enumerate()
+            .map(|(i, p)| match p {
+                Value::String(s) => text(s, &format!("[{i}]")),
+                Value::Array(t) => ids(t, &format!("[{i}]")),
+                _ => Err(bad(format!(
+                    "prompt[{i}] must be a string or a list of token ids"
+                ))),
+            })
+            .collect::<Result<_, _>>()?,
+        _ => {
+            return Err(bad(
+                "prompt must be a string, a list of strings, token ids, or lists of token ids"
+                    .into(),
+            ))
+        }
+    };
+    if let Some(i) = out.iter().position(Vec::is_empty) {
+        return Err(bad(format!("prompt {i} is empty")));
+    }
+    Ok(out)
+}
+
+/// `stop`: a string or a list of them.
+fn stop_strings(v: &Option<Value>) -> Result<Vec<String>, ApiError> {
+    let bad = |m: String| Err(ApiError::param("stop", m));
+    let list = match v {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) => {
+            let mut out = Vec::with_capacity(a.len());
+            for (i, s) in a.iter().enumerate() {
+                match s.as_str() {
+                    Some(s) => out.push(s.to_string()),
+                    None => return bad(format!("stop[{i}] is not a string")),
+                }
+            }
+            out
+        }
+        Some(_) => return bad("stop must be a string or a list of strings".into()),
+    };
+    if list.len() > MAX_STOPS {
+        return bad(format!("{} stop strings; at most {MAX_STOPS}", list.len()));
+    }
+    if let Some(s) = list
+        .iter()
+        .find(|s| s.is_empty() || s.len() > MAX_STOP_BYTES)
+    {
+        return bad(format!(
+            "stop string {s:?} has {} bytes; each needs 1..={MAX_STOP_BYTES}",
+            s.len()
+        ));
+    }
+    Ok(list)
+}
+
+/// Checks a body for `route` and builds its plan. `tenant` names the
+/// caller's prefix-cache namespace.
+pub fn plan(
+    route: Route,
+    bytes: &[u8],
+    info: &ModelInfo,
+    served: &str,
+    max_seqs: usize,
+    tenant: &str,
+) -> Result<Plan, ApiError> {
+    let b = parse_body(bytes)?;
+    check_model(&b, served)?;
+    let (prompts, echo_text, logprobs) = match route {
+        Route::Completions => {
+            let p = b
+                .prompt
+                .as_ref()
+                .ok_or_else(|| ApiError::param("prompt", "prompt is required"))?;
+            let prompts = prompts(p, info)?;
+            let logprobs = match &b.logprobs {
+                None | Some(Value::Null) => None,
+                Some(v) => match v.as_u64() {
+                    Some(k) if k as usize <= MAX_LOGPROBS => Some(k as usize),
+                    _ => {
+                        return Err(ApiError::param(
+                            "logprobs",
+                            format!("logprobs {v} is not an integer in 0..={MAX_LOGPROBS}"),
+                        ))
+                    }
+                },
+            };
+            let echo = b.echo.unwrap_or(false);
+            if echo && logprobs.is_some() {
+                return Err(ApiError::param(
+                    "echo",
+                    "echo together with logprobs needs the prompt's logprobs, which this server does not compute",
+                ));
+            }
+            let echo_text = if echo {
+                prompts.iter().map(|p| info.tokenizer.decode(p)).collect()
+            } else {
+                Vec::new()
+            };
+            (prompts, echo_text, logprobs)
+        }
+        Route::Chat => {
+            let msgs = b
+                .messages
+                .as_deref()
+                .ok_or_else(|| ApiError::param("messages", "messages is required"))?;
+            let text = chat::render(&info.tokenizer, msgs)?;
+            let ids = info
+                .tokenizer
+                .try_encode(&text, true)
+                .map_err(|e| ApiError::param("messages", format!("messages: {e}")))?;
+            let want = match &b.logprobs {
+                None | Some(Value::Null) => false,
+                Some(Value::Bool(x)) => *x,
+                Some(v) => {
+                    return Err(ApiError::param(
+                        "logprobs",
+                        format!("logprobs {v} is not a boolean"),
+                    ))
+                }
+            };
+            let top = b.top_logprobs.unwrap_or(0) as usize;
+            if top > MAX_LOGPROBS {
+                return Err(ApiError::param(
+                    "top_logprobs",
+                    format!("top_logprobs {top} outside 0..={MAX_LOGPROBS}"),
+                ));
+            }
+            if top > 0 && !want {
+                return Err(ApiError::param(
+                    "top_logprobs",
+                    "top_logprobs needs logprobs: true",
+                ));
+            }
+            (vec![ids], Vec::new(), want.then_some(top))
+        }
+    };
+
+    let n = b.n.unwrap_or(1);
+    if n == 0 || n as usize > max_seqs {
+        return Err(ApiError::param(
+            "n",
+            format!("n {n} outside 1..={max_seqs} (--max-seqs)"),
+        ));
+    }
+    let n = n as usize;
+    let beam = b.use_beam_search.unwrap_or(false);
+    let temperature = range_f32(
+        "temperature",
+        b.temperature,
+        1.0,
+        0.0,
+        MAX_TEMPERATURE as f64,
+    )?;
+    let top_p = range_f32("top_p", b.top_p, 1.0, 0.0, 1.0)?;
+    if top_p == 0.0 {
+        return Err(ApiError::param("top_p", "top_p 0 outside (0, 1]"));
+    }
+    let top_k = match b.top_k {
+        None | Some(-1) | Some(0) => 0,
+        Some(k) if k > 0 && (k as usize) <= info.vocab => k as usize,
+        Some(k) => {
+            return Err(ApiError::param(
+                "top_k",
+                format!("top_k {k} outside 1..={} (or -1 or 0: all)", info.vocab),
+            ))
+        }
+    };
+    let penalties = Penalties {
+        frequency: range_f32("frequency_penalty", b.frequency_penalty, 0.0, -2.0, 2.0)?,
+        presence: range_f32("presence_penalty", b.presence_penalty, 0.0, -2.0, 2.0)?,
+        repetition: range_f32("repetition_penalty", b.repetition_penalty, 1.0, 0.0, 100.0)?,
+    };
+    if penalties.repetition == 0.0 {
+        return Err(ApiError::param(
+            "repetition_penalty",
+            "repetition_penalty 0 outside (0, 100]",
+        ));
+    }
+    let params = SamplingParams {
+        temperature,
+        top_k,
+        top_p,
+        seed: b.seed.map_or_else(random_seed, |s| s as u64),
+    };
+    let decoding = if beam {
+        let sampled = b.temperature.is_some_and(|t| t != 0.0)
+            || b.top_p.is_some_and(|p| p != 1.0)
+            || top_k != 0;
+        if sampled || !penalties.is_none() {
+            return Err(ApiError::param(
+                "use_beam_search",
+                "beam search is deterministic: it takes no temperature, top_p, top_k or penalties",
+            ));
+        }
+        Decoding::Beam { width: n }
+    } else {
+        Decoding::Sample { params, n }
+    };
+    let stop_strings = stop_strings(&b.stop)?;
+    let user_ids: Vec<u64> = b.stop_token_ids.clone().unwrap_or_default();
+    if user_ids.len() > MAX_STOP_IDS {
+        return Err(ApiError::param(
+            "stop_token_ids",
+            format!("{} stop token ids; at most {MAX_STOP_IDS}", user_ids.len()),
+        ));
+    }
+    if let Some(t) = user_ids.iter().find(|&&t| t as usize >= info.vocab) {
+        return Err(ApiError::param(
+            "stop_token_ids",
+            format!("stop token {t} outside the vocabulary of {}", info.vocab),
+        ));
+    }
+    let stop_ids: Vec<u32> = user_ids.iter().map(|&t| t as u32).collect();
+    let mut stop = if b.ignore_eos.unwrap_or(false) {
+        Vec::new()
+    } else {
+        info.eos.clone()
+    };
+    stop.extend(stop_ids.iter().copied().filter(|t| !info.eos.contains(t)));
+    let cache_salt = b.cache_salt.as_deref();
+    if cache_salt.is_some_and(|s| s.len() > 256) {
+        return Err(ApiError::param(
+            "cache_salt",
+            "cache_salt has more than 256 bytes",
+        ));
+    }
+    let asked = match route {
+        Route::Chat => b.max_completion_tokens.or(b.max_tokens),
+        Route::Completions => b.max_tokens,
+    };
+    let field = if route == Route::Chat && b.max_completion_tokens.is_some() {
+        "max_completion_tokens"
+    } else {
+        "max_tokens"
+    };
+    let ctx = info.context;
+    let many = prompts.len() > 1;
+    let mut requests = Vec::with_capacity(prompts.len());
+    for (i, prompt) in prompts.into_iter().enumerate() {
+        let p = prompt.len();
+        let which = if many {
+            format!("prompt {i}")
+        } else {
+            "the prompt".to_string()
+        };
+        if p >= ctx {
+            return Err(ApiError::param(
+                if route == Route::Chat { "messages" } else { "prompt" },
+                format!("{which} has {p} tokens; the model's context is {ctx} (a prompt needs at most {})", ctx - 1),
+            ));
+        }
+        let max_tokens = match asked {
+            Some(0) => {
+                return Err(ApiError::param(
+                    field,
+                    format!("{field} 0: nothing to generate"),
+                ))
+            }
+            Some(m) if m as usize + p > ctx => return Err(ApiError::param(
+                field,
+                format!(
+                    "{field} {m} + {p} tokens of {which} = {} is past the model's context of {ctx}",
+                    m as usize + p
+                ),
+            )),
+            Some(m) => m as usize,
+            None if route == Route::Completions => DEFAULT_COMPLETION_TOKENS.min(ctx - p),
+            None => ctx - p,
+        };
+        let expected_tokens = match b.expected_output_tokens {
+            None => None,
+            Some(e) if e >= 1 && e as usize <= max_tokens => Some(e as usize),
+            Some(e) => {
+                return Err(ApiError::param(
+                    "expected_output_tokens",
+                    format!("expected_output_tokens {e} outside 1..={max_tokens} ({field})"),
+                ))
+            }
+        };
+        requests.push(Request {
+            prompt,
+            max_tokens,
+            decoding,
+            stop: stop.clone(),
+            stop_strings: stop_strings.iter().map(|s| s.as_bytes().to_vec()).collect(),
+            penalties,
+            record_top: logprobs.unwrap_or(0),
+            salt: salt(tenant, cache_salt),
+            expected_tokens,
+        });
+    }
+    let stream = b.stream.unwrap_or(false);
+    let include_usage = b
+        .stream_options
+        .as_ref()
+        .and_then(|o| o.include_usage)
+        .unwrap_or(false);
+    Ok(Plan {
+        route,
+        requests,
+        n,
+        beam,
+        stream,
+        include_usage,
+        logprobs,
+        echo: echo_text,
+        stop_strings,
+        stop_ids,
+    })
+}

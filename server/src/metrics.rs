@@ -1,0 +1,226 @@
+//! `/metrics`: the KV pool, the queues and the latencies in Prometheus
+//! text, with vLLM's histogram buckets for time to first token and
+//! inter-token latency. The engine thread sets them after every step.
+
+use std::sync::atomic::AtomicU64;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+/// Time to first token, seconds (vLLM's buckets).
+const TTFT_BUCKETS: [f64; 17] = [
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0,
+];
+/// Inter-token latency, seconds (vLLM's buckets).
+const ITL_BUCKETS: [f64; 16] = [
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+];
+/// Request latency, seconds.
+const E2E_BUCKETS: [f64; 14] = [
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0,
+];
+
+/// How a request ended.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Ended {
+    /// `stop`, `length`, `abort` (the client left or shutdown), `error`.
+    pub reason: String,
+}
+
+/// Every metric the server exports.
+pub struct Metrics {
+    registry: Registry,
+    pub blocks_total: Gauge,
+    pub blocks_used: Gauge,
+    pub blocks_shared: Gauge,
+    pub blocks_free: Gauge,
+    pub blocks_cached: Gauge,
+    pub blocks_reserved: Gauge,
+    pub kv_usage: Gauge<f64, AtomicU64>,
+    pub swap_used: Gauge,
+    pub running: Gauge,
+    pub waiting: Gauge,
+    pub swapped: Gauge,
+    pub preemptions: Counter,
+    pub cow_copies: Counter,
+    pub prefix_queries: Counter,
+    pub prefix_hits: Counter,
+    pub prefix_hit_rate: Gauge<f64, AtomicU64>,
+    pub prompt_tokens: Counter,
+    pub generation_tokens: Counter,
+    pub steps: Counter,
+    pub requests: Family<Ended, Counter>,
+    pub ttft: Histogram,
+    pub itl: Histogram,
+    pub e2e: Histogram,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// The metrics, registered, at zero.
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("pagedattn");
+        let m = Self {
+            blocks_total: Gauge::default(),
+            blocks_used: Gauge::default(),
+            blocks_shared: Gauge::default(),
+            blocks_free: Gauge::default(),
+            blocks_cached: Gauge::default(),
+            blocks_reserved: Gauge::default(),
+            kv_usage: Gauge::default(),
+            swap_used: Gauge::default(),
+            running: Gauge::default(),
+            waiting: Gauge::default(),
+            swapped: Gauge::default(),
+            preemptions: Counter::default(),
+            cow_copies: Counter::default(),
+            prefix_queries: Counter::default(),
+            prefix_hits: Counter::default(),
+            prefix_hit_rate: Gauge::default(),
+            prompt_tokens: Counter::default(),
+            generation_tokens: Counter::default(),
+            steps: Counter::default(),
+            requests: Family::default(),
+            ttft: Histogram::new(TTFT_BUCKETS.iter().copied()),
+            itl: Histogram::new(ITL_BUCKETS.iter().copied()),
+            e2e: Histogram::new(E2E_BUCKETS.iter().copied()),
+            registry: Registry::default(),
+        };
+        let r = &mut registry;
+        r.register(
+            "kv_blocks_total",
+            "KV blocks in the pool",
+            m.blocks_total.clone(),
+        );
+        r.register(
+            "kv_blocks_used",
+            "KV blocks held by at least one sequence",
+            m.blocks_used.clone(),
+        );
+        r.register(
+            "kv_blocks_shared",
+            "KV blocks held by more than one sequence (prefix sharing, copy-on-write)",
+            m.blocks_shared.clone(),
+        );
+        r.register(
+            "kv_blocks_free",
+            "KV blocks free (plain)",
+            m.blocks_free.clone(),
+        );
+        r.register(
+            "kv_blocks_cached",
+            "KV blocks free but still holding a cached prefix (evictable)",
+            m.blocks_cached.clone(),
+        );
+        r.register(
+            "kv_blocks_reserved",
+            "KV blocks reserved by the running requests (reservation policies only)",
+            m.blocks_reserved.clone(),
+        );
+        r.register(
+            "kv_usage_ratio",
+            "Share of the pool held by sequences",
+            m.kv_usage.clone(),
+        );
+        r.register(
+            "swap_blocks_used",
+            "Host swap blocks holding swapped-out KV",
+            m.swap_used.clone(),
+        );
+        r.register("requests_running", "Requests running", m.running.clone());
+        r.register(
+            "requests_waiting",
+            "Requests queued, not yet admitted",
+            m.waiting.clone(),
+        );
+        r.register(
+            "requests_swapped",
+            "Requests preempted to host swap",
+            m.swapped.clone(),
+        );
+        r.register(
+            "preemptions",
+            "Requests preempted (recompute or swap)",
+            m.preemptions.clone(),
+        );
+        r.register(
+            "cow_copies",
+            "Copy-on-write block copies",
+            m.cow_copies.clone(),
+        );
+        r.register(
+            "prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache",
+            m.prefix_queries.clone(),
+        );
+        r.register(
+            "prefix_cache_hits",
+            "Prompt tokens found in the prefix cache",
+            m.prefix_hits.clone(),
+        );
+        r.register(
+            "prefix_cache_hit_rate",
+            "prefix_cache_hits / prefix_cache_queries",
+            m.prefix_hit_rate.clone(),
+        );
+        r.register(
+            "prompt_tokens",
+            "Prompt tokens of admitted requests",
+            m.prompt_tokens.clone(),
+        );
+        r.register(
+            "generation_tokens",
+            "Tokens generated",
+            m.generation_tokens.clone(),
+        );
+        r.register("engine_steps", "Engine steps run", m.steps.clone());
+        r.register(
+            "requests_finished",
+            "Requests ended, by reason",
+            m.requests.clone(),
+        );
+        r.register(
+            "time_to_first_token_seconds",
+            "Time from arrival to a request's first token",
+            m.ttft.clone(),
+        );
+        r.register(
+            "inter_token_latency_seconds",
+            "Time between a request's tokens",
+            m.itl.clone(),
+        );
+        r.register(
+            "request_latency_seconds",
+            "Time from arrival to the last token",
+            m.e2e.clone(),
+        );
+        Self { registry, ..m }
+    }
+
+    /// One request ended.
+    pub fn ended(&self, reason: &str) {
+        self.requests
+            .get_or_create(&Ended {
+                reason: reason.to_string(),
+            })
+            .inc();
+    }
+
+    /// The text exposition.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}
