@@ -60,6 +60,8 @@ struct Body {
     stream: Option<bool>,
     stream_options: Option<StreamOptions>,
     cache_salt: Option<String>,
+    /// vLLM's: logprobs name tokens as `token_id:N`.
+    return_tokens_as_token_ids: Option<bool>,
     /// This server's extension: the output length the request will have
     /// (a benchmark's), what the oracle reservation reserves.
     expected_output_tokens: Option<u64>,
@@ -97,6 +99,8 @@ pub struct Plan {
     pub stop_strings: Vec<String>,
     /// Stop token ids the client gave (reported as `stop_reason`).
     pub stop_ids: Vec<u32>,
+    /// Logprobs name tokens `token_id:N` (vLLM's `return_tokens_as_token_ids`).
+    pub token_ids: bool,
 }
 
 impl Plan {
@@ -456,13 +460,15 @@ pub fn plan(
                     format!("{field} 0: nothing to generate"),
                 ))
             }
-            Some(m) if m as usize + p > ctx => return Err(ApiError::param(
-                field,
-                format!(
+            Some(m) if m as usize + p > ctx => {
+                return Err(ApiError::param(
+                    field,
+                    format!(
                     "{field} {m} + {p} tokens of {which} = {} is past the model's context of {ctx}",
                     m as usize + p
                 ),
-            )),
+                ))
+            }
             Some(m) => m as usize,
             None if route == Route::Completions => DEFAULT_COMPLETION_TOKENS.min(ctx - p),
             None => ctx - p,
@@ -506,5 +512,6 @@ pub fn plan(
         echo: echo_text,
         stop_strings,
         stop_ids,
+        token_ids: b.return_tokens_as_token_ids.unwrap_or(false),
     })
 }

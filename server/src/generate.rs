@@ -96,16 +96,20 @@ fn stop_reason(plan: &Plan, f: Option<Finish>) -> Value {
     }
 }
 
-fn token_str(info: &ModelInfo, t: u32) -> String {
+fn token_str(info: &ModelInfo, ids: bool, t: u32) -> String {
+    if ids {
+        return format!("token_id:{t}");
+    }
     String::from_utf8_lossy(info.tokenizer.token_bytes(t)).into_owned()
 }
 
 /// The logprobs of tokens `toks` (with their logprobs and top-k), in the
 /// route's shape. `offset`: the text's length before the first token
 /// (completions' `text_offset`).
+#[allow(clippy::too_many_arguments)]
 fn logprobs(
     info: &ModelInfo,
-    route: Route,
+    plan: &Plan,
     k: usize,
     toks: &[u32],
     lps: &[f64],
@@ -113,19 +117,21 @@ fn logprobs(
     mut offset: usize,
 ) -> Value {
     let top_of = |i: usize| tops.get(i).map_or(&[][..], |t| &t[..t.len().min(k)]);
-    match route {
+    let ids = plan.token_ids;
+    match plan.route {
         Route::Completions => {
             let mut tokens = Vec::new();
             let mut offsets = Vec::new();
             let mut top = Vec::new();
             for (i, &t) in toks.iter().enumerate() {
-                let s = token_str(info, t);
+                let s = token_str(info, ids, t);
                 offsets.push(offset);
-                offset += s.chars().count();
+                let shown = String::from_utf8_lossy(&info.token_text[t as usize]);
+                offset += shown.chars().count();
                 // The sampled token's logprob is always there (up to k + 1).
                 let mut m = serde_json::Map::new();
                 for &(c, lp) in top_of(i) {
-                    m.insert(token_str(info, c), json!(lp));
+                    m.insert(token_str(info, ids, c), json!(lp));
                 }
                 m.insert(s.clone(), json!(lps[i]));
                 top.push(Value::Object(m));
@@ -142,7 +148,7 @@ fn logprobs(
             let entry = |t: u32, lp: f64| {
                 let b = info.tokenizer.token_bytes(t);
                 json!({
-                    "token": String::from_utf8_lossy(b),
+                    "token": token_str(info, ids, t),
                     "logprob": lp,
                     "bytes": b,
                 })
@@ -174,15 +180,7 @@ fn choice(info: &ModelInfo, plan: &Plan, index: usize, echo: &str, g: &Generated
     let text = String::from_utf8_lossy(g.answer()).into_owned();
     let lp = plan.logprobs.map_or(Value::Null, |k| {
         let n = shown(g);
-        logprobs(
-            info,
-            plan.route,
-            k,
-            &g.tokens[..n],
-            &g.logprobs[..n],
-            &g.top,
-            0,
-        )
+        logprobs(info, plan, k, &g.tokens[..n], &g.logprobs[..n], &g.top, 0)
     });
     match plan.route {
         Route::Completions => json!({
@@ -440,7 +438,7 @@ async fn stream_events(
                 };
                 let lp = match plan.logprobs {
                     Some(k) if !stop_token => {
-                        logprobs(info, plan.route, k, &[token], &[logprob], &[top], c.chars)
+                        logprobs(info, &plan, k, &[token], &[logprob], &[top], c.chars)
                     }
                     _ => Value::Null,
                 };
