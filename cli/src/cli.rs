@@ -52,6 +52,86 @@ pub enum Command {
     /// An OpenAI-compatible server (completions, chat, SSE streams,
     /// /metrics) over the real model and the paged KV cache.
     Serve(ServeArgs),
+    /// Load a server as its clients would, and measure it (TTFT, TPOT,
+    /// ITL, latency, throughput, normalized latency, goodput); --sweep runs
+    /// paging against the reservation baselines over rising request rates.
+    Loadgen(LoadgenArgs),
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct LoadgenArgs {
+    /// The server to load (`http://host:port`); default: one started here.
+    #[arg(long)]
+    pub base: Option<String>,
+    /// Its API key, if it asks for one.
+    #[arg(long)]
+    pub api_key: Option<String>,
+    /// Requests per second, Poisson arrivals (default: closed loop, see
+    /// --concurrency).
+    #[arg(long)]
+    pub rate: Option<f64>,
+    /// Closed loop: this many clients, each sending its next request when
+    /// its last ends.
+    #[arg(long, default_value_t = 8)]
+    pub concurrency: usize,
+    /// Requests to send (per rate in a sweep).
+    #[arg(long, default_value_t = 64)]
+    pub requests: usize,
+    /// Prompt and output lengths after this dataset's (the vLLM paper's).
+    #[arg(long, value_enum, default_value = "sharegpt")]
+    pub dataset: pagedattn_cli::sim::Dataset,
+    /// Divide the dataset's mean lengths by this, to fit the machine.
+    #[arg(long, default_value_t = 4.0)]
+    pub scale: f64,
+    /// single, parallel:N (n samples) or beam:N.
+    #[arg(long, default_value = "single")]
+    pub sampling: String,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Sampling temperature of the requests.
+    #[arg(long, default_value_t = 1.0)]
+    pub temperature: f32,
+    /// The goodput SLO: normalized latency (latency / output tokens), ms a token.
+    #[arg(long, default_value_t = 400.0)]
+    pub slo_ms: f64,
+    /// The paper's experiment: one server here per --policies, and any
+    /// --llama-cpp, offered each --rates in turn.
+    #[arg(long)]
+    pub sweep: bool,
+    /// Memory policies of the sweep's servers.
+    #[arg(long, value_delimiter = ',', default_value = "paged,max,pow2,oracle")]
+    pub policies: Vec<String>,
+    /// Request rates of the sweep, requests per second.
+    #[arg(long, value_delimiter = ',', default_value = "0.5,1,2,4")]
+    pub rates: Vec<f64>,
+    /// An outside server in the sweep, as llama.cpp's (`http://host:port`).
+    #[arg(long)]
+    pub llama_cpp: Option<String>,
+    /// Keep raising a server's rate after it misses the SLO.
+    #[arg(long)]
+    pub full: bool,
+    /// The servers started here: GGUF file.
+    #[arg(long)]
+    pub model: Option<std::path::PathBuf>,
+    /// The servers started here: KV blocks of 16 tokens.
+    #[arg(long, default_value_t = 128)]
+    pub num_blocks: u32,
+    /// The servers started here: sequences a step.
+    #[arg(long, default_value_t = 32)]
+    pub max_seqs: usize,
+    /// The servers started here, and the load: the longest sequence.
+    #[arg(long, default_value_t = 512)]
+    pub max_model_len: usize,
+    /// The servers started here: KV pool element type.
+    #[arg(long, default_value = "f16")]
+    pub kv_dtype: String,
+    /// A few requests through every policy's server, proving the policies
+    /// and the metrics work (CI); times nothing.
+    #[arg(long)]
+    pub quick: bool,
+    /// Print JSON instead of the table.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(clap::Args, Debug, Clone)]
@@ -83,6 +163,10 @@ pub struct ServeArgs {
     /// Requests held beyond --max-seqs before new ones get 429.
     #[arg(long, default_value_t = 1024)]
     pub max_queue: usize,
+    /// The longest sequence served, prompt and output (default: the
+    /// model's context); what --reservation max reserves.
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
     /// The largest request body, in bytes (413 past it).
     #[arg(long, default_value_t = 1 << 20)]
     pub max_body_bytes: usize,
@@ -293,6 +377,17 @@ pub enum Checked {
         /// Validated configuration (the key file read).
         cfg: pagedattn_cli::server::ServeConfig,
     },
+    /// The load generator.
+    Loadgen {
+        /// Validated arguments.
+        args: LoadgenArgs,
+        /// The load.
+        spec: pagedattn_cli::loadgen::LoadSpec,
+        /// The servers it starts.
+        server: pagedattn_cli::server::ServeConfig,
+        /// Their policies, for a sweep.
+        policies: Vec<pagedattn::blocks::Reservation>,
+    },
 }
 
 /// The outcome of parsing an argv.
@@ -412,7 +507,98 @@ pub fn check(cli: Cli) -> Result<Checked, String> {
         Some(Command::PipelineStats(a)) => Ok(Checked::PipelineStats { json: a.json }),
         Some(Command::Generate(a)) => generate(&a),
         Some(Command::Serve(a)) => serve(&a),
+        Some(Command::Loadgen(a)) => loadgen(a),
     }
+}
+
+fn loadgen(a: LoadgenArgs) -> Result<Checked, String> {
+    use pagedattn::blocks::Reservation;
+    use pagedattn_cli::loadgen::{Arrivals, LoadSpec};
+    use pagedattn_cli::server::ServeConfig;
+    let sampling: pagedattn_cli::sim::Sampling = a.sampling.parse()?;
+    if !(1..=100_000).contains(&a.requests) {
+        return Err(format!("--requests {} outside 1..=100000", a.requests));
+    }
+    if !(1..=10_000).contains(&a.concurrency) {
+        return Err(format!("--concurrency {} outside 1..=10000", a.concurrency));
+    }
+    let rate_ok = |r: f64| r.is_finite() && r > 0.0 && r <= 10_000.0;
+    if let Some(r) = a.rate.filter(|&r| !rate_ok(r)) {
+        return Err(format!(
+            "--rate {r} is not in (0, 10000] requests per second"
+        ));
+    }
+    if let Some(r) = a.rates.iter().find(|&&r| !rate_ok(r)) {
+        return Err(format!(
+            "--rates: {r} is not in (0, 10000] requests per second"
+        ));
+    }
+    if a.rates.windows(2).any(|w| w[1] <= w[0]) {
+        return Err("--rates must rise".into());
+    }
+    if !(a.scale.is_finite() && (0.01..=1000.0).contains(&a.scale)) {
+        return Err(format!("--scale {} outside 0.01..=1000", a.scale));
+    }
+    if !(a.slo_ms.is_finite() && a.slo_ms > 0.0) {
+        return Err(format!("--slo-ms {} is not a positive number", a.slo_ms));
+    }
+    if !(2..=8192).contains(&a.max_model_len) {
+        return Err(format!(
+            "--max-model-len {} outside 2..=8192",
+            a.max_model_len
+        ));
+    }
+    let policies = a
+        .policies
+        .iter()
+        .map(|p| {
+            Reservation::from_name(p)
+                .ok_or_else(|| format!("--policies: {p:?} is not paged, max, pow2 or oracle"))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    if let Some(b) = a
+        .base
+        .iter()
+        .chain(&a.llama_cpp)
+        .find(|b| !b.starts_with("http://"))
+    {
+        return Err(format!("{b:?} is not an http:// address"));
+    }
+    let spec = LoadSpec {
+        dataset: a.dataset,
+        scale: a.scale,
+        max_len: a.max_model_len,
+        requests: a.requests,
+        arrivals: match a.rate {
+            Some(r) => Arrivals::Poisson(r),
+            None => Arrivals::Closed(a.concurrency),
+        },
+        sampling,
+        seed: a.seed,
+        slo: a.slo_ms / 1e3,
+        temperature: a.temperature,
+    };
+    let server = ServeConfig {
+        model: a
+            .model
+            .clone()
+            .unwrap_or_else(pagedattn_cli::model::generate::default_model_path),
+        port: 0,
+        kv_dtype: pagedattn_cli::demo::parse_kv_dtype(&a.kv_dtype)?,
+        num_blocks: a.num_blocks,
+        max_seqs: a.max_seqs,
+        max_batch_tokens: 256.max(a.max_seqs),
+        max_model_len: Some(a.max_model_len),
+        max_queue: 100_000,
+        ..ServeConfig::default()
+    };
+    server.check().map_err(|e| e.to_string())?;
+    Ok(Checked::Loadgen {
+        args: a,
+        spec,
+        server,
+        policies,
+    })
 }
 
 fn serve(a: &ServeArgs) -> Result<Checked, String> {
@@ -456,6 +642,7 @@ fn serve(a: &ServeArgs) -> Result<Checked, String> {
         num_blocks: a.num_blocks,
         max_seqs: a.max_seqs,
         max_batch_tokens: a.max_batch_tokens,
+        max_model_len: a.max_model_len,
         max_queue: a.max_queue,
         max_body_bytes: a.max_body_bytes,
         api_keys,

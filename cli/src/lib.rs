@@ -7,6 +7,8 @@ pub mod bench;
 pub mod demo;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod env;
+#[cfg(not(target_arch = "wasm32"))]
+pub mod loadgen;
 pub mod sim;
 
 /// The real model behind `pagedattn generate` (SmolLM2-135M through the paged cache).

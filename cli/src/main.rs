@@ -62,6 +62,130 @@ fn run_bench(out: &mut dyn Write, cfg: &pagedattn_cli::bench::BenchConfig, json:
     Ok(())
 }
 
+/// `pagedattn loadgen`: one load against a server (given, or started
+/// here), a sweep of policies and rates, or the quick proof CI runs.
+async fn run_loadgen(
+    out: &mut dyn Write,
+    a: cli::LoadgenArgs,
+    spec: pagedattn_cli::loadgen::LoadSpec,
+    server: pagedattn_cli::server::ServeConfig,
+    policies: Vec<pagedattn::blocks::Reservation>,
+) -> Res {
+    use pagedattn_cli::loadgen::{self, Arrivals, SweepConfig, Target};
+    let mut progress = |l: &str| eprintln!("loadgen: {l}");
+    if a.sweep || a.quick {
+        let (load, rates) = if a.quick {
+            // Each policy's server serves a few short requests: the
+            // policies and the metrics work; nothing is timed.
+            let load = pagedattn_cli::loadgen::LoadSpec {
+                requests: 6,
+                scale: 8.0,
+                ..spec
+            };
+            (load, vec![4.0])
+        } else {
+            (spec, a.rates.clone())
+        };
+        let external = a
+            .llama_cpp
+            .iter()
+            .map(|b| {
+                let t = Target {
+                    base: b.trim_end_matches('/').to_string(),
+                    model: server.model_name(),
+                    api_key: a.api_key.clone(),
+                    scrape: false,
+                };
+                ("llama.cpp".to_string(), t)
+            })
+            .collect();
+        let cfg = SweepConfig {
+            server,
+            policies,
+            external,
+            rates,
+            load,
+            stop_at_miss: !a.full && !a.quick,
+        };
+        let r = loadgen::sweep(&cfg, &mut progress).await?;
+        if a.quick {
+            for c in &r.curves {
+                let p = &c.points[0].1;
+                if p.completed != p.requests || p.peaks.is_none_or(|k| k.blocks_used == 0.0) {
+                    return Err(format!("loadgen --quick: the {} server: {p:?}", c.server).into());
+                }
+            }
+        }
+        if a.json {
+            writeln!(out, "{}", serde_json::to_string_pretty(&r)?)?;
+        } else {
+            write!(out, "{}", loadgen::render_sweep(&r))?;
+        }
+        return Ok(());
+    }
+    // One load, against the given server or one started here.
+    let mut handle = None;
+    let target = match &a.base {
+        Some(b) => Target {
+            base: b.trim_end_matches('/').to_string(),
+            model: String::new(),
+            api_key: a.api_key.clone(),
+            scrape: true,
+        },
+        None => {
+            let name = server.model_name();
+            let h =
+                tokio::task::spawn_blocking(move || pagedattn_cli::server::Handle::start(server))
+                    .await??;
+            let t = Target {
+                base: format!("http://{}", h.addr),
+                model: name,
+                api_key: None,
+                scrape: true,
+            };
+            handle = Some(h);
+            t
+        }
+    };
+    let mut target = target;
+    if target.model.is_empty() {
+        target.model = models(&target).await.unwrap_or_default();
+    }
+    progress(&format!(
+        "{} requests, {} to {}",
+        spec.requests,
+        match spec.arrivals {
+            Arrivals::Poisson(r) => format!("Poisson at {r} req/s"),
+            Arrivals::Closed(n) => format!("{n} clients in a closed loop"),
+        },
+        target.base
+    ));
+    let r = loadgen::run(&target, &spec).await;
+    if let Some(h) = handle {
+        let _ = tokio::task::spawn_blocking(move || h.stop()).await;
+    }
+    if a.json {
+        writeln!(out, "{}", serde_json::to_string_pretty(&r)?)?;
+    } else {
+        write!(out, "{}", loadgen::render(&r))?;
+    }
+    if r.completed == 0 {
+        return Err("no request completed".into());
+    }
+    Ok(())
+}
+
+/// The first model a server lists.
+async fn models(t: &pagedattn_cli::loadgen::Target) -> Option<String> {
+    let v: serde_json::Value = reqwest::get(format!("{}/v1/models", t.base))
+        .await
+        .ok()?
+        .json()
+        .await
+        .ok()?;
+    v["data"][0]["id"].as_str().map(String::from)
+}
+
 /// `pagedattn pipeline-stats`: the decode kernels the default adapter
 /// builds for the bench's grid shape (f16, 32 q / 8 kv heads, head_dim 128),
 /// with the stream kernel at each step, compiled on a Vulkan device of
@@ -383,6 +507,17 @@ fn run(checked: Checked) -> Res {
         }
         Checked::Serve { cfg } => {
             pagedattn_cli::server::run(cfg)?;
+        }
+        Checked::Loadgen {
+            args,
+            spec,
+            server,
+            policies,
+        } => {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()?;
+            rt.block_on(run_loadgen(&mut out, args, spec, server, policies))?;
         }
     }
     out.flush()?;

@@ -183,6 +183,9 @@ pub struct ServerConfig {
     pub num_blocks: Option<u32>,
     /// Paging, or one of the reservations it is compared against.
     pub reservation: Reservation,
+    /// The longest sequence served, prompt and output (`None`: the
+    /// model's context). What `Reservation::Max` reserves.
+    pub max_model_len: Option<usize>,
 }
 
 impl Default for ServerConfig {
@@ -195,6 +198,7 @@ impl Default for ServerConfig {
             prefix_caching: true,
             num_blocks: None,
             reservation: Reservation::Paged,
+            max_model_len: None,
         }
     }
 }
@@ -446,7 +450,13 @@ impl Server {
         let mut bc = BlockManagerConfig::new(blocks, ec.block_size)
             .with_prefix_caching(cfg.prefix_caching)
             .with_swap_space(cfg.swap_blocks);
-        bc.max_seq_len = model.shape.context;
+        let context = model.shape.context;
+        if let Some(m) = cfg.max_model_len.filter(|&m| m < 2 || m > context) {
+            return Err(ModelError::Request(format!(
+                "max_model_len {m} outside 2..={context} (the model's context)"
+            )));
+        }
+        bc.max_seq_len = cfg.max_model_len.unwrap_or(context);
         let mut sc = SchedulerConfig::new(cfg.max_batch_tokens, cfg.max_seqs);
         sc.preemption = cfg.preemption;
         sc.reservation = cfg.reservation;
@@ -506,6 +516,11 @@ impl Server {
         Ok(())
     }
 
+    /// The longest sequence served, prompt and output.
+    pub fn max_model_len(&self) -> usize {
+        self.sched.blocks().config().max_seq_len
+    }
+
     /// Requests queued, running or swapped out.
     pub fn requests(&self) -> usize {
         self.reqs.len()
@@ -542,11 +557,11 @@ impl Server {
                 shape.vocab
             ));
         }
-        if p + n > shape.context {
+        let limit = self.max_model_len();
+        if p + n > limit {
             return bad(format!(
-                "prompt of {p} tokens + max_tokens {n} = {} is past the model's context of {}",
+                "prompt of {p} tokens + max_tokens {n} = {} is past the longest sequence served, {limit} tokens",
                 p + n,
-                shape.context
             ));
         }
         let w = req.width();

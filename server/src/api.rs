@@ -450,7 +450,7 @@ pub fn plan(
         if p >= ctx {
             return Err(ApiError::param(
                 if route == Route::Chat { "messages" } else { "prompt" },
-                format!("{which} has {p} tokens; the model's context is {ctx} (a prompt needs at most {})", ctx - 1),
+                format!("{which} has {p} tokens; past the context of {ctx} tokens this server serves (a prompt has at most {})", ctx - 1),
             ));
         }
         let max_tokens = match asked {

@@ -27,6 +27,9 @@ pub struct ServeConfig {
     pub max_seqs: usize,
     /// Tokens in one step (the prefill chunk).
     pub max_batch_tokens: usize,
+    /// The longest sequence served, prompt and output (`None`: the model's
+    /// context); what the `max` reservation reserves.
+    pub max_model_len: Option<usize>,
     /// Requests held beyond `max_seqs` before new ones get 429.
     pub max_queue: usize,
     /// The largest request body accepted (413 past it).
@@ -59,6 +62,7 @@ impl Default for ServeConfig {
             num_blocks: 1024,
             max_seqs: 32,
             max_batch_tokens: 256,
+            max_model_len: None,
             max_queue: 1024,
             max_body_bytes: 1 << 20,
             api_keys: None,

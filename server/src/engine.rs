@@ -26,7 +26,8 @@ pub struct ModelInfo {
     pub tokenizer: Tokenizer,
     /// Each token's text as answers show it (control tokens empty).
     pub token_text: Vec<Vec<u8>>,
-    /// The model's context (positions).
+    /// The longest sequence served (the model's context, or
+    /// `--max-model-len`).
     pub context: usize,
     pub vocab: usize,
     /// Tokens that end an answer unless `ignore_eos`.
@@ -177,7 +178,7 @@ fn start(shared: &Shared) -> Result<Server, ModelError> {
     };
     let model = Model::new(&device, &queue, &weights, ecfg)?;
     drop(weights);
-    let (context, vocab) = (model.shape.context, model.shape.vocab);
+    let vocab = model.shape.vocab;
     let scfg = ServerConfig {
         max_seqs: cfg.max_seqs,
         max_batch_tokens: cfg.max_batch_tokens,
@@ -186,8 +187,10 @@ fn start(shared: &Shared) -> Result<Server, ModelError> {
         prefix_caching: cfg.prefix_caching,
         num_blocks: None,
         reservation: cfg.reservation,
+        max_model_len: cfg.max_model_len,
     };
     let mut server = Server::new(model, scfg)?;
+    let context = server.max_model_len();
     let token_text: Vec<Vec<u8>> = (0..vocab as u32)
         .map(|t| {
             if tokenizer.is_control(t) {
@@ -368,6 +371,8 @@ fn serve(shared: &Shared, mut server: Server, mut commands: mpsc::UnboundedRecei
         m.blocks_cached.set(st.evictable as i64);
         m.blocks_reserved.set(server.sched.reserved_blocks() as i64);
         m.kv_usage.set(st.used as f64 / st.total.max(1) as f64);
+        m.tokens_stored.set(st.tokens_stored as i64);
+        m.tokens_logical.set(st.logical_tokens as i64);
         m.swap_used.set(st.swap_used as i64);
         m.waiting.set(w as i64);
         m.running.set(r as i64);

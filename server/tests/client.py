@@ -436,7 +436,7 @@ def test_bad_input(fx):
         ({"prompt": "x", "n": 999, "use_beam_search": True}, 400, "n", "1..="),
         ({"prompt": "x", "max_tokens": 10000}, 400, "max_tokens", "context of 8192"),
         ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "nothing to generate"),
-        ({"prompt": [1] * 9000}, 400, "prompt", "context is 8192"),
+        ({"prompt": [1] * 9000}, 400, "prompt", "context of 8192"),
         ({"prompt": "x", "temperature": 101}, 400, "temperature", "outside"),
         ({"prompt": "x", "temperature": -0.5}, 400, "temperature", "outside"),
         ({"prompt": "x", "top_p": 0}, 400, "top_p", "outside"),
