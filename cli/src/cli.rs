@@ -74,7 +74,7 @@ pub struct LoadgenArgs {
     /// its last ends.
     #[arg(long, default_value_t = 8)]
     pub concurrency: usize,
-    /// Requests to send (per rate in a sweep).
+    /// Requests to send (in a sweep: at least this many a point).
     #[arg(long, default_value_t = 64)]
     pub requests: usize,
     /// Prompt and output lengths after this dataset's (the vLLM paper's).
@@ -101,13 +101,24 @@ pub struct LoadgenArgs {
     /// Memory policies of the sweep's servers.
     #[arg(long, value_delimiter = ',', default_value = "paged,max,pow2,oracle")]
     pub policies: Vec<String>,
-    /// Request rates of the sweep, requests per second.
-    #[arg(long, value_delimiter = ',', default_value = "0.5,1,2,4")]
+    /// Request rates of the sweep, requests per second, rising.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "0.1,0.15,0.2,0.3,0.45,0.6,0.8,1,1.3"
+    )]
     pub rates: Vec<f64>,
+    /// The rate each server's search starts at (one of --rates).
+    #[arg(long, default_value_t = 0.3)]
+    pub start_rate: f64,
+    /// Seconds of arrivals at each sweep point (its requests: rate times
+    /// this, at least --requests).
+    #[arg(long, default_value_t = 60.0)]
+    pub point_seconds: f64,
     /// An outside server in the sweep, as llama.cpp's (`http://host:port`).
     #[arg(long)]
     pub llama_cpp: Option<String>,
-    /// Keep raising a server's rate after it misses the SLO.
+    /// Every rate for every server, instead of searching.
     #[arg(long)]
     pub full: bool,
     /// The servers started here: GGUF file.
@@ -535,6 +546,18 @@ fn loadgen(a: LoadgenArgs) -> Result<Checked, String> {
     }
     if a.rates.windows(2).any(|w| w[1] <= w[0]) {
         return Err("--rates must rise".into());
+    }
+    if !a.rates.contains(&a.start_rate) {
+        return Err(format!(
+            "--start-rate {} is not one of --rates",
+            a.start_rate
+        ));
+    }
+    if !(a.point_seconds.is_finite() && (1.0..=3600.0).contains(&a.point_seconds)) {
+        return Err(format!(
+            "--point-seconds {} outside 1..=3600",
+            a.point_seconds
+        ));
     }
     if !(a.scale.is_finite() && (0.01..=1000.0).contains(&a.scale)) {
         return Err(format!("--scale {} outside 0.01..=1000", a.scale));

@@ -82,7 +82,7 @@ async fn run_loadgen(
                 scale: 8.0,
                 ..spec
             };
-            (load, vec![4.0])
+            (load, vec![a.start_rate])
         } else {
             (spec, a.rates.clone())
         };
@@ -99,13 +99,17 @@ async fn run_loadgen(
                 ("llama.cpp".to_string(), t)
             })
             .collect();
+        let start = rates.iter().position(|&r| r == a.start_rate).unwrap_or(0);
         let cfg = SweepConfig {
             server,
             policies,
             external,
+            start,
+            min_requests: load.requests,
             rates,
             load,
-            stop_at_miss: !a.full && !a.quick,
+            point_seconds: a.point_seconds,
+            full: a.full,
         };
         let r = loadgen::sweep(&cfg, &mut progress).await?;
         if a.quick {

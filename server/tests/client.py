@@ -573,11 +573,22 @@ async def load_mode(fx):
 
     n = ARGS.streams
     g = fx["greedy"]
+    rss = []  # the server's resident set, sampled (with --pid)
+
+    def rss_now():
+        try:
+            with open(f"/proc/{ARGS.pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        return int(line.split()[1]) / 1024
+        except OSError:
+            return None
     http = httpx.AsyncClient(limits=httpx.Limits(max_connections=n + 64, max_keepalive_connections=n + 64), timeout=600)
     c = openai.AsyncOpenAI(base_url=ARGS.base + "/v1", api_key="none", max_retries=0, http_client=http)
     name = (await c.models.list()).data[0].id
-    out_len = 16
-    peak = {"waiting": 0.0, "preemptions": 0.0}
+    out_len = ARGS.out_len
+    peak = {"waiting": 0.0, "preemptions": 0.0, "swapped": 0.0, "running": 0.0}
+    finished = [0]
     stop_watch = asyncio.Event()
 
     async def watch():
@@ -585,6 +596,10 @@ async def load_mode(fx):
             m = await asyncio.to_thread(metrics)
             peak["waiting"] = max(peak["waiting"], m.get("pagedattn_requests_waiting", 0))
             peak["preemptions"] = max(peak["preemptions"], m.get("pagedattn_preemptions_total", 0))
+            peak["swapped"] = max(peak["swapped"], m.get("pagedattn_requests_swapped", 0))
+            peak["running"] = max(peak["running"], m.get("pagedattn_requests_running", 0))
+            if ARGS.pid:
+                rss.append((finished[0], rss_now()))
             await asyncio.sleep(0.25)
 
     async def one(i):
@@ -604,6 +619,7 @@ async def load_mode(fx):
                 if ch.logprobs:
                     toks += ids_of(ch.logprobs.tokens)
         check(toks == x["tokens"][:out_len], f"stream {i}: tokens differ from the fixture's")
+        finished[0] += 1
 
     watcher = asyncio.create_task(watch())
     start = time.monotonic()
@@ -636,9 +652,21 @@ async def load_mode(fx):
     check(m["pagedattn_kv_blocks_used"] == 0, f"{m['pagedattn_kv_blocks_used']} blocks leaked")
     check(peak["waiting"] > 0, "nothing ever queued: the pool was not small")
     say(
-        f"ok: {n} concurrent streams on a pool of {m['pagedattn_kv_blocks_total']:.0f} blocks all finished in {took:.1f} s "
-        f"with the fixture's tokens; peak waiting {peak['waiting']:.0f}, preemptions {m['pagedattn_preemptions_total']:.0f}, no block leaked"
+        f"ok: {n} concurrent streams of {out_len} tokens on a pool of {m['pagedattn_kv_blocks_total']:.0f} blocks all finished in {took:.1f} s "
+        f"with the fixture's tokens; peak running {peak['running']:.0f}, waiting {peak['waiting']:.0f}, swapped {peak['swapped']:.0f}; "
+        f"preemptions {m['pagedattn_preemptions_total']:.0f}; no block leaked"
     )
+    if ARGS.expect_preemption:
+        check(peak["preemptions"] > 0 and peak["swapped"] > 0, f"no preemption or swap seen: {peak}")
+    if ARGS.pid:
+        # Flat after warm-up: the last samples within 10 % (plus 16 MiB) of
+        # the level once a tenth of the streams had finished.
+        warm = [r for f, r in rss if r and f >= n // 10]
+        check(warm, "no RSS samples after warm-up")
+        say(f"ok: server RSS {warm[0]:.0f} MiB once {n // 10} streams had finished, {max(warm):.0f} MiB at most after, {warm[-1]:.0f} MiB at the end")
+        check(max(warm) <= warm[0] * 1.1 + 16, f"RSS grew: {warm[0]:.0f} -> {max(warm):.0f} MiB")
+    if ARGS.no_burst:
+        return
 
     # Over the limit: 429 with Retry-After, the rest served.
     over = ARGS.limit + 24
@@ -703,6 +731,10 @@ def main():
     p.add_argument("--fixture")
     p.add_argument("--streams", type=int, default=200)
     p.add_argument("--limit", type=int, default=0)
+    p.add_argument("--out-len", type=int, default=16)
+    p.add_argument("--pid", type=int, default=0, help="the server's pid: sample its RSS")
+    p.add_argument("--expect-preemption", action="store_true")
+    p.add_argument("--no-burst", action="store_true", help="skip the 429 burst")
     ARGS = p.parse_args()
     fx = json.load(open(ARGS.fixture)) if ARGS.fixture else None
     try:

@@ -240,6 +240,15 @@ pub enum PoolError {
         /// Blocks in the pool.
         blocks: u32,
     },
+    /// A copy list whose copies would race: a block that is the
+    /// destination of two copies, or the destination of one and the source
+    /// of another (copies run in parallel, so the result would depend on
+    /// their order).
+    #[error("copy list names block {block} as the destination of one copy and the destination or source of another: the copies run in parallel and would race")]
+    CopyRace {
+        /// The block named twice.
+        block: u32,
+    },
     /// A call this pool's KV dtype does not take.
     #[error("{call} on a {dtype} pool ({takes} pools only)")]
     WrongDtype {
@@ -354,6 +363,21 @@ pub enum TransferError {
     BlockTwice {
         /// The id given twice.
         block: u32,
+    },
+    /// An imported value no pool write could store: NaN, an infinity, or
+    /// a magnitude past `KV_MAX` (an int8 row scale past `KV_MAX / 64`).
+    #[error("imported block {index} (of this call), layer {layer}: {what} {:e} is not a value a pool write stores (finite, at most {:e} in magnitude); nothing was written", f32::from_bits(*value_bits), f32::from_bits(*limit_bits))]
+    Value {
+        /// Position of the block in the call's list.
+        index: u64,
+        /// The layer.
+        layer: u32,
+        /// `K value`, `V value`, `K row scale`, `V row scale`.
+        what: &'static str,
+        /// The value found, as f32 bits (NaN included).
+        value_bits: u32,
+        /// The largest magnitude accepted, as f32 bits.
+        limit_bits: u32,
     },
     /// Bytes of the wrong length (truncated, or for another block count).
     #[error("{got} bytes where this transfer takes {want}")]

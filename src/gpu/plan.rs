@@ -1429,6 +1429,9 @@ impl KvCache {
             }
             .into());
         }
+        if let Some(block) = racing_copy(copies) {
+            return Err(PoolError::CopyRace { block }.into());
+        }
         // One step writes a slot at most once: the GPU writes a step's
         // tokens in parallel, so two writes of one slot would race.
         if let Some(s) = duplicate_slot(slots, &mut plan.scratch) {
@@ -1578,5 +1581,48 @@ impl KvCache {
         let (x, y) = grid_1d(n * self.cfg.write_threads_per_token());
         dispatch(enc, "write_kv", pipe, bg, (x, y, 1));
         Ok(())
+    }
+}
+
+/// A block a copy list names as the destination of one copy and the
+/// destination or source of another (a self-copy included): the copies
+/// run in parallel, so such a list would tear the block. The block
+/// manager never makes one.
+fn racing_copy(copies: &[[u32; 2]]) -> Option<u32> {
+    if copies.is_empty() {
+        return None;
+    }
+    let mut dst: Vec<u32> = copies.iter().map(|c| c[1]).collect();
+    dst.sort_unstable();
+    if let Some(w) = dst.windows(2).find(|w| w[0] == w[1]) {
+        return Some(w[0]);
+    }
+    copies
+        .iter()
+        .find(|c| dst.binary_search(&c[0]).is_ok())
+        .map(|c| c[0])
+}
+
+#[cfg(test)]
+mod copy_tests {
+    use super::racing_copy;
+
+    #[test]
+    fn racing_copy_lists_are_found() {
+        assert_eq!(racing_copy(&[]), None);
+        assert_eq!(racing_copy(&[[1, 2], [3, 4], [5, 6]]), None);
+        assert_eq!(
+            racing_copy(&[[1, 3], [2, 3]]),
+            Some(3),
+            "two copies into one block"
+        );
+        assert_eq!(racing_copy(&[[1, 2], [2, 3]]), Some(2), "a chain");
+        assert_eq!(racing_copy(&[[4, 5], [5, 4]]), Some(4), "a swap");
+        assert_eq!(racing_copy(&[[7, 7]]), Some(7), "a self-copy");
+        assert_eq!(
+            racing_copy(&[[1, 9], [1, 8]]),
+            None,
+            "one source, two destinations"
+        );
     }
 }

@@ -24,7 +24,7 @@ use sha2::{Digest, Sha256};
 use super::context::Gpu;
 use super::dtype::KvDtype;
 use super::error::{GpuError, TransferError};
-use super::kv_cache::KvCache;
+use super::kv_cache::{KvCache, KvCacheConfig, KV_MAX};
 use super::swap::{block_ranges, runs, MAX_SWAP_BYTES};
 
 /// The version of the byte layout [`KvLayout`] describes; an import of
@@ -245,6 +245,59 @@ fn plane_map(parts: &[u64; 4], layers: u32, n: u64) -> Vec<(usize, usize, usize)
         }
     }
     out
+}
+
+/// Checks an import's values against what pool writes store: f32, f16 and
+/// bf16 values finite and at most `KV_MAX` in magnitude, int8 row scales
+/// (bf16) finite and at most `KV_MAX / 64` (127 times one stays finite);
+/// int8 values and fp8 bytes are any bytes (the kernels read every fp8
+/// pattern as a finite value).
+fn check_payload(
+    cfg: &KvCacheConfig,
+    parts: &[u64; 4],
+    layers: std::ops::Range<u32>,
+    n: u64,
+    bytes: &[u8],
+) -> Result<(), GpuError> {
+    use KvDtype as D;
+    let f16 = |b: &[u8]| half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+    let bf16 = |b: &[u8]| half::bf16::from_le_bytes([b[0], b[1]]).to_f32();
+    let f32v = |b: &[u8]| f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+    let scale_limit = KV_MAX / 64.0;
+    let n = n.max(1) as usize;
+    for (k, (_, at, len)) in plane_map(parts, layers.end - layers.start, n as u64)
+        .into_iter()
+        .enumerate()
+    {
+        let (part, index) = ((k / n) % 4, (k % n) as u64);
+        let layer = layers.start + (k / (4 * n)) as u32;
+        let seg = &bytes[at..at + len];
+        let what = ["K value", "K row scale", "V value", "V row scale"][part];
+        // (values, their limit) of this part, or nothing to check.
+        let values: Vec<f32> = match (cfg.dtype, part) {
+            (D::F32, 0 | 2) => seg.chunks_exact(4).map(f32v).collect(),
+            (D::F16, 0 | 2) => seg.chunks_exact(2).map(f16).collect(),
+            (D::Bf16, 0 | 2) => seg.chunks_exact(2).map(bf16).collect(),
+            // K side: the row's bf16 scale in each word's low half.
+            (D::Int8, 1) => seg.chunks_exact(4).map(|w| bf16(&w[..2])).collect(),
+            // V side: two rows' scales a word (one when blocks hold one token).
+            (D::Int8, 3) if cfg.block_size >= 2 => seg.chunks_exact(2).map(bf16).collect(),
+            (D::Int8, 3) => seg.chunks_exact(4).map(|w| bf16(&w[..2])).collect(),
+            _ => continue,
+        };
+        let limit = if part % 2 == 1 { scale_limit } else { KV_MAX };
+        if let Some(&value) = values.iter().find(|v| !(v.abs() <= limit)) {
+            return Err(TransferError::Value {
+                index,
+                layer,
+                what,
+                value_bits: value.to_bits(),
+                limit_bits: limit.to_bits(),
+            }
+            .into());
+        }
+    }
+    Ok(())
 }
 
 impl KvCache {
@@ -510,6 +563,9 @@ impl KvCache {
         let layers = layout.layers.clone();
         let n = blocks.len() as u64;
         let parts = mine.parts;
+        // An import is a pool write from elsewhere: it must store only what
+        // a write stores, or nothing.
+        check_payload(self.config(), &parts, layers.clone(), n, bytes)?;
         // Block-major to the planes export uses.
         let mut planes = vec![0u8; want as usize];
         for (plane, block, len) in plane_map(&parts, layers.end - layers.start, n) {

@@ -569,6 +569,16 @@ fn gpu_wrong_lengths_and_out_of_range_indices() {
         "outside the pool",
     );
     invalid(f.kv.copy_blocks(&gpu, &[[u32::MAX, 1]]), "outside the pool");
+    // Copy lists whose copies would race (they run in parallel): two into
+    // one block, a chain, a swap, a self-copy.
+    for racing in [
+        &[[1, 3], [2, 3]][..],
+        &[[1, 2], [2, 3]],
+        &[[4, 5], [5, 4]],
+        &[[6, 6]],
+    ] {
+        invalid(f.kv.copy_blocks(&gpu, racing), "would race");
+    }
     invalid(f.kv.read_layer(&gpu, 7), "out of range");
 
     let opts = AttnOptions::default();

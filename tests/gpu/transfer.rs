@@ -217,6 +217,60 @@ fn refused(
     assert!(all_raw(gpu, pool) == before, "{what}: the pool changed");
 }
 
+/// An import is a pool write from elsewhere: payloads no write could
+/// store (all `0xFF`: NaN in f32, f16, bf16 and the int8 row scales; all
+/// `0x7F`: past `KV_MAX`) are refused with nothing written, on every dtype
+/// that can hold such a value; fp8 reads every byte as a finite value, so
+/// it takes them and decode over them stays finite.
+#[test]
+fn imports_of_values_no_write_stores_are_refused() {
+    let Some(gpu) = gpu() else { return };
+    for dtype in KvDtype::ALL {
+        let mut rng = SplitMix64::new(seed(&format!("bad payload {}", dtype.name())));
+        let cfg = config(dtype);
+        let a = pool(&gpu, cfg, 1.0, Some(&mut rng));
+        let mut bytes = vec![0u8; a.export_bytes(2, 0..3).unwrap() as usize];
+        let layout = a.export_blocks(&gpu, &[0, 1], 0..3, &mut bytes).unwrap();
+        let b = pool(&gpu, cfg, 1.0, Some(&mut rng));
+        for fill in [0xFFu8, 0x7F] {
+            let bad = vec![fill; bytes.len()];
+            let what = format!("{} payload of {fill:#x}", dtype.name());
+            if dtype == KvDtype::Fp8E4M3 {
+                b.import_blocks(&gpu, &layout, &bad, &[3, 4]).unwrap();
+                let q = rng.signed_vec(4 * 16);
+                let out = decode(&gpu, &b, 1, &[3, 4], &q);
+                assert!(
+                    out.iter().all(|x| x.is_finite()),
+                    "{what}: decode not finite"
+                );
+            } else {
+                refused(
+                    &gpu,
+                    &b,
+                    &what,
+                    || b.import_blocks(&gpu, &layout, &bad, &[3, 4]),
+                    |e| matches!(e, TransferError::Value { .. }),
+                );
+            }
+        }
+        // One bad value among good ones is enough, wherever it is.
+        if dtype != KvDtype::Fp8E4M3 {
+            let mut one = bytes.clone();
+            let last = one.len() - 2;
+            one[last..].copy_from_slice(&[0xFF, 0xFF]);
+            refused(
+                &gpu,
+                &b,
+                "one NaN at the end",
+                || b.import_blocks(&gpu, &layout, &one, &[3, 4]),
+                |e| matches!(e, TransferError::Value { .. }),
+            );
+        }
+        // The real bytes still import.
+        b.import_blocks(&gpu, &layout, &bytes, &[3, 4]).unwrap();
+    }
+}
+
 /// Every way an import can be wrong is refused with its own error, before
 /// anything is written: another shape (dtype, block size, heads, head_dim),
 /// other per-layer state, another version, descriptor bytes that are not

@@ -1,8 +1,9 @@
 //! The vLLM paper's experiment on a real model: one pagedattn server per
 //! memory policy (paging and the reservation baselines), same model, pool
-//! and load, plus any outside server (llama.cpp's), offered Poisson load at
-//! rising rates, interleaved rate by rate; for each, the highest rate whose
-//! mean normalized latency meets the SLO.
+//! and load, plus any outside server (llama.cpp's), offered Poisson load;
+//! each server searches a list of rates (up while it meets the SLO, down
+//! while it misses), the servers taking turns point by point, to pin the
+//! highest rate whose mean normalized latency meets the SLO.
 
 use std::time::Duration;
 
@@ -20,12 +21,18 @@ pub struct SweepConfig {
     pub policies: Vec<Reservation>,
     /// Outside servers, by name (`llama.cpp` at `http://...`).
     pub external: Vec<(String, Target)>,
-    /// Requests per second, ascending.
+    /// Request rates, requests per second, rising.
     pub rates: Vec<f64>,
-    /// The load (its arrivals are set per rate).
+    /// Where each server's search starts in `rates`.
+    pub start: usize,
+    /// The load (its arrivals and request count are set per point).
     pub load: LoadSpec,
-    /// Stop raising a server's rate once it misses the SLO.
-    pub stop_at_miss: bool,
+    /// Seconds of arrivals a point offers (its requests: the rate times
+    /// this, at least `min_requests`).
+    pub point_seconds: f64,
+    pub min_requests: usize,
+    /// Every rate for every server, instead of searching.
+    pub full: bool,
 }
 
 /// One server's rate points.
@@ -90,14 +97,30 @@ pub async fn sweep(
             sustained: 0.0,
         })
         .collect();
-    let mut missed = vec![false; servers.len()];
-    for &rate in &cfg.rates {
+    // Each server searches from `start`: up while it meets the SLO, down
+    // while it misses, until the highest rate it meets is pinned (or
+    // every rate, with `full`). Rounds interleave the servers.
+    #[derive(Clone, Copy, PartialEq)]
+    enum Dir {
+        Start,
+        Up,
+        Down,
+        Done,
+    }
+    let start = cfg.start.min(cfg.rates.len().saturating_sub(1));
+    let mut at: Vec<(usize, Dir)> =
+        vec![(if cfg.full { 0 } else { start }, Dir::Start); servers.len()];
+    while at.iter().any(|&(_, d)| d != Dir::Done) {
         for (i, (name, target, _)) in servers.iter().enumerate() {
-            if missed[i] && cfg.stop_at_miss {
+            let (idx, dir) = at[i];
+            if dir == Dir::Done {
                 continue;
             }
+            let rate = cfg.rates[idx];
+            let requests = ((rate * cfg.point_seconds).ceil() as usize).max(cfg.min_requests);
             let spec = LoadSpec {
                 arrivals: Arrivals::Poisson(rate),
+                requests,
                 ..cfg.load.clone()
             };
             let r = run(target, &spec).await;
@@ -113,13 +136,31 @@ pub async fn sweep(
             ));
             if ok {
                 curves[i].sustained = curves[i].sustained.max(rate);
-            } else {
-                missed[i] = true;
             }
             curves[i].points.push((rate, r));
+            let last = cfg.rates.len() - 1;
+            at[i] = if cfg.full {
+                if idx == last {
+                    (idx, Dir::Done)
+                } else {
+                    (idx + 1, Dir::Up)
+                }
+            } else {
+                match (ok, dir) {
+                    (true, Dir::Down) => (idx, Dir::Done),
+                    (true, _) if idx == last => (idx, Dir::Done),
+                    (true, _) => (idx + 1, Dir::Up),
+                    (false, Dir::Up) => (idx, Dir::Done),
+                    (false, _) if idx == 0 => (idx, Dir::Done),
+                    (false, _) => (idx - 1, Dir::Down),
+                }
+            };
             // Let the server settle between points.
             tokio::time::sleep(Duration::from_millis(300)).await;
         }
+    }
+    for c in &mut curves {
+        c.points.sort_by(|a, b| a.0.total_cmp(&b.0));
     }
     for (_, _, h) in servers {
         if let Some(h) = h {
