@@ -198,9 +198,10 @@ fn paged_waste_stays_under_one_block_per_sequence() {
 
 #[test]
 fn forks_share_the_prompt_instead_of_copying_it() {
-    // Ample memory and every request at step 0: paged (the library
-    // scheduler) and the oracle (the baselines' loop) then schedule
-    // identically, so any gap in tokens stored is sharing.
+    // Ample memory and every request at step 0: paged and the oracle
+    // reservation (the same library scheduler) then schedule identically,
+    // so any gap in tokens stored is sharing: a reservation's sequences
+    // each write their own prompt.
     let r = small(&[
         "--sampling",
         "parallel:4,beam:4",
@@ -216,10 +217,7 @@ fn forks_share_the_prompt_instead_of_copying_it() {
     for sampling in ["parallel:4", "beam:4"] {
         let paged = policy(&r, sampling, "paged/16");
         let oracle = policy(&r, sampling, "contig-oracle");
-        // The library scheduler samples a sequence's last token without
-        // writing its K/V (it ends there), so paged ends one step before
-        // the baselines' loop, which writes it; step for step they match.
-        assert_eq!(paged.steps + 1, oracle.steps, "{sampling}");
+        assert_eq!(paged.steps, oracle.steps, "{sampling}");
         assert!(paged.cow_copies > 0, "{sampling}: forks must copy on write");
         assert!(paged.sharing_saved_peak > 0, "{sampling}");
         assert!(
@@ -232,12 +230,9 @@ fn forks_share_the_prompt_instead_of_copying_it() {
             paged.generated_tokens, oracle.generated_tokens,
             "{sampling}"
         );
-        // (From step 1: the library scheduler forks a group's samples when
-        // the prompt's first token is sampled, the baselines at admission.)
-        for (p, o) in paged.series.iter().zip(&oracle.series).skip(1) {
-            // The same sequences at the same lengths, less those whose last
-            // token paged sampled a step earlier.
-            assert!(p.logical <= o.stored, "{} > {}", p.logical, o.stored);
+        for (p, o) in paged.series.iter().zip(&oracle.series) {
+            // The same sequences at the same lengths, step for step.
+            assert_eq!(p.logical, o.stored);
             assert!(p.stored <= p.logical);
         }
     }

@@ -78,6 +78,11 @@ struct Sequence {
     hashes: Vec<ChainDigest>,
     /// Root of the chain: the digest of the sequence's cache salt.
     root: ChainDigest,
+    /// Blocks (table positions) imported from a remote store at admission:
+    /// their digests are in `hashes`, but they join the prefix cache only
+    /// when the step that imports them commits, so that nothing shares a
+    /// block before its content is there.
+    imported: std::ops::Range<usize>,
 }
 
 /// Host-side owner of the paged KV cache's bookkeeping.
@@ -643,19 +648,16 @@ impl BlockManager {
         let mut table = matched;
         let local_tokens = table.len() * self.cfg.block_size as usize;
         let mut imports = Vec::with_capacity(remote_hashes.len());
+        // The imported blocks are not cached yet: they join the cache when
+        // the step that imports them commits (`register_full_blocks`), so a
+        // failed import leaves no other sequence on an unwritten block.
         for &h in &remote_hashes {
             let b = self.take_block();
             table.push(b);
             hashes.push(h);
-            // A block of the chain past a gap may still be cached here:
-            // the fresh one takes its digest.
-            if let Some(old) = self.cache.insert(h, b) {
-                self.block_hash.remove(&old);
-            }
-            self.block_hash.insert(b, h);
-            self.event(KvEvent::Stored { hash: h, block: b });
             imports.push((b, h));
         }
+        let imported = table.len() - imports.len()..table.len();
         let cached_tokens = table.len() * self.cfg.block_size as usize;
         let remote_tokens = cached_tokens - local_tokens;
         self.remote_hit_tokens += remote_tokens as u64;
@@ -679,6 +681,7 @@ impl BlockManager {
             swapped: false,
             hashes,
             root,
+            imported,
         });
         Ok((id, imports))
     }
@@ -1150,6 +1153,21 @@ impl BlockManager {
             .expect("caller checked");
         if !prefix {
             return;
+        }
+        // Imported blocks first: the step that wrote them committed. A
+        // block of the chain may be cached here already (past a gap): the
+        // cached one stays.
+        for i in std::mem::take(&mut s.imported) {
+            let (b, h) = (s.table[i], s.hashes[i]);
+            if b != RELEASED && !self.block_hash.contains_key(&b) {
+                if let std::collections::hash_map::Entry::Vacant(e) = self.cache.entry(h) {
+                    e.insert(b);
+                    self.block_hash.insert(b, h);
+                    if let Some(ev) = self.events.as_mut() {
+                        ev.push(KvEvent::Stored { hash: h, block: b });
+                    }
+                }
+            }
         }
         let full = (s.tokens.len() - s.pending) / bs;
         while s.hashes.len() < full {

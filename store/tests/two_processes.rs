@@ -78,6 +78,30 @@ fn redis() -> Option<Redis> {
     }
 }
 
+/// The key the engines share (Redis never sees it).
+const MAC_KEY: &str = "engines-only-key-0123";
+
+/// The store keys of the prompt a peer with `salt` and `suffix_seed` serves.
+fn keys_of(url: &str, salt: &str, suffix_seed: u64) -> Vec<String> {
+    let o = Command::new(env!("CARGO_BIN_EXE_kv-peer"))
+        .args(["--redis", url, "--salt", salt, "--mac-key", MAC_KEY])
+        .args([
+            "--suffix-seed",
+            &suffix_seed.to_string(),
+            "--out",
+            "-",
+            "--keys-only",
+            "1",
+        ])
+        .output()
+        .expect("kv-peer runs");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(String::from)
+        .collect()
+}
+
 /// What one peer run printed.
 #[derive(Debug)]
 struct Run {
@@ -101,6 +125,7 @@ fn peer(
     let out = dir.join(format!("{tag}.bin"));
     let o = Command::new(env!("CARGO_BIN_EXE_kv-peer"))
         .args(["--redis", url, "--salt", salt, "--dtype", dtype])
+        .args(["--mac-key", MAC_KEY])
         .args(["--suffix-seed", &suffix_seed.to_string(), "--out"])
         .arg(&out)
         .output()
@@ -220,7 +245,7 @@ fn two_processes_share_prefill_through_redis() {
     let bc = peer(&url, "tenant-1", 2, "f16", &dir, "B after corruption").unwrap();
     assert_eq!((bc.imported, bc.computed), (0, bc.total));
     assert!(
-        bc.refused >= 1 && bc.stderr.contains("digest"),
+        bc.refused >= 1 && bc.stderr.contains("tag does not verify"),
         "{}",
         bc.stderr
     );
@@ -230,6 +255,38 @@ fn two_processes_share_prefill_through_redis() {
     let again = peer(&url, "tenant-1", 2, "f16", &dir, "B again").unwrap();
     assert!(again.imported >= 3, "{again:?}");
     assert!(again.out == cold.out);
+
+    // Poisoning across tenants: tenant 1's valid values planted under the
+    // keys tenant 2's prompt asks for (as anyone who can write to Redis
+    // could, before tenant 2 writes). They do not verify for tenant 2:
+    // refused and deleted, tenant 2 computes, and its own blocks then
+    // take those keys (its `SET NX` is no longer blocked).
+    let (t1, t2) = (keys_of(&url, "tenant-1", 2), keys_of(&url, "tenant-2", 2));
+    assert_eq!(t1.len(), t2.len());
+    let mut c = redis::Client::open(url.as_str())
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    let mut planted = 0;
+    for (from, to) in t1.iter().zip(&t2) {
+        let v: Option<Vec<u8>> = redis::cmd("GET").arg(from).query(&mut c).unwrap();
+        if let Some(v) = v {
+            let _: () = redis::cmd("SET").arg(to).arg(v).query(&mut c).unwrap();
+            planted += 1;
+        }
+    }
+    assert!(planted >= 3, "{planted} values planted");
+    let p2 = peer(&url, "tenant-2", 2, "f16", &dir, "B as tenant 2, poisoned").unwrap();
+    assert_eq!((p2.imported, p2.computed), (0, p2.total), "{p2:?}");
+    assert!(
+        p2.refused >= 1 && p2.stderr.contains("tag does not verify"),
+        "{}",
+        p2.stderr
+    );
+    assert!(p2.out == cold.out);
+    let p2b = peer(&url, "tenant-2", 2, "f16", &dir, "B as tenant 2, after").unwrap();
+    assert!(p2b.imported >= 3 && p2b.refused == 0, "{p2b:?}");
+    assert!(p2b.out == cold.out);
 
     // Truncated values: refused, recomputed.
     corrupt_all(&url, |c, k| {
@@ -252,6 +309,8 @@ fn two_processes_share_prefill_through_redis() {
     let out = dir.join("mid.bin");
     let mut child = Command::new(env!("CARGO_BIN_EXE_kv-peer"))
         .args([
+            "--mac-key",
+            MAC_KEY,
             "--redis",
             &url,
             "--salt",

@@ -180,8 +180,11 @@ impl Engine {
         if refused.is_empty() {
             return (id, imports.len(), refused);
         }
+        // Imported blocks join the cache only when their step commits: a
+        // refused import leaves nothing to uncache; freeing the sequence
+        // is the whole recovery.
         let blocks: Vec<u32> = imports.iter().map(|i| i.0).collect();
-        assert_eq!(self.m.uncache(&blocks), blocks.len());
+        assert_eq!(self.m.uncache(&blocks), 0);
         self.m.free(id).unwrap();
         let id = self.m.add_sequence_salted(prompt, salt).unwrap();
         (id, 0, refused)

@@ -1038,9 +1038,10 @@ fn sliding_window_releases_blocks_wholly_outside_it() {
 
 /// Remote prefix blocks: `prompt_hashes` are the chain digests the local
 /// cache uses (per salt), `add_sequence_with_remote` gives the found
-/// blocks fresh ids that join the cache and skips their tokens, events
-/// report what is stored and evicted, and `uncache` undoes a failed
-/// import.
+/// blocks fresh ids that join the cache once their step commits and skips
+/// their tokens, events report what is stored and evicted, a failed import
+/// leaves no other sequence on its blocks, and `uncache` drops blocks
+/// found wrong later.
 #[test]
 fn remote_prefix_blocks_join_the_cache_and_skip_their_tokens() {
     use pagedattn::blocks::KvEvent;
@@ -1079,29 +1080,52 @@ fn remote_prefix_blocks_join_the_cache_and_skip_their_tokens() {
         b.block_table(idb).unwrap()[..3],
         imports.iter().map(|i| i.0).collect::<Vec<_>>()[..]
     );
-    assert_eq!(b.take_events().len(), 3);
-    // A second sequence shares them from the local cache.
+    // Not cached before the step that imports them commits: a second
+    // sequence admitted now computes its own, so a failed import leaves
+    // nobody on an unwritten block.
+    assert_eq!(b.take_events().len(), 0);
     let id2 = b.add_sequence_salted(&prompt, b"t1").unwrap();
-    assert_eq!(
-        b.block_table(id2).unwrap()[..3],
-        b.block_table(idb).unwrap()[..3]
-    );
-    assert_eq!(b.prefix_hit_tokens(), 12);
-    // A failed import: uncached, freed, added again without them.
+    assert_eq!(b.pending_tokens(id2).unwrap(), 14);
+    assert_eq!(b.prefix_hit_tokens(), 0);
+    let t2 = b.block_table(id2).unwrap().to_vec();
+    assert!(imports.iter().all(|i| !t2.contains(&i.0)));
+    // A failed import: its sequence freed (the scheduler's recovery,
+    // `abandon`), nothing to uncache; the prompt is then computed.
     let blocks: Vec<u32> = imports.iter().map(|i| i.0).collect();
-    assert_eq!(b.uncache(&blocks), 3);
     assert_eq!(b.uncache(&blocks), 0);
-    let removed = b.take_events();
-    assert!(removed.iter().all(|e| matches!(e, KvEvent::Removed { .. })));
-    assert_eq!(removed.len(), 3);
-    b.free(id2).unwrap();
     b.free(idb).unwrap();
+    b.free(id2).unwrap();
     let id3 = b.add_sequence_salted(&prompt, b"t1").unwrap();
     assert_eq!(
         b.pending_tokens(id3).unwrap(),
         14,
-        "nothing is found after uncache"
+        "nothing of the failed import is found"
     );
+    b.free(id3).unwrap();
+    // A successful import: once its step commits, the blocks are cached
+    // and a later sequence shares them.
+    let (ide, imports) = b.add_sequence_with_remote(&prompt, b"t1", 3).unwrap();
+    b.take_events();
+    b.batch_view(&[ide]).unwrap();
+    let stored = b.take_events();
+    assert_eq!(
+        stored
+            .iter()
+            .filter(|e| matches!(e, KvEvent::Stored { .. }))
+            .count(),
+        3,
+        "{stored:?}"
+    );
+    let id4 = b.add_sequence_salted(&prompt, b"t1").unwrap();
+    assert_eq!(
+        b.block_table(id4).unwrap()[..3],
+        imports.iter().map(|i| i.0).collect::<Vec<_>>()[..]
+    );
+    assert_eq!(b.prefix_hit_tokens(), 12);
+    // Uncaching still drops them (an import found wrong later).
+    let blocks: Vec<u32> = imports.iter().map(|i| i.0).collect();
+    assert_eq!(b.uncache(&blocks), 3);
+    assert_eq!(b.uncache(&blocks), 0);
 
     // Without prefix caching, remote blocks are refused and nothing changes.
     let mut c = BlockManager::new(BlockManagerConfig::new(8, 4)).unwrap();

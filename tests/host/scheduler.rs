@@ -377,6 +377,50 @@ fn a_reservation_larger_than_the_pool_is_refused_at_once() {
     assert_eq!(step.rows().len(), 1);
 }
 
+/// A remote import that fails: the step that would import it is
+/// abandoned; no other sequence ever shared the unwritten blocks (they
+/// join the cache only when their step commits), every sequence of the
+/// step is dropped, and the prompt served again is computed, never a hit
+/// on what the import left.
+#[test]
+fn a_failed_remote_import_leaves_nobody_on_its_blocks() {
+    let cfg = BlockManagerConfig::new(32, 4).with_prefix_caching(true);
+    let mut s = Scheduler::new(cfg, SchedulerConfig::new(64, 8)).unwrap();
+    let prompt = toks(0, 14);
+    let a = s.add_request_with_remote(&prompt, 1, b"t", 3).unwrap();
+    let b = s.add_request(&prompt, 1, b"t").unwrap();
+    let step = s.schedule().unwrap();
+    assert_eq!(step.imports().len(), 1);
+    let imported: Vec<u32> = step.imports()[0].1.iter().map(|x| x.0).collect();
+    let row_b = step.rows().iter().find(|r| r.request == b).unwrap();
+    assert_eq!(
+        row_b.positions,
+        0..14,
+        "b computes its prompt: nothing to share yet"
+    );
+    let table_b = s.blocks().block_table(row_b.seq).unwrap().to_vec();
+    assert!(imported.iter().all(|x| !table_b.contains(x)));
+    // The import failed: the step is abandoned.
+    let mut dropped = s.abandon(&step).unwrap();
+    dropped.sort();
+    assert_eq!(dropped, vec![a, b]);
+    let st = s.blocks().stats();
+    assert_eq!((st.used, st.sequences, st.evictable), (0, 0, 0));
+    // Served again, the prompt is computed from its first token.
+    let c = s.add_request(&prompt, 1, b"t").unwrap();
+    let step = s.schedule().unwrap();
+    assert_eq!(step.rows()[0].positions, 0..14);
+    let out = GroupOutput {
+        request: c,
+        children: vec![Child {
+            parent: 0,
+            token: 1,
+            finished: true,
+        }],
+    };
+    s.commit(&step, &[out]).unwrap();
+}
+
 #[test]
 fn an_abandoned_step_drops_what_it_touched_and_keeps_the_queue() {
     let cfg = BlockManagerConfig::new(16, 4).with_prefix_caching(true);

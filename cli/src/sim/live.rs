@@ -1,7 +1,5 @@
-//! A request's live state in the contiguous baselines' run: its sequences
-//! (samples or beams), their reservations and its seeded decode stream.
-//! The scheduler (`engine`) moves it; the memory policies (`memory`) hold
-//! slots for it.
+//! A request's live state in a simulated run: its sequences (samples or
+//! beams), their target lengths and its seeded decode stream.
 
 use super::workload::{Request, Sampling};
 use pagedattn::rng::SplitMix64;
@@ -13,8 +11,6 @@ pub(super) struct Seq {
     pub tail: Vec<u32>,
     /// Tokens it will have generated when it finishes.
     pub target: usize,
-    /// Contiguous policies: slots reserved for it.
-    pub reserved: usize,
 }
 
 /// A request that has arrived and not finished: queued or running.
@@ -24,13 +20,8 @@ pub(super) struct Live {
     pub req: usize,
     /// Its live sequences.
     pub seqs: Vec<Seq>,
-    /// Contiguous beam search: reserved slabs not owned by a beam right now.
-    pub parked: usize,
     /// Decode stream of this request.
     pub rng: SplitMix64,
-    /// Tokens drawn for the current step, one per sequence, not yet written
-    /// (kept across a preemption so the request resumes the same step).
-    pub pending: Option<Vec<u32>>,
     /// Whether it has been admitted before (a readmission is a recompute).
     pub admitted: bool,
 }
@@ -40,7 +31,6 @@ impl Live {
         let seq = |target| Seq {
             tail: Vec::new(),
             target,
-            reserved: 0,
         };
         let seqs = match sampling {
             Sampling::Parallel(_) => req.outputs.iter().map(|&t| seq(t)).collect(),
@@ -53,9 +43,7 @@ impl Live {
         Self {
             req: req.id,
             seqs,
-            parked: 0,
             rng,
-            pending: None,
             admitted: false,
         }
     }

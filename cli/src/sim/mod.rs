@@ -9,20 +9,23 @@
 //!   copy-on-write, free, a batch view per step). When a step cannot get a
 //!   block, the most recently admitted request is preempted and later
 //!   recomputed.
-//! - `max`: a contiguous slab of `prompt + max_output` tokens per sequence,
-//!   reserved at admission (what systems before vLLM did).
-//! - `oracle`: a contiguous slab of exactly the sequence's final length, as
-//!   if it were known in advance.
+//! - `max`, `pow2`, `oracle`: the vLLM paper's baselines, a contiguous slab
+//!   per sequence reserved at admission, as systems before vLLM did: the
+//!   longest sequence (`--max-len`), the next power of two of `prompt +
+//!   max_output`, or exactly the sequence's final length, as if it were
+//!   known in advance. They are the library `Scheduler`'s
+//!   [`Reservation`](pagedattn::blocks::Reservation)s (the policies
+//!   `pagedattn serve --reservation` runs), over blocks of one token so
+//!   that a slab is exact; each sequence writes its own prompt.
 //!
 //! Time is counted in scheduler steps (one decoded token per running
 //! sequence per step), a stand-in for throughput. Same seed, same bytes out.
 //! Entry points: [`simulate`] for a [`SimConfig`], [`run_cli`] for
 //! `pagedattn simulate`.
 
-mod engine;
 mod live;
-mod memory;
 mod report;
+mod runlog;
 mod scheduled;
 mod svg;
 pub mod workload;
@@ -30,10 +33,11 @@ pub mod workload;
 use std::path::PathBuf;
 
 use clap::Parser;
+use pagedattn::blocks::Reservation;
 use serde::Serialize;
 
-pub use engine::Sample;
 pub use report::{PolicyReport, ScenarioReport, WorkloadSummary};
+pub use runlog::Sample;
 pub use workload::{Arrival, Dataset, LenDist, Request, Sampling, WorkloadSpec};
 
 /// Everything that stops a simulation.
@@ -68,9 +72,11 @@ pub enum SimError {
 pub enum PolicyKind {
     /// Paged KV cache (one run per block size).
     Paged,
-    /// Contiguous reservation of `prompt + max_output` per sequence.
+    /// A slab of the longest sequence (`--max-len`) per sequence.
     Max,
-    /// Contiguous reservation of each sequence's exact final length.
+    /// A slab of the next power of two of `prompt + max_output` per sequence.
+    Pow2,
+    /// A slab of each request's exact final length per sequence.
     Oracle,
 }
 
@@ -626,6 +632,8 @@ pub fn simulate(cfg: &SimConfig) -> Result<Report, SimError> {
                                     preemption: pk.library(),
                                     swap_blocks: u32::try_from(cfg.swap_tokens / bs as usize)
                                         .unwrap_or(u32::MAX),
+                                    reservation: Reservation::Paged,
+                                    max_output: w.max_output,
                                 };
                                 let cap = run.num_blocks()? as usize * bs as usize;
                                 let (log, st) = scheduled::run(&reqs, sampling, w.seed, run)?;
@@ -654,18 +662,27 @@ pub fn simulate(cfg: &SimConfig) -> Result<Report, SimError> {
                             }
                         }
                     }
-                    PolicyKind::Max | PolicyKind::Oracle => {
-                        let exact = kind == PolicyKind::Oracle;
-                        let mut mem = memory::Contiguous::new(cfg.budget, exact, sampling);
-                        let log = engine::run(&reqs, sampling, w.seed, cfg.max_seqs, &mut mem)?;
-                        let (name, label) = if exact {
-                            ("oracle", "contig-oracle")
-                        } else {
-                            ("max", "contig-max")
+                    kind => {
+                        let (reservation, name) = match kind {
+                            PolicyKind::Max => (Reservation::Max, "max"),
+                            PolicyKind::Pow2 => (Reservation::Pow2, "pow2"),
+                            _ => (Reservation::Oracle, "oracle"),
                         };
+                        let run = scheduled::PagedRun {
+                            budget: cfg.budget,
+                            block_size: 1,
+                            prefix_caching: false,
+                            max_len: w.max_len,
+                            max_seqs: cfg.max_seqs,
+                            preemption: pagedattn::blocks::Preemption::Recompute,
+                            swap_blocks: 0,
+                            reservation,
+                            max_output: w.max_output,
+                        };
+                        let (log, _) = scheduled::run(&reqs, sampling, w.seed, run)?;
                         policies.push(PolicyReport::from_log(
                             name,
-                            label.into(),
+                            format!("contig-{name}"),
                             None,
                             cfg.budget,
                             log,

@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
-use super::engine::{RunLog, Sample};
+use super::runlog::{RunLog, Sample};
 use super::workload::Request;
 
 /// Summary of one policy on one scenario. Fractions are in `[0, 1]`; token

@@ -1,7 +1,10 @@
-//! The paged policy, run by the library's own [`Scheduler`] over the
-//! crate's real [`BlockManager`](pagedattn::blocks::BlockManager): the
-//! simulator's paged numbers are those of the scheduling and bookkeeping an
-//! engine embeds, preemption (recompute or swap) included.
+//! Every policy, run by the library's own [`Scheduler`] over the crate's
+//! real [`BlockManager`](pagedattn::blocks::BlockManager): paging, and the
+//! reservations it is compared with ([`Reservation`]: a slab per sequence
+//! reserved at admission, in blocks of one token so that a slab is exact).
+//! The simulator's numbers are those of the scheduling and bookkeeping an
+//! engine embeds, preemption (recompute or swap) included; a reservation
+//! never preempts.
 //!
 //! Each step: arrivals join the scheduler's queue; it decides the step
 //! (the previous step's forks and prunes, preemptions, swap-ins,
@@ -13,14 +16,13 @@
 
 use std::collections::BTreeMap;
 
-use super::engine::{select_beams, RunLog, Sample, VOCAB};
 use super::live::Live;
-use super::memory::{Counters, EndState};
+use super::runlog::{select_beams, Counters, EndState, RunLog, Sample, VOCAB};
 use super::workload::{Request, Sampling};
 use super::SimError;
 use pagedattn::blocks::{
-    BlockManagerConfig, Child, GroupOutput, Preemption, RequestId, Scheduler, SchedulerConfig,
-    SchedulerError, SchedulerStats,
+    Admission, BlockManagerConfig, Child, GroupOutput, Preemption, RequestId, Reservation,
+    Scheduler, SchedulerConfig, SchedulerError, SchedulerStats,
 };
 
 fn internal(what: &str, e: SchedulerError) -> SimError {
@@ -38,6 +40,10 @@ pub(super) struct PagedRun {
     pub preemption: Preemption,
     /// Host swap space, in blocks.
     pub swap_blocks: u32,
+    /// Paging, or a reservation (run with blocks of one token).
+    pub reservation: Reservation,
+    /// The most tokens a sequence generates (what `Pow2` reserves for).
+    pub max_output: usize,
 }
 
 impl PagedRun {
@@ -107,10 +113,25 @@ fn memory_sample(
     }
     let (waiting, running, swapped) = sched.queue_lengths();
     let c = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
+    // A reservation holds its slabs, and each sequence writes its own copy
+    // of its prompt there (nothing is shared); what it will still fill is
+    // each admitted sequence's remaining output.
+    let (held, stored, reserved) = if sched.config().reservation == Reservation::Paged {
+        (st.capacity_held, st.tokens_stored, reserved)
+    } else {
+        let held = sched.reserved_blocks() * bs;
+        let remaining: usize = live
+            .iter()
+            .filter(|(&rid, _)| sched.sequences(rid).is_ok_and(|s| !s.is_empty()))
+            .flat_map(|(_, l)| l.seqs.iter().map(|s| s.target - s.tail.len()))
+            .sum();
+        let stored = st.logical_tokens;
+        (held, stored, remaining.min(held.saturating_sub(stored)))
+    };
     Ok(Sample {
         step: now,
-        held: c(st.capacity_held),
-        stored: c(st.tokens_stored),
+        held: c(held),
+        stored: c(stored),
         logical: c(st.logical_tokens),
         reserved: c(reserved),
         seqs: c(seqs),
@@ -183,8 +204,12 @@ pub(super) fn run(
     bcfg.max_seq_len = r.max_len;
     let mut scfg = SchedulerConfig::new(usize::MAX, r.max_seqs);
     scfg.preemption = r.preemption;
-    // Admission leaves 1% of the pool free while others run.
-    scfg.watermark_blocks = (num_blocks as usize / 100).max(1);
+    scfg.reservation = r.reservation;
+    // Paging: admission leaves 1% of the pool free while others run (a
+    // reservation needs none: its slab holds the whole sequence).
+    if r.reservation == Reservation::Paged {
+        scfg.watermark_blocks = (num_blocks as usize / 100).max(1);
+    }
     let mut sched = Scheduler::new(bcfg, scfg).map_err(|e| SimError::Config(e.to_string()))?;
     let bs = r.block_size as usize;
     let mut log = RunLog::default();
@@ -204,13 +229,17 @@ pub(super) fn run(
                 Sampling::Parallel(_) => req.outputs.len(),
                 Sampling::Beam(k) => k,
             };
-            let id =
-                sched
-                    .add_request(&req.prompt, width, b"")
-                    .map_err(|_| SimError::TooSmall {
-                        request: req.id,
-                        tokens: req.prompt.len() + req.outputs.iter().max().copied().unwrap_or(0),
-                    })?;
+            let admission = Admission {
+                max_tokens: Some(r.max_output),
+                expected_tokens: req.outputs.iter().max().copied(),
+                ..Admission::default()
+            };
+            let id = sched
+                .add_request_with(&req.prompt, width, b"", admission)
+                .map_err(|_| SimError::TooSmall {
+                    request: req.id,
+                    tokens: req.prompt.len() + req.outputs.iter().max().copied().unwrap_or(0),
+                })?;
             live.insert(id, Live::new(req, sampling, seed));
             next += 1;
         }

@@ -38,6 +38,7 @@ tally! {
         demo: "checked demos",
         bench: "checked benches",
         generate: "checked generates",
+        serve: "checked serves and load generators",
         sim_runs: "simulations run",
         sim_too_small: "requests too large for the budget",
     }
@@ -116,6 +117,20 @@ pub fn run(data: &[u8]) -> Outcome {
         // Need an adapter: checked, not run (nothing to bound: no sizes).
         Ok(Checked::Sweep { .. } | Checked::PipelineStats { .. }) => {
             o.bench += 1;
+        }
+        // Need the model and an adapter: checked (the config passes its
+        // own check), not run.
+        Ok(Checked::Serve { cfg }) => {
+            cfg.check()
+                .unwrap_or_else(|e| panic!("{argv:?}: checked serve fails check: {e}"));
+            o.serve += 1;
+        }
+        Ok(Checked::Loadgen { server, spec, .. }) => {
+            server
+                .check()
+                .unwrap_or_else(|e| panic!("{argv:?}: checked loadgen fails check: {e}"));
+            assert!(spec.requests >= 1 && spec.slo > 0.0, "{argv:?}");
+            o.serve += 1;
         }
         Ok(Checked::Generate { opts }) => {
             // Needs the model and an adapter: checked, not run.

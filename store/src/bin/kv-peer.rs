@@ -12,8 +12,9 @@
 //! `imported N computed M of T refused R unavailable U rel_l2 E`, writing
 //! the output's f32 bytes to `--out`.
 //!
-//! `kv-peer --redis URL|none --salt S --suffix-seed N [--dtype f16|f32]
-//! [--pause-ms MS] --out FILE`
+//! `kv-peer --redis URL|none [--mac-key KEY] --salt S --suffix-seed N
+//! [--dtype f16|f32] [--pause-ms MS] --out FILE`; with `--keys-only 1` it
+//! prints the store keys of its prompt's full blocks and stops.
 //! (exit 3: no GPU adapter).
 
 use std::collections::HashMap;
@@ -229,6 +230,17 @@ impl Peer {
     }
 }
 
+/// The store's configuration: the engines' MAC key from `--mac-key`.
+fn store_config(a: &HashMap<String, String>) -> Result<StoreConfig, String> {
+    let key = a
+        .get("mac-key")
+        .ok_or("--mac-key is required with a store")?;
+    Ok(StoreConfig {
+        mac_key: key.as_bytes().to_vec(),
+        ..StoreConfig::default()
+    })
+}
+
 fn run() -> Result<(), String> {
     let a = args()?;
     let get = |k: &str| a.get(k).cloned().ok_or(format!("--{k} is required"));
@@ -250,6 +262,18 @@ fn run() -> Result<(), String> {
     let n_suffix = 20 + own.below(20) as usize;
     prompt.extend((0..n_suffix).map(|_| own.below(32000) as u32));
     let q = own.signed_vec((HEADS * HD) as usize);
+
+    // `--keys-only`: the store keys this prompt's full blocks have (the
+    // test plants values under them), one a line; nothing else runs.
+    if a.contains_key("keys-only") {
+        let m = BlockManager::new(BlockManagerConfig::new(BLOCKS, BS).with_prefix_caching(true))
+            .map_err(|e| e.to_string())?;
+        let store = RedisPrefixStore::open(&url, store_config(&a)?).map_err(|e| e.to_string())?;
+        for h in m.prompt_hashes(&prompt, salt) {
+            println!("{}", store.key(salt, &h));
+        }
+        return Ok(());
+    }
 
     let gpu = match Gpu::new() {
         Ok(g) => g,
@@ -283,7 +307,7 @@ fn run() -> Result<(), String> {
     let mut store = if url == "none" {
         None
     } else {
-        Some(RedisPrefixStore::open(&url, StoreConfig::default()).map_err(|e| e.to_string())?)
+        Some(RedisPrefixStore::open(&url, store_config(&a)?).map_err(|e| e.to_string())?)
     };
     let hashes = peer.m.prompt_hashes(&prompt, salt);
     let fetch = match store.as_mut() {
