@@ -79,8 +79,8 @@ pub use mla::{
 /// part of the API an engine should rely on.
 #[doc(hidden)]
 pub use pass::{bind as bind_buffers, dispatch as dispatch_pass, pipeline as kv_cache_pipeline};
-pub use plan::{AttentionPlan, DecodeTables, PrefillTables, WritePlan};
+pub use plan::{check_copies, AttentionPlan, DecodeTables, PrefillTables, WritePlan};
 pub use swap::{SwapSpace, MAX_SWAP_BYTES};
-pub use transfer::{KvLayout, KV_LAYOUT_BYTES, KV_LAYOUT_VERSION};
+pub use transfer::{check_import_payload, KvLayout, KV_LAYOUT_BYTES, KV_LAYOUT_VERSION};
 pub use tune::{TuneReport, Tuner};
 pub use units::{ComputeUnits, UnitsSource, KNOWN_ADAPTERS};

@@ -1419,19 +1419,7 @@ impl KvCache {
             }
             .into());
         }
-        if let Some(c) = copies
-            .iter()
-            .find(|c| c[0] >= self.cfg.num_blocks || c[1] >= self.cfg.num_blocks)
-        {
-            return Err(PoolError::CopyOutsidePool {
-                pair: *c,
-                blocks: self.cfg.num_blocks,
-            }
-            .into());
-        }
-        if let Some(block) = racing_copy(copies) {
-            return Err(PoolError::CopyRace { block }.into());
-        }
+        check_copies(self.cfg.num_blocks, copies)?;
         // One step writes a slot at most once: the GPU writes a step's
         // tokens in parallel, so two writes of one slot would race.
         if let Some(s) = duplicate_slot(slots, &mut plan.scratch) {
@@ -1582,6 +1570,28 @@ impl KvCache {
         dispatch(enc, "write_kv", pipe, bg, (x, y, 1));
         Ok(())
     }
+}
+
+/// Checks a copy-on-write list for a pool of `num_blocks` blocks: every
+/// block inside the pool, and no two copies racing (a destination named
+/// twice, or named as another copy's source; a self-copy included), since
+/// the copies run in parallel. What `KvCache::copy_blocks` and
+/// `plan_write` check before anything is recorded; needs no device.
+pub fn check_copies(num_blocks: u32, copies: &[[u32; 2]]) -> Result<(), GpuError> {
+    if let Some(c) = copies
+        .iter()
+        .find(|c| c[0] >= num_blocks || c[1] >= num_blocks)
+    {
+        return Err(PoolError::CopyOutsidePool {
+            pair: *c,
+            blocks: num_blocks,
+        }
+        .into());
+    }
+    if let Some(block) = racing_copy(copies) {
+        return Err(PoolError::CopyRace { block }.into());
+    }
+    Ok(())
 }
 
 /// A block a copy list names as the destination of one copy and the

@@ -125,8 +125,9 @@ impl KvLayout {
     }
 
     /// Reads a descriptor [`to_bytes`](Self::to_bytes) wrote; refuses bytes
-    /// that are not one (wrong length or magic, another version, an unknown
-    /// dtype, an empty or reversed layer range).
+    /// that are not one (wrong length or magic, another version, reserved
+    /// bytes that are not zero, an unknown dtype, an empty or reversed layer
+    /// range), so that what it accepts reads back byte for byte.
     pub fn from_bytes(b: &[u8]) -> Result<KvLayout, TransferError> {
         if b.len() != KV_LAYOUT_BYTES {
             return Err(TransferError::Descriptor("not 108 bytes long"));
@@ -143,6 +144,12 @@ impl KvLayout {
                 got: version,
                 want: KV_LAYOUT_VERSION,
             });
+        }
+        // Reserved: written as zeros, so only zeros read back as written.
+        if b[18..20] != [0, 0] {
+            return Err(TransferError::Descriptor(
+                "reserved bytes 18..20 are not zero",
+            ));
         }
         let code = u32_at(20);
         let dtype = KvDtype::ALL
@@ -245,6 +252,43 @@ fn plane_map(parts: &[u64; 4], layers: u32, n: u64) -> Vec<(usize, usize, usize)
         }
     }
     out
+}
+
+/// Checks an import's payload for a pool of `cfg`, needing no device: the
+/// layer range inside the pool, `bytes` the length `blocks` blocks of
+/// `layers` take (block-major, as `export_blocks` writes them), and every
+/// value one a pool write could store (see [`KvCache::import_blocks`]).
+pub fn check_import_payload(
+    cfg: &KvCacheConfig,
+    layers: Range<u32>,
+    blocks: u64,
+    bytes: &[u8],
+) -> Result<(), GpuError> {
+    cfg.validate()?;
+    if layers.start >= layers.end || layers.end > cfg.num_layers {
+        return Err(TransferError::Layers {
+            first: layers.start,
+            end: layers.end,
+            layers: cfg.num_layers,
+        }
+        .into());
+    }
+    let p = |is_k| block_ranges(cfg, 0, is_k);
+    let ([(_, kd), (_, ks)], [(_, vd), (_, vs)]) = (p(true), p(false));
+    let parts = [kd, ks, vd, vs];
+    let want = parts
+        .iter()
+        .sum::<u64>()
+        .saturating_mul((layers.end - layers.start) as u64)
+        .saturating_mul(blocks);
+    if bytes.len() as u64 != want {
+        return Err(TransferError::Bytes {
+            got: bytes.len() as u64,
+            want,
+        }
+        .into());
+    }
+    check_payload(cfg, &parts, layers, blocks, bytes)
 }
 
 /// Checks an import's values against what pool writes store: f32, f16 and

@@ -1,9 +1,11 @@
-//! Replays the fuzz corpus of the GPU layer's host-side argument checks on
-//! stable Rust, through the same harness as the fuzz target
-//! (tests/common/gpu_args.rs): every input must pass, and together they must
-//! reach every outcome (accepted and refused, for each check). Then seeded
-//! random inputs, deterministic so a failure replays
-//! (`GPU_ARGS_INPUT=<file>` replays one file).
+//! Replays the fuzz corpora of the GPU layer's host-side argument checks
+//! (tests/common/gpu_args.rs) and of what crosses into a pool from
+//! elsewhere: descriptors, import payloads, copy lists
+//! (tests/common/transfer_args.rs), on stable Rust, through the same
+//! harnesses as the fuzz targets: every input must pass, and together they
+//! must reach every outcome (accepted and refused, for each check). Then
+//! seeded random inputs, deterministic so a failure replays
+//! (`GPU_ARGS_INPUT=<file>` replays one gpu_args file).
 
 use crate::gpu_args;
 
@@ -108,4 +110,39 @@ fn calibration_corpus_and_random_inputs_keep_the_contracts() {
         &[],
     );
     println!("corpus {:?}; random {:?}", total.named(), random.named());
+}
+
+#[test]
+fn transfer_args_corpus_passes_and_reaches_every_outcome() {
+    use crate::transfer_args;
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/transfer_args");
+    let files = corpus_files(&dir, 20);
+    let mut total = transfer_args::Reached::default();
+    for f in &files {
+        let data = std::fs::read(f).unwrap();
+        total.add(&caught(&f.display().to_string(), || {
+            transfer_args::run(&data)
+        }));
+    }
+    println!("{} inputs: {:?}", files.len(), total.named());
+    assert_reached(&total.named(), "the corpus", &[]);
+}
+
+#[test]
+fn transfer_args_random_inputs_keep_the_contracts() {
+    use crate::transfer_args;
+    let seed = std::env::var("PAGEDATTN_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0x7A45_F3E4u64);
+    let mut rng = SplitMix64::new(seed);
+    let mut total = transfer_args::Reached::default();
+    for i in 0..3000 {
+        let len = rng.range(1, 200) as usize;
+        let data: Vec<u8> = (0..len).map(|_| rng.below(256) as u8).collect();
+        let what = format!("random input {i} (seed {seed}; PAGEDATTN_SEED replays)");
+        total.add(&caught(&what, || transfer_args::run(&data)));
+    }
+    println!("{:?}", total.named());
+    assert_reached(&total.named(), &format!("random inputs (seed {seed})"), &[]);
 }

@@ -13,6 +13,8 @@ mod common;
 mod gpu_args;
 #[path = "../common/scheduler_ops.rs"]
 mod scheduler_ops;
+#[path = "../common/transfer_args.rs"]
+mod transfer_args;
 
 mod adversarial;
 mod blocks;
