@@ -137,6 +137,16 @@ impl Metrics {
             m.kv_usage.clone(),
         );
         r.register(
+            "kv_tokens_stored",
+            "Token slots holding K/V (a token shared by several sequences counts once)",
+            m.tokens_stored.clone(),
+        );
+        r.register(
+            "kv_tokens_logical",
+            "Tokens of the live sequences (a shared token once per sequence): what they would store without sharing",
+            m.tokens_logical.clone(),
+        );
+        r.register(
             "swap_blocks_used",
             "Host swap blocks holding swapped-out KV",
             m.swap_used.clone(),
@@ -226,5 +236,50 @@ impl Metrics {
         // Writing into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_metric_is_exported() {
+        let m = Metrics::new();
+        m.ended("stop");
+        m.ttft.observe(0.3);
+        let text = m.render();
+        for name in [
+            "kv_blocks_total",
+            "kv_blocks_used",
+            "kv_blocks_shared",
+            "kv_blocks_free",
+            "kv_blocks_cached",
+            "kv_blocks_reserved",
+            "kv_usage_ratio",
+            "kv_tokens_stored",
+            "kv_tokens_logical",
+            "swap_blocks_used",
+            "requests_running",
+            "requests_waiting",
+            "requests_swapped",
+            "preemptions_total",
+            "cow_copies_total",
+            "prefix_cache_queries_total",
+            "prefix_cache_hits_total",
+            "prefix_cache_hit_rate",
+            "prompt_tokens_total",
+            "generation_tokens_total",
+            "engine_steps_total",
+            "requests_finished_total{reason=\"stop\"} 1",
+            "time_to_first_token_seconds_bucket{le=\"0.5\"} 1",
+            "inter_token_latency_seconds_count",
+            "request_latency_seconds_count",
+        ] {
+            assert!(
+                text.contains(&format!("pagedattn_{name}")),
+                "{name} missing:\n{text}"
+            );
+        }
     }
 }
