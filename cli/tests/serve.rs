@@ -1,4 +1,5 @@
-//! `pagedattn serve` as a process: SIGTERM stops accepting, gives the
+//! `pagedattn serve` as a process: `/health` is 503 while the model loads
+//! and 200 once it is ready; SIGTERM stops accepting, gives the
 //! stream in flight `--shutdown-timeout` to finish, aborts it with an
 //! error event when it does not, and exits 0. Arguments that are wrong
 //! fail before anything loads.
@@ -72,14 +73,31 @@ fn sigterm_drains_then_exits_zero() {
             let _ = tx.send(line);
         }
     });
+    // While the model loads, /health answers 503 (asked with curl, as an
+    // orchestrator's probe would).
+    let health = |addr: &str| -> String {
+        let o = Command::new("curl")
+            .args(["-s", "-o", "/dev/null", "-w", "%{http_code}"])
+            .arg(format!("http://{addr}/health"))
+            .output()
+            .expect("curl runs");
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    let mut loading = Vec::new();
     let ready = loop {
         let line = rx
             .recv_timeout(Duration::from_secs(300))
             .expect("the server says it is ready");
+        if let Some(rest) = line.split("listening on http://").nth(1) {
+            let addr = rest.split_whitespace().next().unwrap_or("").to_string();
+            loading.push(health(&addr));
+        }
         if let Some(rest) = line.split("ready on http://").nth(1) {
             break rest.split(':').take(2).collect::<Vec<_>>().join(":");
         }
     };
+    assert_eq!(loading, ["503"], "/health while loading");
+    assert_eq!(health(&ready), "200", "/health once ready");
     let base = format!("http://{ready}");
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../server/tests/client.py");
     let mut client = Command::new("python3")
