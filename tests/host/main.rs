@@ -19,6 +19,7 @@ mod transfer_args;
 mod adversarial;
 mod blocks;
 mod blocks_props;
+mod docs;
 mod fuzz_corpus;
 mod fuzz_corpus_gpu_args;
 mod reference;
