@@ -36,8 +36,8 @@ use pagedattn::blocks::{
     BatchView, BlockManagerConfig, Child, GroupOutput, RequestId, Scheduler, SchedulerConfig, Step,
 };
 use pagedattn::gpu::{
-    AttentionPlan, AttnOptions, DecodeTables, Gpu, KvCache, KvCacheConfig, PagedAttention,
-    PrefillTables, WritePlan,
+    ActDtype, AttentionPlan, AttnOptions, DecodeTables, Gpu, KvCache, KvCacheConfig,
+    PagedAttention, PrefillTables, WritePlan,
 };
 use pagedattn::reference::{rel_l2, AttnParams};
 use pagedattn::rng::SplitMix64;
@@ -315,7 +315,8 @@ impl Model {
         // and builds the fastest (the engine's tuner could name a tune file
         // that keeps the pick across runs: `Tuner::with_file`).
         let (attn, _tuned) = pagedattn::gpu::Tuner::new().attention(&gpu, &cache, HQ as u32)?;
-        attn.warm_up(&gpu)?; // compile every attention pipeline now, not mid-step
+        // Compile every pipeline a step needs now, not mid-step.
+        attn.warm_up(&gpu, &[ActDtype::F32])?;
         let (mut wplan, mut aplan) = (cache.plan(), attn.plan());
         // Q, K and V are read straight from the fused rows, QKV floats apart.
         wplan.set_kv_stride(Some(QKV as u32));

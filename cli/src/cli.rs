@@ -605,7 +605,8 @@ fn loadgen(a: LoadgenArgs) -> Result<Checked, String> {
         model: a
             .model
             .clone()
-            .unwrap_or_else(pagedattn_cli::model::generate::default_model_path),
+            .unwrap_or_else(pagedattn_cli::env::model_path),
+        backends: pagedattn_cli::env::backends().map_err(|e| e.to_string())?,
         port: 0,
         kv_dtype: pagedattn_cli::demo::parse_kv_dtype(&a.kv_dtype)?,
         num_blocks: a.num_blocks,
@@ -657,7 +658,8 @@ fn serve(a: &ServeArgs) -> Result<Checked, String> {
         model: a
             .model
             .clone()
-            .unwrap_or_else(pagedattn_cli::model::generate::default_model_path),
+            .unwrap_or_else(pagedattn_cli::env::model_path),
+        backends: pagedattn_cli::env::backends().map_err(|e| e.to_string())?,
         served_model_name: a.served_model_name.clone(),
         host: a.host,
         port: a.port,
@@ -685,7 +687,7 @@ fn serve(a: &ServeArgs) -> Result<Checked, String> {
 pub const MAX_PROMPTS: usize = 1024;
 
 fn generate(a: &GenerateArgs) -> Result<Checked, String> {
-    use pagedattn_cli::model::generate::{default_model_path, GenerateOptions};
+    use pagedattn_cli::model::generate::GenerateOptions;
     use pagedattn_cli::model::sample::SamplingParams;
     if !(1..=8192).contains(&a.max_tokens) {
         return Err(format!("--max-tokens {} is not in 1..=8192", a.max_tokens));
@@ -758,7 +760,11 @@ fn generate(a: &GenerateArgs) -> Result<Checked, String> {
         samples: a.samples,
         beams: a.beams.unwrap_or(0),
         params,
-        model: a.model.clone().unwrap_or_else(default_model_path),
+        model: a
+            .model
+            .clone()
+            .unwrap_or_else(pagedattn_cli::env::model_path),
+        backends: pagedattn_cli::env::backends().map_err(|e| e.to_string())?,
         kv_dtype,
         num_blocks: a.num_blocks,
         ..GenerateOptions::default()

@@ -6,6 +6,8 @@
 //! - `PAGEDATTN_KERNEL`: `tiled`, `lanes` or `serial`: the decode kernel,
 //!   over the tuner's pick.
 //! - `PAGEDATTN_TUNE_CACHE`: a file the tuner keeps its picks in across runs.
+//! - `PAGEDATTN_MODEL`: the model file of `generate`, `serve`, `loadgen`
+//!   and `bench --only model`.
 
 use pagedattn::gpu::{parse_backends, AttentionConfig, Gpu, GpuError, Kernel, Tuner};
 use std::env::VarError;
@@ -23,6 +25,15 @@ fn backends_from(var: Result<String, VarError>) -> Result<wgpu::Backends, GpuErr
         Err(VarError::NotUnicode(v)) => {
             Err(GpuError::UnknownBackend(v.to_string_lossy().into_owned()))
         }
+    }
+}
+
+/// The model file: `PAGEDATTN_MODEL` if set and not empty, else the one
+/// default (`<repo>/models/...`, where `scripts/fetch-model.sh` puts it).
+pub fn model_path() -> std::path::PathBuf {
+    match std::env::var_os("PAGEDATTN_MODEL") {
+        Some(p) if !p.is_empty() => std::path::PathBuf::from(p),
+        _ => pagedattn_model::config::default_model_path(),
     }
 }
 

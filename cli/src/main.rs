@@ -22,8 +22,9 @@ type Res = Result<(), Box<dyn Error>>;
 
 fn run_bench(out: &mut dyn Write, cfg: &pagedattn_cli::bench::BenchConfig, json: bool) -> Res {
     let model = if cfg.runs("model") {
-        let path = pagedattn_cli::model::generate::default_model_path();
-        let b = pagedattn_cli::model::bench::run(&path, cfg.quick)?;
+        let path = pagedattn_cli::env::model_path();
+        let backends = pagedattn_cli::env::backends()?;
+        let b = pagedattn_cli::model::bench::run(&path, cfg.quick, backends)?;
         if !json {
             write!(out, "{}", pagedattn_cli::model::bench::render(&b))?;
         }

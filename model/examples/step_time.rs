@@ -7,8 +7,9 @@
 use std::time::Instant;
 
 use pagedattn::blocks::{BlockManager, BlockManagerConfig};
+use pagedattn_model::config::default_model_path;
 use pagedattn_model::engine::{EngineConfig, MatmulStaging, Model, StepInput};
-use pagedattn_model::generate::{default_model_path, open_device};
+use pagedattn_model::generate::open_device;
 
 fn env(k: &str, d: usize) -> usize {
     std::env::var(k)
@@ -20,7 +21,7 @@ fn env(k: &str, d: usize) -> usize {
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (p, b, n) = (env("STEP_P", 64), env("STEP_B", 8), env("STEP_N", 3));
     let l = pagedattn_model::load::load(&default_model_path())?;
-    let (device, queue, adapter) = open_device()?;
+    let (device, queue, adapter) = open_device(wgpu::Backends::all())?;
     let cfg = EngineConfig {
         num_blocks: 128,
         max_rows: p.max(b),

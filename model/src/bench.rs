@@ -58,9 +58,13 @@ fn prompt(tok: &crate::tokenizer::Tokenizer, i: usize) -> Vec<u32> {
 }
 
 /// Runs the section; `quick` measures fewer steps.
-pub fn run(model_path: &std::path::Path, quick: bool) -> Result<ModelBench, ModelError> {
+pub fn run(
+    model_path: &std::path::Path,
+    quick: bool,
+    backends: wgpu::Backends,
+) -> Result<ModelBench, ModelError> {
     let l = load(model_path)?;
-    let (device, queue, adapter) = open_device()?;
+    let (device, queue, adapter) = open_device(backends)?;
     let cfg = EngineConfig {
         num_blocks: 512,
         kv_dtype: KvDtype::F16,

@@ -377,16 +377,22 @@ pub struct ModelMissing {
     pub path: PathBuf,
 }
 
-/// Where the model is: `$PAGEDATTN_MODEL` if set, else
-/// `<repo>/models/SmolLM2-135M-Instruct.Q4_1.gguf`; an error when no file
-/// is there.
+/// The one default model path: `<repo>/models/SmolLM2-135M-Instruct.Q4_1.gguf`,
+/// where `scripts/fetch-model.sh` puts it (the repository this crate was
+/// built in). The crate reads no environment for it: callers pass a path.
+pub fn default_model_path() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join("models")
+        .join(MODEL_FILE)
+}
+
+/// For tests: where the model is, `$PAGEDATTN_MODEL` if set, else
+/// [`default_model_path`]; an error when no file is there.
 pub fn model_path() -> Result<PathBuf, ModelMissing> {
     let path = match std::env::var_os("PAGEDATTN_MODEL") {
         Some(p) if !p.is_empty() => PathBuf::from(p),
-        _ => PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("..")
-            .join("models")
-            .join(MODEL_FILE),
+        _ => default_model_path(),
     };
     if path.is_file() {
         Ok(path)

@@ -14,8 +14,8 @@ use std::collections::HashMap;
 
 use pagedattn::blocks::BatchView;
 use pagedattn::gpu::{
-    AttentionPlan, AttnOptions, DecodeTables, Gpu, Kernel, KvCache, KvCacheConfig, KvDtype,
-    PagedAttention, PrefillTables, WritePlan,
+    ActDtype, AttentionPlan, AttnOptions, DecodeTables, Gpu, Kernel, KvCache, KvCacheConfig,
+    KvDtype, PagedAttention, PrefillTables, WritePlan,
 };
 use wgpu::{
     BindGroup, BindGroupLayout, Buffer, BufferUsages as U, ComputePipeline, PipelineLayout,
@@ -638,7 +638,7 @@ fn attention(
         Some(k) => PagedAttention::with_kernel(gpu, &cache, s.heads as u32, k)?,
         None => PagedAttention::new(gpu, &cache, s.heads as u32)?,
     };
-    attn.warm_up(gpu)?;
+    attn.warm_up(gpu, &[ActDtype::F32])?;
     let qkv_row = fused_qkv(s)[2] as u32;
     let (mut wplan, mut aplan) = (cache.plan(), attn.plan());
     wplan.set_kv_stride(Some(qkv_row));

@@ -37,6 +37,8 @@ pub struct GenerateOptions {
     pub max_seqs: usize,
     /// Stream the first sequence of the first prompt as it is generated.
     pub stream: bool,
+    /// The backends the device may be opened on.
+    pub backends: wgpu::Backends,
 }
 
 impl Default for GenerateOptions {
@@ -49,7 +51,8 @@ impl Default for GenerateOptions {
             samples: 1,
             beams: 0,
             params: SamplingParams::default(),
-            model: default_model_path(),
+            model: crate::config::default_model_path(),
+            backends: wgpu::Backends::all(),
             kv_dtype: KvDtype::F16,
             num_blocks: 512,
             max_batch_tokens: 256,
@@ -59,30 +62,14 @@ impl Default for GenerateOptions {
     }
 }
 
-/// `$PAGEDATTN_MODEL`, else `models/SmolLM2-135M-Instruct.Q4_1.gguf` under
-/// the current directory (where `scripts/fetch-model.sh` puts it).
-pub fn default_model_path() -> PathBuf {
-    match std::env::var_os("PAGEDATTN_MODEL") {
-        Some(p) if !p.is_empty() => PathBuf::from(p),
-        _ => PathBuf::from("models").join(crate::config::MODEL_FILE),
-    }
-}
-
-/// The engine's device on the default adapter of the backends
-/// `PAGEDATTN_BACKEND` allows.
-pub fn open_device() -> Result<(wgpu::Device, wgpu::Queue, String), ModelError> {
+/// The engine's device on the default adapter of the backends `allowed`
+/// (the caller's choice: the CLI reads `PAGEDATTN_BACKEND`).
+pub fn open_device(
+    allowed: wgpu::Backends,
+) -> Result<(wgpu::Device, wgpu::Queue, String), ModelError> {
     // The library's order: the platform's own API first, GL last.
     let mut last = String::new();
     let mut found = None;
-    let allowed = match std::env::var("PAGEDATTN_BACKEND") {
-        Ok(name) => pagedattn::gpu::parse_backends(&name).map_err(ModelError::Gpu)?,
-        Err(std::env::VarError::NotPresent) => wgpu::Backends::all(),
-        Err(std::env::VarError::NotUnicode(v)) => {
-            return Err(ModelError::Gpu(pagedattn::gpu::GpuError::UnknownBackend(
-                v.to_string_lossy().into_owned(),
-            )))
-        }
-    };
     for backends in pagedattn::gpu::adapter_backends(allowed) {
         let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
         desc.backends = backends;
@@ -195,7 +182,7 @@ pub fn run(o: &GenerateOptions, out: &mut dyn Write) -> Result<Report, ModelErro
         weights, tokenizer, ..
     } = load(&o.model)?;
     let requests = requests(o, &tokenizer)?;
-    let (device, queue, adapter) = open_device()?;
+    let (device, queue, adapter) = open_device(o.backends)?;
     let ecfg = EngineConfig {
         num_blocks: o.num_blocks,
         block_size: 16,

@@ -8,6 +8,7 @@
 //! 128 terms per dot against f64; measured values are printed).
 
 use pagedattn::blocks::{BlockManager, BlockManagerConfig};
+use pagedattn::reference::rel_l2;
 use pagedattn::rng::SplitMix64;
 use pagedattn_model::engine::{
     rope_table, EngineConfig, HostLayer, HostMatrix, HostWeights, MatmulStaging, Model, Shape,
@@ -20,7 +21,14 @@ const TOL: f64 = 1e-4;
 /// The default adapter's device; `None` (skip) without one unless
 /// `PAGEDATTN_REQUIRE_GPU=1`.
 fn device() -> Option<(wgpu::Device, wgpu::Queue, String)> {
-    match open_device() {
+    // The tests read PAGEDATTN_BACKEND; the model crate does not.
+    let backends = match std::env::var("PAGEDATTN_BACKEND") {
+        Ok(name) => {
+            pagedattn::gpu::parse_backends(&name).expect("PAGEDATTN_BACKEND names a backend")
+        }
+        Err(_) => wgpu::Backends::all(),
+    };
+    match open_device(backends) {
         Ok(d) => Some(d),
         Err(e) if std::env::var("PAGEDATTN_REQUIRE_GPU").is_ok_and(|v| v == "1") => panic!("{e}"),
         Err(e) => {
@@ -201,18 +209,6 @@ fn host_logits(w: &HostWeights, tokens: &[u32]) -> Vec<Vec<f64>> {
         out.push(matvec(w.output.as_ref().unwrap_or(&w.embed), &xn));
     }
     out
-}
-
-fn rel_l2(got: &[f32], want: &[f64]) -> f64 {
-    let (mut num, mut den) = (0.0, 0.0);
-    for (&g, &w) in got.iter().zip(want) {
-        if !g.is_finite() {
-            return f64::INFINITY;
-        }
-        num += (g as f64 - w).powi(2);
-        den += w * w;
-    }
-    (num / den.max(1e-300)).sqrt()
 }
 
 /// The tokens each sequence appends before steps 1, 2 and 3: rows of 2, 1

@@ -15,6 +15,8 @@ use crate::ServeError;
 pub struct ServeConfig {
     /// The GGUF file.
     pub model: PathBuf,
+    /// The backends the device may be opened on.
+    pub backends: wgpu::Backends,
     /// The name clients pass as `model` (default: the file's stem).
     pub served_model_name: Option<String>,
     pub host: IpAddr,
@@ -54,7 +56,8 @@ pub struct ServeConfig {
 impl Default for ServeConfig {
     fn default() -> Self {
         Self {
-            model: pagedattn_model::generate::default_model_path(),
+            model: pagedattn_model::config::default_model_path(),
+            backends: wgpu::Backends::all(),
             served_model_name: None,
             host: IpAddr::from([127, 0, 0, 1]),
             port: 8000,

@@ -167,7 +167,7 @@ fn start(shared: &Shared) -> Result<Server, ModelError> {
     let Loaded {
         weights, tokenizer, ..
     } = load(&cfg.model)?;
-    let (device, queue, adapter) = open_device()?;
+    let (device, queue, adapter) = open_device(cfg.backends)?;
     let ecfg = EngineConfig {
         num_blocks: cfg.num_blocks,
         block_size: 16,

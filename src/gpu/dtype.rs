@@ -91,6 +91,7 @@ impl KvDtype {
 /// Element type of the activations an engine hands over (Q, new K/V) and
 /// receives (attention output).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum ActDtype {
     /// 32-bit floats.
     #[default]

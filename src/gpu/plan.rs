@@ -500,12 +500,19 @@ impl PagedAttention {
         Ok([main, split, reduce])
     }
 
-    /// Compiles every pipeline this kernel can use now (prefill's included),
-    /// so that no step pays for a compile.
-    pub fn warm_up(&self, gpu: &Gpu) -> Result<(), GpuError> {
+    /// Compiles every pipeline a step of this kernel can need for each of
+    /// `acts` (the activation dtypes the engine's plans use): decode,
+    /// split-K and its reduction, and prefill, so that no step pays for a
+    /// compile.
+    pub fn warm_up(&self, gpu: &Gpu, acts: &[ActDtype]) -> Result<(), GpuError> {
         let _serial = gpu.serial();
         self.decode_pipeline(gpu)?;
-        self.prefill_pipeline(gpu).map(|_| ())
+        self.prefill_pipeline(gpu)?;
+        for &act in acts {
+            self.pipes_for(gpu, act, false)?;
+            self.pipes_for(gpu, act, true)?;
+        }
+        Ok(())
     }
 
     /// Plans a decode step: validates the tables against this kernel's pool
@@ -1300,6 +1307,35 @@ impl KvCache {
         }
     }
 
+    /// Compiles the K/V write pipeline for each of `acts` now (f32's is
+    /// made with the cache), so that no step pays for a compile.
+    pub fn warm_up(&self, gpu: &Gpu, acts: &[ActDtype]) -> Result<(), GpuError> {
+        let _serial = gpu.serial();
+        for &act in acts {
+            self.write_pipeline(gpu, act)?;
+        }
+        Ok(())
+    }
+
+    /// The K/V write pipeline of `act` activations.
+    fn write_pipeline(&self, gpu: &Gpu, act: ActDtype) -> Result<wgpu::ComputePipeline, GpuError> {
+        Ok(match act {
+            ActDtype::F32 => self.write_kv.clone(),
+            ActDtype::F16 | ActDtype::Bf16 => pipeline(
+                gpu,
+                super::kv_cache::write_kv_kernel(self.cfg.dtype),
+                &ShaderShape {
+                    head_dim: self.cfg.head_dim,
+                    block_size: self.cfg.block_size,
+                    dtype: self.cfg.dtype,
+                    q_f16: true,
+                    act_bf16: act == ActDtype::Bf16,
+                    ..ShaderShape::default()
+                },
+            )?,
+        })
+    }
+
     /// Plans a step's writes and copies: `slots` of the new tokens (from the
     /// batch view) and the copy-on-write pairs, checked against the pool and
     /// uploaded into buffers the plan reuses.
@@ -1331,22 +1367,7 @@ impl KvCache {
         plan.planned = false;
         gpu.alive()?;
         self.check_write(plan, slots, copies)?;
-        let write_pipe = match plan.act {
-            ActDtype::F32 => self.write_kv.clone(),
-            act @ (ActDtype::F16 | ActDtype::Bf16) => pipeline(
-                gpu,
-                super::kv_cache::write_kv_kernel(self.cfg.dtype),
-                &ShaderShape {
-                    head_dim: self.cfg.head_dim,
-                    block_size: self.cfg.block_size,
-                    dtype: self.cfg.dtype,
-                    q_f16: true,
-                    act_bf16: act == ActDtype::Bf16,
-                    ..ShaderShape::default()
-                },
-            )?,
-        };
-        plan.write_pipe = Some(write_pipe);
+        plan.write_pipe = Some(self.write_pipeline(gpu, plan.act)?);
         if plan
             .slots
             .ensure(gpu, "plan slots", slots.len() as u64 * 4)?

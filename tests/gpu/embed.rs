@@ -13,8 +13,8 @@ use std::sync::{Arc, Mutex};
 use common::*;
 use pagedattn::blocks::{BatchView, BlockManager, BlockManagerConfig, SeqId};
 use pagedattn::gpu::{
-    AttnOptions, DecodeTables, Gpu, GpuError, KvCache, KvCacheConfig, KvDtype, PagedAttention,
-    PlanMismatch, PrefillTables,
+    ActDtype, AttnOptions, DecodeTables, Gpu, GpuError, KvCache, KvCacheConfig, KvDtype,
+    PagedAttention, PlanMismatch, PrefillTables,
 };
 use pagedattn::reference::{self, rel_l2, AttnParams};
 use pagedattn::rng::SplitMix64;
@@ -255,7 +255,7 @@ fn steady_state_steps_create_nothing() {
     let cfg = KvCacheConfig::new(NB, BS, KVH, HD).with_layers(LAYERS);
     let cache = KvCache::new(gpu, cfg).unwrap();
     let attn = PagedAttention::new(gpu, &cache, HEADS).unwrap();
-    attn.warm_up(gpu).unwrap();
+    attn.warm_up(gpu, &[ActDtype::F32]).unwrap();
     let variants = [
         AttnOptions::default(),
         AttnOptions {
@@ -655,7 +655,6 @@ fn f16_activations_in_and_out() {
     let s = seed("f16 activations");
     let mut rng = SplitMix64::new(s);
     let gpu = &e.gpu;
-    use pagedattn::gpu::ActDtype;
     for (act, dtype) in [
         (ActDtype::F16, KvDtype::F32),
         (ActDtype::F16, KvDtype::F16),
@@ -1207,4 +1206,62 @@ fn plan_run_soak_of_random_tables_bindings_and_caches() {
     }
     eprintln!("plan/run soak: {reached:?} (valid, corrupt tables, refused runs, checked runs, bad bindings, refused and accepted write plans, foreign plans)");
     assert!(reached.iter().all(|&n| n > 0), "{reached:?}");
+}
+
+/// `warm_up` compiles every pipeline a step can need for the activation
+/// dtypes it is given: after it, planning writes, decode (split-K
+/// included) and prefill with f16 and bf16 activations compiles nothing.
+/// On a device of its own, so no other test's compiles count; the shape
+/// (5 KV heads of 24) is this test's alone, so nothing was cached before.
+#[test]
+fn warm_up_compiles_what_16_bit_steps_need() {
+    let Some(gpu) = crate::common::gpu() else {
+        return;
+    };
+    let cfg = KvCacheConfig::new(16, 8, 5, 24).with_layers(1);
+    let cache = KvCache::new(&gpu, cfg).unwrap();
+    let attn = PagedAttention::new(&gpu, &cache, 10).unwrap();
+    let acts = [ActDtype::F16, ActDtype::Bf16];
+    attn.warm_up(&gpu, &acts).unwrap();
+    cache.warm_up(&gpu, &acts).unwrap();
+    let before = gpu.counters().pipelines;
+    let (mut wplan, mut aplan) = (cache.plan(), attn.plan());
+    // Two sequences of 20 and 9 tokens, the newest 3 and 1 written now
+    // (split-K at 64 tokens: one partition, but the split pipelines).
+    let (indptr, indices, lens) = (vec![0u32, 3, 5], vec![0u32, 1, 2, 3, 4], vec![20u32, 9]);
+    let qo = vec![0u32, 3, 4];
+    let slots: Vec<u32> = vec![17, 18, 19, 32];
+    for act in acts {
+        wplan.set_activations(act);
+        aplan.set_activations(act);
+        cache.plan_write(&gpu, &mut wplan, &slots, &[]).unwrap();
+        for split in [
+            pagedattn::gpu::Split::Never,
+            pagedattn::gpu::Split::Tokens(64),
+        ] {
+            let o = AttnOptions {
+                split,
+                ..Default::default()
+            };
+            let t = DecodeTables {
+                kv_indptr: &indptr,
+                kv_indices: &indices,
+                seq_lens: &lens,
+            };
+            attn.plan_decode(&gpu, &mut aplan, &t, &[o]).unwrap();
+        }
+        let t = PrefillTables {
+            qo_indptr: &qo,
+            kv_indptr: &indptr,
+            kv_indices: &indices,
+            seq_lens: &lens,
+        };
+        attn.plan_prefill(&gpu, &mut aplan, &t, &[AttnOptions::default()])
+            .unwrap();
+    }
+    assert_eq!(
+        gpu.counters().pipelines,
+        before,
+        "a 16-bit step compiled a pipeline warm_up did not"
+    );
 }

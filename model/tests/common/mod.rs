@@ -83,12 +83,24 @@ pub const POOL_BLOCKS: u32 = 160;
 pub const MAX_ROWS: usize = 256;
 pub const MAX_SEQS: usize = 16;
 
+/// The backends `PAGEDATTN_BACKEND` names (all when unset): the tests read
+/// the environment, the model crate does not.
+pub fn backends() -> wgpu::Backends {
+    match std::env::var("PAGEDATTN_BACKEND") {
+        Ok(name) => {
+            pagedattn::gpu::parse_backends(&name).expect("PAGEDATTN_BACKEND names a backend")
+        }
+        Err(_) => wgpu::Backends::all(),
+    }
+}
+
 /// The GPU model shared by a test binary's tests (f32 pool, default kernel).
 pub fn model(test: &str) -> Option<MutexGuard<'static, Option<Model>>> {
     static M: OnceLock<Mutex<Option<Model>>> = OnceLock::new();
     let l = loaded(test)?;
     let m = M.get_or_init(|| {
-        let (device, queue, _) = open_device().expect("an adapter (PAGEDATTN_REQUIRE_GPU)");
+        let (device, queue, _) =
+            open_device(backends()).expect("an adapter (PAGEDATTN_REQUIRE_GPU)");
         let cfg = EngineConfig {
             num_blocks: POOL_BLOCKS,
             max_rows: MAX_ROWS,
