@@ -9,7 +9,7 @@ use pagedattn_model::serve::{Decoding, Request};
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::chat;
+use crate::chat::{self, Message};
 use crate::engine::ModelInfo;
 use crate::ApiError;
 
@@ -71,14 +71,6 @@ struct Body {
 #[serde(default)]
 struct StreamOptions {
     include_usage: Option<bool>,
-}
-
-/// One chat message.
-#[derive(Deserialize, Debug)]
-pub struct Message {
-    pub role: String,
-    #[serde(default)]
-    pub content: Value,
 }
 
 /// A checked request: the engine requests (one per prompt) and how to

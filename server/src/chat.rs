@@ -3,16 +3,23 @@
 //! has no template.
 
 use minijinja::{context, Environment};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::api::Message;
 use crate::ApiError;
 use pagedattn_model::tokenizer::{Tokenizer, IM_END, IM_START};
 
 /// The roles a conversation may hold (OpenAI's `developer` is a system
 /// message to this model).
 const ROLES: [&str; 4] = ["system", "developer", "user", "assistant"];
+
+/// One chat message.
+#[derive(Deserialize, Debug)]
+pub struct Message {
+    pub role: String,
+    #[serde(default)]
+    pub content: Value,
+}
 
 #[derive(Serialize)]
 struct Turn {

@@ -18,8 +18,8 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use crate::api::{self, Plan, Route};
+use crate::app::{admit, App};
 use crate::engine::{Command, Event, Job, ModelInfo, TokenEvent};
-use crate::routes::{admit, App};
 use crate::text::ChoiceText;
 use crate::ApiError;
 

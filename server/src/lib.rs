@@ -17,6 +17,7 @@
 //! the server serves on.
 
 mod api;
+mod app;
 mod chat;
 pub mod config;
 mod engine;
@@ -55,7 +56,7 @@ pub async fn serve(
     let (commands, rx) = mpsc::unbounded_channel();
     let (loaded_tx, loaded_rx) = oneshot::channel();
     let engine = engine::spawn(shared.clone(), rx, loaded_tx)?;
-    let app = Arc::new(routes::App {
+    let app = Arc::new(app::App {
         shared: shared.clone(),
         commands,
     });

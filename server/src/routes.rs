@@ -2,7 +2,6 @@
 //! check, hand jobs to the engine thread and shape its events as OpenAI
 //! responses; they never block on the engine.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use axum::body::Bytes;
@@ -13,17 +12,10 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Value};
-use tokio::sync::mpsc;
 
 use crate::api::Route;
-use crate::engine::{Command, Shared};
+use crate::app::App;
 use crate::{generate, ApiError};
-
-/// What every handler holds.
-pub struct App {
-    pub shared: Arc<Shared>,
-    pub commands: mpsc::UnboundedSender<Command>,
-}
 
 /// The server's routes.
 pub fn router(app: Arc<App>) -> Router {
@@ -163,7 +155,7 @@ async fn tokenize(
         let text = match (v.get("prompt"), v.get("messages")) {
             (Some(Value::String(p)), None) => p.clone(),
             (None, Some(m)) => {
-                let msgs: Vec<crate::api::Message> = serde_json::from_value(m.clone())
+                let msgs: Vec<crate::chat::Message> = serde_json::from_value(m.clone())
                     .map_err(|e| ApiError::param("messages", format!("messages: {e}")))?;
                 crate::chat::render(&info.tokenizer, &msgs)?
             }
@@ -230,17 +222,4 @@ async fn unknown_route(uri: axum::http::Uri) -> Response {
         retry_after: None,
     }
     .into_response()
-}
-
-/// Counts `k` requests in, or refuses them with 429 when the server holds
-/// its limit already.
-pub fn admit(app: &App, k: usize) -> Result<(), ApiError> {
-    let cfg = &app.shared.cfg;
-    let limit = cfg.max_seqs + cfg.max_queue;
-    let before = app.shared.in_flight.fetch_add(k, Ordering::SeqCst);
-    if before + k > limit {
-        app.shared.in_flight.fetch_sub(k, Ordering::SeqCst);
-        return Err(ApiError::queue_full(before, limit));
-    }
-    Ok(())
 }
