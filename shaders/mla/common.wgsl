@@ -21,6 +21,11 @@ struct MlaParams {
     scale: f32,
     // write: rows to write; copy: (src, dst) pairs.
     count: u32,
+    // ACT4s from one query row (decode) or new row (write) to the next.
+    stride: u32,
+    _pad0: u32,
+    _pad1: u32,
+    _pad2: u32,
 }
 
 const NEG: f32 = -0x1.fffffep+127f;

@@ -16,17 +16,18 @@
 // through workgroup memory; the online softmax rescales once per tile.
 
 @group(0) @binding(0) var<uniform> params: MlaParams;
-// [query row][head][R4], f32.
-@group(0) @binding(1) var<storage, read> q: array<vec4<f32>>;
+// [query row][head][R4] in the activation type, rows `stride` ACT4s apart.
+@group(0) @binding(1) var<storage, read> q: array<ACT4>;
 // Per query row: (sequence, visible tokens).
 @group(0) @binding(2) var<storage, read> queries: array<vec2<u32>>;
 // [sequence][table_stride] block ids.
 @group(0) @binding(3) var<storage, read> tables: array<u32>;
 // One layer of the latent pool.
 @group(0) @binding(4) var<storage, read> pool: array<KV4>;
-// parts == 1: [query row][head][V4], normalised. Else the partials,
-// [query row][head][part][V4], not normalised.
-@group(0) @binding(5) var<storage, read_write> out: array<vec4<f32>>;
+// parts == 1: [query row][head][V4], normalised, in the output type. Else
+// the partials, [query row][head][part][V4], not normalised (this kernel
+// is then composed with f32 outputs).
+@group(0) @binding(5) var<storage, read_write> out: array<OUT4>;
 // [query row][head][part]: (running max, running sum) when split.
 @group(0) @binding(6) var<storage, read_write> ml: array<vec2<f32>>;
 
@@ -70,11 +71,11 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     let t_end = min(t_begin + p.part_tokens, visible);
 
     var qr = array<vec4<f32>, QN>();
-    let qbase = (qi * p.num_heads + head) * R4;
+    let qbase = qi * p.stride + head * R4;
     for (var j = 0u; j < QN; j++) {
         let c = lane + j * LANES;
         if live && c < R4 && qbase + c < arrayLength(&q) {
-            qr[j] = q[qbase + c] * p.scale;
+            qr[j] = act_load(q[qbase + c]) * p.scale;
         }
     }
     var acc = array<vec4<f32>, AN>();
@@ -152,7 +153,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         for (var j = 0u; j < AN; j++) {
             let c = lane + j * LANES;
             if c < V4 && o * V4 + c < arrayLength(&out) {
-                out[o * V4 + c] = acc[j] * inv;
+                out[o * V4 + c] = out_store(acc[j] * inv);
             }
         }
     } else {
@@ -160,7 +161,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         for (var j = 0u; j < AN; j++) {
             let c = lane + j * LANES;
             if c < V4 && slot * V4 + c < arrayLength(&out) {
-                out[slot * V4 + c] = acc[j];
+                out[slot * V4 + c] = out_store(acc[j]);
             }
         }
         if lane == 0u && slot < arrayLength(&ml) {

@@ -8,8 +8,8 @@
 @group(0) @binding(1) var<storage, read> part_acc: array<vec4<f32>>;
 // [query row][head][part]
 @group(0) @binding(2) var<storage, read> part_ml: array<vec2<f32>>;
-// [query row][head][V4]
-@group(0) @binding(3) var<storage, read_write> out: array<vec4<f32>>;
+// [query row][head][V4], in the output type.
+@group(0) @binding(3) var<storage, read_write> out: array<OUT4>;
 
 @compute @workgroup_size(64)
 fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
@@ -35,6 +35,6 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_id) wg
         }
     }
     if o * V4 + c < arrayLength(&out) {
-        out[o * V4 + c] = select(vec4<f32>(0.0), a / l, l > 0.0);
+        out[o * V4 + c] = out_store(select(vec4<f32>(0.0), a / l, l > 0.0));
     }
 }

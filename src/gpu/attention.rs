@@ -914,7 +914,7 @@ impl PagedAttention {
 
     /// Checks host-side CSR tables against the pool and the batch
     /// ([`check_csr_tables`] with this kernel's pool).
-    pub fn check_tables(
+    pub(crate) fn check_tables(
         &self,
         kv_indptr: &[u32],
         kv_indices: &[u32],

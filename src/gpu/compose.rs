@@ -11,7 +11,7 @@
 //! generated code, its pool view) comes from its module, through
 //! `kernels::source`.
 
-use super::dtype::KvDtype;
+use super::dtype::{ActDtype, KvDtype};
 
 /// The common structs and helpers.
 pub const COMMON: &str = include_str!("../../shaders/common.wgsl");
@@ -119,6 +119,12 @@ pub struct MlaShape {
     pub hg: u32,
     /// Latent rows per tile (a power of two).
     pub tile_rows: u32,
+    /// What the kernel reads from the engine: queries (decode), new rows
+    /// (write).
+    pub act: ActDtype,
+    /// What the kernel writes for the engine: the output (decode unsplit,
+    /// merge); split-K partials are f32 (`out` F32 in that decode).
+    pub out: ActDtype,
 }
 
 /// What a compiled pipeline is cached by, besides its kernel's name: the

@@ -287,7 +287,7 @@ impl Gpu {
     /// The device's compute units (NVIDIA SMs, AMD CUs), which wgpu does
     /// not report: from the Vulkan driver where it says
     /// (`VK_NV_shader_sm_builtins`, `VK_AMD_shader_core_properties`), else
-    /// from [`KNOWN_ADAPTERS`](super::KNOWN_ADAPTERS) by name; `None` for
+    /// from the table of known adapters (`units.rs`) by name; `None` for
     /// software adapters and the unknown. `Split::Auto` fills the device
     /// from this count where it has one.
     pub fn compute_units(&self) -> Option<super::units::ComputeUnits> {

@@ -114,4 +114,13 @@ impl ActDtype {
             ActDtype::F16 | ActDtype::Bf16 => 2,
         }
     }
+
+    /// The lowercase name (`f32`, `f16`, `bf16`).
+    pub fn name(self) -> &'static str {
+        match self {
+            ActDtype::F32 => "f32",
+            ActDtype::F16 => "f16",
+            ActDtype::Bf16 => "bf16",
+        }
+    }
 }

@@ -301,7 +301,7 @@ pub enum PoolError {
         /// Its KV head.
         head: u32,
     },
-    /// A swap space over [`MAX_SWAP_BYTES`](super::MAX_SWAP_BYTES) or this
+    /// A swap space over 16 GiB (`MAX_SWAP_BYTES`) or this
     /// platform's memory.
     #[error("swap space of {blocks} blocks of {block_bytes} bytes is over the {limit}-byte limit")]
     SwapTooLarge {
@@ -387,7 +387,7 @@ pub enum TransferError {
         /// Bytes the transfer takes.
         want: u64,
     },
-    /// A transfer over [`MAX_SWAP_BYTES`](super::MAX_SWAP_BYTES).
+    /// A transfer over 16 GiB (`MAX_SWAP_BYTES`).
     #[error("a transfer of {bytes} bytes is over the limit of {limit}")]
     TooLarge {
         /// Bytes it would take.
@@ -546,6 +546,9 @@ pub enum MlaError {
     /// another pool or attention object.
     #[error("{0}")]
     Mismatch(&'static str),
+    /// An attention option the MLA kernels do not take.
+    #[error("MLA's kernels take no {0}: of the attention options, only scale and split")]
+    Option(&'static str),
 }
 
 impl From<MlaError> for GpuError {

@@ -53,8 +53,8 @@ pub use attention::{
     MAX_SEQ_LEN,
 };
 pub use cascade::{
-    find_segments, Cascade, CascadeTables, CASCADE_AUTO, CASCADE_CHUNK_TOKENS,
-    CASCADE_MIN_SAVED_BYTES, SERIAL_CASCADE_AUTO,
+    find_segments, Cascade, CASCADE_AUTO, CASCADE_CHUNK_TOKENS, CASCADE_MIN_SAVED_BYTES,
+    SERIAL_CASCADE_AUTO,
 };
 pub use context::{adapter_backends, parse_backends, Counters, Gpu};
 pub use dtype::{ActDtype, KvDtype};
@@ -72,15 +72,14 @@ pub use kv_cache::{
 #[doc(hidden)]
 pub use mla::{mla_source, MlaShape, MLA_HEADS_PER_WORKGROUP, MLA_KERNELS, MLA_LANES};
 pub use mla::{
-    MlaAttention, MlaCache, MlaCacheConfig, MlaPlan, MLA_MAX_HEADS, MLA_MAX_LAYERS,
-    MLA_MAX_QUERIES, MLA_MAX_ROW,
+    MlaAttention, MlaCache, MlaCacheConfig, MLA_MAX_HEADS, MLA_MAX_LAYERS, MLA_MAX_QUERIES,
 };
 /// Kernel plumbing for the benchmark in the CLI crate (`stream_read`): not
 /// part of the API an engine should rely on.
 #[doc(hidden)]
 pub use pass::{bind as bind_buffers, dispatch as dispatch_pass, pipeline as kv_cache_pipeline};
-pub use plan::{check_copies, AttentionPlan, DecodeTables, PrefillTables, WritePlan};
-pub use swap::{SwapSpace, MAX_SWAP_BYTES};
+pub use plan::{check_copies, AttentionPlan, DecodeTables, MlaPlan, PrefillTables, WritePlan};
+pub use swap::SwapSpace;
 pub use transfer::{check_import_payload, KvLayout, KV_LAYOUT_BYTES, KV_LAYOUT_VERSION};
 pub use tune::{TuneReport, Tuner};
-pub use units::{ComputeUnits, UnitsSource, KNOWN_ADAPTERS};
+pub use units::ComputeUnits;

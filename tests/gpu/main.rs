@@ -24,6 +24,7 @@ mod gpu_decode;
 mod gpu_pipeline;
 mod gpu_prefill;
 mod mla;
+mod mla_engine;
 mod model_shapes;
 mod quantized;
 mod remote_prefix;

@@ -8,8 +8,8 @@
 use crate::common::{self, gpu};
 use pagedattn::blocks::{BlockManager, BlockManagerConfig};
 use pagedattn::gpu::{
-    BindingError, Gpu, GpuError, KvDtype, MlaAttention, MlaCache, MlaCacheConfig, MlaError,
-    MlaShape, PoolError, Split,
+    AttnOptions, BatchError, BindingError, DecodeTables, Gpu, GpuError, KvDtype, MlaAttention,
+    MlaCache, MlaCacheConfig, MlaError, MlaPlan, MlaShape, PlanMismatch, PoolError, Split,
 };
 use pagedattn::reference::{mla::Weights, rel_l2};
 use pagedattn::rng::SplitMix64;
@@ -195,11 +195,38 @@ fn filled(
     }
 }
 
+/// A decode plan from per-sequence tables.
+fn plan_decode(
+    gpu: &Gpu,
+    attn: &MlaAttention,
+    tables: &[&[u32]],
+    lens: &[u32],
+    split: Split,
+) -> Result<MlaPlan, GpuError> {
+    let mut plan = attn.plan();
+    attn.plan_decode_slices(gpu, &mut plan, tables, lens, split)?;
+    Ok(plan)
+}
+
+/// A prefill plan from per-sequence tables, cached and new tokens.
+fn plan_prefill(
+    gpu: &Gpu,
+    attn: &MlaAttention,
+    tables: &[&[u32]],
+    starts: &[u32],
+    news: &[u32],
+    split: Split,
+) -> Result<MlaPlan, GpuError> {
+    let mut plan = attn.plan();
+    attn.plan_prefill_slices(gpu, &mut plan, tables, starts, news, split)?;
+    Ok(plan)
+}
+
 /// Runs `plan` with q and a NaN-poisoned output; the output.
 fn run_poisoned(
     gpu: &Gpu,
     attn: &MlaAttention,
-    plan: &pagedattn::gpu::MlaPlan,
+    plan: &mut MlaPlan,
     cache: &MlaCache,
     q: &[f32],
 ) -> Vec<f32> {
@@ -207,8 +234,17 @@ fn run_poisoned(
     let q_buf = gpu.storage_init("q", q).unwrap();
     let out = gpu.storage_init("out", &vec![f32::NAN; n]).unwrap();
     let mut enc = gpu.device.create_command_encoder(&Default::default());
-    attn.run(gpu, &mut enc, plan, cache, LAYER, &q_buf, &out)
-        .unwrap();
+    attn.run(
+        gpu,
+        &mut enc,
+        plan,
+        cache,
+        LAYER,
+        0,
+        &q_buf.as_entire_buffer_binding(),
+        &out.as_entire_buffer_binding(),
+    )
+    .unwrap();
     gpu.queue.submit([enc.finish()]);
     let got: Vec<f32> = gpu.read(&out, n as u64 * 4).unwrap();
     gpu.wait().unwrap();
@@ -301,17 +337,15 @@ pub fn decode_case(
     let mut rng = SplitMix64::new(seed);
     let f = filled(gpu, &mut rng, m, lens, block_size, dtype);
     let qs = queries(&mut rng, m, lens.len(), checked);
-    let attn = MlaAttention::new(gpu, f.cache.config(), m.heads as u32, m.scale()).unwrap();
+    let attn = MlaAttention::new(gpu, &f.cache, m.heads as u32, m.scale()).unwrap();
     let tables: Vec<&[u32]> = f
         .ids
         .iter()
         .map(|&id| f.manager.block_table(id).unwrap())
         .collect();
     let lens32: Vec<u32> = lens.iter().map(|&l| l as u32).collect();
-    let plan = attn
-        .plan_decode(gpu, &f.cache, &tables, &lens32, split)
-        .unwrap();
-    let got = run_poisoned(gpu, &attn, &plan, &f.cache, &qs.absorbed);
+    let mut plan = plan_decode(gpu, &attn, &tables, &lens32, split).unwrap();
+    let got = run_poisoned(gpu, &attn, &mut plan, &f.cache, &qs.absorbed);
     let (mut wa, mut wu) = (0.0f64, 0.0f64);
     let per = attn.out_row_elems() as usize;
     for (s, &len) in lens.iter().enumerate() {
@@ -324,8 +358,8 @@ pub fn decode_case(
         "{} {} lens {lens:?} block {block_size} {split:?}: {} partition(s) of {} tokens; absorbed {wa:.2e}, unabsorbed ({} heads) {wu:.2e}",
         m.name,
         dtype.name(),
-        plan.partitions(),
-        plan.partition_tokens(),
+        plan.partitions(0),
+        plan.partition_tokens(0),
         checked.len()
     );
 }
@@ -412,17 +446,15 @@ pub fn prefill_case(
     let f = filled(gpu, &mut rng, m, &lens, 64, dtype);
     let rows_n: usize = news.iter().map(|&n| n as usize).sum();
     let qs = queries(&mut rng, m, rows_n, checked);
-    let attn = MlaAttention::new(gpu, f.cache.config(), m.heads as u32, m.scale()).unwrap();
+    let attn = MlaAttention::new(gpu, &f.cache, m.heads as u32, m.scale()).unwrap();
     let tables: Vec<&[u32]> = f
         .ids
         .iter()
         .map(|&id| f.manager.block_table(id).unwrap())
         .collect();
-    let plan = attn
-        .plan_prefill(gpu, &f.cache, &tables, starts, news, split)
-        .unwrap();
+    let mut plan = plan_prefill(gpu, &attn, &tables, starts, news, split).unwrap();
     assert_eq!(plan.num_queries() as usize, rows_n);
-    let got = run_poisoned(gpu, &attn, &plan, &f.cache, &qs.absorbed);
+    let got = run_poisoned(gpu, &attn, &mut plan, &f.cache, &qs.absorbed);
     let per = attn.out_row_elems() as usize;
     let mut r = 0;
     let (mut wa, mut wu) = (0.0f64, 0.0f64);
@@ -443,7 +475,7 @@ pub fn prefill_case(
         "{} prefill {} starts {starts:?} new {news:?} {split:?}: {rows_n} rows, {} partition(s); absorbed {wa:.2e}, unabsorbed {wu:.2e}",
         m.name,
         dtype.name(),
-        plan.partitions()
+        plan.partitions(0)
     );
 }
 
@@ -484,7 +516,7 @@ fn samples_share_latent_blocks_through_copy_on_write() {
     let mut mgr = BlockManager::new(BlockManagerConfig::new(32, bs)).unwrap();
     mgr.scramble_free_list(rng.next_u64());
     let cache = MlaCache::new(&gpu, m.config(2, 32, bs, KvDtype::Bf16)).unwrap();
-    let attn = MlaAttention::new(&gpu, cache.config(), m.heads as u32, m.scale()).unwrap();
+    let attn = MlaAttention::new(&gpu, &cache, m.heads as u32, m.scale()).unwrap();
     // A 40-token prompt (its last block two-thirds full), then three
     // samples that each append their own 12 tokens.
     let prompt: Vec<u32> = (0..40).map(|_| rng.below(32000) as u32).collect();
@@ -577,9 +609,9 @@ fn both_sides_of_the_loop_limit() {
     let lens = [3000usize];
     let f = filled(&gpu, &mut rng, &m, &lens, 64, KvDtype::Bf16);
     let qs = queries(&mut rng, &m, 1, &[3]);
-    let attn = MlaAttention::new(&gpu, f.cache.config(), m.heads as u32, m.scale()).unwrap();
+    let attn = MlaAttention::new(&gpu, &f.cache, m.heads as u32, m.scale()).unwrap();
     let tables: Vec<&[u32]> = vec![f.manager.block_table(f.ids[0]).unwrap()];
-    let never = attn.plan_decode(&gpu, &f.cache, &tables, &[3000], Split::Never);
+    let never = plan_decode(&gpu, &attn, &tables, &[3000], Split::Never);
     if gpu.caps_loops() {
         let cap = match never {
             Err(GpuError::Mla(MlaError::PassTooLong { tokens, cap, .. })) => {
@@ -589,30 +621,26 @@ fn both_sides_of_the_loop_limit() {
             other => panic!("an unsplit 3000-token pass on llvmpipe: {:?}", other.err()),
         };
         // The longest pass allowed is answered right.
-        let plan = attn
-            .plan_decode(&gpu, &f.cache, &tables, &[3000], Split::Tokens(cap))
-            .unwrap();
-        let got = run_poisoned(&gpu, &attn, &plan, &f.cache, &qs.absorbed);
+        let mut plan = plan_decode(&gpu, &attn, &tables, &[3000], Split::Tokens(cap)).unwrap();
+        let got = run_poisoned(&gpu, &attn, &mut plan, &f.cache, &qs.absorbed);
         let rows: Vec<&[f32]> = f.rows[0].chunks(m.row()).collect();
         let (a, _) = check_row(&m, &qs, 0, &got, &rows);
         eprintln!("at the cap: partitions of {cap} tokens, absorbed {a:.2e}");
     } else {
         never.unwrap();
     }
-    let plan = attn
-        .plan_decode(&gpu, &f.cache, &tables, &[3000], Split::Auto)
-        .unwrap();
+    let mut plan = plan_decode(&gpu, &attn, &tables, &[3000], Split::Auto).unwrap();
     assert!(
-        plan.partitions() >= 2,
+        plan.partitions(0) >= 2,
         "Auto split a lone 3000-token query row"
     );
-    let got = run_poisoned(&gpu, &attn, &plan, &f.cache, &qs.absorbed);
+    let got = run_poisoned(&gpu, &attn, &mut plan, &f.cache, &qs.absorbed);
     let rows: Vec<&[f32]> = f.rows[0].chunks(m.row()).collect();
     let (a, u) = check_row(&m, &qs, 0, &got, &rows);
     eprintln!(
         "3000 tokens, {} partitions of {}: absorbed {a:.2e}, unabsorbed {u:.2e}",
-        plan.partitions(),
-        plan.partition_tokens()
+        plan.partitions(0),
+        plan.partition_tokens(0)
     );
 }
 
@@ -685,12 +713,10 @@ fn bad_input_is_refused_and_changes_nothing() {
     cache.write(&gpu, LAYER, &all, &rows).unwrap();
     let before = cache.read_rows(&gpu, LAYER, &all).unwrap();
     refuses_bad_writes(&gpu, &cache, &rows, row);
-    let attn = MlaAttention::new(&gpu, &cfg, m.heads as u32, 0.25).unwrap();
+    let attn = MlaAttention::new(&gpu, &cache, m.heads as u32, 0.25).unwrap();
     refuses_bad_plans(&gpu, &attn, &cache);
     let t: &[u32] = &[2, 5];
-    let good = attn
-        .plan_decode(&gpu, &cache, &[t], &[20], Split::Auto)
-        .unwrap();
+    let mut good = plan_decode(&gpu, &attn, &[t], &[20], Split::Auto).unwrap();
     let q = rng.signed_vec(attn.q_row_elems() as usize);
     assert!(matches!(
         mla(attn
@@ -702,40 +728,76 @@ fn bad_input_is_refused_and_changes_nothing() {
     let out = gpu.storage("out", attn.out_row_elems() * 4).unwrap();
     let short = gpu.storage("short", 16).unwrap();
     let mut enc = gpu.device.create_command_encoder(&Default::default());
+    let (q_b, out_b, short_b) = (
+        q_buf.as_entire_buffer_binding(),
+        out.as_entire_buffer_binding(),
+        short.as_entire_buffer_binding(),
+    );
     assert!(matches!(
-        attn.run(&gpu, &mut enc, &good, &cache, LAYER, &short, &out),
+        attn.run(&gpu, &mut enc, &mut good, &cache, LAYER, 0, &short_b, &out_b),
         Err(GpuError::Binding {
             which: "q",
             problem: BindingError::TooSmall { .. }
         })
     ));
     assert!(matches!(
-        attn.run(&gpu, &mut enc, &good, &cache, LAYER, &q_buf, &short),
+        attn.run(&gpu, &mut enc, &mut good, &cache, LAYER, 0, &q_b, &short_b),
         Err(GpuError::Binding {
             which: "out",
             problem: BindingError::TooSmall { .. }
         })
     ));
     assert!(matches!(
-        mla(attn.run(&gpu, &mut enc, &good, &cache, 7, &q_buf, &out)),
+        mla(attn.run(&gpu, &mut enc, &mut good, &cache, 7, 0, &q_b, &out_b)),
         MlaError::Layer { layer: 7, .. }
     ));
+    assert!(matches!(
+        attn.run(&gpu, &mut enc, &mut good, &cache, LAYER, 1, &q_b, &out_b),
+        Err(GpuError::Batch(BatchError::Variant { variant: 1, .. }))
+    ));
+    // The first run binds the plan to its pool and write step.
+    attn.run(&gpu, &mut enc, &mut good, &cache, LAYER, 0, &q_b, &out_b)
+        .unwrap();
     let other_cache = MlaCache::new(&gpu, cfg).unwrap();
     assert!(matches!(
-        mla(attn.run(&gpu, &mut enc, &good, &other_cache, LAYER, &q_buf, &out)),
+        mla(attn.run(
+            &gpu,
+            &mut enc,
+            &mut good,
+            &other_cache,
+            LAYER,
+            0,
+            &q_b,
+            &out_b
+        )),
         MlaError::Mismatch(_)
     ));
-    let other_attn = MlaAttention::new(&gpu, &cfg, m.heads as u32, 0.25).unwrap();
+    let other_attn = MlaAttention::new(&gpu, &cache, m.heads as u32, 0.25).unwrap();
     assert!(matches!(
-        mla(other_attn.run(&gpu, &mut enc, &good, &cache, LAYER, &q_buf, &out)),
+        mla(other_attn.run(&gpu, &mut enc, &mut good, &cache, LAYER, 0, &q_b, &out_b)),
         MlaError::Mismatch(_)
+    ));
+    // A write step planned since: the plan is stale.
+    let mut wplan = cache.plan();
+    cache.plan_write(&gpu, &mut wplan, &[], &[]).unwrap();
+    assert!(matches!(
+        attn.run(&gpu, &mut enc, &mut good, &cache, LAYER, 0, &q_b, &out_b),
+        Err(GpuError::Plan(PlanMismatch::Stale { .. }))
     ));
     cfg.dtype = KvDtype::Bf16;
     let bf16_cache = MlaCache::new(&gpu, cfg).unwrap();
+    let mut fresh = plan_decode(&gpu, &attn, &[t], &[20], Split::Auto).unwrap();
     assert!(matches!(
-        mla(attn
-            .plan_decode(&gpu, &bf16_cache, &[t], &[20], Split::Auto)
-            .map(|_| ())),
+        mla(attn.run(
+            &gpu,
+            &mut enc,
+            &mut fresh,
+            &bf16_cache,
+            LAYER,
+            0,
+            &q_b,
+            &out_b
+        )),
         MlaError::Mismatch(_)
     ));
     drop(enc);
@@ -847,20 +909,21 @@ fn refuses_bad_shapes(gpu: &Gpu, cfg: MlaCacheConfig) {
         .err(),
         Some(GpuError::Pool(PoolError::BlockSize(12)))
     ));
+    let cache = MlaCache::new(gpu, cfg).unwrap();
     assert!(matches!(
-        mla(MlaAttention::new(gpu, &cfg, 0, 0.1).map(|_| ())),
+        mla(MlaAttention::new(gpu, &cache, 0, 0.1).map(|_| ())),
         MlaError::Heads { heads: 0, .. }
     ));
     assert!(matches!(
-        mla(MlaAttention::new(gpu, &cfg, 300, 0.1).map(|_| ())),
+        mla(MlaAttention::new(gpu, &cache, 300, 0.1).map(|_| ())),
         MlaError::Heads { .. }
     ));
     assert!(matches!(
-        mla(MlaAttention::new(gpu, &cfg, 4, f32::NAN).map(|_| ())),
+        mla(MlaAttention::new(gpu, &cache, 4, f32::NAN).map(|_| ())),
         MlaError::Scale(_)
     ));
     assert!(matches!(
-        mla(MlaAttention::new(gpu, &cfg, 4, -1.0).map(|_| ())),
+        mla(MlaAttention::new(gpu, &cache, 4, -1.0).map(|_| ())),
         MlaError::Scale(_)
     ));
 }
@@ -914,17 +977,16 @@ fn refuses_bad_writes(gpu: &Gpu, cache: &MlaCache, rows: &[f32], row: usize) {
 /// Plans over tables, lengths and splits the cache cannot serve.
 fn refuses_bad_plans(gpu: &Gpu, attn: &MlaAttention, cache: &MlaCache) {
     let t: &[u32] = &[2, 5];
+    let _ = cache;
     let plan = |tables: &[&[u32]], lens: &[u32], split| {
-        attn.plan_decode(gpu, cache, tables, lens, split)
-            .map(|_| ())
+        plan_decode(gpu, attn, tables, lens, split).map(|_| ())
     };
     assert!(matches!(
-        mla(plan(&[&[2, 8]], &[20], Split::Auto)),
-        MlaError::Block {
-            what: "table",
+        plan(&[&[2, 8]], &[20], Split::Auto),
+        Err(GpuError::Batch(BatchError::BlockOutsidePool {
             block: 8,
             ..
-        }
+        }))
     ));
     assert!(matches!(
         mla(plan(&[t], &[0], Split::Auto)),
@@ -935,12 +997,12 @@ fn refuses_bad_plans(gpu: &Gpu, attn: &MlaAttention, cache: &MlaCache) {
         }
     ));
     assert!(matches!(
-        mla(plan(&[t], &[33], Split::Auto)),
-        MlaError::Visible {
-            visible: 33,
-            held: 32,
+        plan(&[t], &[33], Split::Auto),
+        Err(GpuError::Batch(BatchError::ShortTable {
+            tokens: 33,
+            blocks: 2,
             ..
-        }
+        }))
     ));
     assert!(matches!(
         mla(plan(&[t, t], &[3], Split::Auto)),
@@ -959,19 +1021,50 @@ fn refuses_bad_plans(gpu: &Gpu, attn: &MlaAttention, cache: &MlaCache) {
         MlaError::Split { tokens: 0, .. }
     ));
     assert!(matches!(
-        mla(attn
-            .plan_prefill(gpu, cache, &[t], &[30], &[3], Split::Auto)
-            .map(|_| ())),
-        MlaError::Visible {
-            query: 2,
-            visible: 33,
-            held: 32
-        }
+        plan_prefill(gpu, attn, &[t], &[30], &[3], Split::Auto).map(|_| ()),
+        Err(GpuError::Batch(BatchError::ShortTable { tokens: 33, .. }))
     ));
     assert!(matches!(
-        mla(attn
-            .plan_prefill(gpu, cache, &[t], &[3], &[0], Split::Auto)
-            .map(|_| ())),
+        mla(plan_prefill(gpu, attn, &[t], &[3], &[0], Split::Auto).map(|_| ())),
         MlaError::Queries { count: 0, .. }
+    ));
+    // Options the MLA kernels do not take are named.
+    let mut p = attn.plan();
+    let (indptr, indices, lens) = ([0u32, 2], [2u32, 5], [20u32]);
+    let tables = DecodeTables {
+        kv_indptr: &indptr,
+        kv_indices: &indices,
+        seq_lens: &lens,
+    };
+    for (o, name) in [
+        (
+            AttnOptions {
+                soft_cap: Some(30.0),
+                ..Default::default()
+            },
+            "soft_cap",
+        ),
+        (
+            AttnOptions {
+                sliding_window: Some(8),
+                ..Default::default()
+            },
+            "sliding_window",
+        ),
+    ] {
+        let e = mla(attn.plan_decode(gpu, &mut p, &tables, &[o]));
+        assert_eq!(e, MlaError::Option(name));
+    }
+    assert!(matches!(
+        mla(attn.plan_decode(
+            gpu,
+            &mut p,
+            &tables,
+            &[AttnOptions {
+                scale: Some(f32::INFINITY),
+                ..Default::default()
+            }]
+        )),
+        MlaError::Scale(_)
     ));
 }

@@ -198,7 +198,7 @@ fn translate_src(what: &str, module: &naga::Module, info: &ModuleInfo, wgs: u32,
 
 #[test]
 fn every_mla_kernel_validates_and_translates_to_every_backend() {
-    use pagedattn::gpu::{mla_source, KvDtype, MlaCacheConfig, MlaShape, MLA_KERNELS};
+    use pagedattn::gpu::{mla_source, ActDtype, KvDtype, MlaCacheConfig, MlaShape, MLA_KERNELS};
     let mut n = 0;
     // DeepSeek's 512 + 64 at 128 and 1 heads, a small row at 12 heads, and
     // the widest row: every dtype the pools take.
@@ -210,28 +210,38 @@ fn every_mla_kernel_validates_and_translates_to_every_backend() {
                 dtype,
                 ..MlaCacheConfig::deepseek(1, 1)
             };
-            let shape = MlaShape::new(&cfg, heads);
+            let base = MlaShape::new(&cfg, heads);
             assert!(
-                shape.workgroup_bytes() <= 16384,
-                "{shape:?}: {} bytes",
-                shape.workgroup_bytes()
+                base.workgroup_bytes() <= 16384,
+                "{base:?}: {} bytes",
+                base.workgroup_bytes()
             );
+            // Every activation and output codec, and the split decode's
+            // 16-bit reads with f32 partials.
             for (kernel, _) in MLA_KERNELS {
-                let src = mla_source(kernel, &shape).unwrap();
-                let what = format!("{kernel} {shape:?}");
-                let (module, info) = parse_src(&what, &src, false);
-                let wgs = if *kernel == "mla_decode" {
-                    shape.workgroup_size()
-                } else {
-                    64
-                };
-                translate_src(&what, &module, &info, wgs, true);
-                n += 1;
+                for (act, out) in [
+                    (ActDtype::F32, ActDtype::F32),
+                    (ActDtype::F16, ActDtype::F16),
+                    (ActDtype::Bf16, ActDtype::Bf16),
+                    (ActDtype::F16, ActDtype::F32),
+                ] {
+                    let shape = base.with_io(act, out);
+                    let src = mla_source(kernel, &shape).unwrap();
+                    let what = format!("{kernel} {shape:?}");
+                    let (module, info) = parse_src(&what, &src, false);
+                    let wgs = if *kernel == "mla_decode" {
+                        shape.workgroup_size()
+                    } else {
+                        64
+                    };
+                    translate_src(&what, &module, &info, wgs, true);
+                    n += 1;
+                }
             }
         }
     }
     eprintln!("{n} MLA kernel instances validated and translated");
-    assert_eq!(n, 4 * 3 * MLA_KERNELS.len());
+    assert_eq!(n, 4 * 3 * 4 * MLA_KERNELS.len());
 }
 
 #[test]

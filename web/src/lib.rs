@@ -823,7 +823,7 @@ pub async fn mla_check(seed: u64) -> Result<String, JsValue> {
         };
         let r: Result<(), pagedattn::gpu::GpuError> = async {
             let cache = MlaCache::new(&g, cfg)?;
-            let attn = MlaAttention::new(&g, &cfg, heads as u32, scale as f32)?;
+            let attn = MlaAttention::new(&g, &cache, heads as u32, scale as f32)?;
             let mut stored: Vec<Vec<f32>> = Vec::new();
             for (t, &len) in tables.iter().zip(&lens) {
                 let rows = rng.signed_vec(len as usize * row);
@@ -862,17 +862,18 @@ pub async fn mla_check(seed: u64) -> Result<String, JsValue> {
                 ("prefill", &prefill, Split::Auto),
             ] {
                 let (q, orig) = case.queries(&mut rng, rows_q.len());
-                let plan = if form == "decode" {
-                    attn.plan_decode(&g, &cache, &refs, &lens, split)?
+                let mut plan = attn.plan();
+                if form == "decode" {
+                    attn.plan_decode_slices(&g, &mut plan, &refs, &lens, split)?;
                 } else {
-                    attn.plan_prefill(&g, &cache, &refs, &starts, &news, split)?
-                };
-                let out = attn.run_async(&g, &plan, &cache, 0, &q).await?;
+                    attn.plan_prefill_slices(&g, &mut plan, &refs, &starts, &news, split)?;
+                }
+                let out = attn.run_async(&g, &mut plan, &cache, 0, &q).await?;
                 let (wa, wu) = case.errors(form, rows_q, &stored, &q, &out, &orig);
                 results.push(MlaCheck {
                     form,
                     dtype: dtype.name(),
-                    partitions: plan.partitions(),
+                    partitions: plan.partitions(0),
                     rel_absorbed: wa.is_finite().then_some(wa),
                     rel_unabsorbed: wu.is_finite().then_some(wu),
                     error: None,

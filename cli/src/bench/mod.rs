@@ -392,11 +392,12 @@ fn mla_row(
         )?;
     }
     let heads = 16;
-    let mla = MlaAttention::new(gpu, &mcfg, heads, 1.0 / 192f32.sqrt())?;
+    let mla = MlaAttention::new(gpu, &mla_cache, heads, 1.0 / 192f32.sqrt())?;
     let refs: Vec<&[u32]> = mla_tables.iter().map(|t| t.as_slice()).collect();
-    let plan = mla.plan_decode(
+    let mut plan = mla.plan();
+    mla.plan_decode_slices(
         gpu,
-        &mla_cache,
+        &mut plan,
         &refs,
         &vec![mla_context; batch as usize],
         Split::Auto,
@@ -422,7 +423,16 @@ fn mla_row(
     let gout = gpu.storage("gqa out", (batch * HEADS * HEAD_DIM * 4) as u64)?;
     let ms = interleaved_medians(timer, 2, &mut |i, _run, enc| {
         if i == 0 {
-            mla.run(gpu, enc, &plan, &mla_cache, 0, &mq, &mout)
+            mla.run(
+                gpu,
+                enc,
+                &mut plan,
+                &mla_cache,
+                0,
+                0,
+                &mq.as_entire_buffer_binding(),
+                &mout.as_entire_buffer_binding(),
+            )
         } else {
             attn.run(
                 gpu,
@@ -443,7 +453,7 @@ fn mla_row(
         bytes: batch as u64 * mla_context as u64 * mla_token,
         mla_ms: ms[0],
         gqa_ms: ms[1],
-        mla_partitions: plan.partitions(),
+        mla_partitions: plan.partitions(0),
     })
 }
 

@@ -22,10 +22,12 @@
 mod attention;
 mod binding;
 mod cascade;
+mod mla;
 mod tables;
 mod types;
 mod write;
 
+pub use mla::MlaPlan;
 pub(in crate::gpu) use tables::StepTables;
 pub use tables::{DecodeTables, PrefillTables};
 pub use types::AttentionPlan;

@@ -19,8 +19,9 @@ pub(super) struct WriteKey {
     pub(super) v: RangeKey,
 }
 
-/// One step's cache-side work, planned by a [`KvCache`]: the new tokens'
-/// slots and the copy-on-write list in reused buffers.
+/// One step's pool-side work, planned by a [`KvCache`] or an
+/// [`MlaCache`](crate::gpu::MlaCache): the new tokens' slots and the
+/// copy-on-write list in reused buffers.
 pub struct WritePlan {
     pub(super) owner: u64,
     /// Reused for the duplicate-slot check (no allocation per step).
@@ -40,6 +41,26 @@ pub struct WritePlan {
 }
 
 impl WritePlan {
+    /// An empty plan of the pool `owner` (a `KvCache` or an `MlaCache`).
+    pub(super) fn empty(owner: u64) -> Self {
+        WritePlan {
+            owner,
+            scratch: Vec::new(),
+            planned: false,
+            num_tokens: 0,
+            num_copies: 0,
+            kv_stride: 0,
+            act: ActDtype::F32,
+            write_pipe: None,
+            slots: Grow::default(),
+            copies: Grow::default(),
+            write_params: None,
+            copy_params: None,
+            write_groups: HashMap::new(),
+            copy_groups: Vec::new(),
+        }
+    }
+
     /// Elements from one token's K (and V) row to the next, for K and V
     /// read straight from a fused QKV output; `None`: packed rows
     /// (`num_kv_heads * head_dim` apart). A multiple of 4, at least that.
@@ -60,22 +81,7 @@ impl WritePlan {
 impl KvCache {
     /// An empty plan for this cache's `write_kv` and `copy_blocks`.
     pub fn plan(&self) -> WritePlan {
-        WritePlan {
-            owner: self.id,
-            scratch: Vec::new(),
-            planned: false,
-            num_tokens: 0,
-            num_copies: 0,
-            kv_stride: 0,
-            act: ActDtype::F32,
-            write_pipe: None,
-            slots: Grow::default(),
-            copies: Grow::default(),
-            write_params: None,
-            copy_params: None,
-            write_groups: HashMap::new(),
-            copy_groups: Vec::new(),
-        }
+        WritePlan::empty(self.id)
     }
 
     /// Compiles the K/V write pipeline for each of `acts` now (f32's is
