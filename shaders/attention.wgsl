@@ -1,3 +1,13 @@
+//#import constants     HEAD_DIM4 GROUP BLOCK_SIZE QTILE PAGED HT HTILES LPT JN SUBGROUPS (generated from the shape: src/gpu/compose.rs)
+//#import saturate      kv_sat KV_MAX F16_MAX (shared/saturate.wgsl)
+//#import kv            KV4 kv_load kv_store (shared/kv_<pool dtype>.wgsl)
+//#import qdot          QV4 q_conv k_dot (shared/qdot.wgsl)
+//#import act           ACT4 act_load act_store (shared/act_<activation dtype>.wgsl)
+//#import out           OUT4 out_load out_store (shared/out_<activation dtype>.wgsl)
+//#import common        WriteKvParams CopyParams AttnParams NEG_INF INVALID K_OUTLIERS logit ... (common.wgsl)
+//#import table_walk    the block-table walk (shared/table_walk.wgsl)
+//#import pool_words    a quantized pool's u32 words (shared/pool_words[_wide].wgsl; nothing for plain pools)
+//#import scales        per-token K/V scales, K outlier residuals (shared/scales_<pool dtype>.wgsl, q_res.wgsl)
 // Paged attention: decode (one query per sequence) and chunked prefill (a
 // causal chunk of queries per sequence), one code path.
 //

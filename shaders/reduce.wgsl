@@ -1,3 +1,10 @@
+//#import constants     HEAD_DIM4 GROUP BLOCK_SIZE QTILE PAGED HT HTILES LPT JN SUBGROUPS (generated from the shape: src/gpu/compose.rs)
+//#import saturate      kv_sat KV_MAX F16_MAX (shared/saturate.wgsl)
+//#import kv            KV4 kv_load kv_store (shared/kv_<pool dtype>.wgsl)
+//#import qdot          QV4 q_conv k_dot (shared/qdot.wgsl)
+//#import act           ACT4 act_load act_store (shared/act_<activation dtype>.wgsl)
+//#import out           OUT4 out_load out_store (shared/out_<activation dtype>.wgsl)
+//#import common        WriteKvParams CopyParams AttnParams NEG_INF INVALID K_OUTLIERS logit ... (common.wgsl)
 // Split-K merge: combines the per-partition (max, sum, accumulator) that
 // attention.wgsl wrote (split-K decode) into the normalised output, by log-sum-exp.
 // One workgroup per (sequence, query head); thread c owns vec4 column c.

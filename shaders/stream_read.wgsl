@@ -1,3 +1,11 @@
+//#import constants     HEAD_DIM4 GROUP BLOCK_SIZE QTILE PAGED HT HTILES LPT JN SUBGROUPS (generated from the shape: src/gpu/compose.rs)
+//#import saturate      kv_sat KV_MAX F16_MAX (shared/saturate.wgsl)
+//#import kv            KV4 kv_load kv_store (shared/kv_<pool dtype>.wgsl)
+//#import qdot          QV4 q_conv k_dot (shared/qdot.wgsl)
+//#import act           ACT4 act_load act_store (shared/act_<activation dtype>.wgsl)
+//#import out           OUT4 out_load out_store (shared/out_<activation dtype>.wgsl)
+//#import common        WriteKvParams CopyParams AttnParams NEG_INF INVALID K_OUTLIERS logit ... (common.wgsl)
+//#import generated     LOADS (src/gpu/kernels/mod.rs)
 // Streaming-read reference for the benchmark: reads two buffers (a layer's K
 // and V pools, or a ceiling's chunks) once with 16-byte loads, grid-stride,
 // LOADS independent loads per thread per iteration (generated: see

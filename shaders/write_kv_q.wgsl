@@ -1,3 +1,10 @@
+//#import constants     HEAD_DIM4 GROUP BLOCK_SIZE QTILE PAGED HT HTILES LPT JN SUBGROUPS (generated from the shape: src/gpu/compose.rs)
+//#import saturate      kv_sat KV_MAX F16_MAX (shared/saturate.wgsl)
+//#import kv            KV4 kv_load kv_store (shared/kv_<pool dtype>.wgsl)
+//#import qdot          QV4 q_conv k_dot (shared/qdot.wgsl)
+//#import act           ACT4 act_load act_store (shared/act_<activation dtype>.wgsl)
+//#import out           OUT4 out_load out_store (shared/out_<activation dtype>.wgsl)
+//#import common        WriteKvParams CopyParams AttnParams NEG_INF INVALID K_OUTLIERS logit ... (common.wgsl)
 // write_kv for quantized pools (KV4 = u32: four 8-bit values). A layer
 // buffer holds the packed rows, [num_blocks][num_kv_heads][BLOCK_SIZE]
 // [HEAD_DIM4] words (DATA_WORDS = num_slots * num_kv_heads * HEAD_DIM4),

@@ -1,3 +1,9 @@
+//#import mla_constants R4 V4 BLOCK_SIZE HG LANES WG TILE_ROWS QN AN (generated from the shape: src/gpu/mla.rs)
+//#import saturate      kv_sat KV_MAX F16_MAX (shared/saturate.wgsl)
+//#import kv            KV4 kv_load kv_store (shared/kv_<pool dtype>.wgsl)
+//#import act           ACT4 act_load act_store (shared/act_<activation dtype>.wgsl)
+//#import out           OUT4 out_load out_store (shared/out_<activation dtype>.wgsl)
+//#import mla_common    MlaParams NEG INVALID (mla/common.wgsl)
 // MLA attention in the absorbed form, for decode and prefill alike: each
 // query row attends to the first `visible` tokens of its sequence (decode:
 // all of them; prefill: up to its own position, which is the causal mask).

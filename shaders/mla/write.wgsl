@@ -1,3 +1,9 @@
+//#import mla_constants R4 V4 BLOCK_SIZE HG LANES WG TILE_ROWS QN AN (generated from the shape: src/gpu/mla.rs)
+//#import saturate      kv_sat KV_MAX F16_MAX (shared/saturate.wgsl)
+//#import kv            KV4 kv_load kv_store (shared/kv_<pool dtype>.wgsl)
+//#import act           ACT4 act_load act_store (shared/act_<activation dtype>.wgsl)
+//#import out           OUT4 out_load out_store (shared/out_<activation dtype>.wgsl)
+//#import mla_common    MlaParams NEG INVALID (mla/common.wgsl)
 // Writes new tokens' latent rows (in the activation type, [row][R4], rows
 // `stride` ACT4s apart) into one layer's latent pool at their slots
 // (block * BLOCK_SIZE + offset), in the pool's dtype. One thread per KV4; a

@@ -1,3 +1,4 @@
+//#import saturate      kv_sat KV_MAX F16_MAX (shared/saturate.wgsl)
 // ACT4, act_load, act_store: the activations read (Q in attention, new K/V in write_kv), as bfloat16 packed two per u32 (the bytes of a bf16 array, low half first): widened by a shift, stored rounded to nearest (ties to even) after saturating at KV_MAX.
 alias ACT4 = vec2<u32>;
 fn act_bf16_pair(w: u32) -> vec2<f32> { return vec2<f32>(bitcast<f32>(w << 16u), bitcast<f32>(w & 0xffff0000u)); }

@@ -1,3 +1,4 @@
+//#import saturate      kv_sat KV_MAX F16_MAX (shared/saturate.wgsl)
 // ACT4, act_load, act_store: the activations read (Q in attention, new K/V in write_kv), as f16 packed two per u32 (the bytes of an f16 array); stores saturate at f16's largest finite value.
 alias ACT4 = vec2<u32>;
 fn act_load(x: ACT4) -> vec4<f32> { return vec4<f32>(unpack2x16float(x.x), unpack2x16float(x.y)); }

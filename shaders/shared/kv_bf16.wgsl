@@ -1,3 +1,4 @@
+//#import saturate      kv_sat KV_MAX F16_MAX (shared/saturate.wgsl)
 // KV codec of bf16 pools: a KV4 is four bfloat16 packed two per u32 (low
 // half first). A bf16 is the high 16 bits of an f32, so reading widens by
 // a shift (no extension needed); writing rounds to nearest, ties to even,

@@ -1,3 +1,4 @@
+//#import saturate      kv_sat KV_MAX F16_MAX (shared/saturate.wgsl)
 // KV codec of f16 pools: a KV4 is four f16 packed two per u32 (read with
 // unpack2x16float, so no shader-f16 feature is needed).
 alias KV4 = vec2<u32>;

@@ -1,3 +1,4 @@
+//#import saturate      kv_sat KV_MAX F16_MAX (shared/saturate.wgsl)
 // KV codec of f32 pools: a KV4 is four f32.
 alias KV4 = vec4<f32>;
 const KV_QUANT: u32 = 0u;

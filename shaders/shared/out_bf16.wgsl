@@ -1,3 +1,4 @@
+//#import saturate      kv_sat KV_MAX F16_MAX (shared/saturate.wgsl)
 // OUT4, out_load, out_store: the output written (attention's unsplit output, reduce's output), as bfloat16 packed two per u32 (the bytes of a bf16 array): stores round to nearest (ties to even) after saturating at KV_MAX.
 alias OUT4 = vec2<u32>;
 fn out_bf16_pair(w: u32) -> vec2<f32> { return vec2<f32>(bitcast<f32>(w << 16u), bitcast<f32>(w & 0xffff0000u)); }

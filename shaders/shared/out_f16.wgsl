@@ -1,3 +1,4 @@
+//#import saturate      kv_sat KV_MAX F16_MAX (shared/saturate.wgsl)
 // OUT4, out_load, out_store: the output written (attention's unsplit output, reduce's output), as f16 packed two per u32 (the bytes of an f16 array); stores saturate at f16's largest finite value.
 alias OUT4 = vec2<u32>;
 fn out_load(x: OUT4) -> vec4<f32> { return vec4<f32>(unpack2x16float(x.x), unpack2x16float(x.y)); }

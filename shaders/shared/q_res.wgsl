@@ -1,3 +1,5 @@
+//#import constants     HEAD_DIM4 GROUP BLOCK_SIZE QTILE PAGED HT HTILES LPT JN SUBGROUPS (generated from the shape: src/gpu/compose.rs)
+//#import act           ACT4 act_load act_store (shared/act_<activation dtype>.wgsl)
 // q_res of the quantized pools: a query row (qbase, in vec4s) at its KV
 // head's outlier channels (times int8's smoothing), 0 where a channel is
 // unset.

@@ -1,3 +1,4 @@
+//#import kv            KV4 kv_load kv_store (shared/kv_<pool dtype>.wgsl)
 // The query's storage in the row kernels, and q.k of one vec4.
 alias QV4 = vec4<f32>;
 fn q_conv(x: vec4<f32>) -> QV4 { return x; }

@@ -1,3 +1,5 @@
+//#import constants     HEAD_DIM4 GROUP BLOCK_SIZE QTILE PAGED HT HTILES LPT JN SUBGROUPS (generated from the shape: src/gpu/compose.rs)
+//#import common        WriteKvParams CopyParams AttnParams NEG_INF INVALID K_OUTLIERS logit ... (common.wgsl)
 // Per-token K and V scales of fp8 pools: one f32 per (layer, KV head), in
 // the words after the layer's blocks (read through kw, shared/pool_words*);
 // and the K outlier channels' residuals (see scales_int8.wgsl).

@@ -1,3 +1,6 @@
+//#import constants     HEAD_DIM4 GROUP BLOCK_SIZE QTILE PAGED HT HTILES LPT JN SUBGROUPS (generated from the shape: src/gpu/compose.rs)
+//#import kv            KV4 kv_load kv_store (shared/kv_<pool dtype>.wgsl)
+//#import common        WriteKvParams CopyParams AttnParams NEG_INF INVALID K_OUTLIERS logit ... (common.wgsl)
 // Per-token K and V scales of int8 pools, from the side words after the
 // layer's blocks (read through kw / vw, shared/pool_words*.wgsl): K's bf16
 // scale in the low half of the row's side word, V's two per word. The K

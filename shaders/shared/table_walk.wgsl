@@ -1,3 +1,5 @@
+//#import constants     HEAD_DIM4 GROUP BLOCK_SIZE QTILE PAGED HT HTILES LPT JN SUBGROUPS (generated from the shape: src/gpu/compose.rs)
+//#import common        WriteKvParams CopyParams AttnParams NEG_INF INVALID K_OUTLIERS logit ... (common.wgsl)
 // What every attention kernel reads the same way, for one sequence (or
 // cascade segment): the packed table with its bounds, the span of the
 // sequence's table entries and its length (cut to what the table holds and

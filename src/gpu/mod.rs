@@ -35,7 +35,8 @@ mod units;
 #[doc(hidden)]
 pub mod shader {
     pub use super::compose::{
-        balanced_head_tile, kernel_takes, prelude, ShaderShape, COMMON, KERNELS, SHARED,
+        balanced_head_tile, imports, kernel_takes, prelude, ShaderShape, COMMON, IMPORTS, KERNELS,
+        SHARED,
     };
     pub use super::kernels::lanes::lanes_per_token;
     pub use super::kernels::rows::workgroup_size as rows_workgroup_size;

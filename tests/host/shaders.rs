@@ -333,3 +333,159 @@ fn a_broken_shader_is_rejected() {
     };
     assert!(invalid);
 }
+
+/// Every `.wgsl` file, by its path under `shaders/`, as the repository
+/// holds it (import lines included).
+fn wgsl_files() -> Vec<(String, String)> {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("shaders");
+    let mut out = Vec::new();
+    let mut dirs = vec![root.clone()];
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                dirs.push(p);
+            } else if p.extension().is_some_and(|x| x == "wgsl") {
+                let rel = p.strip_prefix(&root).unwrap().display().to_string();
+                out.push((rel, std::fs::read_to_string(&p).unwrap()));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// The shared files an import composes (any one of them, by the shape).
+fn files_of(import: &str) -> Vec<String> {
+    let shared = |names: &[&str]| -> Vec<String> {
+        names.iter().map(|n| format!("shared/{n}.wgsl")).collect()
+    };
+    match import {
+        "saturate" => shared(&["saturate"]),
+        "kv" => shared(&["kv_f32", "kv_f16", "kv_bf16", "kv_int8", "kv_fp8"]),
+        "qdot" => shared(&["qdot"]),
+        "act" => shared(&["act_f32", "act_f16", "act_bf16"]),
+        "out" => shared(&["out_f32", "out_f16", "out_bf16"]),
+        "table_walk" => shared(&["table_walk"]),
+        "pool_words" => shared(&["pool_words", "pool_words_wide"]),
+        "scales" => shared(&["scales_plain", "scales_int8", "scales_fp8", "q_res"]),
+        "common" => vec!["common.wgsl".into()],
+        "mla_common" => vec!["mla/common.wgsl".into()],
+        _ => vec![],
+    }
+}
+
+fn uses_word(text: &str, word: &str) -> bool {
+    text.match_indices(word).any(|(i, _)| {
+        let ok = |c: Option<char>| !c.is_some_and(|c| c.is_alphanumeric() || c == '_');
+        ok(text[..i].chars().next_back()) && ok(text[i + word.len()..].chars().next())
+    })
+}
+
+/// A newcomer opening any `.wgsl` file sees where each name comes from:
+/// its top lists the imports it uses, each line saying what that import
+/// defines. Checked here: every import is known and described as the
+/// registry describes it; a file that uses a name an import defines
+/// imports it (code only, comments aside); a kernel imports whatever its
+/// parts import, before them; and the composed kernels keep no import line.
+#[test]
+fn every_wgsl_file_names_its_imports() {
+    use pagedattn::gpu::shader::{imports, IMPORTS};
+    let files = wgsl_files();
+    assert!(files.len() >= 30, "{} files", files.len());
+    let by_path: std::collections::HashMap<&str, &str> = files
+        .iter()
+        .map(|(p, s)| (p.as_str(), s.as_str()))
+        .collect();
+    let mut checked_uses = 0;
+    for (path, text) in &files {
+        if path.starts_with("templates/") {
+            continue; // expanded by the serial and stream kernels' modules
+        }
+        let names = imports(text);
+        for line in text.lines().take_while(|l| l.starts_with("//#import ")) {
+            let rest = line["//#import ".len()..].trim_start();
+            let (name, said) = rest.split_once(char::is_whitespace).unwrap_or((rest, ""));
+            let (_, defines) = IMPORTS
+                .iter()
+                .find(|(n, _)| *n == name)
+                .unwrap_or_else(|| panic!("{path}: unknown import `{name}`"));
+            if name != "generated" {
+                assert!(
+                    said.trim_start().starts_with(defines),
+                    "{path}: `{name}` is said to give `{}`, the registry says `{defines}`",
+                    said.trim()
+                );
+            }
+        }
+        // Code only: a name in a comment is not a use.
+        let code: String = text
+            .lines()
+            .map(|l| l.split("//").next().unwrap_or(""))
+            .collect::<Vec<_>>()
+            .join("\n");
+        for (name, defines) in IMPORTS {
+            let idents: Vec<&str> = defines
+                .split_whitespace()
+                .filter(|w| w.chars().all(|c| c.is_alphanumeric() || c == '_'))
+                .filter(|w| w.chars().any(|c| c.is_ascii_uppercase() || c == '_'))
+                .collect();
+            // A file defining the name itself is its source, not a user.
+            let own = |w: &str| {
+                ["const ", "fn ", "alias ", "struct "]
+                    .iter()
+                    .any(|k| code.contains(&format!("{k}{w}")))
+            };
+            let mla = path.starts_with("mla/");
+            // The two preludes share BLOCK_SIZE and INVALID; each file
+            // imports its own family's.
+            let family_ok = match *name {
+                "constants" | "common" => !mla,
+                "mla_constants" | "mla_common" => mla,
+                _ => true,
+            };
+            for w in idents {
+                if family_ok && uses_word(&code, w) && !own(w) && !names.contains(name) {
+                    panic!("{path} uses `{w}` but does not import `{name}`");
+                }
+                checked_uses += 1;
+            }
+        }
+        // A kernel composes its parts: what they import comes first.
+        for (i, name) in names
+            .iter()
+            .enumerate()
+            .filter(|_| !path.starts_with("shared/"))
+        {
+            for f in files_of(name) {
+                let part = by_path
+                    .get(f.as_str())
+                    .unwrap_or_else(|| panic!("{path}: `{name}` composes {f}, which is missing"));
+                for need in imports(part) {
+                    assert!(
+                        names[..i].contains(&need),
+                        "{path} imports `{name}` ({f}), which needs `{need}` before it"
+                    );
+                }
+            }
+        }
+    }
+    // The composed kernels: no import line is left, and each starts with
+    // its first import's text.
+    for (kernel, _) in KERNELS {
+        let shape = shapes()
+            .into_iter()
+            .find(|s| pagedattn::gpu::shader::kernel_takes(kernel, s.dtype))
+            .unwrap();
+        let src = source(kernel, &shape).unwrap();
+        assert!(!src.contains("//#import"), "{kernel} keeps an import line");
+        assert!(
+            src.starts_with("// generated by src/gpu/compose.rs"),
+            "{kernel}"
+        );
+    }
+    eprintln!(
+        "{} files, {checked_uses} (file, name) uses checked",
+        files.len()
+    );
+}
