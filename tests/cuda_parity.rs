@@ -177,7 +177,7 @@ fn wgpu_out(gpu: &Gpu, inp: &Inputs, opts: &AttnOptions) -> Vec<f32> {
         let (s, k, v) = &inp.writes[1];
         cache.write_kv(gpu, layer, k, v, s).unwrap();
     }
-    let attn = PagedAttention::new(gpu, &cache, inp.num_heads).unwrap();
+    let attn = PagedAttention::new(gpu, &cache, inp.num_heads, &Default::default()).unwrap();
     attn.decode(
         gpu,
         &cache,

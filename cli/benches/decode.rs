@@ -37,7 +37,7 @@ struct Cell<'a> {
 
 impl<'a> Cell<'a> {
     fn new(gpu: &'a Gpu, cache: KvCache, batch: u32, rng: &mut SplitMix64) -> Self {
-        let attn = PagedAttention::new(gpu, &cache, HEADS).expect("kernels");
+        let attn = PagedAttention::new(gpu, &cache, HEADS, &Default::default()).expect("kernels");
         let q = gpu
             .storage_init("q", &rng.signed_vec((batch * HEADS * HEAD_DIM) as usize))
             .unwrap();

@@ -351,7 +351,7 @@ impl Demo {
                 cache.set_fp8_scales(gpu, layer, &s, &s)?;
             }
         }
-        let attn = PagedAttention::with_config(gpu, &cache, cfg.num_heads, attn_cfg)?;
+        let attn = PagedAttention::new(gpu, &cache, cfg.num_heads, attn_cfg)?;
         let swap = cache.swap_space(cfg.num_blocks)?;
         // Bounded by `validate` (MAX_MIRROR_BYTES), so this fits.
         let pool = || {

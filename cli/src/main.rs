@@ -214,7 +214,7 @@ fn run_stats(out: &mut dyn Write, json: bool) -> Res {
     }
     let mut kernels = Vec::new();
     for c in &configs {
-        if let Ok(a) = PagedAttention::with_config(&gpu, &cache, HEADS, c) {
+        if let Ok(a) = PagedAttention::new(&gpu, &cache, HEADS, c) {
             kernels.push(a.decode_shader());
         }
     }

@@ -179,7 +179,7 @@ impl<'a> Soak<'a> {
             .with_dtype(cfg.dtype),
         )
         .unwrap();
-        let attn = PagedAttention::new(gpu, &kv, cfg.num_heads).unwrap();
+        let attn = PagedAttention::new(gpu, &kv, cfg.num_heads, &Default::default()).unwrap();
         let swap = kv.swap_space(cfg.num_blocks).unwrap();
         let pool = || {
             HostPool::new(

@@ -635,8 +635,13 @@ fn attention(
         .with_dtype(cfg.kv_dtype),
     )?;
     let attn = match cfg.kernel {
-        Some(k) => PagedAttention::with_kernel(gpu, &cache, s.heads as u32, k)?,
-        None => PagedAttention::new(gpu, &cache, s.heads as u32)?,
+        Some(k) => PagedAttention::new(
+            gpu,
+            &cache,
+            s.heads as u32,
+            &pagedattn::gpu::AttentionConfig::new().kernel(k),
+        )?,
+        None => PagedAttention::new(gpu, &cache, s.heads as u32, &Default::default())?,
     };
     attn.warm_up(gpu, &[ActDtype::F32])?;
     let qkv_row = fused_qkv(s)[2] as u32;

@@ -189,7 +189,12 @@ impl Tuner {
         };
         let mut runs = Vec::new();
         for &kern in &eligible {
-            let attn = PagedAttention::with_kernel(gpu, &scratch, num_heads, kern)?;
+            let attn = PagedAttention::new(
+                gpu,
+                &scratch,
+                num_heads,
+                &crate::gpu::AttentionConfig::new().kernel(kern),
+            )?;
             let mut plan = attn.plan();
             attn.plan_decode(gpu, &mut plan, &tables, &[AttnOptions::default()])?;
             runs.push((kern, attn, plan, Vec::<f64>::new()));
@@ -258,7 +263,12 @@ impl Tuner {
         num_heads: u32,
     ) -> Result<(PagedAttention, TuneReport), GpuError> {
         let report = self.tune(gpu, cache, num_heads, Duration::from_millis(1500), false)?;
-        let attn = PagedAttention::with_kernel(gpu, cache, num_heads, report.chosen)?;
+        let attn = PagedAttention::new(
+            gpu,
+            cache,
+            num_heads,
+            &crate::gpu::AttentionConfig::new().kernel(report.chosen),
+        )?;
         Ok((attn, report))
     }
 }
@@ -442,7 +452,7 @@ mod tests {
         // Nothing global: a fresh tuner without the file keeps nothing, and
         // `new` takes the adapter's default whatever was tuned.
         assert_eq!(Tuner::new().choice(&key), None);
-        let plain = PagedAttention::new(&gpu, &cache, heads).unwrap();
+        let plain = PagedAttention::new(&gpu, &cache, heads, &Default::default()).unwrap();
         assert_eq!(plain.kernel(), crate::gpu::kernels::default_kernel(&gpu));
         // A tuner remembers in memory: asked again it times nothing.
         let (_, second) = tuner.attention(&gpu, &cache, heads).unwrap();

@@ -46,7 +46,7 @@ fn rig(gpu: &Gpu, rng: &mut SplitMix64, lens: &[usize], kvh: u32, group: u32, hd
     cache.write_kv(gpu, 0, &k, &v, &view.slot_mapping).unwrap();
     let mut host = HostPool::new(nb as usize, kvh as usize, bs as usize, hd as usize);
     host.write(&view.slot_mapping, &k, &v, Stored::from(KvDtype::F32));
-    let attn = PagedAttention::new(gpu, &cache, kvh * group).unwrap();
+    let attn = PagedAttention::new(gpu, &cache, kvh * group, &Default::default()).unwrap();
     Rig {
         cache,
         attn,
@@ -182,7 +182,7 @@ fn device_loss_is_seen_by_every_call() {
         ),
         (
             "PagedAttention::new",
-            is_device(&PagedAttention::new(&gpu, &r.cache, 4)),
+            is_device(&PagedAttention::new(&gpu, &r.cache, 4, &Default::default())),
         ),
         ("storage", is_device(&gpu.storage("x", 64))),
         ("storage_init", is_device(&gpu.storage_init("x", &[1u32]))),
@@ -711,7 +711,7 @@ fn small_devices_get_typed_refusals() {
     });
     let gpu = Gpu::from_device(&device, &queue);
     let cache = KvCache::new(&gpu, cfg).unwrap();
-    match PagedAttention::new(&gpu, &cache, 4) {
+    match PagedAttention::new(&gpu, &cache, 4, &Default::default()) {
         Err(GpuError::DeviceLimit {
             limit,
             needed,
@@ -739,7 +739,7 @@ fn small_devices_get_typed_refusals() {
         },
     )
     .unwrap();
-    match PagedAttention::new(&gpu, &cache, 4) {
+    match PagedAttention::new(&gpu, &cache, 4, &Default::default()) {
         Err(GpuError::DeviceLimit {
             limit,
             needed,

@@ -330,7 +330,7 @@ struct Filled {
 fn filled(gpu: &Gpu, rng: &mut SplitMix64) -> Filled {
     let (nb, bs) = (8u32, 16u32);
     let kv = KvCache::new(gpu, kv_config(nb, bs)).unwrap();
-    let attn = PagedAttention::new(gpu, &kv, HEADS).unwrap();
+    let attn = PagedAttention::new(gpu, &kv, HEADS, &Default::default()).unwrap();
     let slots: Vec<u32> = (0..nb * bs).collect();
     let row = (KVH * HD) as usize;
     let (k, v) = (
@@ -490,7 +490,7 @@ fn gpu_head_counts_and_head_dims() {
     let kv = KvCache::new(&gpu, kv_config(4, 16)).unwrap();
     for heads in [0, 1, 3, 5, 7] {
         invalid(
-            PagedAttention::new(&gpu, &kv, heads).map(|_| ()),
+            PagedAttention::new(&gpu, &kv, heads, &Default::default()).map(|_| ()),
             "multiple of num_kv_heads",
         );
     }
@@ -514,7 +514,7 @@ fn gpu_head_counts_and_head_dims() {
         },
     )
     .unwrap();
-    let a = PagedAttention::new(&gpu, &wide, 4096).unwrap();
+    let a = PagedAttention::new(&gpu, &wide, 4096, &Default::default()).unwrap();
     assert!(a.decode_head_tile() <= 16, "{}", a.decode_head_tile());
     // More KV heads than one dispatch dimension holds (a workgroup each).
     let too_many = gpu.limits.max_compute_workgroups_per_dimension + 1;
@@ -1186,7 +1186,7 @@ fn gpu_inputs_over_the_device_limits() {
         ..wgpu::Limits::default().using_resolution(a)
     });
     let kv = KvCache::new(&tiny, kv_config(8, 16)).unwrap(); // 64 KiB per layer
-    let attn = PagedAttention::new(&tiny, &kv, HEADS).unwrap();
+    let attn = PagedAttention::new(&tiny, &kv, HEADS, &Default::default()).unwrap();
     let per = (HEADS * HD) as usize; // 2 KiB of q per sequence
                                      // 40 sequences: q and out are 80 KiB, over the binding limit.
     let n = 40;
@@ -1299,7 +1299,7 @@ fn gpu_device_lost() {
         "KvCache::new",
     );
     dev(
-        PagedAttention::new(&gpu, &f.kv, HEADS).map(|_| ()),
+        PagedAttention::new(&gpu, &f.kv, HEADS, &Default::default()).map(|_| ()),
         "PagedAttention::new",
     );
     dev(gpu.wait(), "wait");

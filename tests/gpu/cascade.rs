@@ -186,7 +186,13 @@ fn run_with<T: bytemuck::Pod>(
     poison: T,
     o: &AttnOptions,
 ) -> (Vec<T>, Option<(u64, u64, usize)>) {
-    let attn = PagedAttention::with_kernel(gpu, &b.cache, b.heads, kernel).unwrap();
+    let attn = PagedAttention::new(
+        gpu,
+        &b.cache,
+        b.heads,
+        &pagedattn::gpu::AttentionConfig::new().kernel(kernel),
+    )
+    .unwrap();
     let mut plan = attn.plan();
     plan.set_activations(act);
     let t = DecodeTables {

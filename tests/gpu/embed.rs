@@ -254,7 +254,7 @@ fn steady_state_steps_create_nothing() {
     let gpu = &e.gpu;
     let cfg = KvCacheConfig::new(NB, BS, KVH, HD).with_layers(LAYERS);
     let cache = KvCache::new(gpu, cfg).unwrap();
-    let attn = PagedAttention::new(gpu, &cache, HEADS).unwrap();
+    let attn = PagedAttention::new(gpu, &cache, HEADS, &Default::default()).unwrap();
     attn.warm_up(gpu, &[ActDtype::F32]).unwrap();
     let variants = [
         AttnOptions::default(),
@@ -358,8 +358,8 @@ fn engine_buffer_misuse_is_refused_before_recording() {
     let gpu = &e.gpu;
     let cfg = KvCacheConfig::new(8, BS, KVH, HD).with_layers(2);
     let cache = KvCache::new(gpu, cfg).unwrap();
-    let attn = PagedAttention::new(gpu, &cache, HEADS).unwrap();
-    let other = PagedAttention::new(gpu, &cache, HEADS).unwrap();
+    let attn = PagedAttention::new(gpu, &cache, HEADS, &Default::default()).unwrap();
+    let other = PagedAttention::new(gpu, &cache, HEADS, &Default::default()).unwrap();
     let mut aplan = attn.plan();
     let mut enc = gpu.device.create_command_encoder(&Default::default());
     let q_bytes = (2 * HEADS * HD * 4) as u64;
@@ -524,7 +524,7 @@ fn fused_qkv_rows_are_read_in_place() {
     let gpu = &e.gpu;
     let cfg = KvCacheConfig::new(16, BS, KVH, HD);
     let cache = KvCache::new(gpu, cfg).unwrap();
-    let attn = PagedAttention::new(gpu, &cache, HEADS).unwrap();
+    let attn = PagedAttention::new(gpu, &cache, HEADS, &Default::default()).unwrap();
     let mut m = BlockManager::new(BlockManagerConfig::new(16, BS)).unwrap();
     let ids = [
         m.add_sequence(&[1; 40]).unwrap(),
@@ -688,7 +688,7 @@ fn f16_activations_in_and_out() {
         {
             let cfg = KvCacheConfig::new(32, BS, KVH, HD).with_dtype(dtype);
             let cache = KvCache::new(gpu, cfg).unwrap();
-            let attn = PagedAttention::new(gpu, &cache, HEADS).unwrap();
+            let attn = PagedAttention::new(gpu, &cache, HEADS, &Default::default()).unwrap();
             let mut host = HostPool::new(32, KVH as usize, BS as usize, HD as usize);
             let mut m = BlockManager::new(BlockManagerConfig::new(32, BS)).unwrap();
             let ids = [
@@ -834,7 +834,7 @@ fn a_buffer_of_another_device_is_refused() {
     gpu.watch();
     let cfg = KvCacheConfig::new(8, BS, KVH, HD);
     let cache = KvCache::new(&gpu, cfg).unwrap();
-    let attn = PagedAttention::new(&gpu, &cache, HEADS).unwrap();
+    let attn = PagedAttention::new(&gpu, &cache, HEADS, &Default::default()).unwrap();
     let mut aplan = attn.plan();
     let tables = DecodeTables {
         kv_indptr: &[0, 1],
@@ -911,7 +911,7 @@ fn a_plan_runs_only_on_its_cache_and_step() {
         pools.push((cache, host));
     }
     let (a, b) = (&pools[0].0, &pools[1].0);
-    let attn = PagedAttention::new(gpu, a, HEADS).unwrap();
+    let attn = PagedAttention::new(gpu, a, HEADS, &Default::default()).unwrap();
     let tables = DecodeTables {
         kv_indptr: &[0, 2],
         kv_indices: &[0, 1],
@@ -1011,8 +1011,8 @@ fn plan_run_soak_of_random_tables_bindings_and_caches() {
         let wplan = cache.plan();
         caches.push((cache, host, wplan));
     }
-    let attn = PagedAttention::new(gpu, &caches[0].0, HEADS).unwrap();
-    let other = PagedAttention::new(gpu, &caches[0].0, HEADS).unwrap();
+    let attn = PagedAttention::new(gpu, &caches[0].0, HEADS, &Default::default()).unwrap();
+    let other = PagedAttention::new(gpu, &caches[0].0, HEADS, &Default::default()).unwrap();
     let mut foreign = other.plan();
     let mut plan = attn.plan();
     // The model: the planned tables, and the (cache, epoch) the plan is bound to.
@@ -1220,7 +1220,7 @@ fn warm_up_compiles_what_16_bit_steps_need() {
     };
     let cfg = KvCacheConfig::new(16, 8, 5, 24).with_layers(1);
     let cache = KvCache::new(&gpu, cfg).unwrap();
-    let attn = PagedAttention::new(&gpu, &cache, 10).unwrap();
+    let attn = PagedAttention::new(&gpu, &cache, 10, &Default::default()).unwrap();
     let acts = [ActDtype::F16, ActDtype::Bf16];
     attn.warm_up(&gpu, &acts).unwrap();
     cache.warm_up(&gpu, &acts).unwrap();

@@ -33,7 +33,7 @@ fn run_with(gpu: &Gpu, seed: u64, c: &Case, kernel: Kernel, checks: ShaderChecks
 
     let num_heads = c.num_kv_heads * c.group;
     let config = AttentionConfig::new().kernel(kernel).shader_checks(checks);
-    let attn = PagedAttention::with_config(gpu, &cache, num_heads, &config).unwrap();
+    let attn = PagedAttention::new(gpu, &cache, num_heads, &config).unwrap();
     assert_eq!(attn.kernel(), kernel);
     let q: Vec<f32> = rng
         .signed_vec(c.lens.len() * (num_heads * c.head_dim) as usize)
@@ -352,7 +352,7 @@ fn storage_error_against_exact_inputs() {
         cache.write_kv(&gpu, 0, &k, &v, &view.slot_mapping).unwrap();
         let mut exact = HostPool::new(nb as usize, kvh as usize, bs as usize, hd as usize);
         exact.write(&view.slot_mapping, &k, &v, Stored::Exact);
-        let attn = PagedAttention::new(&gpu, &cache, heads).unwrap();
+        let attn = PagedAttention::new(&gpu, &cache, heads, &Default::default()).unwrap();
         let q = rng.signed_vec(lens.len() * (heads * hd) as usize);
         let out = decode_view(&attn, &gpu, &cache, &q, &view, &AttnOptions::default()).unwrap();
         let want = reference::decode(

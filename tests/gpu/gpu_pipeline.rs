@@ -38,7 +38,7 @@ fn copy_on_write_branches_match_from_scratch() {
         let mut m = BlockManager::new(BlockManagerConfig::new(64, bs)).unwrap();
         m.scramble_free_list(rng.next_u64());
         let kv = cache(&gpu, 1, 64, bs, dtype);
-        let attn = PagedAttention::new(&gpu, &kv, HEADS).unwrap();
+        let attn = PagedAttention::new(&gpu, &kv, HEADS, &Default::default()).unwrap();
 
         // Prompt of 37 tokens: the last block is partly filled, so the first
         // write of each branch after the fork must copy it.
@@ -128,7 +128,7 @@ fn copy_on_write_branches_match_from_scratch() {
 }
 
 fn attn_for(gpu: &Gpu, kv: &KvCache) -> PagedAttention {
-    PagedAttention::new(gpu, kv, HEADS).unwrap()
+    PagedAttention::new(gpu, kv, HEADS, &Default::default()).unwrap()
 }
 
 /// Table entries outside the pool, and a CSR range past kv_indices, through
@@ -157,7 +157,7 @@ fn corrupt_tables_case(gpu: &Gpu, kernel: Kernel, checks: ShaderChecks) {
     let (bs, nb) = (16u32, 6u32);
     let kv = cache(&gpu, 1, nb, bs, KvDtype::F32);
     let config = AttentionConfig::new().kernel(kernel).shader_checks(checks);
-    let attn = PagedAttention::with_config(&gpu, &kv, HEADS, &config).unwrap();
+    let attn = PagedAttention::new(&gpu, &kv, HEADS, &config).unwrap();
     let slots: Vec<u32> = (0..nb * bs).collect();
     let row = (KVH * HD) as usize;
     let (k, v) = (
@@ -245,7 +245,7 @@ fn sliding_window_after_releasing_old_blocks() {
         let nb = blocks_for(&lens, bs, 4);
         let (mut m, ids, view) = shuffled_batch(&mut rng, nb, bs, &lens);
         let kv = cache(&gpu, 1, nb, bs, dtype);
-        let attn = PagedAttention::new(&gpu, &kv, HEADS).unwrap();
+        let attn = PagedAttention::new(&gpu, &kv, HEADS, &Default::default()).unwrap();
         let row = (KVH * HD) as usize;
         let n = view.slot_mapping.len();
         let (k, v) = (rng.signed_vec(n * row), rng.signed_vec(n * row));
@@ -330,7 +330,13 @@ fn streaming_llm_releases_the_middle_blocks() {
     });
     let mut before = Vec::new();
     for kernel in Kernel::ALL {
-        let attn = PagedAttention::with_kernel(&gpu, &kv, HEADS, kernel).unwrap();
+        let attn = PagedAttention::new(
+            &gpu,
+            &kv,
+            HEADS,
+            &pagedattn::gpu::AttentionConfig::new().kernel(kernel),
+        )
+        .unwrap();
         for o in &variants {
             before.push(decode_view(&attn, &gpu, &kv, &q, &view, o).unwrap());
         }
@@ -368,7 +374,13 @@ fn streaming_llm_releases_the_middle_blocks() {
     );
     let mut i = 0;
     for kernel in Kernel::ALL {
-        let attn = PagedAttention::with_kernel(&gpu, &kv, HEADS, kernel).unwrap();
+        let attn = PagedAttention::new(
+            &gpu,
+            &kv,
+            HEADS,
+            &pagedattn::gpu::AttentionConfig::new().kernel(kernel),
+        )
+        .unwrap();
         for o in &variants {
             let after = decode_view(&attn, &gpu, &kv, &q, &after_view, o).unwrap();
             let e = rel_l2(&after, &want);
@@ -407,7 +419,7 @@ fn streaming_llm_releases_the_middle_blocks() {
         &cv.kv_indices,
         &cv.seq_lens,
     );
-    let attn = PagedAttention::new(&gpu, &kv, HEADS).unwrap();
+    let attn = PagedAttention::new(&gpu, &kv, HEADS, &Default::default()).unwrap();
     for o in [&base, &variants[1]] {
         let out = attn
             .prefill(

@@ -28,7 +28,7 @@ fn run(gpu: &Gpu, seed: u64, c: &Case) -> f64 {
     let FilledPool { view, cache, host } =
         filled_pool(gpu, &mut rng, &lens, c.block_size, 5, kv, c.dtype);
     let num_heads = c.num_kv_heads * c.group;
-    let attn = PagedAttention::new(gpu, &cache, num_heads).unwrap();
+    let attn = PagedAttention::new(gpu, &cache, num_heads, &Default::default()).unwrap();
     let mut qo = vec![0u32];
     for s in &c.seqs {
         qo.push(qo.last().unwrap() + s.1 as u32);
@@ -165,7 +165,7 @@ fn prefill_rejects_bad_query_offsets() {
     let Some(gpu) = gpu() else { return };
     let cfg = KvCacheConfig::new(4, 16, 1, 64);
     let cache = KvCache::new(&gpu, cfg).unwrap();
-    let attn = PagedAttention::new(&gpu, &cache, 2).unwrap();
+    let attn = PagedAttention::new(&gpu, &cache, 2, &Default::default()).unwrap();
     let q = vec![0.0; 3 * 2 * 64];
     // Three queries for a sequence of two tokens.
     let e = attn
@@ -239,7 +239,7 @@ fn split_kv_prefill_is_chosen_for_long_contexts() {
     let Some(gpu) = gpu() else { return };
     let cfg = KvCacheConfig::new(300, 16, 2, 64);
     let cache = KvCache::new(&gpu, cfg).unwrap();
-    let attn = PagedAttention::new(&gpu, &cache, 8).unwrap();
+    let attn = PagedAttention::new(&gpu, &cache, 8, &Default::default()).unwrap();
     let (lens, qo) = ([2000u32, 1500], [0u32, 8, 48]);
     let indptr = [0u32, 125, 219];
     let ids: Vec<u32> = (0..219).collect();

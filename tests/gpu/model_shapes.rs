@@ -174,7 +174,13 @@ fn run_model(gpu: &Gpu, md: &Model, dtype: KvDtype, window: Option<u32>) {
     let kernels: Vec<Kernel> = Kernel::ALL.to_vec();
     assert_eq!(eligible, kernels, "{name}: every kernel runs this shape");
     for kernel in kernels {
-        let attn = PagedAttention::with_kernel(gpu, &cache, md.heads, kernel).unwrap();
+        let attn = PagedAttention::new(
+            gpu,
+            &cache,
+            md.heads,
+            &pagedattn::gpu::AttentionConfig::new().kernel(kernel),
+        )
+        .unwrap();
         let (wd, wp) = attn.workgroup_bytes();
         assert!(
             wd <= PORTABLE_WORKGROUP_BYTES && wp <= PORTABLE_WORKGROUP_BYTES,
@@ -194,7 +200,7 @@ fn run_model(gpu: &Gpu, md: &Model, dtype: KvDtype, window: Option<u32>) {
     }
 
     // Chunked prefill: the remaining sequences, each with its newest tokens as queries.
-    let attn = PagedAttention::new(gpu, &cache, md.heads).unwrap();
+    let attn = PagedAttention::new(gpu, &cache, md.heads, &Default::default()).unwrap();
     let base = view.kv_indptr[nd];
     let ip: Vec<u32> = view.kv_indptr[nd..].iter().map(|x| x - base).collect();
     let ix = &view.kv_indices[base as usize..];

@@ -159,7 +159,13 @@ fn decode_and_prefill_within_the_bounds() {
             let kernels = PagedAttention::eligible_kernels(&gpu, &r.cache, heads);
             assert!(kernels.len() >= 3, "{kernels:?}");
             for kernel in kernels {
-                let attn = PagedAttention::with_kernel(&gpu, &r.cache, heads, kernel).unwrap();
+                let attn = PagedAttention::new(
+                    &gpu,
+                    &r.cache,
+                    heads,
+                    &pagedattn::gpu::AttentionConfig::new().kernel(kernel),
+                )
+                .unwrap();
                 for split in [Split::Auto, Split::Tokens(128)] {
                     let o = AttnOptions {
                         split,
@@ -179,7 +185,7 @@ fn decode_and_prefill_within_the_bounds() {
             }
             // Chunked prefill: the newest 8 positions of each sequence (1 for
             // the one-token one), split-KV under Split::Auto.
-            let attn = PagedAttention::new(&gpu, &r.cache, heads).unwrap();
+            let attn = PagedAttention::new(&gpu, &r.cache, heads, &Default::default()).unwrap();
             let mut qo = vec![0u32];
             for &l in &lens {
                 qo.push(qo.last().unwrap() + 8.min(l as u32));
@@ -366,7 +372,13 @@ fn huge_rows_never_make_decode_non_finite() {
             Stored::from(dtype),
         );
         for kernel in PagedAttention::eligible_kernels(&gpu, &cache, kvh * 4) {
-            let attn = PagedAttention::with_kernel(&gpu, &cache, kvh * 4, kernel).unwrap();
+            let attn = PagedAttention::new(
+                &gpu,
+                &cache,
+                kvh * 4,
+                &pagedattn::gpu::AttentionConfig::new().kernel(kernel),
+            )
+            .unwrap();
             let q = rng.signed_vec(2 * (kvh * 4 * hd) as usize);
             let out = attn
                 .decode(
@@ -795,7 +807,13 @@ fn serial_wide_loads_reach_every_word_of_the_pool() {
                 &view.seq_lens,
             );
             for kernel in [Kernel::Serial, Kernel::Tiled] {
-                let attn = PagedAttention::with_kernel(&gpu, &cache, heads, kernel).unwrap();
+                let attn = PagedAttention::new(
+                    &gpu,
+                    &cache,
+                    heads,
+                    &pagedattn::gpu::AttentionConfig::new().kernel(kernel),
+                )
+                .unwrap();
                 let out =
                     decode_view(&attn, &gpu, &cache, &q, &view, &AttnOptions::default()).unwrap();
                 let e = rel_l2(&out, &want);

@@ -59,7 +59,7 @@ impl Engine {
             .with_layers(LAYERS)
             .with_dtype(KvDtype::F16);
         let kv = KvCache::new(gpu, cfg).unwrap();
-        let attn = PagedAttention::new(gpu, &kv, HEADS).unwrap();
+        let attn = PagedAttention::new(gpu, &kv, HEADS, &Default::default()).unwrap();
         let mut m =
             BlockManager::new(BlockManagerConfig::new(24, BS).with_prefix_caching(true)).unwrap();
         m.scramble_free_list(7);

@@ -115,7 +115,7 @@ fn decode_after_a_swap_round_trip_is_identical() {
         m.append(a, &[1]).unwrap();
         m.append(b, &[2]).unwrap();
         write(&mut m, &[a, b, by], &mut rng);
-        let attn = PagedAttention::new(&gpu, &cache, 4).unwrap();
+        let attn = PagedAttention::new(&gpu, &cache, 4, &Default::default()).unwrap();
         let q = rng.signed_vec(2 * 4 * 16);
         let decode = |m: &BlockManager| -> Vec<Vec<f32>> {
             let (ta, tb) = (m.block_table(a).unwrap(), m.block_table(b).unwrap());

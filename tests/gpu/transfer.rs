@@ -71,7 +71,7 @@ fn pool(gpu: &Gpu, cfg: KvCacheConfig, scale: f32, rng: Option<&mut SplitMix64>)
 
 /// Decode of one sequence over `table` (full blocks) on `layer`.
 fn decode(gpu: &Gpu, cache: &KvCache, layer: u32, table: &[u32], q: &[f32]) -> Vec<f32> {
-    let attn = PagedAttention::new(gpu, cache, 4).unwrap();
+    let attn = PagedAttention::new(gpu, cache, 4, &Default::default()).unwrap();
     let len = table.len() as u32 * cache.config().block_size;
     attn.decode(
         gpu,

@@ -598,7 +598,12 @@ pub async fn kernel_check(seed: u64) -> Result<String, JsValue> {
         for kernel in PagedAttention::eligible_kernels(&g, &cache, heads) {
             for split in [Split::Never, Split::Tokens(128)] {
                 let r = async {
-                    let attn = PagedAttention::with_kernel(&g, &cache, heads, kernel)?;
+                    let attn = PagedAttention::new(
+                        &g,
+                        &cache,
+                        heads,
+                        &pagedattn::gpu::AttentionConfig::new().kernel(kernel),
+                    )?;
                     let opts = AttnOptions {
                         split,
                         ..Default::default()
@@ -647,7 +652,12 @@ pub async fn kernel_check(seed: u64) -> Result<String, JsValue> {
                 rp.sink_tokens = opts.sink_tokens;
                 let want = reference::decode(&pool, &rp, &q, &indptr, indices, &lens);
                 let r = async {
-                    let attn = PagedAttention::with_kernel(&g, &cache, heads, kernel)?;
+                    let attn = PagedAttention::new(
+                        &g,
+                        &cache,
+                        heads,
+                        &pagedattn::gpu::AttentionConfig::new().kernel(kernel),
+                    )?;
                     attn.decode_async(&g, &cache, 0, &q, &indptr, indices, &lens, &opts)
                         .await
                 }

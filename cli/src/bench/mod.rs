@@ -837,7 +837,7 @@ fn remote_ttft(
         .with_layers(layers)
         .with_dtype(KvDtype::F16);
     let (a, b) = (KvCache::new(gpu, cfg)?, KvCache::new(gpu, cfg)?);
-    let attn = PagedAttention::new(gpu, &a, HEADS)?;
+    let attn = PagedAttention::new(gpu, &a, HEADS, &Default::default())?;
     let row = (KV_HEADS * HEAD_DIM) as usize;
     let (k, v) = (rng.signed_vec(total * row), rng.signed_vec(total * row));
     let q = rng.signed_vec(total * (HEADS * HEAD_DIM) as usize);
@@ -947,7 +947,7 @@ pub fn host_step(gpu: &Gpu, steps: usize) -> Result<HostStep, BenchError> {
             .with_layers(layers)
             .with_dtype(KvDtype::F16),
     )?;
-    let attn = PagedAttention::new(gpu, &cache, 2 * kvh)?;
+    let attn = PagedAttention::new(gpu, &cache, 2 * kvh, &Default::default())?;
     let mut m = BlockManager::new(BlockManagerConfig::new(num_blocks, BLOCK))?;
     let ids: Vec<SeqId> = (0..batch)
         .map(|i| m.add_sequence(&vec![i; context as usize - 1 - steps]))
@@ -1227,16 +1227,28 @@ impl Sections<'_> {
         let Some(r) = rig(gpu, batch, context, dtype, &mut self.rng)? else {
             return Ok(None);
         };
-        let paged = PagedAttention::with_kernel(gpu, &r.cache, HEADS, chosen)?;
-        let contiguous = PagedAttention::contiguous(
+        let paged = PagedAttention::new(
             gpu,
             &r.cache,
             HEADS,
             &pagedattn::gpu::AttentionConfig::new().kernel(chosen),
         )?;
+        let contiguous = PagedAttention::new(
+            gpu,
+            &r.cache,
+            HEADS,
+            &(pagedattn::gpu::AttentionConfig::new().kernel(chosen)).contiguous(),
+        )?;
         let others: Vec<PagedAttention> = PagedAttention::eligible_kernels(gpu, &r.cache, HEADS)
             .into_iter()
-            .map(|k| PagedAttention::with_kernel(gpu, &r.cache, HEADS, k))
+            .map(|k| {
+                PagedAttention::new(
+                    gpu,
+                    &r.cache,
+                    HEADS,
+                    &pagedattn::gpu::AttentionConfig::new().kernel(k),
+                )
+            })
             .collect::<Result<_, _>>()?;
         let shuffled = tables(batch, context, true, &mut self.rng);
         let identity = tables(batch, context, false, &mut self.rng);
@@ -1447,7 +1459,7 @@ fn attention(
 ) -> Result<PagedAttention, BenchError> {
     let cfg =
         crate::env::attention_config(picks.kept(gpu, cache, HEADS)).map_err(BenchError::Config)?;
-    Ok(PagedAttention::with_config(gpu, cache, HEADS, &cfg)?)
+    Ok(PagedAttention::new(gpu, cache, HEADS, &cfg)?)
 }
 
 fn cascade_row(

@@ -386,7 +386,7 @@ impl<'a> Sweep<'a> {
     ) -> Result<Vec<(Variant, PagedAttention)>, BenchError> {
         let mut built = Vec::new();
         for v in variants {
-            match PagedAttention::with_config(self.gpu, cache, HEADS, &v.config()) {
+            match PagedAttention::new(self.gpu, cache, HEADS, &v.config()) {
                 Ok(a) => built.push((*v, a)),
                 Err(GpuError::Shape(e)) => self.say(&format!("  {}: {e}", v.label())),
                 Err(e) => return Err(e.into()),
@@ -458,7 +458,7 @@ impl<'a> Sweep<'a> {
         ));
         let mut attns = Vec::new();
         for v in pair {
-            let a = PagedAttention::with_config(gpu, &first.cache, HEADS, &v.config())?;
+            let a = PagedAttention::new(gpu, &first.cache, HEADS, &v.config())?;
             attns.push((v, a));
         }
         let mut rows = Vec::new();
@@ -547,8 +547,9 @@ impl<'a> Sweep<'a> {
             let (batch, context, r, shuffled) = (cell.batch, cell.context, &cell.rig, &cell.tables);
             self.say(&format!("paging at batch {batch} context {context}"));
             let identity = tables(batch, context, false, rng);
-            let paged = PagedAttention::with_config(gpu, &r.cache, HEADS, &win.config())?;
-            let contiguous = PagedAttention::contiguous(gpu, &r.cache, HEADS, &win.config())?;
+            let paged = PagedAttention::new(gpu, &r.cache, HEADS, &win.config())?;
+            let contiguous =
+                PagedAttention::new(gpu, &r.cache, HEADS, &(win.config()).contiguous())?;
             let what = |k: &str| format!("{} {batch}x{context} {k}", win.label());
             let rows = [
                 (

@@ -286,7 +286,8 @@ fn run() -> Result<(), String> {
         .with_layers(LAYERS)
         .with_dtype(dtype);
     let kv = KvCache::new(&gpu, cfg).map_err(|e| e.to_string())?;
-    let attn = PagedAttention::new(&gpu, &kv, HEADS).map_err(|e| e.to_string())?;
+    let attn =
+        PagedAttention::new(&gpu, &kv, HEADS, &Default::default()).map_err(|e| e.to_string())?;
     let mut m = BlockManager::new(BlockManagerConfig::new(BLOCKS, BS).with_prefix_caching(true))
         .map_err(|e| e.to_string())?;
     m.scramble_free_list(suffix_seed);
