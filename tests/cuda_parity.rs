@@ -11,7 +11,7 @@
 //! `PAGEDATTN_REQUIRE_GPU` as in the other GPU tests.
 #![cfg(feature = "cuda")]
 
-mod common;
+use pagedattn_test_support::common;
 
 use common::*;
 use pagedattn::cuda::{Cuda, CudaAttention, CudaError, CudaKvCache};

@@ -2,6 +2,11 @@
 //! `web/`, in the browser), the multi-tenant memory simulator and the
 //! benchmark, behind the `pagedattn` command line (`src/main.rs`).
 
+/// The command line: clap's parser and the checks every command makes
+/// before it opens an adapter (the binary's, the fuzz target's and the
+/// tests').
+#[cfg(not(target_arch = "wasm32"))]
+pub mod args;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod bench;
 pub mod demo;

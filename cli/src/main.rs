@@ -6,12 +6,10 @@
 //! A closed stdout (`pagedattn demo | head -2`) ends the run quietly with
 //! exit code 0.
 
-mod cli;
-
 use std::error::Error;
 use std::io::{self, Write};
 
-use cli::{Checked, Parsed};
+use pagedattn_cli::args::{self as cli, Checked, Parsed};
 use pagedattn_cli::demo::{self, Demo, DemoConfig};
 
 /// The demo stops with an error after this many steps (every step makes

@@ -4,12 +4,9 @@
 //! Each reproducer seen on 2026-11-30 is a case here. The demo cases that
 //! open an adapter skip without one (fail with PAGEDATTN_REQUIRE_GPU=1).
 
-#[path = "../../tests/common/mod.rs"]
-mod common;
+use pagedattn_test_support::common;
 
-#[allow(dead_code)]
-#[path = "../src/cli.rs"]
-mod cli;
+use pagedattn_cli::args as cli;
 
 use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};

@@ -2,8 +2,7 @@
 //! are refused with the layer's error instead of a panic, degenerate ones
 //! run to the end, and a lost device is reported.
 
-#[path = "../../tests/common/mod.rs"]
-mod common;
+use pagedattn_test_support::common;
 
 use common::gpu;
 use pagedattn::gpu::GpuError;

@@ -28,8 +28,7 @@
 //! size (2000 requests, `PAGEDATTN_SOAK_REQUESTS` to change) is
 //! `cargo test --test soak -- --ignored`.
 
-#[path = "../../tests/common/mod.rs"]
-mod common;
+use pagedattn_test_support::common;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Instant;

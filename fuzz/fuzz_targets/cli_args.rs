@@ -1,7 +1,7 @@
 //! Fuzzes the command line: the input is split into an argv (NUL or newline
-//! separated words), parsed by the binary's own clap parser (cli/src/cli.rs) and
+//! separated words), parsed by the binary's own clap parser (cli/src/args.rs) and
 //! checked; checked simulations run, cut down to a few small requests. No
-//! adapter is needed. See tests/common/cli_args.rs for the format and the
+//! adapter is needed. See cli/tests/fuzz_corpus_cli/cli_args.rs for the format and the
 //! rules checked; cli/tests/fuzz_corpus_cli.rs replays corpus/cli_args/ on stable.
 //! Run with the flag dictionary from the repository root:
 //!   RUSTC_BOOTSTRAP=1 cargo fuzz run cli_args -- -dict=fuzz/cli_args.dict -max_total_time=600
@@ -10,11 +10,7 @@
 use libfuzzer_sys::fuzz_target;
 
 #[allow(dead_code)]
-#[path = "../../cli/src/cli.rs"]
-mod cli;
-
-#[allow(dead_code)]
-#[path = "../../cli/tests/common/cli_args.rs"]
+#[path = "../../cli/tests/fuzz_corpus_cli/cli_args.rs"]
 mod cli_args;
 
 fuzz_target!(|data: &[u8]| {

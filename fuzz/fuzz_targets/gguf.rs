@@ -1,11 +1,11 @@
 //! Fuzzes the GGUF loader, the llama configuration and the tokenizer on
 //! hostile files (raw bytes, or edits of a small valid model); see
-//! model/tests/common/gguf_ops.rs for the input format and what is checked.
+//! model/tests/tokenizer/gguf_ops.rs for the input format and what is checked.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 
-#[path = "../../model/tests/common/gguf_ops.rs"]
+#[path = "../../model/tests/tokenizer/gguf_ops.rs"]
 mod gguf_ops;
 
 fuzz_target!(|data: &[u8]| {

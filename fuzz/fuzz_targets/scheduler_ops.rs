@@ -1,11 +1,10 @@
 //! Fuzzes the scheduler's whole API, forged, foreign and stale steps and handles included; see
-//! tests/common/scheduler_ops.rs for the input format and what is checked.
+//! test-support/src/scheduler_ops.rs for the input format and what is checked.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 
-#[path = "../../tests/common/scheduler_ops.rs"]
-mod scheduler_ops;
+use pagedattn_test_support::scheduler_ops;
 
 fuzz_target!(|data: &[u8]| {
     scheduler_ops::run(data);

@@ -10,8 +10,7 @@
 //! with `PAGEDATTN_BACKEND=gl cargo test --test gpu`, and a part of it by
 //! module: `cargo test --test gpu -- gpu_decode:: cascade::`.
 
-#[path = "../common/mod.rs"]
-mod common;
+use pagedattn_test_support::common;
 #[path = "../../examples/engine.rs"]
 mod engine;
 

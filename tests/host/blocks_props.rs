@@ -1,5 +1,5 @@
 //! Property test of the block manager: seeded random operation sequences
-//! through the one model checker (`tests/common/block_ops.rs`), the same one
+//! through the one model checker (`test-support/src/block_ops.rs`), the same one
 //! the fuzz target and its corpus replay (`tests/fuzz_corpus.rs`) use.
 //!
 //! Inputs are built for the checker's byte format with valid

@@ -1,5 +1,5 @@
 //! Replays the block-manager fuzz corpus on stable Rust, through the same
-//! interpreter and checker as the fuzz target (tests/common/block_ops.rs).
+//! interpreter and checker as the fuzz target (test-support/src/block_ops.rs).
 //!
 //! `fuzz/corpus/block_manager/` holds a minimised set of inputs that
 //! libFuzzer found interesting (each covered code the others did not), plus

@@ -1,7 +1,7 @@
 //! Replays the fuzz corpora of the GPU layer's host-side argument checks
-//! (tests/common/gpu_args.rs) and of what crosses into a pool from
+//! (test-support/src/gpu_args.rs) and of what crosses into a pool from
 //! elsewhere: descriptors, import payloads, copy lists
-//! (tests/common/transfer_args.rs), on stable Rust, through the same
+//! (test-support/src/transfer_args.rs), on stable Rust, through the same
 //! harnesses as the fuzz targets: every input must pass, and together they
 //! must reach every outcome (accepted and refused, for each check). Then
 //! seeded random inputs, deterministic so a failure replays
@@ -66,7 +66,7 @@ use crate::calibration;
 
 /// The calibration checks' corpus (`fuzz/corpus/calibration/`) and seeded
 /// random inputs through the fuzz target's harness
-/// (tests/common/calibration.rs): each check accepts exactly what its
+/// (test-support/src/calibration.rs): each check accepts exactly what its
 /// contract states, and calibrated values always pass. Together they must
 /// reach every outcome. `CALIBRATION_INPUT=<file>` replays one file.
 #[test]

@@ -3,18 +3,9 @@
 //! corpora replayed on stable Rust. One binary; each module was a test
 //! binary of its own and its tests keep their names under the module.
 
-#[path = "../common/block_ops.rs"]
-mod block_ops;
-#[path = "../common/calibration.rs"]
-mod calibration;
-#[path = "../common/mod.rs"]
-mod common;
-#[path = "../common/gpu_args.rs"]
-mod gpu_args;
-#[path = "../common/scheduler_ops.rs"]
-mod scheduler_ops;
-#[path = "../common/transfer_args.rs"]
-mod transfer_args;
+use pagedattn_test_support::{
+    block_ops, calibration, common, gpu_args, scheduler_ops, transfer_args,
+};
 
 mod adversarial;
 mod blocks;

@@ -844,7 +844,7 @@ fn scheduler_corpus() -> PathBuf {
 
 /// Replays the scheduler fuzz target's committed corpus
 /// (`fuzz/corpus/scheduler_ops/`, minimised by libFuzzer) through the same
-/// harness (tests/common/scheduler_ops.rs): forged, foreign and stale
+/// harness (test-support/src/scheduler_ops.rs): forged, foreign and stale
 /// commits and aborts refused with the scheduler unchanged, every table
 /// read checked on a simulated pool, no livelock, every request ended.
 /// Together the inputs must reach every outcome the harness counts.

@@ -58,10 +58,88 @@ pub fn grid<T: Clone>(what: &str, full: &[T], subset: &[usize]) -> Vec<T> {
     subset.iter().map(|&i| full[i].clone()).collect()
 }
 
-/// Says, for the test log, that part of a test cannot run on this adapter
-/// (a missing feature or limit), instead of passing silently.
-pub fn unsupported(gpu: &Gpu, what: &str) {
-    eprintln!("unsupported on {}: {what}", gpu.describe());
+/// An adapter property a GPU test may declare it cannot use, for a part
+/// of the test (as wgpu's harness declares failure cases per backend).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Adapter {
+    /// A CPU adapter (lavapipe, llvmpipe, SwiftShader, WARP).
+    Cpu,
+    /// An adapter that does not end long loops early (every real GPU):
+    /// there is no loop cap to test against.
+    NoLoopCap,
+    /// One backend.
+    Backend(wgpu::Backend),
+}
+
+impl Adapter {
+    fn is(self, gpu: &Gpu) -> bool {
+        match self {
+            Adapter::Cpu => gpu.info.device_type == wgpu::DeviceType::Cpu,
+            Adapter::NoLoopCap => !gpu.caps_loops(),
+            Adapter::Backend(b) => gpu.info.backend == b,
+        }
+    }
+}
+
+/// What a GPU test declares before it runs: the features it needs, and
+/// the parts it cannot run where, with why. [`gpu_for`] finds the adapter
+/// and refuses one without the features (a skip that says so, or a failure
+/// under `PAGEDATTN_REQUIRE_GPU=1`); [`Needs::skips`] tells the test, at
+/// the part in question, that it stops there on this adapter, and logs it.
+#[derive(Clone, Debug, Default)]
+pub struct Needs {
+    /// Adapter features the test uses.
+    pub features: wgpu::Features,
+    /// The parts the test declares it cannot run, per adapter property.
+    pub parts: Vec<(&'static str, Adapter, &'static str)>,
+}
+
+impl Needs {
+    /// A test that needs no feature and runs whole everywhere.
+    pub fn none() -> Self {
+        Self::default()
+    }
+
+    /// Declares that `part` does not run where `adapter` holds, because `why`.
+    pub fn except(mut self, part: &'static str, adapter: Adapter, why: &'static str) -> Self {
+        self.parts.push((part, adapter, why));
+        self
+    }
+
+    /// Whether `part` stops short on `gpu`, as declared; says so in the log.
+    /// A part that was never declared panics (a test must declare its cases).
+    pub fn skips(&self, gpu: &Gpu, part: &str) -> bool {
+        let declared: Vec<_> = self.parts.iter().filter(|p| p.0 == part).collect();
+        assert!(!declared.is_empty(), "part `{part}` was not declared");
+        match declared.iter().find(|p| p.1.is(gpu)) {
+            Some((_, adapter, why)) => {
+                eprintln!(
+                    "expected on {} ({adapter:?}): `{part}` does not run: {why}",
+                    gpu.describe()
+                );
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// The test's adapter ([`gpu`]) if it has every feature `needs` declares;
+/// else `None`, said in the log, or a failure with `PAGEDATTN_REQUIRE_GPU=1`.
+pub fn gpu_for(needs: &Needs) -> Option<Gpu> {
+    let gpu = gpu()?;
+    let missing = needs.features - gpu.features;
+    if missing.is_empty() {
+        return Some(gpu);
+    }
+    if std::env::var("PAGEDATTN_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+        panic!(
+            "{} lacks the features this test needs: {missing:?}",
+            gpu.describe()
+        );
+    }
+    eprintln!("skipped: {} lacks {missing:?}", gpu.describe());
+    None
 }
 
 /// A seed: `PAGEDATTN_SEED` if set, else a fixed one derived from the

@@ -12,9 +12,7 @@ use pagedattn::gpu::{
     check_copies, check_import_payload, KvCacheConfig, KvDtype, KvLayout, KV_LAYOUT_BYTES, KV_MAX,
 };
 
-#[path = "harness.rs"]
-#[macro_use]
-pub mod harness;
+pub use crate::harness;
 
 tally! {
     /// What one input reached, summed by the replay to show the corpus still

@@ -52,6 +52,7 @@ where
 /// `tally! { pub struct Name: u64 { field: "what it counts", ... } }`
 /// declares the struct (each field public, `Default` zero) with `add`, which
 /// sums another into it, and `named`, every count with its name in order.
+#[macro_export]
 macro_rules! tally {
     (
         $(#[$meta:meta])*

@@ -23,9 +23,8 @@ use pagedattn_model::config::LlamaConfig;
 use pagedattn_model::gguf::Gguf;
 use pagedattn_model::tokenizer::Tokenizer;
 
-#[path = "../../../tests/common/harness.rs"]
-#[macro_use]
-pub mod harness;
+pub use pagedattn_test_support::harness;
+use pagedattn_test_support::tally;
 
 tally! {
     /// What one input reached.

@@ -21,9 +21,7 @@ use pagedattn::gpu::{
     K_SMOOTHING_RANGE,
 };
 
-#[path = "harness.rs"]
-#[macro_use]
-pub mod harness;
+pub use crate::harness;
 
 tally! {
     /// What one input reached.

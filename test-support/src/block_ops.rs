@@ -55,9 +55,7 @@ const HISTORY: usize = 16;
 /// Block sizes that must be refused.
 const BAD_BLOCK_SIZES: [u32; 8] = [0, 3, 6, 12, 100, 257, 512, u32::MAX];
 
-#[path = "harness.rs"]
-#[macro_use]
-pub mod harness;
+pub use crate::harness;
 
 tally! {
     /// How often each interesting outcome happened.

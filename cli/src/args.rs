@@ -4,7 +4,7 @@
 //!
 //! Self-contained (clap and the library only), so that the binary
 //! (`src/main.rs`, `mod cli;`) and the argument fuzz target
-//! (`fuzz/fuzz_targets/cli_args.rs`, through `tests/common/cli_args.rs`)
+//! (`fuzz/fuzz_targets/cli_args.rs`, through `cli/tests/fuzz_corpus_cli/cli_args.rs`)
 //! parse and check with the very same code.
 //!
 //! Errors are one line each: [`error_line`] flattens any message, and
@@ -13,10 +13,10 @@
 
 use std::ffi::OsString;
 
+use crate::bench::BenchConfig;
+use crate::demo::{DemoConfig, MAX_REQUESTS as DEMO_MAX_REQUESTS, MAX_SAMPLES};
+use crate::sim::{SimConfig, SimulateArgs};
 use clap::{Parser, Subcommand};
-use pagedattn_cli::bench::BenchConfig;
-use pagedattn_cli::demo::{DemoConfig, MAX_REQUESTS as DEMO_MAX_REQUESTS, MAX_SAMPLES};
-use pagedattn_cli::sim::{SimConfig, SimulateArgs};
 
 /// Exit code of a usage error: a bad flag or value, or options that fail a check.
 pub const EXIT_USAGE: i32 = 2;
@@ -79,7 +79,7 @@ pub struct LoadgenArgs {
     pub requests: usize,
     /// Prompt and output lengths after this dataset's (the vLLM paper's).
     #[arg(long, value_enum, default_value = "sharegpt")]
-    pub dataset: pagedattn_cli::sim::Dataset,
+    pub dataset: crate::sim::Dataset,
     /// Divide the dataset's mean lengths by this, to fit the machine.
     #[arg(long, default_value_t = 4.0)]
     pub scale: f64,
@@ -367,7 +367,7 @@ pub enum Checked {
     /// The decode sweep.
     Sweep {
         /// What to sweep.
-        cfg: pagedattn_cli::bench::sweep::SweepConfig,
+        cfg: crate::bench::sweep::SweepConfig,
         /// Where the CSV goes, if anywhere.
         csv: Option<std::path::PathBuf>,
         /// Print JSON instead of the table.
@@ -381,21 +381,21 @@ pub enum Checked {
     /// Text generation.
     Generate {
         /// Validated options (the prompts file read).
-        opts: pagedattn_cli::model::generate::GenerateOptions,
+        opts: crate::model::generate::GenerateOptions,
     },
     /// The server.
     Serve {
         /// Validated configuration (the key file read).
-        cfg: pagedattn_cli::server::ServeConfig,
+        cfg: crate::server::ServeConfig,
     },
     /// The load generator.
     Loadgen {
         /// Validated arguments.
         args: LoadgenArgs,
         /// The load.
-        spec: pagedattn_cli::loadgen::LoadSpec,
+        spec: crate::loadgen::LoadSpec,
         /// The servers it starts.
-        server: pagedattn_cli::server::ServeConfig,
+        server: crate::server::ServeConfig,
         /// Their policies, for a sweep.
         policies: Vec<pagedattn::blocks::Reservation>,
     },
@@ -508,7 +508,7 @@ pub fn check(cli: Cli) -> Result<Checked, String> {
             Ok(Checked::Bench { cfg, json: a.json })
         }
         Some(Command::Sweep(a)) => Ok(Checked::Sweep {
-            cfg: pagedattn_cli::bench::sweep::SweepConfig {
+            cfg: crate::bench::sweep::SweepConfig {
                 small: a.small,
                 progress: true,
             },
@@ -523,10 +523,10 @@ pub fn check(cli: Cli) -> Result<Checked, String> {
 }
 
 fn loadgen(a: LoadgenArgs) -> Result<Checked, String> {
+    use crate::loadgen::{Arrivals, LoadSpec};
+    use crate::server::ServeConfig;
     use pagedattn::blocks::Reservation;
-    use pagedattn_cli::loadgen::{Arrivals, LoadSpec};
-    use pagedattn_cli::server::ServeConfig;
-    let sampling: pagedattn_cli::sim::Sampling = a.sampling.parse()?;
+    let sampling: crate::sim::Sampling = a.sampling.parse()?;
     if !(1..=100_000).contains(&a.requests) {
         return Err(format!("--requests {} outside 1..=100000", a.requests));
     }
@@ -602,13 +602,10 @@ fn loadgen(a: LoadgenArgs) -> Result<Checked, String> {
         temperature: a.temperature,
     };
     let server = ServeConfig {
-        model: a
-            .model
-            .clone()
-            .unwrap_or_else(pagedattn_cli::env::model_path),
-        backends: pagedattn_cli::env::backends().map_err(|e| e.to_string())?,
+        model: a.model.clone().unwrap_or_else(crate::env::model_path),
+        backends: crate::env::backends().map_err(|e| e.to_string())?,
         port: 0,
-        kv_dtype: pagedattn_cli::demo::parse_kv_dtype(&a.kv_dtype)?,
+        kv_dtype: crate::demo::parse_kv_dtype(&a.kv_dtype)?,
         num_blocks: a.num_blocks,
         max_seqs: a.max_seqs,
         max_batch_tokens: 256.max(a.max_seqs),
@@ -626,8 +623,8 @@ fn loadgen(a: LoadgenArgs) -> Result<Checked, String> {
 }
 
 fn serve(a: &ServeArgs) -> Result<Checked, String> {
+    use crate::server::{ApiKeys, ServeConfig};
     use pagedattn::blocks::{Preemption, Reservation};
-    use pagedattn_cli::server::{ApiKeys, ServeConfig};
     let reservation = Reservation::from_name(&a.reservation).ok_or_else(|| {
         format!(
             "--reservation {:?}: expected paged, max, pow2 or oracle",
@@ -655,15 +652,12 @@ fn serve(a: &ServeArgs) -> Result<Checked, String> {
         None => None,
     };
     let cfg = ServeConfig {
-        model: a
-            .model
-            .clone()
-            .unwrap_or_else(pagedattn_cli::env::model_path),
-        backends: pagedattn_cli::env::backends().map_err(|e| e.to_string())?,
+        model: a.model.clone().unwrap_or_else(crate::env::model_path),
+        backends: crate::env::backends().map_err(|e| e.to_string())?,
         served_model_name: a.served_model_name.clone(),
         host: a.host,
         port: a.port,
-        kv_dtype: pagedattn_cli::demo::parse_kv_dtype(&a.kv_dtype)?,
+        kv_dtype: crate::demo::parse_kv_dtype(&a.kv_dtype)?,
         num_blocks: a.num_blocks,
         max_seqs: a.max_seqs,
         max_batch_tokens: a.max_batch_tokens,
@@ -687,8 +681,8 @@ fn serve(a: &ServeArgs) -> Result<Checked, String> {
 pub const MAX_PROMPTS: usize = 1024;
 
 fn generate(a: &GenerateArgs) -> Result<Checked, String> {
-    use pagedattn_cli::model::generate::GenerateOptions;
-    use pagedattn_cli::model::sample::SamplingParams;
+    use crate::model::generate::GenerateOptions;
+    use crate::model::sample::SamplingParams;
     if !(1..=8192).contains(&a.max_tokens) {
         return Err(format!("--max-tokens {} is not in 1..=8192", a.max_tokens));
     }
@@ -709,7 +703,7 @@ fn generate(a: &GenerateArgs) -> Result<Checked, String> {
             a.num_blocks
         ));
     }
-    let kv_dtype = pagedattn_cli::demo::parse_kv_dtype(&a.kv_dtype)?;
+    let kv_dtype = crate::demo::parse_kv_dtype(&a.kv_dtype)?;
     let params = SamplingParams {
         temperature: a.temperature,
         top_k: a.top_k,
@@ -760,16 +754,13 @@ fn generate(a: &GenerateArgs) -> Result<Checked, String> {
         samples: a.samples,
         beams: a.beams.unwrap_or(0),
         params,
-        model: a
-            .model
-            .clone()
-            .unwrap_or_else(pagedattn_cli::env::model_path),
-        backends: pagedattn_cli::env::backends().map_err(|e| e.to_string())?,
+        model: a.model.clone().unwrap_or_else(crate::env::model_path),
+        backends: crate::env::backends().map_err(|e| e.to_string())?,
         kv_dtype,
         num_blocks: a.num_blocks,
         ..GenerateOptions::default()
     };
-    pagedattn_cli::model::generate::check(&opts).map_err(|e| e.to_string())?;
+    crate::model::generate::check(&opts).map_err(|e| e.to_string())?;
     Ok(Checked::Generate { opts })
 }
 
@@ -797,7 +788,7 @@ fn demo(a: &DemoArgs) -> Result<Checked, String> {
         dtype: if a.f32 {
             pagedattn::gpu::KvDtype::F32
         } else {
-            pagedattn_cli::demo::parse_kv_dtype(&a.kv_dtype)?
+            crate::demo::parse_kv_dtype(&a.kv_dtype)?
         },
         ..DemoConfig::default()
     };

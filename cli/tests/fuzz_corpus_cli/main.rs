@@ -1,18 +1,13 @@
 //! Replays the command-line fuzz target's corpus (`fuzz/corpus/cli_args/`)
 //! on stable Rust, and a seeded random exploration, through the same
-//! harness as the fuzz target (tests/common/cli_args.rs) and the binary's
-//! own parser and checks (src/cli.rs). `CLI_ARGS_INPUT=<file>` replays one
+//! harness as the fuzz target (cli/tests/fuzz_corpus_cli/cli_args.rs) and the binary's
+//! own parser and checks (`pagedattn_cli::args`). `CLI_ARGS_INPUT=<file>` replays one
 //! file.
 
 use std::path::Path;
 
 use pagedattn::rng::SplitMix64;
 
-#[allow(dead_code)]
-#[path = "../src/cli.rs"]
-mod cli;
-
-#[path = "common/cli_args.rs"]
 mod cli_args;
 use cli_args::harness::{assert_reached, caught, corpus_files};
 

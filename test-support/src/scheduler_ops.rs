@@ -40,9 +40,7 @@ pub const MAX_OPS: usize = 600;
 /// Steps the final drain may take before it counts as a livelock.
 const DRAIN_STEPS: usize = 20_000;
 
-#[path = "harness.rs"]
-#[macro_use]
-pub mod harness;
+pub use crate::harness;
 
 tally! {
     /// How often each interesting outcome happened.

@@ -267,7 +267,6 @@ fn a_long_prompt_encodes_quickly() {
     assert_eq!(t.decode(&ids), word);
 }
 
-#[path = "common/gguf_ops.rs"]
 mod gguf_ops;
 use gguf_ops::harness::{assert_reached, caught, corpus_files};
 
@@ -286,7 +285,7 @@ fn the_fuzz_base_file_loads_the_whole_way() {
 
 /// Replays the GGUF fuzz corpus (`fuzz/corpus/gguf/`, minimised by
 /// libFuzzer) and seeded random edits of the base file through the
-/// harness (tests/common/gguf_ops.rs): no input panics, a parsed file's
+/// harness (model/tests/tokenizer/gguf_ops.rs): no input panics, a parsed file's
 /// tensors lie inside it, and together they reach every outcome (parsed
 /// and refused, configured and refused, tokenizer loaded and refused).
 /// `GGUF_INPUT=<file>` replays one file.

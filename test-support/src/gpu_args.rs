@@ -14,9 +14,7 @@ use pagedattn::gpu::{
     MAX_KV_HEADS, MAX_LAYERS, MAX_SEQ_LEN,
 };
 
-#[path = "harness.rs"]
-#[macro_use]
-pub mod harness;
+pub use crate::harness;
 
 tally! {
     /// What one input reached, summed by the replay to show the corpus still

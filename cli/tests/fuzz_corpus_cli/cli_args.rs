@@ -1,5 +1,5 @@
 //! The command-line fuzz harness: bytes -> argv -> the binary's own parser
-//! and checks (`src/cli.rs`, included by the includer as `crate::cli`) ->
+//! and checks (`pagedattn_cli::args`) ->
 //! a bounded run of whatever needs no adapter. Shared by the fuzz target
 //! (fuzz/fuzz_targets/cli_args.rs) and its stable replay
 //! (cli/tests/fuzz_corpus_cli.rs).
@@ -21,12 +21,11 @@
 
 use std::ffi::OsString;
 
-use crate::cli::{self, Checked, Parsed};
+use pagedattn_cli::args::{self as cli, Checked, Parsed};
 use pagedattn_cli::sim::{simulate, Sampling, SimError};
 
-#[path = "../../../tests/common/harness.rs"]
-#[macro_use]
-pub mod harness;
+pub use pagedattn_test_support::harness;
+use pagedattn_test_support::tally;
 
 tally! {
     /// Which ways an input went, counted over a corpus.
