@@ -7,8 +7,8 @@
 //! No adapter is needed; the sources are the ones `PagedAttention` and
 //! `KvCache` hand to wgpu for these shapes (subgroup variants included).
 
-use pagedattn::gpu::shader::{kernel_takes, source, ShaderShape, KERNELS};
-use pagedattn::gpu::{mla_source, KvDtype, MlaCacheConfig, MlaShape, MLA_KERNELS};
+use pagedattn::gpu::shader::{source, Family, Shader, ShaderShape};
+use pagedattn::gpu::{mla_source, KvDtype, MlaCacheConfig, MlaShape};
 use std::fmt::Write as _;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -20,16 +20,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     std::fs::create_dir_all(&dir)?;
     let mut index = String::new();
     let mut written = 0;
-    for (kernel, _) in KERNELS {
-        for shape in shapes(kernel) {
-            if !kernel_takes(kernel, shape.dtype) {
+    for kernel in Shader::ALL
+        .into_iter()
+        .filter(|k| k.entry().family == Family::Attention)
+    {
+        for shape in shapes(kernel.name()) {
+            if !kernel.takes(shape.dtype) {
                 continue;
             }
             let Some(src) = source(kernel, &shape) else {
                 continue;
             };
             let name = format!(
-                "{kernel}-{}-d{}-g{}-ht{}-b{}-q{}-lpt{}{}{}{}{}.wgsl",
+                "{}-{}-d{}-g{}-ht{}-b{}-q{}-lpt{}{}{}{}{}.wgsl",
+                kernel.name(),
                 shape.dtype.name(),
                 shape.head_dim,
                 shape.group,
@@ -55,12 +59,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             ..MlaCacheConfig::deepseek(1, 1)
         };
         let shape = MlaShape::new(&cfg, 128);
-        for (kernel, _) in MLA_KERNELS {
+        for kernel in Shader::ALL
+            .into_iter()
+            .filter(|k| k.entry().family == Family::Mla)
+        {
             let Some(src) = mla_source(kernel, &shape) else {
                 continue;
             };
             let name = format!(
-                "{kernel}-{}-r{}-v{}-hg{}-b{}.wgsl",
+                "{}-{}-r{}-v{}-hg{}-b{}.wgsl",
+                kernel.name(),
                 dtype.name(),
                 shape.row4 * 4,
                 shape.v4 * 4,

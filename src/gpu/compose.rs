@@ -16,41 +16,172 @@ use super::dtype::{ActDtype, KvDtype};
 /// The common structs and helpers.
 pub const COMMON: &str = include_str!("../../shaders/common.wgsl");
 
-/// Every kernel: (name, source without prelude and common part).
-pub const KERNELS: &[(&str, &str)] = &[
-    ("write_kv", include_str!("../../shaders/write_kv.wgsl")),
-    ("write_kv_q", include_str!("../../shaders/write_kv_q.wgsl")),
-    (
-        "copy_blocks_q",
-        include_str!("../../shaders/copy_blocks_q.wgsl"),
-    ),
-    (
+/// Every kernel the library compiles, as a typed entry of [`REGISTRY`]:
+/// code names a kernel by this, never by a string. Adding a kernel takes
+/// its `.wgsl` file (whose `//#import` lines say what it uses), its module
+/// (a decode kernel's in `kernels/`), a variant here and its line in
+/// [`REGISTRY`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Shader {
+    /// New tokens' K and V into their slots (plain pools).
+    WriteKv,
+    /// New tokens' K and V into their slots (quantized pools).
+    WriteKvQ,
+    /// A copy-on-write list (plain pools).
+    CopyBlocks,
+    /// A copy-on-write list (quantized pools).
+    CopyBlocksQ,
+    /// The tiled decode kernel, and prefill for every decode kernel.
+    Attention,
+    /// The lanes decode kernel.
+    AttentionLanes,
+    /// The stream decode kernel.
+    AttentionStream,
+    /// The serial decode kernel (software adapters).
+    AttentionSerial,
+    /// The cascade's segment pass on GPUs.
+    AttentionRows,
+    /// The split-K merge.
+    Reduce,
+    /// MLA decode and prefill.
+    MlaDecode,
+    /// MLA's split-K merge.
+    MlaMerge,
+    /// New latent rows into their slots.
+    MlaWrite,
+    /// MLA's copy-on-write list.
+    MlaCopy,
+}
+
+/// Which shape a kernel is compiled at, which constants it imports, and
+/// so which pipeline key it is cached by.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Family {
+    /// [`ShaderShape`], the `constants` import (`shaders/*.wgsl`).
+    Attention,
+    /// [`MlaShape`], the `mla_constants` import (`shaders/mla/*.wgsl`).
+    Mla,
+}
+
+/// A kernel's entry: its name (the pipeline's label, its file's stem), its
+/// file, its family and the pools it serves.
+#[derive(Clone, Copy, Debug)]
+pub struct ShaderEntry {
+    /// The kernel.
+    pub shader: Shader,
+    /// Its name: the pipeline's label, and its file under `shaders/`.
+    pub name: &'static str,
+    /// Its file's text (`//#import` lines first).
+    pub text: &'static str,
+    /// Its shape and constants.
+    pub family: Family,
+    /// The pools it serves: `Some(true)` quantized only, `Some(false)`
+    /// plain only, `None` every pool.
+    pub quantized: Option<bool>,
+}
+
+macro_rules! entry {
+    ($shader:ident, $name:literal, $file:literal, $family:ident, $q:expr) => {
+        ShaderEntry {
+            shader: Shader::$shader,
+            name: $name,
+            text: include_str!(concat!("../../shaders/", $file, ".wgsl")),
+            family: Family::$family,
+            quantized: $q,
+        }
+    };
+}
+
+/// Every kernel, in [`Shader`]'s order: one line each.
+pub const REGISTRY: [ShaderEntry; 14] = [
+    entry!(WriteKv, "write_kv", "write_kv", Attention, Some(false)),
+    entry!(WriteKvQ, "write_kv_q", "write_kv_q", Attention, Some(true)),
+    entry!(
+        CopyBlocks,
         "copy_blocks",
-        include_str!("../../shaders/copy_blocks.wgsl"),
+        "copy_blocks",
+        Attention,
+        Some(false)
     ),
-    ("attention", include_str!("../../shaders/attention.wgsl")),
-    (
+    entry!(
+        CopyBlocksQ,
+        "copy_blocks_q",
+        "copy_blocks_q",
+        Attention,
+        Some(true)
+    ),
+    entry!(Attention, "attention", "attention", Attention, None),
+    entry!(
+        AttentionLanes,
         "attention_lanes",
-        include_str!("../../shaders/attention_lanes.wgsl"),
+        "attention_lanes",
+        Attention,
+        None
     ),
-    (
+    entry!(
+        AttentionStream,
         "attention_stream",
-        include_str!("../../shaders/attention_stream.wgsl"),
+        "attention_stream",
+        Attention,
+        None
     ),
-    (
+    entry!(
+        AttentionSerial,
         "attention_serial",
-        include_str!("../../shaders/attention_serial.wgsl"),
+        "attention_serial",
+        Attention,
+        None
     ),
-    (
+    entry!(
+        AttentionRows,
         "attention_rows",
-        include_str!("../../shaders/attention_rows.wgsl"),
+        "attention_rows",
+        Attention,
+        None
     ),
-    ("reduce", include_str!("../../shaders/reduce.wgsl")),
-    (
-        "stream_read",
-        include_str!("../../shaders/stream_read.wgsl"),
-    ),
+    entry!(Reduce, "reduce", "reduce", Attention, None),
+    entry!(MlaDecode, "mla_decode", "mla/decode", Mla, None),
+    entry!(MlaMerge, "mla_merge", "mla/merge", Mla, None),
+    entry!(MlaWrite, "mla_write", "mla/write", Mla, None),
+    entry!(MlaCopy, "mla_copy", "mla/copy", Mla, None),
 ];
+
+impl std::fmt::Display for Shader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl Shader {
+    /// Every kernel.
+    pub const ALL: [Shader; 14] = {
+        let mut all = [Shader::WriteKv; 14];
+        let mut i = 0;
+        while i < 14 {
+            all[i] = REGISTRY[i].shader;
+            i += 1;
+        }
+        all
+    };
+
+    /// Its entry.
+    pub fn entry(self) -> &'static ShaderEntry {
+        &REGISTRY[self as usize]
+    }
+
+    /// Its name: the pipeline's label (`mla_decode` for `mla/decode.wgsl`).
+    pub fn name(self) -> &'static str {
+        self.entry().name
+    }
+
+    /// Whether it is built for pools of `dtype`: the `_q` kernels for
+    /// quantized pools only, their plain twins for the others.
+    pub fn takes(self, dtype: KvDtype) -> bool {
+        self.entry()
+            .quantized
+            .is_none_or(|q| q == dtype.quantized())
+    }
+}
 
 /// The compile-time shape of a kernel instance.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -395,24 +526,23 @@ fn part(name: &str, shape: &ShaderShape, wide: u32, generated: &str) -> Option<S
     })
 }
 
-/// Whether `kernel` is built for pools of `dtype`: the `_q` kernels for
-/// quantized pools only, their plain twins for f32 and f16 only.
-pub fn kernel_takes(kernel: &str, dtype: KvDtype) -> bool {
-    match kernel {
-        "write_kv_q" | "copy_blocks_q" => dtype.quantized(),
-        "write_kv" | "copy_blocks" => !dtype.quantized(),
-        _ => true,
+/// The source of `kernel` (an attention-family entry of [`REGISTRY`]) at
+/// `shape`: each import its file names, in its order (see [`IMPORTS`]),
+/// then the file's own text. `wide` (KV4s per pool load, for
+/// `pool_words`) and `generated` (the WGSL the kernel's module writes) come
+/// from the kernels' modules ([`kernels::source`](super::kernels::source)).
+/// `None` for an MLA kernel, an unknown import, or generated code the file
+/// does not import.
+pub fn compose(kernel: Shader, shape: &ShaderShape, wide: u32, generated: &str) -> Option<String> {
+    if kernel.entry().family != Family::Attention {
+        return None;
     }
+    compose_file(kernel.entry().text, shape, wide, generated)
 }
 
-/// The source of `kernel` (a file of `shaders/`) at `shape`: each import
-/// its file names, in its order (see [`IMPORTS`]), then the file's own
-/// text. `wide` (KV4s per pool load, for `pool_words`) and `generated`
-/// (the WGSL the kernel's module writes) come from the kernels' registry
-/// ([`kernels::source`](super::kernels::source)). `None` for an unknown
-/// kernel, an unknown import, or generated code the file does not import.
-pub fn compose(kernel: &str, shape: &ShaderShape, wide: u32, generated: &str) -> Option<String> {
-    let file = KERNELS.iter().find(|(n, _)| *n == kernel)?.1;
+/// [`compose`] for any file's text: what a kernel outside the library (the
+/// bench's streaming read) composes with.
+pub fn compose_file(file: &str, shape: &ShaderShape, wide: u32, generated: &str) -> Option<String> {
     let names = imports(file);
     if !generated.is_empty() && !names.contains(&"generated") {
         return None;

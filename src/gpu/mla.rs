@@ -33,7 +33,9 @@
 
 use super::attention::Split;
 pub use super::compose::MlaShape;
-use super::compose::{body, imports, io_codec, kv_codec, shared_source, PipelineKey};
+use super::compose::{
+    body, imports, io_codec, kv_codec, shared_source, Family, PipelineKey, Shader,
+};
 use super::context::Gpu;
 use super::dtype::{ActDtype, KvDtype};
 use super::error::{GpuError, MlaError, PoolError};
@@ -220,22 +222,17 @@ impl MlaShape {
     }
 }
 
-/// The MLA kernels: (name, source without prelude and common part).
-pub const MLA_KERNELS: &[(&str, &str)] = &[
-    ("mla_decode", include_str!("../../shaders/mla/decode.wgsl")),
-    ("mla_merge", include_str!("../../shaders/mla/merge.wgsl")),
-    ("mla_write", include_str!("../../shaders/mla/write.wgsl")),
-    ("mla_copy", include_str!("../../shaders/mla/copy.wgsl")),
-];
-
 /// What the MLA kernels share (`shaders/mla/common.wgsl`).
 const MLA_COMMON: &str = include_str!("../../shaders/mla/common.wgsl");
 
 /// The full source of an MLA kernel at `shape`, as compiled: each import
 /// its file names, in its order, then the file's own text; `None` for an
 /// unknown name or import.
-pub fn mla_source(kernel: &str, shape: &MlaShape) -> Option<String> {
-    let file = MLA_KERNELS.iter().find(|(n, _)| *n == kernel)?.1;
+pub fn mla_source(kernel: Shader, shape: &MlaShape) -> Option<String> {
+    if kernel.entry().family != Family::Mla {
+        return None;
+    }
+    let file = kernel.entry().text;
     let mut out = String::new();
     for name in imports(file) {
         match name {
@@ -257,10 +254,10 @@ pub fn mla_source(kernel: &str, shape: &MlaShape) -> Option<String> {
 
 pub(in crate::gpu) fn mla_pipeline(
     gpu: &Gpu,
-    kernel: &'static str,
+    kernel: Shader,
     shape: &MlaShape,
 ) -> Result<wgpu::ComputePipeline, GpuError> {
-    cached_pipeline(gpu, kernel, PipelineKey::Mla(*shape), || {
+    cached_pipeline(gpu, kernel.name(), PipelineKey::Mla(*shape), || {
         mla_source(kernel, shape)
     })
 }
@@ -319,8 +316,8 @@ impl MlaCache {
             });
         }
         let shape = MlaShape::new(&cfg, 1);
-        mla_pipeline(gpu, "mla_write", &shape)?;
-        let copy = mla_pipeline(gpu, "mla_copy", &shape)?;
+        mla_pipeline(gpu, Shader::MlaWrite, &shape)?;
+        let copy = mla_pipeline(gpu, Shader::MlaCopy, &shape)?;
         let layers = gpu.scoped_try(|| {
             (0..cfg.num_layers)
                 .map(|l| gpu.storage(&format!("mla pool layer {l}"), bytes))
@@ -436,7 +433,7 @@ impl MlaAttention {
                 available: gpu.limits.max_compute_workgroup_storage_size as u64,
             });
         }
-        mla_pipeline(gpu, "mla_decode", &shape)?;
+        mla_pipeline(gpu, Shader::MlaDecode, &shape)?;
         Ok(Self {
             heads: num_heads,
             scale,

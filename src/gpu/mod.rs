@@ -35,8 +35,8 @@ mod units;
 #[doc(hidden)]
 pub mod shader {
     pub use super::compose::{
-        balanced_head_tile, imports, kernel_takes, prelude, ShaderShape, COMMON, IMPORTS, KERNELS,
-        SHARED,
+        balanced_head_tile, compose_file, imports, prelude, Family, Shader, ShaderEntry,
+        ShaderShape, COMMON, IMPORTS, REGISTRY, SHARED,
     };
     pub use super::kernels::lanes::lanes_per_token;
     pub use super::kernels::rows::workgroup_size as rows_workgroup_size;
@@ -71,14 +71,14 @@ pub use kv_cache::{
 /// The MLA kernels' shapes and sources, for the shader tests and
 /// `examples/shaders.rs`: not API an engine needs.
 #[doc(hidden)]
-pub use mla::{mla_source, MlaShape, MLA_HEADS_PER_WORKGROUP, MLA_KERNELS, MLA_LANES};
+pub use mla::{mla_source, MlaShape, MLA_HEADS_PER_WORKGROUP, MLA_LANES};
 pub use mla::{
     MlaAttention, MlaCache, MlaCacheConfig, MLA_MAX_HEADS, MLA_MAX_LAYERS, MLA_MAX_QUERIES,
 };
 /// Kernel plumbing for the benchmark in the CLI crate (`stream_read`): not
 /// part of the API an engine should rely on.
 #[doc(hidden)]
-pub use pass::{bind as bind_buffers, dispatch as dispatch_pass, pipeline as kv_cache_pipeline};
+pub use pass::{bind as bind_buffers, dispatch as dispatch_pass, pipeline_from_file};
 pub use plan::{check_copies, AttentionPlan, DecodeTables, MlaPlan, PrefillTables, WritePlan};
 pub use swap::SwapSpace;
 pub use transfer::{check_import_payload, KvLayout, KV_LAYOUT_BYTES, KV_LAYOUT_VERSION};

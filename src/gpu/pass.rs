@@ -7,7 +7,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::compose::{PipelineKey, ShaderShape};
+use super::compose::{PipelineKey, Shader, ShaderShape};
 use super::context::Gpu;
 use super::error::{GpuError, ShapeError};
 use super::kernels;
@@ -21,12 +21,28 @@ pub(crate) fn next_id() -> u64 {
 /// Creates the pipeline of `kernel` for `shape`, reporting shader errors as ours.
 pub fn pipeline(
     gpu: &Gpu,
-    kernel: &'static str,
+    kernel: Shader,
     shape: &ShaderShape,
 ) -> Result<wgpu::ComputePipeline, GpuError> {
     let key = kernels::compiled_shape(kernel, shape);
-    cached_pipeline(gpu, kernel, PipelineKey::Attention(key), || {
+    cached_pipeline(gpu, kernel.name(), PipelineKey::Attention(key), || {
         kernels::source(kernel, &key)
+    })
+}
+
+/// The pipeline of a kernel outside the library (the bench's streaming
+/// read), `label` at `shape` composed from `file` by
+/// [`compose_file`](super::compose::compose_file) with `generated`, from
+/// the device's cache.
+pub fn pipeline_from_file(
+    gpu: &Gpu,
+    label: &'static str,
+    file: &'static str,
+    shape: &ShaderShape,
+    generated: &str,
+) -> Result<wgpu::ComputePipeline, GpuError> {
+    cached_pipeline(gpu, label, PipelineKey::Attention(*shape), || {
+        super::compose::compose_file(file, shape, 1, generated)
     })
 }
 

@@ -5,7 +5,15 @@
 
 use naga::back::{glsl, hlsl, msl, spv};
 use naga::valid::{Capabilities, ModuleInfo, ValidationFlags, Validator};
-use pagedattn::gpu::shader::{source, ShaderShape, KERNELS};
+use pagedattn::gpu::shader::{source, Family, Shader, ShaderShape};
+
+/// The kernels of one family, from the registry.
+fn family(f: Family) -> Vec<Shader> {
+    Shader::ALL
+        .into_iter()
+        .filter(|k| k.entry().family == f)
+        .collect()
+}
 use pagedattn::gpu::{params::PARAM_STRUCTS, KvDtype};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -81,9 +89,13 @@ fn stream_fit(shape: ShaderShape) -> Option<ShaderShape> {
     })
 }
 
-fn parse(kernel: &str, shape: &ShaderShape) -> (naga::Module, ModuleInfo) {
+fn parse(kernel: Shader, shape: &ShaderShape) -> (naga::Module, ModuleInfo) {
     let src = source(kernel, shape).unwrap();
-    parse_src(&format!("{kernel} {shape:?}"), &src, shape.subgroups)
+    parse_src(
+        &format!("{} {shape:?}", kernel.name()),
+        &src,
+        shape.subgroups,
+    )
 }
 
 fn parse_src(what: &str, src: &str, subgroups: bool) -> (naga::Module, ModuleInfo) {
@@ -103,10 +115,10 @@ fn parse_src(what: &str, src: &str, subgroups: bool) -> (naga::Module, ModuleInf
     (module, info)
 }
 
-fn translate(kernel: &str, shape: &ShaderShape, module: &naga::Module, info: &ModuleInfo) {
+fn translate(kernel: Shader, shape: &ShaderShape, module: &naga::Module, info: &ModuleInfo) {
     // 64 invocations, but a serial cascade pass (several query slots) runs
     // 8, and the rows kernel rows x lanes per row x token groups.
-    let wgs = match kernel {
+    let wgs = match kernel.name() {
         "attention_serial" => pagedattn::gpu::shader::serial_workgroup_size(shape.qtile),
         "attention_rows" => pagedattn::gpu::shader::rows_workgroup_size(shape),
         "attention_stream" => shape.workgroup,
@@ -115,7 +127,7 @@ fn translate(kernel: &str, shape: &ShaderShape, module: &naga::Module, info: &Mo
     // wgpu's GL backend has no subgroups, so those shapes never reach it.
     let gl = !(shape.subgroups
         && matches!(
-            kernel,
+            kernel.name(),
             "attention_lanes" | "attention_rows" | "attention_stream"
         ));
     translate_src(&format!("{kernel} {shape:?}"), module, info, wgs, gl);
@@ -198,7 +210,7 @@ fn translate_src(what: &str, module: &naga::Module, info: &ModuleInfo, wgs: u32,
 
 #[test]
 fn every_mla_kernel_validates_and_translates_to_every_backend() {
-    use pagedattn::gpu::{mla_source, ActDtype, KvDtype, MlaCacheConfig, MlaShape, MLA_KERNELS};
+    use pagedattn::gpu::{mla_source, ActDtype, KvDtype, MlaCacheConfig, MlaShape};
     let mut n = 0;
     // DeepSeek's 512 + 64 at 128 and 1 heads, a small row at 12 heads, and
     // the widest row: every dtype the pools take.
@@ -218,7 +230,7 @@ fn every_mla_kernel_validates_and_translates_to_every_backend() {
             );
             // Every activation and output codec, and the split decode's
             // 16-bit reads with f32 partials.
-            for (kernel, _) in MLA_KERNELS {
+            for kernel in family(Family::Mla) {
                 for (act, out) in [
                     (ActDtype::F32, ActDtype::F32),
                     (ActDtype::F16, ActDtype::F16),
@@ -229,7 +241,7 @@ fn every_mla_kernel_validates_and_translates_to_every_backend() {
                     let src = mla_source(kernel, &shape).unwrap();
                     let what = format!("{kernel} {shape:?}");
                     let (module, info) = parse_src(&what, &src, false);
-                    let wgs = if *kernel == "mla_decode" {
+                    let wgs = if kernel == Shader::MlaDecode {
                         shape.workgroup_size()
                     } else {
                         64
@@ -241,21 +253,22 @@ fn every_mla_kernel_validates_and_translates_to_every_backend() {
         }
     }
     eprintln!("{n} MLA kernel instances validated and translated");
-    assert_eq!(n, 4 * 3 * 4 * MLA_KERNELS.len());
+    assert_eq!(n, 4 * 3 * 4 * family(Family::Mla).len());
 }
 
 #[test]
 fn every_kernel_validates_and_translates_to_every_backend() {
     let mut work = Vec::new();
     let mut skipped = 0;
-    for (kernel, _) in KERNELS {
+    let kernels = family(Family::Attention);
+    for &kernel in &kernels {
         for shape in shapes() {
-            if !pagedattn::gpu::shader::kernel_takes(kernel, shape.dtype) {
+            if !kernel.takes(shape.dtype) {
                 skipped += 1;
                 continue;
             }
-            let shape = match *kernel {
-                "attention_stream" => match stream_fit(shape) {
+            let shape = match kernel {
+                Shader::AttentionStream => match stream_fit(shape) {
                     Some(s) => s,
                     None => {
                         skipped += 1;
@@ -264,7 +277,7 @@ fn every_kernel_validates_and_translates_to_every_backend() {
                 },
                 _ => shape,
             };
-            work.push((*kernel, shape));
+            work.push((kernel, shape));
         }
     }
     // Each instance is independent CPU work (naga parses, validates and
@@ -280,14 +293,14 @@ fn every_kernel_validates_and_translates_to_every_backend() {
                 let Some((kernel, shape)) = work.get(i) else {
                     break;
                 };
-                let (module, info) = parse(kernel, shape);
-                translate(kernel, shape, &module, &info);
+                let (module, info) = parse(*kernel, shape);
+                translate(*kernel, shape, &module, &info);
             });
         }
     });
     let n = work.len();
     eprintln!("{n} kernel instances validated and translated to SPIR-V, MSL, HLSL and GLSL ({threads} threads)");
-    assert_eq!(n + skipped, KERNELS.len() * shapes().len());
+    assert_eq!(n + skipped, kernels.len() * shapes().len());
     assert!(n > skipped);
 }
 
@@ -297,7 +310,7 @@ fn param_struct_sizes_match_wgsl() {
         group: 4,
         ..ShaderShape::default()
     };
-    let (module, _) = parse("attention", &shape);
+    let (module, _) = parse(Shader::Attention, &shape);
     let mut layouter = naga::proc::Layouter::default();
     layouter.update(module.to_ctx()).unwrap();
     for (name, host_size) in PARAM_STRUCTS {
@@ -321,7 +334,7 @@ fn a_broken_shader_is_rejected() {
         head_dim: 64,
         ..ShaderShape::default()
     };
-    let src = source("copy_blocks", &shape)
+    let src = source(Shader::CopyBlocks, &shape)
         .unwrap()
         .replace("let e = i % per;", "let e: f32 = i % per;");
     let parsed = naga::front::wgsl::parse_str(&src);
@@ -337,17 +350,26 @@ fn a_broken_shader_is_rejected() {
 /// Every `.wgsl` file, by its path under `shaders/`, as the repository
 /// holds it (import lines included).
 fn wgsl_files() -> Vec<(String, String)> {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("shaders");
+    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut out = Vec::new();
-    let mut dirs = vec![root.clone()];
-    while let Some(d) = dirs.pop() {
-        for e in std::fs::read_dir(&d).unwrap() {
-            let p = e.unwrap().path();
-            if p.is_dir() {
-                dirs.push(p);
-            } else if p.extension().is_some_and(|x| x == "wgsl") {
-                let rel = p.strip_prefix(&root).unwrap().display().to_string();
-                out.push((rel, std::fs::read_to_string(&p).unwrap()));
+    // The library's kernels and parts, and the bench's own kernel.
+    for (root, prefix) in [
+        (repo.join("shaders"), ""),
+        (repo.join("cli/shaders"), "cli:"),
+    ] {
+        let mut dirs = vec![root.clone()];
+        while let Some(d) = dirs.pop() {
+            for e in std::fs::read_dir(&d).unwrap() {
+                let p = e.unwrap().path();
+                if p.is_dir() {
+                    dirs.push(p);
+                } else if p.extension().is_some_and(|x| x == "wgsl") {
+                    let rel = p.strip_prefix(&root).unwrap().display().to_string();
+                    out.push((
+                        format!("{prefix}{rel}"),
+                        std::fs::read_to_string(&p).unwrap(),
+                    ));
+                }
             }
         }
     }
@@ -470,12 +492,40 @@ fn every_wgsl_file_names_its_imports() {
             }
         }
     }
+    // Every kernel file is registered once, and every registered file exists.
+    for kernel in Shader::ALL {
+        let e = kernel.entry();
+        assert_eq!(e.shader, kernel, "{kernel}: registry out of order");
+        let file = match e.family {
+            Family::Attention => format!("{}.wgsl", e.name),
+            Family::Mla => format!("mla/{}.wgsl", e.name.trim_start_matches("mla_")),
+        };
+        assert_eq!(
+            by_path.get(file.as_str()),
+            Some(&e.text),
+            "{kernel}: {file}"
+        );
+    }
+    let kernel_files = files
+        .iter()
+        .filter(|(p, _)| {
+            !["shared/", "templates/", "cli:"]
+                .iter()
+                .any(|d| p.starts_with(d))
+                && !p.ends_with("common.wgsl")
+        })
+        .count();
+    assert_eq!(
+        kernel_files,
+        Shader::ALL.len(),
+        "a kernel file outside the registry"
+    );
     // The composed kernels: no import line is left, and each starts with
     // its first import's text.
-    for (kernel, _) in KERNELS {
+    for kernel in family(Family::Attention) {
         let shape = shapes()
             .into_iter()
-            .find(|s| pagedattn::gpu::shader::kernel_takes(kernel, s.dtype))
+            .find(|s| kernel.takes(s.dtype))
             .unwrap();
         let src = source(kernel, &shape).unwrap();
         assert!(!src.contains("//#import"), "{kernel} keeps an import line");

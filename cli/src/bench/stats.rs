@@ -9,7 +9,7 @@
 
 use ash::vk;
 use naga::back::spv;
-use pagedattn::gpu::shader::{source, ShaderShape};
+use pagedattn::gpu::shader::{source, Shader, ShaderShape};
 use std::ffi::CStr;
 
 /// One executable of one pipeline and its statistics.
@@ -34,8 +34,8 @@ pub struct StatReport {
 
 /// SPIR-V of `kernel` at `shape`, as wgpu's Vulkan backend writes it with
 /// its checks (`checked`: clamped indices, bounded loops) or trusted.
-pub fn spirv(kernel: &str, shape: &ShaderShape, checked: bool) -> Result<Vec<u32>, String> {
-    let src = source(kernel, shape).ok_or_else(|| format!("no kernel {kernel}"))?;
+pub fn spirv(kernel: Shader, shape: &ShaderShape, checked: bool) -> Result<Vec<u32>, String> {
+    let src = source(kernel, shape).ok_or_else(|| format!("no kernel {}", kernel.name()))?;
     let module = naga::front::wgsl::parse_str(&src).map_err(|e| e.emit_to_string(&src))?;
     let mut caps = naga::valid::Capabilities::SHADER_FLOAT16_IN_FLOAT32;
     if shape.subgroups {
@@ -72,8 +72,8 @@ pub fn spirv(kernel: &str, shape: &ShaderShape, checked: bool) -> Result<Vec<u32
 }
 
 /// The descriptor bindings of `kernel`'s set 0: (binding, uniform?).
-fn bindings(kernel: &str, shape: &ShaderShape) -> Result<Vec<(u32, bool)>, String> {
-    let src = source(kernel, shape).ok_or_else(|| format!("no kernel {kernel}"))?;
+fn bindings(kernel: Shader, shape: &ShaderShape) -> Result<Vec<(u32, bool)>, String> {
+    let src = source(kernel, shape).ok_or_else(|| format!("no kernel {}", kernel.name()))?;
     let module = naga::front::wgsl::parse_str(&src).map_err(|e| e.emit_to_string(&src))?;
     Ok(module
         .global_variables
@@ -200,11 +200,17 @@ fn text(chars: &[std::ffi::c_char]) -> String {
 
 /// Builds `kernel` at `shape` (checked or trusted) on `vk` and reads its
 /// executables' statistics.
-fn one(vk: &Vk, kernel: &str, shape: &ShaderShape, checked: bool) -> Result<Vec<StatRow>, String> {
+fn one(
+    vk: &Vk,
+    kernel: Shader,
+    shape: &ShaderShape,
+    checked: bool,
+) -> Result<Vec<StatRow>, String> {
     let words = spirv(kernel, shape, checked)?;
     let binds = bindings(kernel, shape)?;
     let what = format!(
-        "{kernel} {} {}",
+        "{} {} {}",
+        kernel.name(),
         shape_label(shape),
         if checked { "checked" } else { "trusted" }
     );
@@ -331,12 +337,12 @@ fn shape_label(s: &ShaderShape) -> String {
 
 /// Statistics of `kernel` at each shape, checked and trusted, on the first
 /// Vulkan device with the extension (a real GPU before a software one).
-pub fn run(kernels: &[(&str, ShaderShape)]) -> Result<StatReport, String> {
+pub fn run(kernels: &[(Shader, ShaderShape)]) -> Result<StatReport, String> {
     let vk = open()?;
     let mut rows = Vec::new();
     for (kernel, shape) in kernels {
         for checked in [true, false] {
-            rows.extend(one(&vk, kernel, shape, checked)?);
+            rows.extend(one(&vk, *kernel, shape, checked)?);
         }
     }
     Ok(StatReport {
@@ -370,17 +376,17 @@ mod tests {
     fn checked_and_trusted_spirv_differ_by_the_checks() {
         for (kernel, shape) in [
             (
-                "attention_lanes",
+                Shader::AttentionLanes,
                 ShaderShape {
                     lpt: 8,
                     subgroups: true,
                     ..ShaderShape::default()
                 },
             ),
-            ("attention_serial", ShaderShape::default()),
-            ("attention", ShaderShape::default()),
+            (Shader::AttentionSerial, ShaderShape::default()),
+            (Shader::Attention, ShaderShape::default()),
             (
-                "attention_stream",
+                Shader::AttentionStream,
                 ShaderShape {
                     dtype: KvDtype::F16,
                     group: 4,
@@ -394,10 +400,10 @@ mod tests {
         ] {
             let checked = spirv(kernel, &shape, true).unwrap();
             let trusted = spirv(kernel, &shape, false).unwrap();
-            assert_eq!(checked[0], 0x0723_0203, "{kernel}: SPIR-V magic");
+            assert_eq!(checked[0], 0x0723_0203, "{kernel:?}: SPIR-V magic");
             assert!(
                 checked.len() > trusted.len(),
-                "{kernel}: {} vs {} words",
+                "{kernel:?}: {} vs {} words",
                 checked.len(),
                 trusted.len()
             );

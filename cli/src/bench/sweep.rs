@@ -161,7 +161,7 @@ impl Sweep<'_> {
                     trusted,
                     ..ShaderShape::default()
                 };
-                let pipe = pagedattn::gpu::kv_cache_pipeline(self.gpu, "stream_read", &shape)?;
+                let pipe = super::stream_read_pipeline(self.gpu, &shape)?;
                 let groups: Vec<wgpu::BindGroup> = (0..pairs as usize)
                     .map(|p| {
                         pagedattn::gpu::bind_buffers(

@@ -2,7 +2,7 @@
 //! an optional split-K path (partitions merged by `reduce`).
 
 use super::cascade::{Cascade, CASCADE_CHUNK_TOKENS};
-use super::compose::ShaderShape;
+use super::compose::{Shader, ShaderShape};
 use super::context::Gpu;
 use super::error::{BatchError, GpuError, OptionError, ShapeError};
 use super::kernel::{Kernel, PORTABLE_WORKGROUP_BYTES};
@@ -81,7 +81,7 @@ impl PagedAttention {
     /// tools that compile the same source elsewhere: `pagedattn
     /// pipeline-stats`).
     #[doc(hidden)]
-    pub fn decode_shader(&self) -> (&'static str, ShaderShape) {
+    pub fn decode_shader(&self) -> (Shader, ShaderShape) {
         (kernels::decode(self.kernel).shader(), self.decode_shape)
     }
 
@@ -223,7 +223,7 @@ impl PagedAttention {
             kernel,
             decode_shape,
             decode: std::sync::OnceLock::new(),
-            reduce: pipeline(gpu, "reduce", &tiled)?,
+            reduce: pipeline(gpu, Shader::Reduce, &tiled)?,
             prefill: std::sync::OnceLock::new(),
             prefill_shape: ShaderShape { qtile, ..tiled },
             unused_ml: gpu.storage("unused split (max, sum)", 16)?,
@@ -288,7 +288,7 @@ impl PagedAttention {
         if let Some(p) = self.prefill.get() {
             return Ok(p);
         }
-        let p = pipeline(gpu, "attention", &self.prefill_shape)?;
+        let p = pipeline(gpu, Shader::Attention, &self.prefill_shape)?;
         Ok(self.prefill.get_or_init(|| p))
     }
 

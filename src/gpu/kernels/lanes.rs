@@ -5,14 +5,14 @@
 //! cascade runs on the rows pass (`rows`).
 
 use super::spec::{DecodeKernel, SegmentFamily};
-use crate::gpu::compose::{balanced_head_tile, ShaderShape};
+use crate::gpu::compose::{balanced_head_tile, Shader, ShaderShape};
 use crate::gpu::context::Gpu;
 
 pub(in crate::gpu) struct Lanes;
 
 impl DecodeKernel for Lanes {
-    fn shader(&self) -> &'static str {
-        "attention_lanes"
+    fn shader(&self) -> Shader {
+        Shader::AttentionLanes
     }
     fn shape(&self, gpu: &Gpu, base: ShaderShape, limit: u32) -> Option<ShaderShape> {
         let sub =

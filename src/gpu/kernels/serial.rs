@@ -5,7 +5,7 @@
 //! cascade mode holds query slots.
 
 use super::spec::{DecodeKernel, SegmentFamily};
-use crate::gpu::compose::{balanced_head_tile, ShaderShape};
+use crate::gpu::compose::{balanced_head_tile, Shader, ShaderShape};
 use crate::gpu::context::Gpu;
 use crate::gpu::dtype::KvDtype;
 
@@ -39,8 +39,8 @@ pub(in crate::gpu) fn cascade_queries(s: &ShaderShape) -> u32 {
 pub(in crate::gpu) struct Serial;
 
 impl DecodeKernel for Serial {
-    fn shader(&self) -> &'static str {
-        "attention_serial"
+    fn shader(&self) -> Shader {
+        Shader::AttentionSerial
     }
     // At most SERIAL_ROW_VEC4S vec4 of query rows (and as many of
     // accumulator) per invocation: the unrolled per-token code grows with

@@ -2,7 +2,7 @@
 //! passes respect on adapters that end loops early: what each kernel's
 //! module implements, below the registry that picks among them.
 
-use crate::gpu::compose::ShaderShape;
+use crate::gpu::compose::{Shader, ShaderShape};
 use crate::gpu::context::Gpu;
 
 /// The pass a decode kernel's cascade runs its shared segments on.
@@ -20,7 +20,7 @@ pub(in crate::gpu) enum SegmentFamily {
 /// What a decode kernel is. Every method is a fact of the kernel alone.
 pub(in crate::gpu) trait DecodeKernel: Sync {
     /// Its WGSL file, `shaders/<shader>.wgsl`.
-    fn shader(&self) -> &'static str;
+    fn shader(&self) -> Shader;
     /// Its decode shape for `base` (head_dim, group, block size, dtype;
     /// decode: one query, no head tile chosen yet) on `gpu`, within `limit`
     /// bytes of workgroup memory; `None` when it cannot run it there.

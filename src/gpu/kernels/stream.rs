@@ -8,7 +8,7 @@
 //! Its cascade runs on the rows pass, as `lanes`' does.
 
 use super::spec::{DecodeKernel, SegmentFamily};
-use crate::gpu::compose::{balanced_head_tile, ShaderShape};
+use crate::gpu::compose::{balanced_head_tile, Shader, ShaderShape};
 use crate::gpu::context::Gpu;
 use crate::gpu::dtype::KvDtype;
 
@@ -37,8 +37,8 @@ pub fn wide(dtype: KvDtype) -> u32 {
 }
 
 impl DecodeKernel for Stream {
-    fn shader(&self) -> &'static str {
-        "attention_stream"
+    fn shader(&self) -> Shader {
+        Shader::AttentionStream
     }
     /// Rows must be whole 16-byte chunks (head_dim a multiple of 4, 8 or
     /// 16 for f32, 16-bit and 8-bit pools). Lanes per row: the largest

@@ -5,7 +5,7 @@
 //! pass where no other fits.
 
 use super::spec::DecodeKernel;
-use crate::gpu::compose::{balanced_head_tile, ShaderShape};
+use crate::gpu::compose::{balanced_head_tile, Shader, ShaderShape};
 use crate::gpu::context::Gpu;
 
 /// Most query rows the tiled kernel keeps per pass (per-thread registers).
@@ -14,8 +14,8 @@ const TILED_MAX_ROWS: u32 = 16;
 pub(in crate::gpu) struct Tiled;
 
 impl DecodeKernel for Tiled {
-    fn shader(&self) -> &'static str {
-        "attention"
+    fn shader(&self) -> Shader {
+        Shader::Attention
     }
     fn shape(&self, _gpu: &Gpu, base: ShaderShape, limit: u32) -> Option<ShaderShape> {
         let mut most = TILED_MAX_ROWS;

@@ -2,7 +2,7 @@
 //! `write_kv` (scatter new tokens into their slots) and `copy_blocks`
 //! (apply a copy-on-write list).
 
-use super::compose::ShaderShape;
+use super::compose::{Shader, ShaderShape};
 use super::context::Gpu;
 pub use super::dtype::KvDtype;
 use super::error::{GpuError, PoolError, ShapeError};
@@ -12,11 +12,11 @@ mod quant;
 pub use quant::*;
 
 /// The write_kv kernel for a pool of `dtype`.
-pub(super) fn write_kv_kernel(dtype: KvDtype) -> &'static str {
+pub(super) fn write_kv_kernel(dtype: KvDtype) -> Shader {
     if dtype.quantized() {
-        "write_kv_q"
+        Shader::WriteKvQ
     } else {
-        "write_kv"
+        Shader::WriteKv
     }
 }
 
@@ -339,9 +339,9 @@ impl KvCache {
         let copy_blocks = pipeline(
             gpu,
             if q.is_empty() {
-                "copy_blocks"
+                Shader::CopyBlocks
             } else {
-                "copy_blocks_q"
+                Shader::CopyBlocksQ
             },
             &shape,
         )?;

@@ -7,7 +7,7 @@ use super::types::*;
 use std::collections::HashMap;
 
 use crate::gpu::attention::{pack_into, AttnOptions, PackedMeta, PagedAttention};
-use crate::gpu::compose::ShaderShape;
+use crate::gpu::compose::{Shader, ShaderShape};
 use crate::gpu::context::Gpu;
 use crate::gpu::dtype::ActDtype;
 use crate::gpu::error::{BatchError, BindingError, GpuError, PlanMismatch};
@@ -57,7 +57,7 @@ impl PagedAttention {
         let f16 = act != ActDtype::F32;
         let act_bf16 = act == ActDtype::Bf16;
         let (name, shape) = if prefill {
-            ("attention", self.prefill_shape)
+            (Shader::Attention, self.prefill_shape)
         } else {
             (kernels::decode(self.kernel).shader(), self.decode_shape)
         };
@@ -86,7 +86,7 @@ impl PagedAttention {
         )?;
         let reduce = pipeline(
             gpu,
-            "reduce",
+            Shader::Reduce,
             &ShaderShape {
                 qtile: 1,
                 q_f16: false,

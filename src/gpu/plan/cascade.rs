@@ -9,7 +9,7 @@ use crate::gpu::cascade::{
     find_segments, Cascade, CASCADE_AUTO, CASCADE_CHUNK_TOKENS, SERIAL_CASCADE_AUTO,
     SERIAL_CASCADE_CHUNK_TOKENS,
 };
-use crate::gpu::compose::ShaderShape;
+use crate::gpu::compose::{Shader, ShaderShape};
 use crate::gpu::context::Gpu;
 use crate::gpu::dtype::ActDtype;
 use crate::gpu::error::{BatchError, GpuError};
@@ -280,7 +280,7 @@ impl PagedAttention {
             // The rows kernel (f32 partials).
             SegPass::Rows(rs) => pipeline(
                 gpu,
-                "attention_rows",
+                Shader::AttentionRows,
                 &ShaderShape {
                     q_f16,
                     act_bf16,
@@ -303,7 +303,7 @@ impl PagedAttention {
             SegPass::Tiled if !q_f16 => self.prefill_pipeline(gpu)?.clone(),
             SegPass::Tiled => pipeline(
                 gpu,
-                "attention",
+                Shader::Attention,
                 &ShaderShape {
                     q_f16: true,
                     out_f16: false,

@@ -12,6 +12,7 @@ use std::collections::HashMap;
 
 use crate::gpu::attention::{check_csr_tables, AttnOptions, MAX_SEQ_LEN};
 use crate::gpu::cascade::Cascade;
+use crate::gpu::compose::Shader;
 use crate::gpu::context::Gpu;
 use crate::gpu::dtype::ActDtype;
 use crate::gpu::error::{BatchError, BindingError, GpuError, MlaError, PlanMismatch};
@@ -128,9 +129,9 @@ impl MlaAttention {
     fn pipes(&self, gpu: &Gpu, act: ActDtype) -> Result<MlaPipes, GpuError> {
         let s = self.shape;
         Ok(MlaPipes {
-            whole: mla_pipeline(gpu, "mla_decode", &s.with_io(act, act))?,
-            split: mla_pipeline(gpu, "mla_decode", &s.with_io(act, ActDtype::F32))?,
-            merge: mla_pipeline(gpu, "mla_merge", &s.with_io(ActDtype::F32, act))?,
+            whole: mla_pipeline(gpu, Shader::MlaDecode, &s.with_io(act, act))?,
+            split: mla_pipeline(gpu, Shader::MlaDecode, &s.with_io(act, ActDtype::F32))?,
+            merge: mla_pipeline(gpu, Shader::MlaMerge, &s.with_io(ActDtype::F32, act))?,
         })
     }
 
@@ -537,7 +538,11 @@ impl MlaCache {
     }
 
     fn write_pipeline(&self, gpu: &Gpu, act: ActDtype) -> Result<wgpu::ComputePipeline, GpuError> {
-        mla_pipeline(gpu, "mla_write", &self.shape.with_io(act, ActDtype::F32))
+        mla_pipeline(
+            gpu,
+            Shader::MlaWrite,
+            &self.shape.with_io(act, ActDtype::F32),
+        )
     }
 
     /// Plans a step's writes and copies: the new tokens' `slots` (from the

@@ -5,11 +5,11 @@
 //#import act           ACT4 act_load act_store (shared/act_<activation dtype>.wgsl)
 //#import out           OUT4 out_load out_store (shared/out_<activation dtype>.wgsl)
 //#import common        WriteKvParams CopyParams AttnParams NEG_INF INVALID K_OUTLIERS logit ... (common.wgsl)
-//#import generated     LOADS (src/gpu/kernels/mod.rs)
+//#import generated     LOADS (cli/src/bench/stream.rs)
 // Streaming-read reference for the benchmark: reads two buffers (a layer's K
 // and V pools, or a ceiling's chunks) once with 16-byte loads, grid-stride,
 // LOADS independent loads per thread per iteration (generated: see
-// src/gpu/kernels/mod.rs), and writes almost nothing. Decode's effective
+// cli/src/bench/stream.rs), and writes almost nothing. Decode's effective
 // bandwidth is reported against it.
 
 @group(0) @binding(0) var<storage, read> a: array<vec4<f32>>;
