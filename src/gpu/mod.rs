@@ -3,7 +3,7 @@
 //! [`blocks`](crate::blocks) as plain integers and never decides allocation.
 
 // Floors, each importing only those below it: `dtype`, `kernel`, `params`,
-// `units`, `cascade`, `error`; `compose` (shapes, WGSL composition);
+// `units`, `cascade`, `error`, `template`; `compose` (shapes, WGSL composition);
 // `context` (the device); `kernels` (one module per kernel, its registry);
 // `pass` (pipelines, bind groups, passes); `kv_cache`, `mla`;
 // `attention`; `plan`; `host`, `swap`, `transfer`, `tune`.
@@ -25,6 +25,7 @@ pub mod params;
 mod pass;
 mod plan;
 mod swap;
+mod template;
 mod transfer;
 mod tune;
 mod units;

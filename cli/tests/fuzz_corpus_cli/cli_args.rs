@@ -24,6 +24,7 @@ use std::ffi::OsString;
 use pagedattn_cli::args::{self as cli, Checked, Parsed};
 use pagedattn_cli::sim::{simulate, Sampling, SimError};
 
+#[allow(unused_imports)]
 pub use pagedattn_test_support::harness;
 use pagedattn_test_support::tally;
 

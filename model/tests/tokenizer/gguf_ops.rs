@@ -23,6 +23,7 @@ use pagedattn_model::config::LlamaConfig;
 use pagedattn_model::gguf::Gguf;
 use pagedattn_model::tokenizer::Tokenizer;
 
+#[allow(unused_imports)]
 pub use pagedattn_test_support::harness;
 use pagedattn_test_support::tally;
 

@@ -30,7 +30,7 @@ pub(super) mod rows;
 pub(super) mod serial;
 mod spec;
 pub(super) mod stream;
-pub(super) mod template;
+
 pub(super) mod tiled;
 
 /// The kernel behind `k`: the one registration line per kernel (the

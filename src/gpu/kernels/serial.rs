@@ -138,7 +138,7 @@ fn token_code(ht: u32, qs: u32, d4: u32, quant: bool, wide: u32) -> String {
         ("quant", quant as i64),
         ("multi", (qs > 1) as i64),
     ];
-    super::template::expand(TOKEN_TEMPLATE, &vars).expect("the serial token template expands")
+    crate::gpu::template::expand(TOKEN_TEMPLATE, &vars).expect("the serial token template expands")
 }
 
 /// The template of the serial kernel's per-token code.

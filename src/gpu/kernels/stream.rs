@@ -174,7 +174,7 @@ fn step_code(s: &ShaderShape) -> String {
         ("quant", s.dtype.quantized() as i64),
         ("sub", s.subgroups as i64),
     ];
-    super::template::expand(STEP_TEMPLATE, &vars).expect("the stream step template expands")
+    crate::gpu::template::expand(STEP_TEMPLATE, &vars).expect("the stream step template expands")
 }
 
 /// The template of the stream kernel's per-step code.

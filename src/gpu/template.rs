@@ -1,7 +1,8 @@
-//! A small line template for generated WGSL (the serial kernel's unrolled
-//! per-token code, `shaders/templates/`): loops and conditions over integer
-//! names, so the generated code is read as a file, not as Rust string
-//! building.
+//! A small line template: the one way the library generates WGSL (every
+//! shape's constants, the lanes kernel's row helpers, the rows kernel's
+//! layout, the serial and stream kernels' unrolled code; all in
+//! `shaders/templates/`): loops and conditions over integer names, so the
+//! generated code is read as a file, not as Rust string building.
 //!
 //! - `//#for NAME in LO..HI` ... `//#end` repeats its lines with `NAME`
 //!   from `LO` up to (not including) `HI`;
@@ -10,7 +11,8 @@
 //!   `!=`, `<`, `<=`, `>` or `>=`;
 //! - `{{EXPR}}` in a line is replaced by the value of `EXPR`: integers,
 //!   names, `+ - * / %` and parentheses; `swz4(EXPR)` gives a vec4's
-//!   component (`x`..`w`), `swz2(EXPR)` its half (`xy` or `zw`);
+//!   component (`x`..`w`), `swz2(EXPR)` its half (`xy` or `zw`),
+//!   `bool(EXPR)` `false` or `true` for 0 or 1;
 //! - any other line starting `//#` is a comment of the template and is
 //!   dropped.
 //!
@@ -189,6 +191,8 @@ fn substitute(line: &str, env: &[(String, i64)], out: &mut String) -> Result<(),
             out.push_str(&s);
         } else if let Some(s) = swizzle("swz2(", &["xy", "zw"])? {
             out.push_str(&s);
+        } else if let Some(s) = swizzle("bool(", &["false", "true"])? {
+            out.push_str(&s);
         } else {
             out.push_str(&eval(expr, env)?.to_string());
         }
@@ -338,10 +342,79 @@ mod tests {
             "{{(1 + 2}}\n",
             "{{1 +}}\n",
             "{{swz4(9)}}\n",
+            "{{bool(2)}}\n",
             "{{1\n",
             "//#for i 0..3\n//#end\n",
         ] {
             assert!(expand(bad, &[("n", 2)]).is_err(), "{bad:?}");
+        }
+    }
+
+    /// Every template of `shaders/templates/` expands at a shape's values
+    /// to WGSL with no template syntax left, and each of its names is
+    /// needed (dropping one is an error).
+    #[test]
+    fn every_template_expands_and_needs_its_names() {
+        use crate::gpu::{compose, kernels, mla};
+        let cases: [(&str, &str, &[(&str, i64)]); 4] = [
+            (
+                "constants",
+                compose::CONSTANTS_TEMPLATE,
+                &[
+                    ("head_dim4", 32),
+                    ("group", 4),
+                    ("block_size", 16),
+                    ("qtile", 1),
+                    ("paged", 1),
+                    ("ht", 4),
+                    ("htiles", 1),
+                    ("lpt", 8),
+                    ("jn", 4),
+                    ("subgroups", 0),
+                ],
+            ),
+            (
+                "mla_constants",
+                mla::MLA_CONSTANTS_TEMPLATE,
+                &[
+                    ("r4", 144),
+                    ("v4", 128),
+                    ("block_size", 64),
+                    ("hg", 8),
+                    ("lanes", 16),
+                    ("wg", 128),
+                    ("tile_rows", 4),
+                    ("qn", 9),
+                    ("an", 8),
+                ],
+            ),
+            (
+                "lanes_rows",
+                kernels::lanes::ROWS_TEMPLATE,
+                &[("ht", 3), ("shuffle", 1)],
+            ),
+            (
+                "rows_layout",
+                kernels::rows::LAYOUT_TEMPLATE,
+                &[("rows", 8), ("tg", 4), ("wgs", 128), ("subgroups", 1)],
+            ),
+        ];
+        for (name, t, vars) in cases {
+            let out = expand(t, vars).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert!(!out.contains("{{") && !out.contains("//#"), "{name}: {out}");
+            for skip in 0..vars.len() {
+                let fewer: Vec<(&str, i64)> = vars
+                    .iter()
+                    .enumerate()
+                    .filter(|&(i, _)| i != skip)
+                    .map(|(_, v)| *v)
+                    .collect();
+                assert!(
+                    expand(t, &fewer).is_err(),
+                    "{name} does not use `{}`",
+                    vars[skip].0
+                );
+            }
         }
     }
 }
