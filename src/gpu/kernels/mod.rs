@@ -103,6 +103,80 @@ pub(super) fn pass_cap(gpu: &Gpu, kernel: Kernel, s: &ShaderShape) -> Option<u32
     cap_for(gpu, s.head_dim, decode(kernel).iterations_per_token(s))
 }
 
+/// The cascade's segment pass for decode kernel `kernel` on `gpu`: its
+/// family's kernel and shape (the serial kernel with query slots, the rows
+/// kernel where it fits, else the tiled kernel in its prefill shape), the
+/// query rows per tile, the serial pass's workgroup, and the longest
+/// segment one pass may walk here. Plan code asks this; it does not reach
+/// into the kernels' modules.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) struct SegmentPass {
+    /// Which kernel family the pass is.
+    pub(super) family: SegmentFamily,
+    /// Its kernel.
+    pub(super) shader: Shader,
+    /// Its shape (f32 activations; the plan sets its own).
+    pub(super) shape: ShaderShape,
+    /// Query rows (serial: query slots) per tile.
+    pub(super) qtile: u32,
+    /// The serial pass's invocations per workgroup; `None` otherwise.
+    pub(super) serial_wg: Option<u32>,
+    /// Passes per KV head.
+    pub(super) head_tiles: u32,
+    /// The longest segment one pass may walk on this adapter, before the
+    /// library's own chunk limit.
+    pub(super) cap: Option<u32>,
+}
+
+/// The segment pass of `kernel` at its `decode` and `prefill` shapes.
+pub(super) fn segment_pass(
+    gpu: &Gpu,
+    kernel: Kernel,
+    decode_shape: &ShaderShape,
+    prefill_shape: &ShaderShape,
+) -> SegmentPass {
+    let tiled = SegmentPass {
+        family: SegmentFamily::Tiled,
+        shader: Shader::Attention,
+        shape: *prefill_shape,
+        qtile: prefill_shape.qtile,
+        serial_wg: None,
+        head_tiles: prefill_shape.head_tiles(),
+        cap: pass_cap(gpu, Kernel::Tiled, prefill_shape),
+    };
+    match decode(kernel).segment_family() {
+        SegmentFamily::Serial => {
+            let q = serial::cascade_queries(decode_shape);
+            SegmentPass {
+                family: SegmentFamily::Serial,
+                shader: decode(kernel).shader(),
+                shape: ShaderShape {
+                    qtile: q,
+                    out_f16: false,
+                    ..*decode_shape
+                },
+                qtile: q,
+                serial_wg: Some(serial::workgroup_size(q)),
+                head_tiles: prefill_shape.head_tiles(),
+                cap: pass_cap(gpu, kernel, decode_shape),
+            }
+        }
+        SegmentFamily::Rows => match rows::shape(gpu, decode_shape) {
+            Some(rs) => SegmentPass {
+                family: SegmentFamily::Rows,
+                shader: Shader::AttentionRows,
+                shape: rs,
+                qtile: rs.qtile,
+                serial_wg: None,
+                head_tiles: rs.head_tiles(),
+                cap: rows::pass_cap(gpu, &rs),
+            },
+            None => tiled,
+        },
+        SegmentFamily::Tiled => tiled,
+    }
+}
+
 /// Shortest partition `Split::Auto` makes on a device whose compute units
 /// are known, in tokens: vLLM's partitions are 512 tokens too, and shorter
 /// ones pay more for the merge than they gain in parallelism.

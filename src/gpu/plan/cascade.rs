@@ -9,33 +9,19 @@ use crate::gpu::cascade::{
     find_segments, Cascade, CASCADE_AUTO, CASCADE_CHUNK_TOKENS, SERIAL_CASCADE_AUTO,
     SERIAL_CASCADE_CHUNK_TOKENS,
 };
-use crate::gpu::compose::{Shader, ShaderShape};
+use crate::gpu::compose::ShaderShape;
 use crate::gpu::context::Gpu;
 use crate::gpu::dtype::ActDtype;
 use crate::gpu::error::{BatchError, GpuError};
-use crate::gpu::kernel::Kernel;
-use crate::gpu::kernels::{self, serial, SegmentFamily};
+use crate::gpu::kernels::{self, SegmentFamily, SegmentPass};
 use crate::gpu::params;
 use crate::gpu::pass::pipeline;
 
 impl PagedAttention {
-    /// The kernel of the cascade's segment pass: the decode kernel's
-    /// family, with its query slots or tile.
-    pub(super) fn segment_pass(&self, gpu: &Gpu) -> (SegPass, u32) {
-        let seg = match kernels::decode(self.kernel).segment_family() {
-            SegmentFamily::Serial => SegPass::Serial,
-            SegmentFamily::Rows => {
-                kernels::rows::shape(gpu, &self.decode_shape).map_or(SegPass::Tiled, SegPass::Rows)
-            }
-            SegmentFamily::Tiled => SegPass::Tiled,
-        };
-        // Queries per tile of the segment pass.
-        let qtile = match seg {
-            SegPass::Serial => serial::cascade_queries(&self.decode_shape),
-            SegPass::Rows(rs) => rs.qtile,
-            SegPass::Tiled => self.prefill_shape.qtile,
-        };
-        (seg, qtile)
+    /// The kernel of the cascade's segment pass, as the kernels' registry
+    /// resolves it for this kernel and adapter.
+    pub(super) fn segment_pass(&self, gpu: &Gpu) -> SegmentPass {
+        kernels::segment_pass(gpu, self.kernel, &self.decode_shape, &self.prefill_shape)
     }
 
     /// Cascade (decode): shared segments from the tables, used when a
@@ -54,11 +40,11 @@ impl PagedAttention {
         variants: &[AttnOptions],
     ) -> Result<Option<CascadeChoice>, GpuError> {
         let forced = variants.iter().any(|o| o.cascade == Cascade::On);
-        let (seg, seg_qtile) = self.segment_pass(gpu);
-        let may_auto = match seg {
-            SegPass::Serial => SERIAL_CASCADE_AUTO,
-            SegPass::Rows(_) => CASCADE_AUTO && !gpu.is_software(),
-            SegPass::Tiled => false,
+        let seg = self.segment_pass(gpu);
+        let may_auto = match seg.family {
+            SegmentFamily::Serial => SERIAL_CASCADE_AUTO,
+            SegmentFamily::Rows => CASCADE_AUTO && !gpu.is_software(),
+            SegmentFamily::Tiled => false,
         };
         let n = t.seq_lens.len();
         if t.qo_indptr.is_some()
@@ -71,17 +57,11 @@ impl PagedAttention {
         {
             return Ok(None);
         }
-        let chunk_tokens = match seg {
-            SegPass::Serial => kernels::pass_cap(gpu, self.kernel, &self.decode_shape)
-                .unwrap_or(u32::MAX)
-                .min(SERIAL_CASCADE_CHUNK_TOKENS),
-            SegPass::Rows(rs) => kernels::rows::pass_cap(gpu, &rs)
-                .unwrap_or(u32::MAX)
-                .min(self.cascade_chunk),
-            SegPass::Tiled => kernels::pass_cap(gpu, Kernel::Tiled, &self.prefill_shape)
-                .unwrap_or(u32::MAX)
-                .min(CASCADE_CHUNK_TOKENS),
-        };
+        let chunk_tokens = seg.cap.unwrap_or(u32::MAX).min(match seg.family {
+            SegmentFamily::Serial => SERIAL_CASCADE_CHUNK_TOKENS,
+            SegmentFamily::Rows => self.cascade_chunk,
+            SegmentFamily::Tiled => CASCADE_CHUNK_TOKENS,
+        });
         let tables = find_segments(
             self.num_blocks,
             self.block_size,
@@ -98,15 +78,15 @@ impl PagedAttention {
         // The serial segment pass pays in K/V loads (token visits), the
         // rows pass in bytes saved (see CASCADE_AUTO).
         let auto = may_auto
-            && match seg {
-                SegPass::Serial => tables.pays_serial(seg_qtile, self.bytes_per_token()),
+            && match seg.family {
+                SegmentFamily::Serial => tables.pays_serial(seg.qtile, self.bytes_per_token()),
                 _ => tables.pays_gpu(self.bytes_per_token(), n as u64 * heads, partial),
             };
         // The rows and tiled passes take a workgroup per query tile in x.
         let tiles: u64 = (0..tables.num_segments())
-            .map(|i| (tables.seg_qo[i + 1] - tables.seg_qo[i]).div_ceil(seg_qtile) as u64)
+            .map(|i| (tables.seg_qo[i + 1] - tables.seg_qo[i]).div_ceil(seg.qtile) as u64)
             .sum();
-        if seg != SegPass::Serial && tiles > 65535 {
+        if seg.family != SegmentFamily::Serial && tiles > 65535 {
             if forced {
                 return Err(BatchError::Dispatch {
                     what: "cascade query tiles (use Cascade::Auto or Off)",
@@ -117,11 +97,7 @@ impl PagedAttention {
             }
             return Ok(None);
         }
-        Ok((forced || auto).then_some(CascadeChoice {
-            t: tables,
-            seg,
-            seg_qtile,
-        }))
+        Ok((forced || auto).then_some(CascadeChoice { t: tables, seg }))
     }
 
     /// Each variant's split (partition tokens, partitions) and ALiBi
@@ -236,7 +212,7 @@ impl PagedAttention {
             &t.seg_indices,
             &t.seg_lens,
             None,
-            Some((&t.seg_qo, c.seg_qtile)),
+            Some((&t.seg_qo, c.seg.qtile)),
         )?;
         let qmap_off = plan.c_words.len() as u32;
         plan.c_words.extend_from_slice(&t.qmap);
@@ -276,50 +252,28 @@ impl PagedAttention {
         }
         let q_f16 = plan.act != ActDtype::F32;
         let act_bf16 = plan.act == ActDtype::Bf16;
-        let pipe = match c.seg {
-            // The rows kernel (f32 partials).
-            SegPass::Rows(rs) => pipeline(
+        let pipe = match c.seg.family {
+            // The tiled kernel's f32 prefill pipeline is already built.
+            SegmentFamily::Tiled if !q_f16 => self.prefill_pipeline(gpu)?.clone(),
+            // The rows kernel, the serial kernel with its query slots (the
+            // split pipeline itself when that is 1), the tiled kernel in
+            // its prefill shape: f32 partials, this plan's activations.
+            _ => pipeline(
                 gpu,
-                Shader::AttentionRows,
+                c.seg.shader,
                 &ShaderShape {
-                    q_f16,
-                    act_bf16,
-                    ..rs
-                },
-            )?,
-            // The serial kernel with its query slots (f32 partials; the
-            // split pipeline itself when that is 1).
-            SegPass::Serial => pipeline(
-                gpu,
-                kernels::decode(self.kernel).shader(),
-                &ShaderShape {
-                    qtile: c.seg_qtile,
                     q_f16,
                     out_f16: false,
                     act_bf16,
-                    ..self.decode_shape
-                },
-            )?,
-            SegPass::Tiled if !q_f16 => self.prefill_pipeline(gpu)?.clone(),
-            SegPass::Tiled => pipeline(
-                gpu,
-                Shader::Attention,
-                &ShaderShape {
-                    q_f16: true,
-                    out_f16: false,
-                    act_bf16,
-                    ..self.prefill_shape
+                    ..c.seg.shape
                 },
             )?,
         };
         let bpt = self.bytes_per_token();
         Ok(CascadeStep {
             num_tiles: cmeta.num_tiles,
-            serial_wg: (c.seg == SegPass::Serial).then(|| serial::workgroup_size(c.seg_qtile)),
-            head_tiles: match c.seg {
-                SegPass::Rows(rs) => rs.head_tiles(),
-                _ => self.prefill_shape.head_tiles(),
-            },
+            serial_wg: c.seg.serial_wg,
+            head_tiles: c.seg.head_tiles,
             pipe,
             bytes: (t.cascade_tokens * bpt, t.plain_tokens * bpt),
             segments: t.num_segments(),

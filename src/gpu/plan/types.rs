@@ -6,7 +6,6 @@ use std::collections::HashMap;
 
 use crate::gpu::attention::PackedMeta;
 use crate::gpu::cascade::CascadeTables;
-use crate::gpu::compose::ShaderShape;
 use crate::gpu::dtype::ActDtype;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -76,23 +75,11 @@ pub struct AttentionPlan {
     pub(super) c_words: Vec<u32>,
 }
 
-/// Which kernel runs a cascade's segment pass: the decode kernel's family.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum SegPass {
-    /// `attention_serial.wgsl` with query slots (software adapters).
-    Serial,
-    /// `attention_rows.wgsl` in this shape (GPUs, where decode runs `lanes`).
-    Rows(ShaderShape),
-    /// `attention.wgsl` in its prefill shape.
-    Tiled,
-}
-
 /// The cascade a step takes: its segments and the kernel of their pass.
 pub(super) struct CascadeChoice {
     pub(super) t: CascadeTables,
-    pub(super) seg: SegPass,
-    /// Queries per tile (query slots, for `serial`) of the segment pass.
-    pub(super) seg_qtile: u32,
+    /// The segment pass (its kernel, shape and query rows per tile).
+    pub(super) seg: crate::gpu::kernels::SegmentPass,
 }
 
 /// Each variant's split, as `variant_splits` chose it.
