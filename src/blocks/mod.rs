@@ -4,10 +4,14 @@
 //! plain integers (block tables in CSR form, slot mappings, copy lists).
 
 mod error;
+mod hybrid;
 mod manager;
 mod scheduler;
 
 pub use error::BlockError;
+pub use hybrid::{
+    GroupError, GroupKind, HybridError, HybridManager, HybridSeq, LayerGroup, LayerGroups,
+};
 pub use manager::{BlockManager, BlockManagerConfig, KvEvent, RemoteBlock, StepPlan, MAX_BLOCKS};
 pub use scheduler::{
     Admission, Child, Finished, GroupOutput, Preemption, RequestId, Reservation, Row, Scheduler,

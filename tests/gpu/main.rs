@@ -22,6 +22,7 @@ mod engine_example;
 mod gpu_decode;
 mod gpu_pipeline;
 mod gpu_prefill;
+mod hybrid;
 mod mla;
 mod mla_engine;
 mod model_shapes;

@@ -13,6 +13,7 @@ mod blocks_props;
 mod docs;
 mod fuzz_corpus;
 mod fuzz_corpus_gpu_args;
+mod hybrid;
 mod reference;
 mod scheduler;
 mod shaders;

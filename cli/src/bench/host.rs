@@ -53,6 +53,44 @@ pub fn scheduler_us_per_seq(steps: usize) -> f64 {
     t0.elapsed().as_secs_f64() * 1e6 / (steps * batch) as f64
 }
 
+/// Host bookkeeping of a decode step of Gemma 3's layer groups (18
+/// layers, a window of 512 on 15 of them) at batch 256, past the window
+/// (prompts of 600 tokens): append one token to each sequence and take the
+/// step's views, the window group releasing what it no longer reads.
+/// Returns µs per sequence: (two groups with release, one full group).
+pub fn hybrid_us_per_seq(steps: usize) -> (f64, f64) {
+    use pagedattn::blocks::{GroupKind, HybridManager, LayerGroups};
+    let batch = 256usize;
+    let run = |layout: LayerGroups| -> f64 {
+        let blocks: Vec<u32> = layout
+            .groups()
+            .iter()
+            .map(|_| (batch * (600 + steps).div_ceil(BLOCK as usize) + 64) as u32)
+            .collect();
+        let mut m = HybridManager::new(layout, &blocks, BLOCK, false).expect("valid pools");
+        let seqs: Vec<_> = (0..batch)
+            .map(|i| {
+                m.add_sequence(&vec![i as u32; 600])
+                    .expect("pools sized for the batch")
+            })
+            .collect();
+        m.batch_view(&seqs).expect("live sequences");
+        let t0 = std::time::Instant::now();
+        for step in 0..steps {
+            for s in &seqs {
+                m.append(s, &[step as u32])
+                    .expect("pools sized for the run");
+            }
+            m.batch_view(&seqs).expect("live sequences");
+        }
+        t0.elapsed().as_secs_f64() * 1e6 / (steps * batch) as f64
+    };
+    let hybrid =
+        run(LayerGroups::interleaved(18, 6, GroupKind::Window(512)).expect("valid layout"));
+    let full = run(LayerGroups::uniform(18, GroupKind::Full).expect("valid layout"));
+    (hybrid, full)
+}
+
 pub(crate) fn bookkeeping(steps: usize, prefix: bool) -> f64 {
     let batch = 256;
     let mut m =

@@ -320,6 +320,10 @@ pub struct BenchReport {
     /// The library `Scheduler` (schedule + commit) per decode step at batch
     /// 256, microseconds per sequence.
     pub scheduler_us_per_seq: f64,
+    /// Gemma 3's layer groups (a window group releasing past 512 tokens,
+    /// and the full group) against one full group: host bookkeeping per
+    /// decode step at batch 256, microseconds per sequence.
+    pub hybrid_us_per_seq: (f64, f64),
     /// MLA decode against GQA decode reading the same bytes (`None` when
     /// the section did not run).
     pub mla: Option<MlaRow>,
@@ -360,21 +364,23 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, BenchError> {
     let dtypes = s.dtypes()?;
     let cascade = s.cascade()?;
     let split = s.split()?;
-    let (host, host_prefix, sched_us, host_step) = if cfg.runs("host") {
+    let (host, host_prefix, sched_us, hybrid_us, host_step) = if cfg.runs("host") {
         progress(cfg, "host bookkeeping");
         let seqs = if cfg.quick { 50 } else { 400 };
         let host = host_bookkeeping_us_per_seq(seqs);
         let prefix = host_bookkeeping_us_per_seq_prefix_cache(seqs);
         let sched = scheduler_us_per_seq(seqs);
+        let hybrid = hybrid_us_per_seq(seqs.min(100));
         progress(cfg, "host side of a planned 32-layer step");
         (
             host,
             prefix,
             sched,
+            hybrid,
             host_step(gpu, if cfg.quick { 20 } else { 100 })?,
         )
     } else {
-        (0.0, 0.0, 0.0, HostStep::default())
+        (0.0, 0.0, 0.0, (0.0, 0.0), HostStep::default())
     };
     let (wk_tps, wk_gbs, cb_ps, cb_gbs) = if cfg.runs("copy") {
         progress(cfg, "write_kv / copy_blocks");
@@ -437,6 +443,7 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, BenchError> {
         ttft_remote_hit_ms,
         ttft_tokens,
         scheduler_us_per_seq: sched_us,
+        hybrid_us_per_seq: hybrid_us,
         mla,
     })
 }

@@ -239,4 +239,12 @@ pub(crate) fn render_host(s: &mut String, r: &BenchReport) {
             r.scheduler_us_per_seq
         );
     }
+    let (hybrid, full) = r.hybrid_us_per_seq;
+    if hybrid > 0.0 {
+        let _ = writeln!(
+            s,
+            "Gemma 3 layer groups (window 512 released, full) at batch 256: {hybrid:.2} us per sequence per step; one full group: {full:.2} ({:.2}x)",
+            hybrid / full
+        );
+    }
 }
