@@ -1,12 +1,19 @@
-// x[r][j] = E[ids[r]][j]: the embedding rows of the step's tokens, read in
-// the table's own format (quant.wgsl). One invocation per 4 elements.
-// Token ids were checked against the vocabulary on the host.
+// x[r][j] = E[ids[r]][j] * scale: the embedding rows of the step's tokens,
+// read in the table's own format (quant.wgsl). One invocation per 4
+// elements. The table may come in row chunks (one binding each holds at
+// most the device's binding size): this dispatch holds rows lo..lo + n and
+// writes only the step's rows whose token is one of them. Token ids were
+// checked against the vocabulary on the host.
 
 struct Params {
     m: u32,     // rows
     d: u32,     // d_model (multiple of 32)
-    vocab: u32,
-    _pad: u32,
+    lo: u32,    // the chunk's first table row
+    scale: f32, // the embedding's factor (Gemma: sqrt(d_model))
+    n: u32,     // the chunk's rows
+    _a: u32,
+    _b: u32,
+    _c: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -23,25 +30,14 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     }
     let r = i / d4;
     let j4 = i % d4;
-    let tok = min(ids[r], p.vocab - 1u);
+    let id = ids[r];
+    if id < p.lo || id - p.lo >= p.n {
+        return;
+    }
+    let tok = id - p.lo;
     let nb = p.d / 32u;
     let kb = j4 / 8u;
     let q = j4 % 8u;
     let base = (tok * nb + kb) * BLOCK_WORDS;
-    var v: vec4<f32>;
-    if FMT == FMT_Q4_1 {
-        let dm = unpack2x16float(w[base]);
-        let word = w[base + 1u + (q % 4u)];
-        if q < 4u {
-            v = nibbles_lo(word) * dm.x + dm.y;
-        } else {
-            v = nibbles_hi(word) * dm.x + dm.y;
-        }
-    } else if FMT == FMT_Q8_0 {
-        v = bytes_signed(w[base + 1u + q]) * bitcast<f32>(w[base]);
-    } else {
-        let o = base + 4u * q;
-        v = bitcast<vec4<f32>>(vec4<u32>(w[o], w[o + 1u], w[o + 2u], w[o + 3u]));
-    }
-    x[i] = v;
+    x[i] = block_vec4(base, q) * p.scale;
 }

@@ -18,7 +18,7 @@
 //
 // mode 0: out = acc; mode 1: out += acc (the residual);
 // mode 2 (gated FFN): W holds the n_out gate rows, then the n_out up rows;
-//         out = silu(gate) * up.
+//         out = silu(gate) * up; mode 3: the same with gelu_tanh(gate).
 // The Rust side prepends FMT, BLOCK_WORDS and R, and appends the staging.
 
 struct Params {
@@ -90,19 +90,7 @@ fn accumulate(acc: ptr<function, Acc>, acc2: ptr<function, Acc>, wv: vec4<f32>, 
 
 // Vec4 q (0..8) of block kb of weight row c.
 fn wvec(c: u32, kb: u32, nb: u32, q: u32) -> vec4<f32> {
-    let base = (c * nb + kb) * BLOCK_WORDS;
-    if FMT == FMT_Q4_1 {
-        let dm = unpack2x16float(w[base]);
-        let word = w[base + 1u + q % 4u];
-        if q < 4u {
-            return nibbles_lo(word) * dm.x + dm.y;
-        }
-        return nibbles_hi(word) * dm.x + dm.y;
-    } else if FMT == FMT_Q8_0 {
-        return bytes_signed(w[base + 1u + q]) * bitcast<f32>(w[base]);
-    }
-    let o = base + 4u * q;
-    return bitcast<vec4<f32>>(vec4<u32>(w[o], w[o + 1u], w[o + 2u], w[o + 3u]));
+    return block_vec4((c * nb + kb) * BLOCK_WORDS, q);
 }
 
 // Block kb of weight rows c and c2 against the tile.
@@ -126,8 +114,12 @@ fn store(row: u32, c: u32, g: f32, u: f32) {
         out[o] = g;
     } else if p.mode == 1u {
         out[o] = out[o] + g;
-    } else {
+    } else if p.mode == 2u {
         out[o] = g / (1.0 + exp(-g)) * u;
+    } else {
+        // GELU's tanh approximation (tanh has saturated well before 10).
+        let t = tanh(clamp(0.7978845608028654 * (g + 0.044715 * g * g * g), -10.0, 10.0));
+        out[o] = 0.5 * g * (1.0 + t) * u;
     }
 }
 
@@ -145,7 +137,7 @@ fn store4(r0: u32, c: u32, g: vec4<f32>, u: vec4<f32>, n: u32) {
 // builtins its staging reads): workgroup wid, invocation lid of it, lane sid
 // of its subgroup (0 without subgroups).
 fn run(wid: vec3<u32>, lid: vec3<u32>, sid: u32) {
-    let gated = p.mode == 2u;
+    let gated = p.mode >= 2u;
     // Gated: columns c of the gate and of the up rows; else columns c and
     // c + 64 of a workgroup's 128.
     var c = wid.x * WG + lid.x;

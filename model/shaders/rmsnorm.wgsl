@@ -1,12 +1,18 @@
 // out[r] = x[src(r)] / sqrt(mean(x[src(r)]^2) + eps) * weight, one
 // workgroup per output row; src(r) = rows[r] when p.gather is set (the
-// final norm runs only on the rows whose logits are needed), else r.
+// final norm runs only on the rows whose logits are needed), else r. With
+// p.add set the result is added to out (Gemma 3's post-norms: the residual
+// takes the normed attention or FFN output).
 
 struct Params {
     m: u32,
     d: u32,
     eps: f32,
     gather: u32,
+    add: u32,
+    _a: u32,
+    _b: u32,
+    _c: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -44,6 +50,11 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid
     }
     let scale = 1.0 / sqrt(part[0] / f32(p.d) + p.eps);
     for (var j = lid.x; j < p.d; j += WG) {
-        out[r * p.d + j] = x[xo + j] * scale * weight[j];
+        let y = x[xo + j] * scale * weight[j];
+        if p.add != 0u {
+            out[r * p.d + j] = out[r * p.d + j] + y;
+        } else {
+            out[r * p.d + j] = y;
+        }
     }
 }

@@ -3,10 +3,18 @@
 
 use std::path::PathBuf;
 
+pub use crate::arch::{Activation, Arch, ArchSpec, LayerAttn, RopeStyle};
 use crate::gguf::{GgmlType, Gguf, GgufError};
 
 /// Types accepted for the matmul weights (attention, FFN, untied output).
-pub const WEIGHT_TYPES: &[GgmlType] = &[GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::F32];
+pub const WEIGHT_TYPES: &[GgmlType] = &[
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q8_0,
+    GgmlType::Q4K,
+    GgmlType::Q6K,
+    GgmlType::F32,
+];
 /// Types accepted for the token embedding.
 pub const EMBEDDING_TYPES: &[GgmlType] = &[GgmlType::Q8_0, GgmlType::F32, GgmlType::Q4_1];
 /// Types accepted for the RMSNorm weights.
@@ -23,7 +31,7 @@ pub const DEFAULT_RMS_EPS: f32 = 1e-5;
 pub enum ConfigError {
     #[error(transparent)]
     Gguf(#[from] GgufError),
-    #[error("general.architecture is {0:?}; only \"llama\" is supported")]
+    #[error("general.architecture is {0:?}; supported: \"llama\", \"gemma3\"")]
     WrongArchitecture(String),
     #[error("{key} = {value} is invalid: {why}")]
     Invalid {
@@ -52,9 +60,18 @@ fn list(types: &[GgmlType]) -> String {
     names.join(", ")
 }
 
-/// The tensor names of one transformer block.
+/// The tensor names of one transformer block (the norms an architecture
+/// lacks are `None`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LayerNames {
+    /// RMSNorm of each query head (Gemma 3).
+    pub attn_q_norm: Option<String>,
+    /// RMSNorm of each key head (Gemma 3).
+    pub attn_k_norm: Option<String>,
+    /// RMSNorm of the attention output before the residual (Gemma 3).
+    pub post_attention_norm: Option<String>,
+    /// RMSNorm of the FFN output before the residual (Gemma 3).
+    pub post_ffw_norm: Option<String>,
     pub attn_norm: String,
     pub attn_q: String,
     pub attn_k: String,
@@ -77,6 +94,10 @@ pub const OUTPUT: &str = "output.weight";
 pub fn tensor_names(layer: usize) -> LayerNames {
     let n = |s: &str| format!("blk.{layer}.{s}.weight");
     LayerNames {
+        attn_q_norm: None,
+        attn_k_norm: None,
+        post_attention_norm: None,
+        post_ffw_norm: None,
         attn_norm: n("attn_norm"),
         attn_q: n("attn_q"),
         attn_k: n("attn_k"),
@@ -89,9 +110,16 @@ pub fn tensor_names(layer: usize) -> LayerNames {
     }
 }
 
-/// A llama model's hyper-parameters, checked against its tensors.
+/// The name this type had when the engine ran llama only.
+pub type LlamaConfig = ModelConfig;
+
+/// A model's hyper-parameters, checked against its tensors: what every
+/// architecture shares, and what its `arch` module says of it
+/// ([`ArchSpec`]).
 #[derive(Debug, Clone, PartialEq)]
-pub struct LlamaConfig {
+pub struct ModelConfig {
+    /// The architecture and what its step does differently.
+    pub arch: ArchSpec,
     /// Transformer blocks (`llama.block_count`).
     pub n_layers: usize,
     /// Hidden size (`llama.embedding_length`).
@@ -102,7 +130,8 @@ pub struct LlamaConfig {
     pub n_heads: usize,
     /// Key/value heads (`llama.attention.head_count_kv`).
     pub n_kv_heads: usize,
-    /// `d_model / n_heads`.
+    /// Elements per head (`d_model / n_heads` for llama; Gemma 3's file
+    /// says it: `key_length`).
     pub head_dim: usize,
     /// RoPE base (`llama.rope.freq_base`, default 10000).
     pub rope_base: f32,
@@ -120,7 +149,7 @@ pub struct LlamaConfig {
     pub output_type: GgmlType,
 }
 
-fn invalid(key: &'static str, value: String, why: String) -> ConfigError {
+pub(crate) fn invalid(key: &'static str, value: String, why: String) -> ConfigError {
     ConfigError::Invalid { key, value, why }
 }
 
@@ -183,7 +212,7 @@ fn check_heads(
 }
 
 /// The model and FFN widths on the quantisation block.
-fn check_widths(d_model: usize, d_ffn: usize) -> Result<(), ConfigError> {
+pub(crate) fn check_widths(d_model: usize, d_ffn: usize) -> Result<(), ConfigError> {
     for (key, v) in [
         ("llama.embedding_length", d_model),
         ("llama.feed_forward_length", d_ffn),
@@ -217,13 +246,20 @@ fn check_layers(g: &Gguf, n_layers: usize, [d, q, kv, f]: [u64; 4]) -> Result<()
     Ok(())
 }
 
-impl LlamaConfig {
-    /// Reads and checks the configuration of a llama GGUF.
-    pub fn from_gguf(g: &Gguf) -> Result<LlamaConfig, ConfigError> {
+impl ModelConfig {
+    /// Reads and checks the configuration of a GGUF of an architecture the
+    /// engine runs (`general.architecture`: `llama`, `gemma3`).
+    pub fn from_gguf(g: &Gguf) -> Result<ModelConfig, ConfigError> {
         let arch = g.get_str("general.architecture")?;
-        if arch != "llama" {
-            return Err(ConfigError::WrongArchitecture(arch.to_string()));
+        match arch {
+            "llama" => Self::llama(g),
+            "gemma3" => crate::arch::gemma3::config(g),
+            other => Err(ConfigError::WrongArchitecture(other.to_string())),
         }
+    }
+
+    /// The configuration of a llama GGUF.
+    fn llama(g: &Gguf) -> Result<ModelConfig, ConfigError> {
         let size = |key: &'static str| -> Result<usize, ConfigError> {
             let v = g.get_u32(key)?;
             if v == 0 {
@@ -294,7 +330,8 @@ impl LlamaConfig {
         };
         check_layers(g, n_layers, [d, q, kv, f])?;
 
-        Ok(LlamaConfig {
+        Ok(ModelConfig {
+            arch: ArchSpec::llama(n_layers, rope_base),
             n_layers,
             d_model,
             d_ffn,
@@ -313,7 +350,7 @@ impl LlamaConfig {
 
     /// The tensor names of block `layer`.
     pub fn tensor_names(&self, layer: usize) -> LayerNames {
-        tensor_names(layer)
+        self.arch.tensor_names(layer)
     }
 
     /// The name of the LM head: `output.weight`, or the token embedding
@@ -334,7 +371,7 @@ impl LlamaConfig {
 
 /// Checks that tensor `name` exists with shape `dims` (ne0 first; trailing
 /// 1s are ignored) and one of `types`; returns its type.
-fn check(
+pub(crate) fn check(
     g: &Gguf,
     name: &str,
     dims: &[u64],

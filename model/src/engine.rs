@@ -21,154 +21,10 @@ use wgpu::{
     BindGroup, BindGroupLayout, Buffer, BufferUsages as U, ComputePipeline, PipelineLayout,
 };
 
+use crate::config::{Activation, ArchSpec, RopeStyle};
 use crate::ModelError;
 
-/// A weight matrix's format on the GPU (the GGUF type it came in).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum WeightFormat {
-    /// 32 elements per block: f16 scale and minimum, 4-bit values.
-    Q4_1,
-    /// 32 elements per block: f16 scale, 8-bit signed values.
-    Q8_0,
-    /// Plain f32.
-    F32,
-}
-
-impl WeightFormat {
-    /// GGUF bytes of one 32-element block.
-    pub fn gguf_block_bytes(self) -> usize {
-        match self {
-            WeightFormat::Q4_1 => 20,
-            WeightFormat::Q8_0 => 34,
-            WeightFormat::F32 => 128,
-        }
-    }
-
-    /// u32 words of one block on the GPU (quant.wgsl).
-    pub fn gpu_block_words(self) -> usize {
-        match self {
-            WeightFormat::Q4_1 => 5,
-            WeightFormat::Q8_0 => 9,
-            WeightFormat::F32 => 32,
-        }
-    }
-
-    fn shader_id(self) -> u32 {
-        match self {
-            WeightFormat::Q4_1 => 0,
-            WeightFormat::Q8_0 => 1,
-            WeightFormat::F32 => 2,
-        }
-    }
-}
-
-/// A weight matrix as the GGUF file holds it: `rows` rows (output
-/// features) of `cols` elements, in `fmt`'s blocks, row after row.
-#[derive(Clone, Debug)]
-pub struct HostMatrix {
-    pub fmt: WeightFormat,
-    pub rows: usize,
-    pub cols: usize,
-    pub data: Vec<u8>,
-}
-
-impl HostMatrix {
-    /// Checks the byte count against the shape.
-    pub fn check(&self, name: &str) -> Result<(), ModelError> {
-        let want = self.rows * (self.cols / 32) * self.fmt.gguf_block_bytes();
-        if !self.cols.is_multiple_of(32) || self.data.len() != want {
-            return Err(ModelError::Shape(format!(
-                "{name}: {} x {} {:?} needs {want} bytes (columns a multiple of 32), found {}",
-                self.rows,
-                self.cols,
-                self.fmt,
-                self.data.len()
-            )));
-        }
-        Ok(())
-    }
-
-    /// Rows of several matrices of one format and width, stacked (the fused
-    /// projections), with `pad` zero rows after each part as asked.
-    pub fn stack(name: &str, parts: &[(&HostMatrix, usize)]) -> Result<HostMatrix, ModelError> {
-        let (first, _) = parts[0];
-        let mut data = Vec::new();
-        let mut rows = 0;
-        for (m, pad) in parts {
-            if m.fmt != first.fmt || m.cols != first.cols {
-                return Err(ModelError::Shape(format!(
-                    "{name}: fused parts must share format and width ({:?} x {} vs {:?} x {})",
-                    first.fmt, first.cols, m.fmt, m.cols
-                )));
-            }
-            data.extend_from_slice(&m.data);
-            // A zero block is zero in every format (scale 0, minimum 0).
-            data.resize(
-                data.len() + pad * (m.cols / 32) * m.fmt.gguf_block_bytes(),
-                0,
-            );
-            rows += m.rows + pad;
-        }
-        Ok(HostMatrix {
-            fmt: first.fmt,
-            rows,
-            cols: first.cols,
-            data,
-        })
-    }
-
-    /// The GPU words (quant.wgsl): Q4_1 as it is, Q8_0 with its scale
-    /// widened to f32 (exactly) so that blocks are whole words.
-    pub fn gpu_words(&self) -> Vec<u32> {
-        let bb = self.fmt.gguf_block_bytes();
-        let blocks = self.data.len() / bb;
-        let mut out = Vec::with_capacity(blocks * self.fmt.gpu_block_words());
-        let word = |b: &[u8]| u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-        for blk in self.data.chunks_exact(bb) {
-            match self.fmt {
-                WeightFormat::Q4_1 | WeightFormat::F32 => {
-                    out.extend(blk.chunks_exact(4).map(word));
-                }
-                WeightFormat::Q8_0 => {
-                    let d = half::f16::from_le_bytes([blk[0], blk[1]]).to_f32();
-                    out.push(d.to_bits());
-                    out.extend(blk[2..].chunks_exact(4).map(word));
-                }
-            }
-        }
-        out
-    }
-
-    /// Row `r` dequantized (host side, for checks).
-    pub fn row_f32(&self, r: usize) -> Vec<f32> {
-        let bb = self.fmt.gguf_block_bytes();
-        let nb = self.cols / 32;
-        let row = &self.data[r * nb * bb..(r + 1) * nb * bb];
-        let mut out = Vec::with_capacity(self.cols);
-        for blk in row.chunks_exact(bb) {
-            match self.fmt {
-                WeightFormat::Q4_1 => {
-                    let d = half::f16::from_le_bytes([blk[0], blk[1]]).to_f32();
-                    let m = half::f16::from_le_bytes([blk[2], blk[3]]).to_f32();
-                    let qs = &blk[4..20];
-                    out.extend(qs.iter().map(|&b| (b & 15) as f32 * d + m));
-                    out.extend(qs.iter().map(|&b| (b >> 4) as f32 * d + m));
-                }
-                WeightFormat::Q8_0 => {
-                    let d = half::f16::from_le_bytes([blk[0], blk[1]]).to_f32();
-                    out.extend(blk[2..].iter().map(|&b| b as i8 as f32 * d));
-                }
-                WeightFormat::F32 => {
-                    out.extend(
-                        blk.chunks_exact(4)
-                            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-                    );
-                }
-            }
-        }
-        out
-    }
-}
+pub use crate::weights::{HostMatrix, WeightFormat};
 
 /// One decoder layer's weights.
 #[derive(Clone, Debug)]
@@ -182,6 +38,13 @@ pub struct HostLayer {
     pub gate: HostMatrix,
     pub up: HostMatrix,
     pub down: HostMatrix,
+    /// RMSNorm weights of each Q and K head (`ArchSpec::qk_norm`).
+    pub q_norm: Option<Vec<f32>>,
+    pub k_norm: Option<Vec<f32>>,
+    /// RMSNorm weights of the attention and FFN outputs
+    /// (`ArchSpec::post_norms`).
+    pub post_attn_norm: Option<Vec<f32>>,
+    pub post_ffn_norm: Option<Vec<f32>>,
 }
 
 /// The model's shape.
@@ -208,6 +71,9 @@ pub struct HostWeights {
     pub output: Option<HostMatrix>,
     pub output_norm: Vec<f32>,
     pub layers: Vec<HostLayer>,
+    /// What the architecture's step does (per-layer RoPE base and window,
+    /// norms, activation, embedding scale).
+    pub arch: ArchSpec,
 }
 
 /// How the engine sizes its cache and batches.
@@ -320,29 +186,37 @@ struct LayerGpu {
     ffn_norm: Buffer,
     gate_up: Mat,
     down: Mat,
+    /// The Q then K head-norm weights.
+    qk_norm: Option<Buffer>,
+    post_attn: Option<Buffer>,
+    post_ffn: Option<Buffer>,
 }
 
-/// Bind groups of one layer: norm 1, QKV, RoPE, output, norm 2, gate/up, down.
+/// Bind groups of one layer: norm 1, QKV, the head norms, output, its
+/// post-norm, norm 2, gate/up, down, its post-norm.
 struct LayerGroups {
     norm1: BindGroup,
     qkv: BindGroup,
+    qk_norm: Option<BindGroup>,
     o: BindGroup,
+    post_attn: Option<BindGroup>,
     norm2: BindGroup,
     gate_up: BindGroup,
     down: BindGroup,
+    post_ffn: Option<BindGroup>,
 }
 
 /// The uniforms written each step.
 struct Uniforms {
-    embed: Buffer,
     norm: Buffer,
+    norm_add: Buffer,
+    headnorm: Buffer,
     final_norm: Buffer,
     rope: Buffer,
     qkv: Buffer,
     o: Buffer,
     gate_up: Buffer,
     down: Buffer,
-    head: Buffer,
 }
 
 /// The GPU model. Everything is allocated in [`Model::new`]; a step
@@ -353,7 +227,10 @@ pub struct Model {
     pub attn: PagedAttention,
     wplan: WritePlan,
     aplan: AttentionPlan,
-    variants: [AttnOptions; 1],
+    /// The attention variants (full, and each window) and each layer's.
+    variants: Vec<AttnOptions>,
+    layer_variant: Vec<usize>,
+    arch: ArchSpec,
     pub shape: Shape,
     pub cfg: EngineConfig,
     /// Floats per fused QKV row and the K and V offsets in it (256-byte
@@ -367,15 +244,22 @@ pub struct Model {
     pipe_embed: ComputePipeline,
     pipe_norm: ComputePipeline,
     pipe_rope: ComputePipeline,
+    pipe_headnorm: ComputePipeline,
     matmuls: HashMap<(WeightFormat, u32), ComputePipeline>,
     layers: Vec<LayerGpu>,
     groups: Vec<LayerGroups>,
-    embed_mat: Mat,
+    /// The embedding in row chunks that each fit one storage binding:
+    /// (first row, rows, matrix).
+    embed_chunks: Vec<(u32, u32, Mat)>,
     head_fmt: WeightFormat,
-    g_embed: BindGroup,
-    g_rope: BindGroup,
+    /// Per embedding chunk: its uniform and bind group.
+    g_embed: Vec<(Buffer, BindGroup)>,
+    /// One RoPE table bind group per base, and each layer's.
+    g_ropes: Vec<BindGroup>,
+    layer_rope: Vec<usize>,
     g_final: BindGroup,
-    g_head: BindGroup,
+    /// Per LM head chunk: (first row, rows, its uniform, its bind group).
+    g_head: Vec<(u32, u32, Buffer, BindGroup)>,
     u: Uniforms,
     ids: Buffer,
     pos: Buffer,
@@ -470,17 +354,29 @@ pub fn shader_source(
     rt: u32,
     staging: MatmulStaging,
 ) -> Result<String, ModelError> {
+    const BLOCK: &str = include_str!("../shaders/block.wgsl");
     let (body, tail) = match kernel {
         "matmul" => (
             include_str!("../shaders/matmul.wgsl"),
             match staging {
-                MatmulStaging::Subgroup => include_str!("../shaders/matmul_subgroup.wgsl"),
-                _ => include_str!("../shaders/matmul_tile.wgsl"),
+                MatmulStaging::Subgroup => {
+                    concat!(
+                        include_str!("../shaders/matmul_subgroup.wgsl"),
+                        "\n",
+                        include_str!("../shaders/block.wgsl")
+                    )
+                }
+                _ => concat!(
+                    include_str!("../shaders/matmul_tile.wgsl"),
+                    "\n",
+                    include_str!("../shaders/block.wgsl")
+                ),
             },
         ),
-        "embed" => (include_str!("../shaders/embed.wgsl"), ""),
+        "embed" => (include_str!("../shaders/embed.wgsl"), BLOCK),
         "rmsnorm" => (include_str!("../shaders/rmsnorm.wgsl"), ""),
         "rope" => (include_str!("../shaders/rope.wgsl"), ""),
+        "headnorm" => (include_str!("../shaders/headnorm.wgsl"), ""),
         other => return Err(ModelError::Shape(format!("no kernel named {other}"))),
     };
     Ok(format!(
@@ -492,7 +388,7 @@ pub fn shader_source(
 }
 
 /// The kernels' names, for a tool that prints every shader.
-pub const KERNELS: [&str; 4] = ["matmul", "embed", "rmsnorm", "rope"];
+pub const KERNELS: [&str; 5] = ["matmul", "embed", "rmsnorm", "rope", "headnorm"];
 
 fn pipeline(
     gpu: &Gpu,
@@ -610,6 +506,18 @@ fn upload_layers(gpu: &Gpu, w: &HostWeights) -> Result<Vec<LayerGpu>, ModelError
             ffn_norm: upload(gpu, "ffn norm", &l.ffn_norm),
             gate_up: Mat::upload(gpu, "gate/up", &gate_up),
             down: Mat::upload(gpu, "down", &l.down),
+            qk_norm: match (&l.q_norm, &l.k_norm) {
+                (Some(q), Some(k)) => Some(upload(gpu, "qk norm", &[q.as_slice(), k].concat())),
+                _ => None,
+            },
+            post_attn: l
+                .post_attn_norm
+                .as_ref()
+                .map(|w| upload(gpu, "post-attention norm", w)),
+            post_ffn: l
+                .post_ffn_norm
+                .as_ref()
+                .map(|w| upload(gpu, "post-FFN norm", w)),
         });
     }
     Ok(layers)
@@ -661,13 +569,27 @@ impl LayerGroups {
         l: &LayerGpu,
         [x, xn, logit_idx, qkv, attn_out, h]: [&Buffer; 6],
     ) -> Self {
+        // With post-norms the projections write xn (free by then), and a
+        // norm adds it to the residual x; else they add to x themselves.
+        let post = l.post_attn.is_some();
+        let proj_out = if post { xn } else { x };
+        let norm_add = |w: &Option<Buffer>| {
+            w.as_ref()
+                .map(|w| bind(dev, layout5, &[&u.norm_add, xn, w, logit_idx, x]))
+        };
         LayerGroups {
             norm1: bind(dev, layout5, &[&u.norm, x, &l.attn_norm, logit_idx, xn]),
             qkv: bind(dev, layout4, &[&u.qkv, xn, &l.qkv.buf, qkv]),
-            o: bind(dev, layout4, &[&u.o, attn_out, &l.o.buf, x]),
+            qk_norm: l
+                .qk_norm
+                .as_ref()
+                .map(|w| bind(dev, layout4, &[&u.headnorm, w, logit_idx, qkv])),
+            o: bind(dev, layout4, &[&u.o, attn_out, &l.o.buf, proj_out]),
+            post_attn: norm_add(&l.post_attn),
             norm2: bind(dev, layout5, &[&u.norm, x, &l.ffn_norm, logit_idx, xn]),
             gate_up: bind(dev, layout4, &[&u.gate_up, xn, &l.gate_up.buf, h]),
-            down: bind(dev, layout4, &[&u.down, h, &l.down.buf, x]),
+            down: bind(dev, layout4, &[&u.down, h, &l.down.buf, proj_out]),
+            post_ffn: norm_add(&l.post_ffn),
         }
     }
 }
@@ -684,15 +606,15 @@ impl Mat {
 impl Uniforms {
     fn new(dev: &wgpu::Device) -> Self {
         Uniforms {
-            embed: uniform(dev, "embed params"),
             norm: uniform(dev, "norm params"),
+            norm_add: uniform(dev, "norm-add params"),
+            headnorm: uniform(dev, "head norm params"),
             final_norm: uniform(dev, "final norm params"),
             rope: uniform(dev, "rope params"),
             qkv: uniform(dev, "qkv params"),
             o: uniform(dev, "o params"),
             gate_up: uniform(dev, "gate/up params"),
             down: uniform(dev, "down params"),
-            head: uniform(dev, "head params"),
         }
     }
 }
@@ -749,16 +671,68 @@ impl Model {
         let pipe_embed = pipeline(&gpu, &playout4, "embed", embed_fmt, 1, unused)?;
         let pipe_norm = pipeline(&gpu, &playout5, "rmsnorm", WeightFormat::F32, 1, unused)?;
         let pipe_rope = pipeline(&gpu, &playout4, "rope", WeightFormat::F32, 1, unused)?;
+        let pipe_headnorm = pipeline(&gpu, &playout4, "headnorm", WeightFormat::F32, 1, unused)?;
         let matmuls = matmul_pipelines(&gpu, &playout4, w, staging)?;
         let layers = upload_layers(&gpu, w)?;
-        let embed_mat = Mat::upload(&gpu, "embedding", &w.embed);
-        let head_mat = w.output.as_ref().map(|m| Mat::upload(&gpu, "output", m));
+        // Matrices of more rows than one binding holds (Gemma's 262,144-row
+        // embedding, 189 MB in Q8_0) go up in row chunks.
+        let upload_chunks = |label: &str, m: &HostMatrix| -> Vec<(u32, u32, Mat)> {
+            let row_bytes = (m.cols / 32 * m.fmt.gpu_block_words() * 4) as u64;
+            let most = (gpu.max_binding_bytes() / row_bytes.max(1)).max(1) as usize;
+            // Chunks of a multiple of 64 rows, so the head's output offsets
+            // stay 256-byte aligned.
+            let per = if most >= m.rows {
+                m.rows
+            } else {
+                (most / 64).max(1) * 64
+            };
+            (0..m.rows)
+                .step_by(per)
+                .map(|lo| {
+                    let n = per.min(m.rows - lo);
+                    (
+                        lo as u32,
+                        n as u32,
+                        Mat::upload(&gpu, label, &m.row_range(lo, n)),
+                    )
+                })
+                .collect()
+        };
+        let embed_chunks = upload_chunks("embedding", &w.embed);
+        let head_chunks = w.output.as_ref().map(|m| upload_chunks("output", m));
         let out_norm = upload(&gpu, "output norm", &w.output_norm);
-        let rope = upload(
-            &gpu,
-            "rope table",
-            &rope_table(s.context, s.head_dim, s.rope_base),
-        );
+        // One table per RoPE base (Gemma 3: local and global layers).
+        let bases = w.arch.rope_bases();
+        let ropes: Vec<Buffer> = bases
+            .iter()
+            .map(|&b| upload(&gpu, "rope table", &rope_table(s.context, s.head_dim, b)))
+            .collect();
+        let layer_rope: Vec<usize> = w
+            .arch
+            .layers
+            .iter()
+            .map(|l| {
+                bases
+                    .iter()
+                    .position(|&b| b == l.rope_base)
+                    .expect("listed")
+            })
+            .collect();
+        let windows = w.arch.windows();
+        let variants: Vec<AttnOptions> = windows
+            .iter()
+            .map(|&window| AttnOptions {
+                sliding_window: window,
+                scale: w.arch.attn_scale,
+                ..Default::default()
+            })
+            .collect();
+        let layer_variant: Vec<usize> = w
+            .arch
+            .layers
+            .iter()
+            .map(|l| windows.iter().position(|&x| x == l.window).expect("listed"))
+            .collect();
 
         let (r, lr) = (cfg.max_rows, cfg.max_logit_rows);
         let ids = storage(dev, "ids", r * 4, U::empty());
@@ -783,18 +757,64 @@ impl Model {
             .iter()
             .map(|l| LayerGroups::new(dev, [&layout4, &layout5], &u, l, acts))
             .collect();
-        let g_embed = bind(dev, &layout4, &[&u.embed, &ids, &embed_mat.buf, &x]);
-        let g_rope = bind(dev, &layout4, &[&u.rope, &pos, &rope, &qkv]);
+        let g_embed = embed_chunks
+            .iter()
+            .map(|(_, _, m)| {
+                let u = uniform(dev, "embed params");
+                let g = bind(dev, &layout4, &[&u, &ids, &m.buf, &x]);
+                (u, g)
+            })
+            .collect();
+        let g_ropes = ropes
+            .iter()
+            .map(|t| bind(dev, &layout4, &[&u.rope, &pos, t, &qkv]))
+            .collect();
         let g_final = bind(
             dev,
             &layout5,
             &[&u.final_norm, &x, &out_norm, &logit_idx, &xl],
         );
-        let head_buf = head_mat.as_ref().map(|m| &m.buf).unwrap_or(&embed_mat.buf);
-        let g_head = bind(dev, &layout4, &[&u.head, &xl, head_buf, &logits]);
-        let keep = [x, xn, h, xl, rope, out_norm]
+        let g_head = head_chunks
+            .as_ref()
+            .unwrap_or(&embed_chunks)
+            .iter()
+            .map(|(lo, n, m)| {
+                let u = uniform(dev, "head params");
+                // Columns lo.. of every logits row.
+                let out = wgpu::BufferBinding {
+                    buffer: &logits,
+                    offset: *lo as u64 * 4,
+                    size: None,
+                };
+                let g = dev.create_bind_group(&wgpu::BindGroupDescriptor {
+                    label: Some("head"),
+                    layout: &layout4,
+                    entries: &[
+                        wgpu::BindGroupEntry {
+                            binding: 0,
+                            resource: u.as_entire_binding(),
+                        },
+                        wgpu::BindGroupEntry {
+                            binding: 1,
+                            resource: xl.as_entire_binding(),
+                        },
+                        wgpu::BindGroupEntry {
+                            binding: 2,
+                            resource: m.buf.as_entire_binding(),
+                        },
+                        wgpu::BindGroupEntry {
+                            binding: 3,
+                            resource: wgpu::BindingResource::Buffer(out),
+                        },
+                    ],
+                });
+                (*lo, *n, u, g)
+            })
+            .collect();
+        let keep = [x, xn, h, xl, out_norm]
             .into_iter()
-            .chain(head_mat.map(|m| m.buf))
+            .chain(ropes)
+            .chain(head_chunks.into_iter().flatten().map(|(_, _, m)| m.buf))
             .collect();
         // Both popped (innermost first) before awaiting: no scope guard
         // lives across an await.
@@ -808,7 +828,9 @@ impl Model {
             attn,
             wplan,
             aplan,
-            variants: [AttnOptions::default()],
+            variants,
+            layer_variant,
+            arch: w.arch.clone(),
             shape: s,
             cfg,
             qkv_row,
@@ -820,13 +842,15 @@ impl Model {
             pipe_embed,
             pipe_norm,
             pipe_rope,
+            pipe_headnorm,
             matmuls,
             layers,
             groups,
-            embed_mat,
+            embed_chunks,
             head_fmt: head.fmt,
             g_embed,
-            g_rope,
+            g_ropes,
+            layer_rope,
             g_final,
             g_head,
             u,
@@ -906,6 +930,36 @@ impl Model {
             if l.attn_norm.len() != d || l.ffn_norm.len() != d {
                 return bad(format!("blk.{i}: norms must have {d} values"));
             }
+            let hd = s.head_dim;
+            let a = &w.arch;
+            for (what, v, want, len) in [
+                ("attn_q_norm", &l.q_norm, a.qk_norm, hd),
+                ("attn_k_norm", &l.k_norm, a.qk_norm, hd),
+                ("post_attention_norm", &l.post_attn_norm, a.post_norms, d),
+                ("post_ffw_norm", &l.post_ffn_norm, a.post_norms, d),
+            ] {
+                match v {
+                    Some(v) if want && v.len() == len => {}
+                    None if !want => {}
+                    _ => {
+                        return bad(format!(
+                            "blk.{i}.{what}: {} ({len} values where the architecture has it)",
+                            if want {
+                                "missing or of the wrong length"
+                            } else {
+                                "not used by this architecture"
+                            }
+                        ))
+                    }
+                }
+            }
+        }
+        if w.arch.layers.len() != s.layers {
+            return bad(format!(
+                "{} layers described by the architecture, {} in the shape",
+                w.arch.layers.len(),
+                s.layers
+            ));
         }
         Ok(())
     }
@@ -1031,12 +1085,14 @@ impl Model {
         let scope = gpu.device.push_error_scope(wgpu::ErrorFilter::Validation);
         let mut enc = gpu.device.create_command_encoder(&Default::default());
         let (m32, l32) = (m as u32, l as u32);
-        let (d, vocab) = (sh.d_model as u32, sh.vocab as u32);
+        let d = sh.d_model as u32;
         {
             let mut pass = enc.begin_compute_pass(&Default::default());
             pass.set_pipeline(&self.pipe_embed);
-            pass.set_bind_group(0, &self.g_embed, &[]);
-            pass.dispatch_workgroups((m32 * d / 4).div_ceil(WG as u32), 1, 1);
+            for (_, g) in &self.g_embed {
+                pass.set_bind_group(0, g, &[]);
+                pass.dispatch_workgroups((m32 * d / 4).div_ceil(WG as u32), 1, 1);
+            }
         }
         self.cache.run_copy_blocks(gpu, &mut enc, &mut self.wplan)?;
         self.record_layers(&mut enc, m)?;
@@ -1049,9 +1105,11 @@ impl Model {
             pass.dispatch_workgroups(l32, 1, 1);
             let (p, rt) = self.matmul(self.head_fmt, l);
             pass.set_pipeline(p);
-            pass.set_bind_group(0, &self.g_head, &[]);
-            let (gx, gy) = grid(vocab, rt, l32);
-            pass.dispatch_workgroups(gx, gy, 1);
+            for (_, n, _, g) in &self.g_head {
+                pass.set_bind_group(0, g, &[]);
+                let (gx, gy) = grid(*n, rt, l32);
+                pass.dispatch_workgroups(gx, gy, 1);
+            }
         }
         let bytes = (l * sh.vocab * 4) as u64;
         if l > 0 {
@@ -1091,19 +1149,51 @@ impl Model {
         let half = (sh.head_dim / 2) as u32;
         let ctx = sh.context as u32;
         let u = &self.u;
-        q.write_buffer(&u.embed, 0, words(&[m32, d, vocab, 0, 0, 0, 0, 0]));
+        let a = &self.arch;
+        let scale = f(a.embed_scale);
+        for ((lo, n, _), (ub, _)) in self.embed_chunks.iter().zip(&self.g_embed) {
+            q.write_buffer(ub, 0, words(&[m32, d, *lo, scale, *n, 0, 0, 0]));
+        }
         q.write_buffer(&u.norm, 0, words(&[m32, d, eps, 0, 0, 0, 0, 0]));
+        q.write_buffer(&u.norm_add, 0, words(&[m32, d, eps, 0, 1, 0, 0, 0]));
         q.write_buffer(&u.final_norm, 0, words(&[l32, d, eps, 1, 0, 0, 0, 0]));
+        let style = match a.rope_style {
+            RopeStyle::Adjacent => 0,
+            RopeStyle::Halves => 1,
+        };
         q.write_buffer(
             &u.rope,
             0,
-            words(&[m32, rope_heads, half, row, ctx, 0, 0, 0]),
+            words(&[m32, rope_heads, half, row, ctx, style, 0, 0]),
         );
+        let hd = sh.head_dim as u32;
+        q.write_buffer(
+            &u.headnorm,
+            0,
+            words(&[
+                m32,
+                rope_heads,
+                sh.heads as u32,
+                hd,
+                row,
+                self.k_off as u32,
+                eps,
+                0,
+            ]),
+        );
+        // With post-norms the projections write (mode 0), and a norm adds.
+        let proj = if a.post_norms { 0 } else { 1 };
+        let gate = match a.activation {
+            Activation::Silu => 2,
+            Activation::GeluTanh => 3,
+        };
         q.write_buffer(&u.qkv, 0, words(&[m32, d, row, 0, d, row, 0, 0]));
-        q.write_buffer(&u.o, 0, words(&[m32, qw, d, 1, qw, d, 0, 0]));
-        q.write_buffer(&u.gate_up, 0, words(&[m32, d, ffn, 2, d, ffn, 0, 0]));
-        q.write_buffer(&u.down, 0, words(&[m32, ffn, d, 1, ffn, d, 0, 0]));
-        q.write_buffer(&u.head, 0, words(&[l32, d, vocab, 0, d, vocab, 0, 0]));
+        q.write_buffer(&u.o, 0, words(&[m32, qw, d, proj, qw, d, 0, 0]));
+        q.write_buffer(&u.gate_up, 0, words(&[m32, d, ffn, gate, d, ffn, 0, 0]));
+        q.write_buffer(&u.down, 0, words(&[m32, ffn, d, proj, ffn, d, 0, 0]));
+        for (_, n, ub, _) in &self.g_head {
+            q.write_buffer(ub, 0, words(&[l32, d, *n, 0, d, vocab, 0, 0]));
+        }
     }
 
     /// Every layer's passes for `m` rows: norm, QKV, rope, the K/V write,
@@ -1144,8 +1234,13 @@ impl Model {
                 pass.set_bind_group(0, &g.qkv, &[]);
                 let (gx, gy) = grid(row, rt, m32);
                 pass.dispatch_workgroups(gx, gy, 1);
+                if let Some(qk) = &g.qk_norm {
+                    pass.set_pipeline(&self.pipe_headnorm);
+                    pass.set_bind_group(0, qk, &[]);
+                    pass.dispatch_workgroups(m32 * rope_heads, 1, 1);
+                }
                 pass.set_pipeline(&self.pipe_rope);
-                pass.set_bind_group(0, &self.g_rope, &[]);
+                pass.set_bind_group(0, &self.g_ropes[self.layer_rope[i]], &[]);
                 pass.dispatch_workgroups((m32 * rope_heads * half).div_ceil(WG as u32), 1, 1);
             }
             let layer = i as u32;
@@ -1154,8 +1249,17 @@ impl Model {
             if !self.skip_attention {
                 let qb = self.qkv.as_entire_buffer_binding();
                 let ob = self.attn_out.as_entire_buffer_binding();
-                self.attn
-                    .run(gpu, enc, &mut self.aplan, &self.cache, layer, 0, &qb, &ob)?;
+                let variant = self.layer_variant[i];
+                self.attn.run(
+                    gpu,
+                    enc,
+                    &mut self.aplan,
+                    &self.cache,
+                    layer,
+                    variant,
+                    &qb,
+                    &ob,
+                )?;
             }
             let mut pass = enc.begin_compute_pass(&Default::default());
             let (p, rt) = self.matmul(lw.o.fmt, m);
@@ -1163,6 +1267,11 @@ impl Model {
             pass.set_bind_group(0, &g.o, &[]);
             let (gx, gy) = grid(d, rt, m32);
             pass.dispatch_workgroups(gx, gy, 1);
+            if let Some(post) = &g.post_attn {
+                pass.set_pipeline(&self.pipe_norm);
+                pass.set_bind_group(0, post, &[]);
+                pass.dispatch_workgroups(m32, 1, 1);
+            }
             pass.set_pipeline(&self.pipe_norm);
             pass.set_bind_group(0, &g.norm2, &[]);
             pass.dispatch_workgroups(m32, 1, 1);
@@ -1176,6 +1285,11 @@ impl Model {
             pass.set_bind_group(0, &g.down, &[]);
             let (gx, gy) = grid(d, rt, m32);
             pass.dispatch_workgroups(gx, gy, 1);
+            if let Some(post) = &g.post_ffn {
+                pass.set_pipeline(&self.pipe_norm);
+                pass.set_bind_group(0, post, &[]);
+                pass.dispatch_workgroups(m32, 1, 1);
+            }
         }
         Ok(())
     }
@@ -1195,7 +1309,7 @@ impl Model {
 
     /// The embedding table's format (for reports).
     pub fn embed_format(&self) -> WeightFormat {
-        self.embed_mat.fmt
+        self.embed_chunks[0].2.fmt
     }
 
     /// Layouts, for tools that build more pipelines on this model's buffers.

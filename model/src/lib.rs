@@ -18,6 +18,7 @@
 //! The `pagedattn` library itself stays model-agnostic: this crate uses
 //! only its public API.
 
+mod arch;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod bench;
 mod clock;
@@ -31,5 +32,6 @@ pub mod load;
 pub mod sample;
 pub mod serve;
 pub mod tokenizer;
+pub mod weights;
 
 pub use error::ModelError;

@@ -5,8 +5,8 @@
 use std::path::Path;
 
 use crate::config::{LlamaConfig, OUTPUT_NORM, TOKEN_EMBD};
-use crate::engine::{HostLayer, HostMatrix, HostWeights, Shape, WeightFormat};
-use crate::gguf::{GgmlType, Gguf};
+use crate::engine::{HostLayer, HostMatrix, HostWeights, Shape};
+use crate::gguf::Gguf;
 use crate::tokenizer::Tokenizer;
 use crate::ModelError;
 
@@ -19,29 +19,17 @@ pub struct Loaded {
     pub file_bytes: u64,
 }
 
-fn format(name: &str, ty: GgmlType) -> Result<WeightFormat, ModelError> {
-    match ty {
-        GgmlType::Q4_1 => Ok(WeightFormat::Q4_1),
-        GgmlType::Q8_0 => Ok(WeightFormat::Q8_0),
-        GgmlType::F32 => Ok(WeightFormat::F32),
-        other => Err(ModelError::Shape(format!(
-            "{name}: {other} weights are not supported (Q4_1, Q8_0 or F32)"
-        ))),
-    }
-}
-
 fn matrix(g: &Gguf, name: &str) -> Result<HostMatrix, ModelError> {
     let t = g.tensor(name)?;
-    let fmt = format(name, t.ty())?;
     let dims = t.dims();
     let cols = dims.first().copied().unwrap_or(0) as usize;
     let rows = dims.iter().skip(1).product::<u64>() as usize;
-    let m = HostMatrix {
-        fmt,
-        rows,
-        cols,
-        data: t.data.to_vec(),
-    };
+    let m = HostMatrix::from_gguf(t.ty(), rows, cols, t.data).ok_or_else(|| {
+        ModelError::Shape(format!(
+            "{name}: {} weights are not supported (Q4_1, Q5_0, Q8_0, Q4_K, Q6_K or F32)",
+            t.ty()
+        ))
+    })?;
     m.check(name)?;
     Ok(m)
 }
@@ -49,6 +37,15 @@ fn matrix(g: &Gguf, name: &str) -> Result<HostMatrix, ModelError> {
 fn vector(g: &Gguf, name: &str) -> Result<Vec<f32>, ModelError> {
     Ok(g.tensor(name)?.to_f32()?)
 }
+
+/// The vector `name` names, when the architecture has it.
+fn optional(g: &Gguf, name: &Option<String>) -> Result<Option<Vec<f32>>, ModelError> {
+    name.as_ref().map(|n| vector(g, n)).transpose()
+}
+
+/// The longest context the engine keeps RoPE tables for (a file may claim
+/// more: Gemma 3 270M says 32,768).
+pub const MAX_CONTEXT: usize = 8192;
 
 /// Reads the model at `path`. A missing file names the fetch command.
 pub fn load(path: &Path) -> Result<Loaded, ModelError> {
@@ -82,7 +79,7 @@ pub fn from_gguf(g: &Gguf, file_bytes: u64) -> Result<Loaded, ModelError> {
         vocab: c.vocab_size,
         rope_base: c.rope_base,
         rms_eps: c.rms_eps,
-        context: c.context_length,
+        context: c.context_length.min(MAX_CONTEXT),
     };
     let mut layers = Vec::with_capacity(c.n_layers);
     for i in 0..c.n_layers {
@@ -97,6 +94,10 @@ pub fn from_gguf(g: &Gguf, file_bytes: u64) -> Result<Loaded, ModelError> {
             gate: matrix(g, &n.ffn_gate)?,
             up: matrix(g, &n.ffn_up)?,
             down: matrix(g, &n.ffn_down)?,
+            q_norm: optional(g, &n.attn_q_norm)?,
+            k_norm: optional(g, &n.attn_k_norm)?,
+            post_attn_norm: optional(g, &n.post_attention_norm)?,
+            post_ffn_norm: optional(g, &n.post_ffw_norm)?,
         });
     }
     let output = if c.tied_embeddings {
@@ -110,6 +111,7 @@ pub fn from_gguf(g: &Gguf, file_bytes: u64) -> Result<Loaded, ModelError> {
         output,
         output_norm: vector(g, OUTPUT_NORM)?,
         layers,
+        arch: c.arch.clone(),
     };
     Ok(Loaded {
         weights,

@@ -34,6 +34,10 @@ pub const IM_START: &str = "<|im_start|>";
 pub const IM_END: &str = "<|im_end|>";
 /// End of document.
 pub const END_OF_TEXT: &str = "<|endoftext|>";
+/// Gemma's turn start.
+pub const START_OF_TURN: &str = "<start_of_turn>";
+/// Gemma's turn end: what Gemma emits when it is done.
+pub const END_OF_TURN: &str = "<end_of_turn>";
 
 /// GGUF `tokenizer.ggml.token_type` values.
 pub mod token_type {
@@ -51,8 +55,10 @@ pub mod token_type {
 pub enum TokenizerError {
     #[error(transparent)]
     Gguf(#[from] GgufError),
-    #[error("tokenizer.ggml.model is {0:?}; only \"gpt2\" (byte-level BPE) is supported")]
+    #[error("tokenizer.ggml.model is {0:?}; supported: \"gpt2\" (byte-level BPE) and \"llama\" (SentencePiece BPE with byte fallback)")]
     UnsupportedModel(String),
+    #[error("{tokens} tokens but {scores} scores")]
+    ScoreMismatch { tokens: usize, scores: usize },
     #[error("tokenizer.ggml.pre is {0:?}; supported: \"smollm\" (digits split, then the GPT-2 regex) and \"gpt2\"/\"default\"")]
     UnsupportedPre(String),
     #[error("tokenizer.ggml.tokens is empty")]
@@ -277,6 +283,10 @@ pub struct Tokenizer {
     add_bos: bool,
     im_end: u32,
     chat_template: Option<String>,
+    /// SentencePiece (`tokenizer.ggml.model = "llama"`): each token's
+    /// score, by which adjacent pieces merge (highest first); `None` for
+    /// byte-level BPE, which merges by `merges`' rank.
+    spm_scores: Option<Vec<f32>>,
 }
 
 /// `(text, id, control)` of a token matched in text.
@@ -291,6 +301,7 @@ type Merges = HashMap<(u32, u32), (u32, u32)>;
 fn token_bytes(
     tokens: &[String],
     types: &[i32],
+    spm: bool,
 ) -> (HashMap<String, u32>, Vec<u8>, Vec<usize>, Vec<Special>) {
     let mut vocab = HashMap::with_capacity(tokens.len());
     let mut bytes = Vec::new();
@@ -305,6 +316,12 @@ fn token_bytes(
             bytes.extend_from_slice(tok.as_bytes());
             if !tok.is_empty() {
                 specials.push((tok.clone(), id, ty == token_type::CONTROL));
+            }
+        } else if spm {
+            // SentencePiece: `<0xAB>` is the byte 0xAB, `▁` a space.
+            match (ty == token_type::BYTE).then(|| spm_byte(tok)).flatten() {
+                Some(b) => bytes.push(b),
+                None => bytes.extend_from_slice(tok.replace('\u{2581}', " ").as_bytes()),
             }
         } else {
             for ch in tok.chars() {
@@ -359,13 +376,38 @@ fn read_merges(g: &Gguf, vocab: &HashMap<String, u32>) -> Result<Merges, Tokeniz
     Ok(merges)
 }
 
+/// The byte of a SentencePiece byte token (`<0xAB>`).
+fn spm_byte(tok: &str) -> Option<u8> {
+    let hex = tok.strip_prefix("<0x")?.strip_suffix('>')?;
+    (hex.len() == 2)
+        .then(|| u8::from_str_radix(hex, 16).ok())
+        .flatten()
+}
+
+/// A float that orders totally (the merge heap's key).
+#[derive(Clone, Copy, PartialEq)]
+struct Score(f32);
+impl Eq for Score {}
+impl PartialOrd for Score {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Score {
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        self.0.total_cmp(&o.0)
+    }
+}
+
 impl Tokenizer {
     /// Reads the tokenizer of a GGUF (`tokenizer.ggml.*`).
     pub fn from_gguf(g: &Gguf) -> Result<Tokenizer, TokenizerError> {
         let model = g.get_str("tokenizer.ggml.model")?;
-        if model != "gpt2" {
-            return Err(TokenizerError::UnsupportedModel(model.to_string()));
-        }
+        let spm = match model {
+            "gpt2" => false,
+            "llama" => true,
+            other => return Err(TokenizerError::UnsupportedModel(other.to_string())),
+        };
         let pre_name = match g.get("tokenizer.ggml.pre") {
             None => String::new(),
             Some(_) => g.get_str("tokenizer.ggml.pre")?.to_string(),
@@ -393,7 +435,7 @@ impl Tokenizer {
             });
         }
 
-        let (vocab, bytes, starts, mut specials) = token_bytes(&tokens, &types);
+        let (vocab, bytes, starts, mut specials) = token_bytes(&tokens, &types, spm);
         specials.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
         let mut special_first = [false; 256];
         for (s, _, _) in &specials {
@@ -406,12 +448,32 @@ impl Tokenizer {
         let table = byte_to_char_table();
         let mut byte_ids = [None; 256];
         for (b, id) in byte_ids.iter_mut().enumerate() {
-            *id = vocab
-                .get(table[b].encode_utf8(&mut [0u8; 4]) as &str)
-                .copied();
+            *id = if spm {
+                vocab.get(&format!("<0x{b:02X}>")).copied()
+            } else {
+                vocab
+                    .get(table[b].encode_utf8(&mut [0u8; 4]) as &str)
+                    .copied()
+            };
         }
 
-        let merges = read_merges(g, &vocab)?;
+        let merges = if spm {
+            Merges::new()
+        } else {
+            read_merges(g, &vocab)?
+        };
+        let spm_scores = if spm {
+            let scores = g.get_f32_array("tokenizer.ggml.scores")?.to_vec();
+            if scores.len() != tokens.len() {
+                return Err(TokenizerError::ScoreMismatch {
+                    tokens: tokens.len(),
+                    scores: scores.len(),
+                });
+            }
+            Some(scores)
+        } else {
+            None
+        };
 
         let n = tokens.len();
         let id_key = |key: &'static str| -> Result<Option<u32>, TokenizerError> {
@@ -434,6 +496,7 @@ impl Tokenizer {
         };
         let im_end = vocab
             .get(IM_END)
+            .or_else(|| vocab.get(END_OF_TURN))
             .copied()
             .or(eos_token_id)
             .ok_or(TokenizerError::NoEos)?;
@@ -462,6 +525,7 @@ impl Tokenizer {
             add_bos,
             im_end,
             chat_template,
+            spm_scores,
         })
     }
 
@@ -522,10 +586,71 @@ impl Tokenizer {
         if text.is_empty() {
             return;
         }
+        if let Some(scores) = &self.spm_scores {
+            self.spm(text, scores, out);
+            return;
+        }
         let mut scratch = Scratch::default();
         pre_tokenize(text, self.pre, |piece| {
             self.bpe(piece.as_bytes(), &mut scratch, out)
         });
+    }
+
+    /// SentencePiece BPE, as SentencePiece and llama.cpp run it: spaces
+    /// become `▁`, the text splits into characters, and adjacent pieces
+    /// whose concatenation is a token merge, the highest-scoring pair first
+    /// (the leftmost on ties), until none does; a piece that is no token
+    /// falls back to its bytes' tokens (`<0xAB>`).
+    fn spm(&self, text: &str, scores: &[f32], out: &mut Vec<u32>) {
+        const NONE: usize = usize::MAX;
+        let text = text.replace(' ', "\u{2581}");
+        // Pieces as byte ranges of `text`, one per character to begin with.
+        let start: Vec<usize> = text.char_indices().map(|(i, _)| i).collect();
+        let n = start.len();
+        let mut len: Vec<usize> = (0..n)
+            .map(|i| start.get(i + 1).copied().unwrap_or(text.len()) - start[i])
+            .collect();
+        let mut prev: Vec<usize> = (0..n).map(|i| if i == 0 { NONE } else { i - 1 }).collect();
+        let mut next: Vec<usize> = (0..n)
+            .map(|i| if i + 1 == n { NONE } else { i + 1 })
+            .collect();
+        let mut heap: BinaryHeap<(Score, Reverse<usize>, usize)> = BinaryHeap::new();
+        let push =
+            |heap: &mut BinaryHeap<_>, start: &[usize], len: &[usize], l: usize, r: usize| {
+                if l == NONE || r == NONE {
+                    return;
+                }
+                let joined = &text[start[l]..start[r] + len[r]];
+                if let Some(&id) = self.vocab.get(joined) {
+                    heap.push((Score(scores[id as usize]), Reverse(l), joined.len()));
+                }
+            };
+        for i in 1..n {
+            push(&mut heap, &start, &len, i - 1, i);
+        }
+        while let Some((_, Reverse(l), size)) = heap.pop() {
+            let r = next[l];
+            if len[l] == 0 || r == NONE || len[r] == 0 || len[l] + len[r] != size {
+                continue; // stale: one side has merged since
+            }
+            len[l] += len[r];
+            len[r] = 0;
+            next[l] = next[r];
+            if next[r] != NONE {
+                prev[next[r]] = l;
+            }
+            push(&mut heap, &start, &len, prev[l], l);
+            push(&mut heap, &start, &len, l, next[l]);
+        }
+        let mut i = if n == 0 { NONE } else { 0 };
+        while i != NONE {
+            let piece = &text[start[i]..start[i] + len[i]];
+            match self.vocab.get(piece) {
+                Some(&id) => out.push(id),
+                None => out.extend(piece.bytes().filter_map(|b| self.byte_ids[b as usize])),
+            }
+            i = next[i];
+        }
     }
 
     /// Merges one pre-token's bytes by rank: lowest rank first, leftmost on
@@ -725,6 +850,17 @@ impl Tokenizer {
     /// answer starts. `system` defaults to [`DEFAULT_SYSTEM`], which is what
     /// SmolLM2-Instruct's template uses. Encode it with `parse_special`.
     pub fn chat_prompt(&self, user: &str, system: Option<&str>) -> String {
+        if self.vocab.contains_key(START_OF_TURN) && !self.vocab.contains_key(IM_START) {
+            // Gemma: BOS, then turns; a system prompt opens the user turn.
+            let bos = self
+                .bos_token_id
+                .and_then(|id| self.token_str(id))
+                .unwrap_or("");
+            let system = system.map(|s| format!("{s}\n\n")).unwrap_or_default();
+            return format!(
+                "{bos}{START_OF_TURN}user\n{system}{user}{END_OF_TURN}\n{START_OF_TURN}model\n"
+            );
+        }
         let system = system.unwrap_or(DEFAULT_SYSTEM);
         format!("{IM_START}system\n{system}{IM_END}\n{IM_START}user\n{user}{IM_END}\n{IM_START}assistant\n")
     }

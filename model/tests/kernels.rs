@@ -10,11 +10,13 @@
 use pagedattn::blocks::{BlockManager, BlockManagerConfig};
 use pagedattn::reference::rel_l2;
 use pagedattn::rng::SplitMix64;
+use pagedattn_model::config::{Activation, ArchSpec, LayerAttn, RopeStyle};
 use pagedattn_model::engine::{
     rope_table, EngineConfig, HostLayer, HostMatrix, HostWeights, MatmulStaging, Model, Shape,
     StepInput, WeightFormat,
 };
 use pagedattn_model::generate::open_device;
+use pagedattn_model::gguf::GgmlType;
 
 const TOL: f64 = 1e-4;
 
@@ -51,8 +53,22 @@ fn random(
     scale: f32,
 ) -> HostMatrix {
     let mut data = Vec::new();
-    for _ in 0..rows * cols / 32 {
+    for _ in 0..rows * cols / fmt.block_elems() {
         match fmt {
+            WeightFormat::Q4K => {
+                // value = d * sc * q - dmin * m: sc, m up to 63, q up to 15.
+                let d = scale / (63.0 * 15.0) * (0.5 + rng.next_f64() as f32);
+                data.extend(f16_bytes(d));
+                data.extend(f16_bytes(d * 7.0 * (0.5 + rng.next_f64() as f32)));
+                data.extend((0..140).map(|_| rng.below(256) as u8));
+            }
+            WeightFormat::Q6K => {
+                data.extend((0..192).map(|_| rng.below(256) as u8));
+                data.extend((0..16).map(|_| rng.below(256) as u8));
+                data.extend(f16_bytes(
+                    scale / (32.0 * 128.0) * (0.5 + rng.next_f64() as f32),
+                ));
+            }
             WeightFormat::Q4_1 => {
                 let d = scale / 8.0 * (0.5 + rng.next_f64() as f32);
                 data.extend(f16_bytes(d));
@@ -76,6 +92,85 @@ fn random(
         rows,
         cols,
         data,
+    }
+}
+
+/// Random Q5_0 blocks (as a file holds them), loaded as the engine loads
+/// them (widened to Q8_0).
+fn random_q5_0(rng: &mut SplitMix64, rows: usize, cols: usize, scale: f32) -> HostMatrix {
+    let mut data = Vec::new();
+    for _ in 0..rows * cols / 32 {
+        data.extend(f16_bytes(scale / 16.0 * (0.5 + rng.next_f64() as f32)));
+        data.extend((0..20).map(|_| rng.below(256) as u8));
+    }
+    HostMatrix::from_gguf(GgmlType::Q5_0, rows, cols, &data).expect("Q5_0 loads")
+}
+
+/// A small Gemma-3-shaped model: head_dim 128 over a width of 64, one KV
+/// head, Q and K norms, post-norms, the GELU-tanh gate, NeoX RoPE with a
+/// local and a global base, a window of 8 on the first layer, a query
+/// scale of its own; Q5_0, Q8_0, Q4_K and Q6_K weights.
+fn gemma_weights(seed: u64) -> HostWeights {
+    let mut rng = SplitMix64::new(seed);
+    let (d, hd, heads, ffn) = (64usize, 128usize, 2usize, 256usize);
+    let shape = Shape {
+        layers: 2,
+        d_model: d,
+        ffn,
+        heads,
+        kv_heads: 1,
+        head_dim: hd,
+        vocab: 120,
+        rope_base: 1_000_000.0,
+        rms_eps: 1e-6,
+        context: 64,
+    };
+    let norm = |rng: &mut SplitMix64, n: usize| -> Vec<f32> {
+        (0..n).map(|_| 0.5 + rng.next_f64() as f32).collect()
+    };
+    let layers = (0..shape.layers)
+        .map(|_| HostLayer {
+            attn_norm: norm(&mut rng, d),
+            q: random_q5_0(&mut rng, heads * hd, d, 0.3),
+            k: random_q5_0(&mut rng, hd, d, 0.3),
+            v: random(&mut rng, WeightFormat::Q8_0, hd, d, 0.3),
+            o: random(&mut rng, WeightFormat::Q4K, d, heads * hd, 0.1),
+            ffn_norm: norm(&mut rng, d),
+            gate: random_q5_0(&mut rng, ffn, d, 0.3),
+            up: random_q5_0(&mut rng, ffn, d, 0.3),
+            down: random(&mut rng, WeightFormat::Q6K, d, ffn, 0.1),
+            q_norm: Some(norm(&mut rng, hd)),
+            k_norm: Some(norm(&mut rng, hd)),
+            post_attn_norm: Some(norm(&mut rng, d)),
+            post_ffn_norm: Some(norm(&mut rng, d)),
+        })
+        .collect();
+    let arch = ArchSpec {
+        arch: pagedattn_model::config::Arch::Gemma3,
+        embed_scale: (d as f32).sqrt(),
+        activation: Activation::GeluTanh,
+        rope_style: RopeStyle::Halves,
+        qk_norm: true,
+        post_norms: true,
+        attn_scale: Some(0.07),
+        layers: vec![
+            LayerAttn {
+                rope_base: 10_000.0,
+                window: Some(8),
+            },
+            LayerAttn {
+                rope_base: 1_000_000.0,
+                window: None,
+            },
+        ],
+    };
+    HostWeights {
+        shape,
+        embed: random(&mut rng, WeightFormat::Q8_0, shape.vocab, d, 1.0),
+        output: None,
+        output_norm: norm(&mut rng, d),
+        layers,
+        arch,
     }
 }
 
@@ -106,6 +201,10 @@ fn model_weights(seed: u64, embed_fmt: WeightFormat, tied: bool) -> HostWeights 
             gate: random(&mut rng, WeightFormat::Q8_0, 96, d, 0.3),
             up: random(&mut rng, WeightFormat::Q8_0, 96, d, 0.3),
             down: random(&mut rng, WeightFormat::Q4_1, d, 96, 0.1),
+            q_norm: None,
+            k_norm: None,
+            post_attn_norm: None,
+            post_ffn_norm: None,
         })
         .collect();
     HostWeights {
@@ -114,6 +213,7 @@ fn model_weights(seed: u64, embed_fmt: WeightFormat, tied: bool) -> HostWeights 
         output: (!tied).then(|| random(&mut rng, WeightFormat::Q4_1, shape.vocab, d, 0.3)),
         output_norm: norm(&mut rng),
         layers,
+        arch: ArchSpec::llama(shape.layers, shape.rope_base),
     }
 }
 
@@ -139,19 +239,33 @@ fn rmsnorm(x: &[f64], w: &[f32], eps: f32) -> Vec<f64> {
 /// of every position.
 fn host_logits(w: &HostWeights, tokens: &[u32]) -> Vec<Vec<f64>> {
     let s = w.shape;
+    let a = &w.arch;
     let (hd, g) = (s.head_dim, s.heads / s.kv_heads);
-    let table = rope_table(s.context, hd, s.rope_base);
-    let rope = |v: &mut [f64], pos: usize| {
+    let rope = |v: &mut [f64], pos: usize, base: f32| {
+        let table = rope_table(s.context, hd, base);
         for h in 0..v.len() / hd {
             for i in 0..hd / 2 {
                 let [c, sn] = table[pos * hd / 2 + i];
                 let (c, sn) = (c as f64, sn as f64);
-                let (a, b) = (v[h * hd + 2 * i], v[h * hd + 2 * i + 1]);
-                v[h * hd + 2 * i] = a * c - b * sn;
-                v[h * hd + 2 * i + 1] = a * sn + b * c;
+                let (i0, i1) = match a.rope_style {
+                    RopeStyle::Adjacent => (h * hd + 2 * i, h * hd + 2 * i + 1),
+                    RopeStyle::Halves => (h * hd + i, h * hd + i + hd / 2),
+                };
+                let (x0, x1) = (v[i0], v[i1]);
+                v[i0] = x0 * c - x1 * sn;
+                v[i1] = x0 * sn + x1 * c;
             }
         }
     };
+    let head_norm = |v: &mut [f64], w: &Option<Vec<f32>>| {
+        if let Some(w) = w {
+            for h in v.chunks_mut(hd) {
+                let n = rmsnorm(h, w, s.rms_eps);
+                h.copy_from_slice(&n);
+            }
+        }
+    };
+    let scale = a.attn_scale.map_or(1.0 / (hd as f64).sqrt(), f64::from);
     let mut ks: Vec<Vec<Vec<f64>>> = vec![Vec::new(); s.layers];
     let mut vs: Vec<Vec<Vec<f64>>> = vec![Vec::new(); s.layers];
     let mut out = Vec::new();
@@ -160,25 +274,32 @@ fn host_logits(w: &HostWeights, tokens: &[u32]) -> Vec<Vec<f64>> {
             .embed
             .row_f32(t as usize)
             .iter()
-            .map(|&v| v as f64)
+            .map(|&v| v as f64 * a.embed_scale as f64)
             .collect();
         for (l, lw) in w.layers.iter().enumerate() {
             let xn = rmsnorm(&x, &lw.attn_norm, s.rms_eps);
             let mut q = matvec(&lw.q, &xn);
             let mut k = matvec(&lw.k, &xn);
             let v = matvec(&lw.v, &xn);
-            rope(&mut q, pos);
-            rope(&mut k, pos);
+            head_norm(&mut q, &lw.q_norm);
+            head_norm(&mut k, &lw.k_norm);
+            let la = a.layers[l];
+            rope(&mut q, pos, la.rope_base);
+            rope(&mut k, pos, la.rope_base);
+            // The window: positions within `window` of the newest.
+            let first = la
+                .window
+                .map_or(0, |w| (pos + 1).saturating_sub(w as usize));
             ks[l].push(k);
             vs[l].push(v);
             let mut att = vec![0.0; s.heads * hd];
             for h in 0..s.heads {
                 let kvh = h / g;
                 let qh = &q[h * hd..(h + 1) * hd];
-                let sc: Vec<f64> = (0..=pos)
+                let sc: Vec<f64> = (first..=pos)
                     .map(|j| {
                         let kj = &ks[l][j][kvh * hd..(kvh + 1) * hd];
-                        qh.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>() / (hd as f64).sqrt()
+                        qh.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>() * scale
                     })
                     .collect();
                 let m = sc.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b));
@@ -186,11 +307,15 @@ fn host_logits(w: &HostWeights, tokens: &[u32]) -> Vec<Vec<f64>> {
                 let z: f64 = e.iter().sum();
                 for (j, ej) in e.iter().enumerate() {
                     for i in 0..hd {
-                        att[h * hd + i] += ej / z * vs[l][j][kvh * hd + i];
+                        att[h * hd + i] += ej / z * vs[l][first + j][kvh * hd + i];
                     }
                 }
             }
-            for (xi, oi) in x.iter_mut().zip(matvec(&lw.o, &att)) {
+            let mut o = matvec(&lw.o, &att);
+            if let Some(pw) = &lw.post_attn_norm {
+                o = rmsnorm(&o, pw, s.rms_eps);
+            }
+            for (xi, oi) in x.iter_mut().zip(o) {
                 *xi += oi;
             }
             let xn = rmsnorm(&x, &lw.ffn_norm, s.rms_eps);
@@ -199,9 +324,19 @@ fn host_logits(w: &HostWeights, tokens: &[u32]) -> Vec<Vec<f64>> {
             let hdn: Vec<f64> = gt
                 .iter()
                 .zip(&up)
-                .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+                .map(|(&g, u)| match a.activation {
+                    Activation::Silu => g / (1.0 + (-g).exp()) * u,
+                    Activation::GeluTanh => {
+                        let c = (2.0 / std::f64::consts::PI).sqrt();
+                        0.5 * g * (1.0 + (c * (g + 0.044715 * g * g * g)).tanh()) * u
+                    }
+                })
                 .collect();
-            for (xi, di) in x.iter_mut().zip(matvec(&lw.down, &hdn)) {
+            let mut dn = matvec(&lw.down, &hdn);
+            if let Some(pw) = &lw.post_ffn_norm {
+                dn = rmsnorm(&dn, pw, s.rms_eps);
+            }
+            for (xi, di) in x.iter_mut().zip(dn) {
                 *xi += di;
             }
         }
@@ -356,6 +491,70 @@ fn f32_embedding_untied_q4_head_matches_the_f64_model() {
 #[test]
 fn q4_embedding_tied_head_matches_the_f64_model() {
     check(WeightFormat::Q4_1, true, 3);
+}
+
+/// Gemma 3's step (Q/K norms, post-norms, GELU-tanh, NeoX RoPE with two
+/// bases, a window of 8 on one layer, its own query scale, the embedding
+/// scaled) and the Q5_0, Q4_K and Q6_K weights, against the f64 model:
+/// the sequences run past the window.
+#[test]
+fn gemma3_step_matches_the_f64_model() {
+    let Some((device, queue, adapter)) = device() else {
+        return;
+    };
+    let w = gemma_weights(4);
+    for staging in stagings(&device, &queue) {
+        let cfg = EngineConfig {
+            num_blocks: 16,
+            max_rows: 32,
+            max_logit_rows: 32,
+            matmul: staging,
+            ..EngineConfig::default()
+        };
+        let mut model = Model::new(&device, &queue, &w, cfg).expect("model");
+        let worst = steps(&mut model, &w, 4, &format!("gemma3 {staging:?}"));
+        eprintln!(
+            "{adapter}: gemma3-shaped model, {staging:?} matmul: worst logits rel L2 {worst:.2e}"
+        );
+    }
+}
+
+/// The K-quant GPU blocks hold what the host dequantizer reads: every
+/// element of random Q4_K and Q6_K rows, through the GPU words.
+#[test]
+fn k_quant_gpu_words_hold_the_file_values() {
+    let mut rng = SplitMix64::new(5);
+    for fmt in [WeightFormat::Q4K, WeightFormat::Q6K] {
+        let m = random(&mut rng, fmt, 3, 512, 1.0);
+        let words = m.gpu_words();
+        assert_eq!(words.len(), 3 * 16 * fmt.gpu_block_words());
+        for r in 0..3 {
+            let row = m.row_f32(r);
+            for b in 0..16 {
+                let blk = &words[(r * 16 + b) * fmt.gpu_block_words()..];
+                for e in 0..32 {
+                    let v = match fmt {
+                        WeightFormat::Q4K => {
+                            let (scale, min) = (f32::from_bits(blk[0]), f32::from_bits(blk[1]));
+                            let byte = (blk[2 + (e % 16) / 4] >> (8 * (e % 4))) & 0xff;
+                            let q = if e < 16 { byte & 15 } else { byte >> 4 };
+                            q as f32 * scale + min
+                        }
+                        _ => {
+                            let s = f32::from_bits(blk[e / 16]);
+                            let q = (blk[2 + e / 4] >> (8 * (e % 4))) as u8 as i8;
+                            s * q as f32
+                        }
+                    };
+                    assert_eq!(
+                        v.to_bits(),
+                        row[b * 32 + e].to_bits(),
+                        "{fmt:?} row {r} block {b} element {e}"
+                    );
+                }
+            }
+        }
+    }
 }
 
 #[test]
