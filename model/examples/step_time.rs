@@ -1,7 +1,9 @@
 //! Times the model's forward step on the default adapter: a prefill of
-//! `P` rows, then decode steps at batch `B` (env `STEP_P`, `STEP_B`,
-//! `STEP_N` repetitions; `STEP_MATMUL` = `workgroup` or `subgroup` picks
-//! the matmul's staging, else the engine's `Auto`). For comparing kernel
+//! `P` rows, then decode steps at batch `B`, with and without the logits
+//! (the final norm and the LM head: Gemma 3's covers 262,144 tokens) (env
+//! `STEP_P`, `STEP_B`, `STEP_N` repetitions; `STEP_MATMUL` = `workgroup`
+//! or `subgroup` picks the matmul's staging, else the engine's `Auto`;
+//! `STEP_MODEL` another GGUF than SmolLM2's). For comparing kernel
 //! variants with farm-bench or by eye; not a test.
 
 use std::time::Instant;
@@ -20,7 +22,10 @@ fn env(k: &str, d: usize) -> usize {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (p, b, n) = (env("STEP_P", 64), env("STEP_B", 8), env("STEP_N", 3));
-    let l = pagedattn_model::load::load(&default_model_path())?;
+    let path = std::env::var_os("STEP_MODEL")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(default_model_path);
+    let l = pagedattn_model::load::load(&path)?;
     let (device, queue, adapter) = open_device(wgpu::Backends::all())?;
     let cfg = EngineConfig {
         num_blocks: 128,
@@ -75,12 +80,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let pos = vec![32u32; b];
     let rows: Vec<u32> = (0..b as u32).collect();
     let td = time(&mut model, &view, &tok, &pos, &rows);
+    let tn = time(&mut model, &view, &tok, &pos, &[]);
     println!(
-        "{adapter}: prefill {p} rows {:.1} ms ({:.1} tokens/s); decode batch {b} {:.1} ms ({:.1} tokens/s)",
+        "{adapter}: prefill {p} rows {:.1} ms ({:.1} tokens/s); decode batch {b} {:.1} ms ({:.1} tokens/s), of which the logits (final norm, LM head of {} tokens, readback) {:.1} ms",
         tp * 1e3,
         p as f64 / tp,
         td * 1e3,
-        b as f64 / td
+        b as f64 / td,
+        l.weights.shape.vocab,
+        (td - tn) * 1e3
     );
     Ok(())
 }

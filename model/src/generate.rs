@@ -115,6 +115,8 @@ pub struct Report {
     pub block_size: u32,
     pub load_secs: f64,
     pub seconds: f64,
+    /// The model's layer groups (one per window; full attention one).
+    pub groups: pagedattn::blocks::LayerGroups,
 }
 
 /// Checks the options that need no file or device.
@@ -179,8 +181,12 @@ pub fn run(o: &GenerateOptions, out: &mut dyn Write) -> Result<Report, ModelErro
     check(o)?;
     let t0 = Instant::now();
     let Loaded {
-        weights, tokenizer, ..
+        weights,
+        tokenizer,
+        config,
+        ..
     } = load(&o.model)?;
+    let groups = config.arch.layer_groups();
     let requests = requests(o, &tokenizer)?;
     let (device, queue, adapter) = open_device(o.backends)?;
     let ecfg = EngineConfig {
@@ -283,6 +289,7 @@ pub fn run(o: &GenerateOptions, out: &mut dyn Write) -> Result<Report, ModelErro
         block_size: 16,
         load_secs,
         seconds: t0.elapsed().as_secs_f64(),
+        groups,
     };
     say(out, &render(o, &report));
     Ok(report)
@@ -336,6 +343,47 @@ pub fn render(o: &GenerateOptions, r: &Report) -> String {
         st.copies,
         st.preempted,
     );
+    if r.groups.groups().len() > 1 {
+        // What the library's layer groups keep of these sequences at their
+        // final lengths, against every layer keeping every block.
+        let (mut kept, mut full) = (0u64, 0u64);
+        let mut per_group = vec![0u64; r.groups.groups().len()];
+        for (c, &p) in r.completions.iter().zip(&r.prompt_tokens) {
+            for g in &c.sequences {
+                let len = (p + g.tokens.len()) as u64;
+                let (k, f) = r.groups.layer_blocks(len, r.block_size);
+                kept += k;
+                full += f;
+                for (acc, b) in per_group
+                    .iter_mut()
+                    .zip(r.groups.blocks_kept(len, r.block_size))
+                {
+                    *acc += b;
+                }
+            }
+        }
+        let describe: Vec<String> = r
+            .groups
+            .groups()
+            .iter()
+            .zip(&per_group)
+            .map(|(g, b)| {
+                let kind = match g.kind {
+                    pagedattn::blocks::GroupKind::Full => "full".to_string(),
+                    pagedattn::blocks::GroupKind::Window(w) => format!("window {w}"),
+                    pagedattn::blocks::GroupKind::SinksAndWindow { sinks, window } => {
+                        format!("{sinks} sinks + window {window}")
+                    }
+                };
+                format!("{kind} on {} layers: {b} blocks", g.layers.len())
+            })
+            .collect();
+        s += &format!(
+            "KV by layer group at the sequences' final lengths ({}): {kept} of {full} layer-blocks under full retention ({:.1} %) (blocks::LayerGroups; this run's pool kept every layer's blocks)\n",
+            describe.join("; "),
+            if full > 0 { 100.0 * kept as f64 / full as f64 } else { 0.0 }
+        );
+    }
     s += &format!("{:.1} s in all ({:.1} s loading)\n", r.seconds, r.load_secs);
     s
 }

@@ -1,15 +1,21 @@
-//! A real model on pagedattn: SmolLM2-135M-Instruct (llama architecture),
-//! loaded from its GGUF file and served as an engine would serve it.
+//! Real models on pagedattn: SmolLM2-135M-Instruct (llama) and Gemma 3
+//! 270M (gemma3), loaded from their GGUF files and served as an engine
+//! would serve them.
 //!
 //! - [`gguf`]: the GGUF container (header, metadata, tensor infos,
-//!   alignment); F32, Q8_0 and Q4_1 tensors read as they are.
-//! - [`config`]: the llama hyper-parameters and tensor names, checked.
-//! - [`tokenizer`]: byte-level BPE from the GGUF's own vocabulary and
-//!   merges, and the Instruct model's chat template.
+//!   alignment).
+//! - [`config`]: the hyper-parameters and tensor names, checked; what each
+//!   architecture does differently is its module of `arch/` (an
+//!   [`config::ArchSpec`]), the step loop is shared.
+//! - [`weights`]: Q4_1, Q5_0, Q8_0, Q4_K, Q6_K and F32 matrices and the
+//!   GPU blocks they are dequantized from.
+//! - [`tokenizer`]: byte-level BPE (merges) and SentencePiece BPE (scores,
+//!   byte fallback) from the GGUF's own vocabulary, and the chat formats.
 //! - [`engine`]: the GPU model: the engine's own WGSL kernels (embedding
-//!   gather, RMSNorm, RoPE, Q4_1/Q8_0 matmuls, SiLU gate, residuals, tied LM
-//!   head) around pagedattn's paged KV cache and attention (plan/run), one
-//!   encoder and one submit per step.
+//!   gather, RMSNorm, per-head norms, RoPE, the matmuls, SiLU and
+//!   GELU-tanh gates, residuals, the LM head in row chunks) around
+//!   pagedattn's paged KV cache and attention (plan/run, a variant per
+//!   window), one encoder and one submit per step.
 //! - [`sample`]: greedy, temperature / top-k / top-p with a seed.
 //! - [`serve`]: requests through the library `Scheduler`: continuous
 //!   batching, chunked prefill, parallel sampling and beam search sharing

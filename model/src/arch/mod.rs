@@ -117,6 +117,24 @@ impl ArchSpec {
         out
     }
 
+    /// The stack's layer groups for the library's block managers: one group
+    /// per distinct window (full attention: `GroupKind::Full`).
+    pub fn layer_groups(&self) -> pagedattn::blocks::LayerGroups {
+        use pagedattn::blocks::{GroupKind, LayerGroup, LayerGroups};
+        let groups = self
+            .windows()
+            .into_iter()
+            .map(|w| LayerGroup {
+                kind: w.map_or(GroupKind::Full, GroupKind::Window),
+                layers: (0..self.layers.len() as u32)
+                    .filter(|&l| self.layers[l as usize].window == w)
+                    .collect(),
+            })
+            .collect();
+        LayerGroups::new(self.layers.len() as u32, groups)
+            .expect("every layer is in the group of its window")
+    }
+
     /// The distinct RoPE bases, in first-use order.
     pub fn rope_bases(&self) -> Vec<f32> {
         let mut out: Vec<f32> = Vec::new();
