@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::ApiError;
-use pagedattn_model::tokenizer::{Tokenizer, IM_END, IM_START};
+use pagedattn_model::tokenizer::{Tokenizer, END_OF_TURN, IM_END, IM_START, START_OF_TURN};
 
 /// The roles a conversation may hold (OpenAI's `developer` is a system
 /// message to this model).
@@ -87,6 +87,28 @@ pub fn render(tokenizer: &Tokenizer, messages: &[Message]) -> Result<String, Api
         });
     }
     let Some(template) = tokenizer.chat_template() else {
+        if tokenizer.token_id(START_OF_TURN).is_some() && tokenizer.token_id(IM_START).is_none() {
+            // Gemma (its GGUF carries no template): BOS, then turns; the
+            // assistant is "model", and a system message opens the first
+            // user turn.
+            let bos = tokenizer
+                .bos_token_id()
+                .and_then(|id| tokenizer.token_str(id))
+                .unwrap_or("");
+            let mut s = bos.to_string();
+            let mut pending_system = String::new();
+            for t in &turns {
+                match t.role.as_str() {
+                    "system" => pending_system += &format!("{}\n\n", t.content),
+                    role => {
+                        let role = if role == "assistant" { "model" } else { role };
+                        let body = std::mem::take(&mut pending_system) + &t.content;
+                        s += &format!("{START_OF_TURN}{role}\n{body}{END_OF_TURN}\n");
+                    }
+                }
+            }
+            return Ok(s + START_OF_TURN + "model\n");
+        }
         let mut s = String::new();
         for t in &turns {
             s += &format!("{IM_START}{}\n{}{IM_END}\n", t.role, t.content);
