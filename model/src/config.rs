@@ -664,7 +664,8 @@ mod tests {
             "{e}"
         );
         assert!(
-            e.to_string().contains("Q4_0") && e.to_string().contains("Q4_1, Q8_0, F32"),
+            e.to_string().contains("Q4_0")
+                && e.to_string().contains("Q4_1, Q5_0, Q8_0, Q4_K, Q6_K, F32"),
             "{e}"
         );
         let e = cfg(file(&SMALL, |n, _, t| {

@@ -1098,10 +1098,10 @@ mod tests {
     #[test]
     fn errors() {
         let mut b = Builder::new();
-        b.kv_str("tokenizer.ggml.model", "llama");
+        b.kv_str("tokenizer.ggml.model", "rwkv");
         let e = Tokenizer::from_gguf(&Gguf::parse(b.build()).unwrap()).unwrap_err();
         assert!(
-            matches!(&e, TokenizerError::UnsupportedModel(m) if m == "llama"),
+            matches!(&e, TokenizerError::UnsupportedModel(m) if m == "rwkv"),
             "{e}"
         );
         let mut b = Builder::new();

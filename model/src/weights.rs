@@ -357,7 +357,7 @@ mod tests {
         let qh: u32 = 0xA5C3_0F96;
         b[2..6].copy_from_slice(&qh.to_le_bytes());
         for j in 0..16 {
-            b[6 + j] = (j as u8 * 37) ^ 0x5a;
+            b[6 + j] = (j as u8).wrapping_mul(37) ^ 0x5a;
         }
         let m = HostMatrix::from_gguf(crate::gguf::GgmlType::Q5_0, 1, 32, &b).unwrap();
         let got = m.row_f32(0);
