@@ -579,44 +579,19 @@ impl MlaCache {
         self.check_write(plan, slots, copies)?;
         let stride4 = self.row_stride4(plan)?;
         plan.write_pipe = Some(self.write_pipeline(gpu, plan.act)?);
-        if plan
-            .slots
-            .ensure(gpu, "mla slots", slots.len() as u64 * 4)?
-        {
-            plan.write_groups.clear();
-        }
-        if plan
-            .copies
-            .ensure(gpu, "mla copies", copies.len() as u64 * 8)?
-        {
-            plan.copy_groups.clear();
-        }
-        if !slots.is_empty() {
-            gpu.queue
-                .write_buffer(plan.slots.get(), 0, bytemuck::cast_slice(slots));
-        }
-        if !copies.is_empty() {
-            gpu.queue
-                .write_buffer(plan.copies.get(), 0, bytemuck::cast_slice(copies));
-        }
         let params = |count: usize| MlaParams {
             num_blocks: self.cfg.num_blocks,
             count: count as u32,
             stride: stride4,
             ..Default::default()
         };
-        for (buf, p) in [
-            (&mut plan.write_params, params(slots.len())),
-            (&mut plan.copy_params, params(copies.len())),
-        ] {
-            match buf {
-                Some(b) => gpu.queue.write_buffer(b, 0, bytemuck::bytes_of(&p)),
-                None => *buf = Some(gpu.uniform("mla pool params", &p)?),
-            }
-        }
-        plan.num_tokens = slots.len() as u32;
-        plan.num_copies = copies.len() as u32;
-        plan.planned = true;
+        plan.upload(
+            gpu,
+            slots,
+            copies,
+            &params(slots.len()),
+            &params(copies.len()),
+        )?;
         if new_step {
             self.write_epoch
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -687,17 +662,6 @@ impl MlaCache {
         Ok(())
     }
 
-    fn check_plan(&self, gpu: &Gpu, plan: &WritePlan) -> Result<(), GpuError> {
-        gpu.alive()?;
-        if plan.owner != self.id {
-            return Err(GpuError::Plan(PlanMismatch::OtherCache));
-        }
-        if !plan.planned {
-            return Err(GpuError::Plan(PlanMismatch::NotPlanned));
-        }
-        Ok(())
-    }
-
     /// Records the planned copy-on-write copies in every layer. Record it
     /// before the step's writes.
     pub fn run_copy_blocks(
@@ -707,7 +671,7 @@ impl MlaCache {
         plan: &mut WritePlan,
     ) -> Result<(), GpuError> {
         let _serial = gpu.serial();
-        self.check_plan(gpu, plan)?;
+        plan.check(gpu, self.id)?;
         if plan.copy_groups.len() != self.layers.len() {
             plan.copy_groups.clear();
             let params = plan.copy_params.as_ref().expect("planned");
@@ -748,7 +712,7 @@ impl MlaCache {
         rows: &wgpu::BufferBinding,
     ) -> Result<(), GpuError> {
         let _serial = gpu.serial();
-        self.check_plan(gpu, plan)?;
+        plan.check(gpu, self.id)?;
         let pool = self.layer_buffer(layer)?;
         let n = plan.num_tokens as u64;
         let elem = plan.act.bytes();

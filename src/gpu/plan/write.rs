@@ -41,6 +41,65 @@ pub struct WritePlan {
 }
 
 impl WritePlan {
+    /// What every pool's run checks first: the device, the plan's pool
+    /// (`owner`), a step planned into it.
+    pub(super) fn check(&self, gpu: &Gpu, owner: u64) -> Result<(), GpuError> {
+        gpu.alive()?;
+        if self.owner != owner {
+            return Err(GpuError::Plan(PlanMismatch::OtherCache));
+        }
+        if !self.planned {
+            return Err(GpuError::Plan(PlanMismatch::NotPlanned));
+        }
+        Ok(())
+    }
+
+    /// A checked step into the plan, as every pool's `plan_write` ends:
+    /// the slots and copies into the buffers it reuses (grown when too
+    /// small, their bind groups dropped then), the write and copy uniforms
+    /// (`write`, `copy`; made on first use), the counts.
+    pub(super) fn upload<W: bytemuck::Pod, C: bytemuck::Pod>(
+        &mut self,
+        gpu: &Gpu,
+        slots: &[u32],
+        copies: &[[u32; 2]],
+        write: &W,
+        copy: &C,
+    ) -> Result<(), GpuError> {
+        if self
+            .slots
+            .ensure(gpu, "plan slots", slots.len() as u64 * 4)?
+        {
+            self.write_groups.clear();
+        }
+        if self
+            .copies
+            .ensure(gpu, "plan copies", copies.len() as u64 * 8)?
+        {
+            self.copy_groups.clear();
+        }
+        if !slots.is_empty() {
+            gpu.queue
+                .write_buffer(self.slots.get(), 0, bytemuck::cast_slice(slots));
+        }
+        if !copies.is_empty() {
+            gpu.queue
+                .write_buffer(self.copies.get(), 0, bytemuck::cast_slice(copies));
+        }
+        match &self.write_params {
+            Some(b) => gpu.queue.write_buffer(b, 0, bytemuck::bytes_of(write)),
+            None => self.write_params = Some(gpu.uniform("plan write params", write)?),
+        }
+        match &self.copy_params {
+            Some(b) => gpu.queue.write_buffer(b, 0, bytemuck::bytes_of(copy)),
+            None => self.copy_params = Some(gpu.uniform("plan copy params", copy)?),
+        }
+        self.num_tokens = slots.len() as u32;
+        self.num_copies = copies.len() as u32;
+        self.planned = true;
+        Ok(())
+    }
+
     /// An empty plan of the pool `owner` (a `KvCache` or an `MlaCache`).
     pub(super) fn empty(owner: u64) -> Self {
         WritePlan {
@@ -149,26 +208,6 @@ impl KvCache {
         gpu.alive()?;
         self.check_write(plan, slots, copies)?;
         plan.write_pipe = Some(self.write_pipeline(gpu, plan.act)?);
-        if plan
-            .slots
-            .ensure(gpu, "plan slots", slots.len() as u64 * 4)?
-        {
-            plan.write_groups.clear();
-        }
-        if plan
-            .copies
-            .ensure(gpu, "plan copies", copies.len() as u64 * 8)?
-        {
-            plan.copy_groups.clear();
-        }
-        if !slots.is_empty() {
-            gpu.queue
-                .write_buffer(plan.slots.get(), 0, bytemuck::cast_slice(slots));
-        }
-        if !copies.is_empty() {
-            gpu.queue
-                .write_buffer(plan.copies.get(), 0, bytemuck::cast_slice(copies));
-        }
         let wp = params::WriteKvParams {
             num_tokens: slots.len() as u32,
             num_kv_heads: self.cfg.num_kv_heads,
@@ -181,17 +220,7 @@ impl KvCache {
             block_elems: self.cfg.block_elems4(),
             _pad: 0,
         };
-        match &plan.write_params {
-            Some(b) => gpu.queue.write_buffer(b, 0, bytemuck::bytes_of(&wp)),
-            None => plan.write_params = Some(gpu.uniform("plan write_kv params", &wp)?),
-        }
-        match &plan.copy_params {
-            Some(b) => gpu.queue.write_buffer(b, 0, bytemuck::bytes_of(&cp)),
-            None => plan.copy_params = Some(gpu.uniform("plan copy params", &cp)?),
-        }
-        plan.num_tokens = slots.len() as u32;
-        plan.num_copies = copies.len() as u32;
-        plan.planned = true;
+        plan.upload(gpu, slots, copies, &wp, &cp)?;
         // A new write step: attention plans of the last one are stale.
         if new_step {
             self.write_epoch
@@ -259,14 +288,7 @@ impl KvCache {
     }
 
     pub(super) fn check_plan(&self, gpu: &Gpu, plan: &WritePlan) -> Result<(), GpuError> {
-        gpu.alive()?;
-        if plan.owner != self.id {
-            return Err(GpuError::Plan(PlanMismatch::OtherCache));
-        }
-        if !plan.planned {
-            return Err(GpuError::Plan(PlanMismatch::NotPlanned));
-        }
-        Ok(())
+        plan.check(gpu, self.id)
     }
 
     /// Records the planned copy-on-write copies for every layer. Record it
