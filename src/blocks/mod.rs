@@ -14,8 +14,8 @@ pub use hybrid::{
 };
 pub use manager::{BlockManager, BlockManagerConfig, KvEvent, RemoteBlock, StepPlan, MAX_BLOCKS};
 pub use scheduler::{
-    Admission, Child, Finished, GroupOutput, Preemption, RequestId, Reservation, Row, Scheduler,
-    SchedulerConfig, SchedulerError, SchedulerStats, Step,
+    Admission, Child, Finished, GroupOutput, GroupStep, Preemption, RequestId, Reservation, Row,
+    Scheduler, SchedulerConfig, SchedulerError, SchedulerStats, Step, MAX_SCHEDULER_GROUPS,
 };
 
 /// Table entry of a block dropped by

@@ -921,7 +921,7 @@ impl Harness {
     }
 
     /// `release_outside_window`: drops the references to blocks wholly
-    /// before the window and before the pending tokens, front to back.
+    /// before the window of the oldest pending token, front to back.
     fn op_window(&mut self, input: &mut Bytes) {
         let (sel, wb) = (input.byte(), input.byte());
         let id = self.pick_id(sel);
@@ -945,7 +945,9 @@ impl Harness {
             self.cov.zero_window += 1;
             return;
         }
-        let keep_from = seq.tokens.len().saturating_sub(window.max(seq.pending));
+        // The window of the oldest query still to run (the first pending
+        // token, else the next one appended).
+        let keep_from = (seq.tokens.len() - seq.pending.saturating_sub(1)).saturating_sub(window);
         let dead = keep_from / self.bs;
         let victims: Vec<usize> = (0..dead).filter(|&i| seq.table[i] != RELEASED).collect();
         assert_eq!(res, Ok(victims.len()), "blocks released");

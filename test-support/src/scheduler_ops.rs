@@ -31,8 +31,8 @@
 use std::collections::HashMap;
 
 use pagedattn::blocks::{
-    BlockManagerConfig, Child, GroupOutput, Preemption, RequestId, Scheduler, SchedulerConfig,
-    Step, RELEASED, SKIP_WRITE,
+    BlockManagerConfig, Child, GroupKind, GroupOutput, Preemption, RequestId, Scheduler,
+    SchedulerConfig, Step, RELEASED, SKIP_WRITE,
 };
 
 /// Operations per input at most.
@@ -92,18 +92,28 @@ impl SimPool {
     }
 
     pub fn run_step(&mut self, sched: &Scheduler, step: &Step) {
+        self.run_group(sched, step, 0);
+    }
+
+    /// [`run_step`](Self::run_step) for layer group `g` of a scheduler made
+    /// with groups, this pool standing for that group's: a window group's
+    /// rows must read each position their window sees (the others may be
+    /// released).
+    pub fn run_group(&mut self, sched: &Scheduler, step: &Step, g: usize) {
         let bs = self.bs;
-        for &[b, h] in step.swap_out() {
+        let gs = step.group(g).expect("the step plans every group");
+        let kind = sched.group_kinds()[g];
+        for &[b, h] in gs.swap_out {
             for o in 0..bs {
                 self.swap[h as usize * bs + o] = self.pool[b as usize * bs + o];
             }
         }
-        for &[h, b] in step.swap_in() {
+        for &[h, b] in gs.swap_in {
             for o in 0..bs {
                 self.pool[b as usize * bs + o] = self.swap[h as usize * bs + o];
             }
         }
-        let v = step.view();
+        let v = gs.view;
         for &[a, b] in &v.copies {
             for o in 0..bs {
                 self.pool[b as usize * bs + o] = self.pool[a as usize * bs + o];
@@ -126,7 +136,14 @@ impl SimPool {
                 .expect("a row's sequence is live");
             let table = &v.kv_indices[v.kv_indptr[i] as usize..v.kv_indptr[i + 1] as usize];
             assert_eq!(v.seq_lens[i] as usize, row.positions.end);
-            for p in 0..row.positions.end {
+            // The positions the chunk's queries see.
+            let (sinks, window) = match kind {
+                GroupKind::Full => (0, usize::MAX),
+                GroupKind::Window(w) => (0, w as usize),
+                GroupKind::SinksAndWindow { sinks, window } => (sinks as usize, window as usize),
+            };
+            let first = (row.positions.start + 1).saturating_sub(window);
+            for p in (0..sinks.min(first)).chain(first..row.positions.end) {
                 let b = table[p / bs];
                 assert_ne!(b, RELEASED);
                 assert_eq!(

@@ -378,3 +378,163 @@ fn model_layouts_keep_their_windows() {
         eprintln!("{name}: {}", shares.join(", "));
     }
 }
+
+/// Three groups (a window of 8, 4 sinks beside a window of 12, full) for
+/// a 6-layer stack.
+fn three_groups() -> LayerGroups {
+    LayerGroups::new(
+        6,
+        vec![
+            group(GroupKind::Window(8), &[0, 3]),
+            group(
+                GroupKind::SinksAndWindow {
+                    sinks: 4,
+                    window: 12,
+                },
+                &[1, 4],
+            ),
+            group(GroupKind::Full, &[2, 5]),
+        ],
+    )
+    .unwrap()
+}
+
+/// The library `Scheduler` over layer groups, on random workloads under
+/// every preemption policy: every group's tables are replayed on that
+/// group's own simulated pool (a window group's rows must read every
+/// position their window sees), the finished sequences are those a
+/// one-pool scheduler finishes, every block of every group comes back,
+/// and a decoding sequence never holds more in a window group than its
+/// window's blocks.
+#[test]
+fn a_scheduler_over_layer_groups_generates_what_one_pool_does() {
+    use crate::scheduler::{run_workload_grouped, run_workload_peaks};
+    use pagedattn::blocks::{Preemption, Reservation};
+    let layout = three_groups();
+    let bs = 4;
+    // What the groups keep of a decoding sequence, at most, over the
+    // lengths the workload makes (under 72 tokens).
+    let bound: Vec<u64> = (1..72u64)
+        .map(|n| layout.blocks_kept(n, bs))
+        .fold(vec![0; 3], |m, k| m.iter().zip(&k).map(|(a, b)| *a.max(b)).collect());
+    let base = seed("a_scheduler_over_layer_groups_generates_what_one_pool_does");
+    for k in 0..6u64 {
+        let s = base.wrapping_add(k);
+        for (preemption, swap) in [
+            (Preemption::Recompute, 0),
+            (Preemption::Swap, 64),
+            (Preemption::Auto, 16),
+        ] {
+            let prefix = k % 2 == 0;
+            // Ample pools, then each group's pool the tight one in turn.
+            for pools in [[48u32, 48, 48], [28, 48, 48], [48, 30, 48], [48, 48, 28]] {
+                let one = run_workload_grouped(s, preemption, swap, prefix, 14, pools[2], Reservation::Paged, None).0;
+                let (grouped, _, peaks) = run_workload_peaks(
+                    s,
+                    preemption,
+                    swap,
+                    prefix,
+                    14,
+                    0,
+                    Reservation::Paged,
+                    Some((&layout, &pools)),
+                );
+                let ctx = format!("seed {s:#x}, {preemption:?}, pools {pools:?}");
+                // A request the tightest pool cannot hold alone is dropped
+                // by both alike; the rest finish identically.
+                assert!(!grouped.done.is_empty(), "{ctx}");
+                for d in &grouped.done {
+                    assert!(one.done.contains(d) || one.aborted.contains(&d.0 .0), "{ctx}: {d:?}");
+                }
+                if pools[2] <= pools[0].min(pools[1]) {
+                    assert_eq!(grouped.done, one.done, "{ctx}");
+                    assert_eq!(grouped.aborted, one.aborted, "{ctx}");
+                }
+                for g in 0..2 {
+                    assert!(peaks[g] as u64 <= bound[g], "{ctx}: group {g} held {} blocks, its window {}", peaks[g], bound[g]);
+                }
+                assert!(peaks[0] < peaks[2] && peaks[1] < peaks[2], "{ctx}: {peaks:?}");
+            }
+        }
+    }
+}
+
+/// Groups must agree on one prefix hit: a prompt whose blocks the full
+/// group still caches but whose window group evicted all but its first
+/// two shares only those two in both groups, and computes the rest.
+#[test]
+fn a_prefix_hit_is_what_every_group_still_holds() {
+    use pagedattn::blocks::{Child, GroupOutput, Scheduler, SchedulerConfig};
+    let layout = LayerGroups::new(
+        2,
+        vec![group(GroupKind::Window(8), &[0]), group(GroupKind::Full, &[1])],
+    )
+    .unwrap();
+    let cfg = |n| BlockManagerConfig::new(n, 4).with_prefix_caching(true);
+    let mut s = Scheduler::with_groups(&layout, &[cfg(12), cfg(64)], SchedulerConfig::new(64, 4)).unwrap();
+    let run = |s: &mut Scheduler, prompt: &[u32]| -> usize {
+        s.add_request(prompt, 1, b"").unwrap();
+        let mut first = None;
+        while s.has_work() {
+            let step = s.schedule().unwrap();
+            for g in 0..2 {
+                let v = step.group(g).unwrap().view;
+                assert_eq!(v.seq_lens, step.view().seq_lens);
+            }
+            if let Some(r) = step.rows().first() {
+                first.get_or_insert(r.positions.start);
+            }
+            let out: Vec<GroupOutput> = step
+                .sample()
+                .iter()
+                .map(|&request| GroupOutput {
+                    request,
+                    children: vec![Child { parent: 0, token: 7, finished: true }],
+                })
+                .collect();
+            s.commit(&step, &out).unwrap();
+        }
+        first.unwrap()
+    };
+    let a: Vec<u32> = (0..40).collect();
+    let c: Vec<u32> = (100..140).collect();
+    assert_eq!(run(&mut s, &a), 0);
+    // Both groups cache A whole: its repeat computes only its last token.
+    assert_eq!(run(&mut s, &a), 39);
+    // C takes 10 of the window group's 12 blocks: A's tail goes first, so
+    // that group keeps A's first blocks only; the full group keeps all.
+    assert_eq!(run(&mut s, &c), 0);
+    let kept = s.group_blocks(0).unwrap().blocks_to_add(&a, b"");
+    assert!(kept > 0, "the window group evicted some of A");
+    let hit = run(&mut s, &a);
+    assert!(hit % 4 == 0 && hit < 39, "the hit stops at the window group's first evicted block: {hit}");
+    assert_eq!(hit, (10 - kept) * 4, "exactly the blocks the window group still held");
+    let h0 = s.group_blocks(0).unwrap().prefix_hit_tokens();
+    let h1 = s.group_blocks(1).unwrap().prefix_hit_tokens();
+    assert_eq!(h0, h1, "one hit for both groups");
+}
+
+/// What a scheduler over layer groups refuses, changing nothing: a pool
+/// count other than the layout's, pools that disagree on the block size,
+/// and a reservation baseline.
+#[test]
+fn a_scheduler_refuses_pools_that_do_not_fit_the_layout() {
+    use pagedattn::blocks::{Reservation, Scheduler, SchedulerConfig, SchedulerError};
+    let layout = three_groups();
+    let c = BlockManagerConfig::new(16, 4);
+    let sc = SchedulerConfig::new(16, 4);
+    assert!(matches!(
+        Scheduler::with_groups(&layout, &[c, c], sc),
+        Err(SchedulerError::Groups(GroupError::PoolCount { given: 2, groups: 3 }))
+    ));
+    let odd = BlockManagerConfig::new(16, 8);
+    let e = Scheduler::with_groups(&layout, &[c, odd, c], sc).unwrap_err();
+    assert!(e.to_string().contains("block size"), "{e}");
+    let mut r = sc;
+    r.reservation = Reservation::Max;
+    let e = Scheduler::with_groups(&layout, &[c, c, c], r).unwrap_err();
+    assert!(e.to_string().contains("reservation"), "{e}");
+    let s = Scheduler::with_groups(&layout, &[c, c, c], sc).unwrap();
+    assert_eq!(s.num_groups(), 3);
+    assert_eq!(s.group_kinds()[0], GroupKind::Window(8));
+}

@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 use crate::scheduler_ops;
 
 use pagedattn::blocks::{
-    Admission, BlockError, BlockManager, BlockManagerConfig, Child, GroupOutput, Preemption,
-    RequestId, Reservation, Scheduler, SchedulerConfig, SchedulerError, Step,
+    Admission, BlockError, BlockManager, BlockManagerConfig, Child, GroupOutput, LayerGroups,
+    Preemption, RequestId, Reservation, Scheduler, SchedulerConfig, SchedulerError, Step,
 };
 use pagedattn::rng::SplitMix64;
 
@@ -148,10 +148,10 @@ struct Sim {
 
 /// What a workload did: every finished sequence by (request key,
 /// sample), the keys of the requests dropped, and the scheduler's counters.
-struct Outcome {
-    done: Vec<((u64, u64), Vec<u32>)>,
-    aborted: Vec<u64>,
-    stats: pagedattn::blocks::SchedulerStats,
+pub(crate) struct Outcome {
+    pub(crate) done: Vec<((u64, u64), Vec<u32>)>,
+    pub(crate) aborted: Vec<u64>,
+    pub(crate) stats: pagedattn::blocks::SchedulerStats,
 }
 
 /// Runs a random workload to the end.
@@ -190,6 +190,60 @@ fn run_workload_with(
     nb: u32,
     reservation: Reservation,
 ) -> (Outcome, usize) {
+    run_workload_grouped(
+        seed,
+        preemption,
+        swap_blocks,
+        prefix,
+        requests,
+        nb,
+        reservation,
+        None,
+    )
+}
+
+/// The most blocks a sequence held in each layer group, over a workload.
+pub(crate) type PeakHeld = Vec<usize>;
+
+/// [`run_workload_with`] over layer groups (`groups`: the layout and each
+/// group's pool blocks, `nb` then unused): every group's tables are
+/// replayed on its own simulated pool. Also returns, per group, the most
+/// blocks any sequence held after a commit.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn run_workload_grouped(
+    seed: u64,
+    preemption: Preemption,
+    swap_blocks: u32,
+    prefix: bool,
+    requests: u64,
+    nb: u32,
+    reservation: Reservation,
+    groups: Option<(&LayerGroups, &[u32])>,
+) -> (Outcome, usize) {
+    let (o, peak, _) = run_workload_peaks(
+        seed,
+        preemption,
+        swap_blocks,
+        prefix,
+        requests,
+        nb,
+        reservation,
+        groups,
+    );
+    (o, peak)
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn run_workload_peaks(
+    seed: u64,
+    preemption: Preemption,
+    swap_blocks: u32,
+    prefix: bool,
+    requests: u64,
+    nb: u32,
+    reservation: Reservation,
+    groups: Option<(&LayerGroups, &[u32])>,
+) -> (Outcome, usize, PeakHeld) {
     let bs = 4usize;
     let mut cfg = BlockManagerConfig::new(nb, bs as u32)
         .with_prefix_caching(prefix)
@@ -203,9 +257,28 @@ fn run_workload_with(
     sc.preemption = preemption;
     sc.reservation = reservation;
     let mut peak_running = 0;
+    let (sched, pools) = match groups {
+        None => (
+            Scheduler::new(cfg, sc).unwrap(),
+            vec![scheduler_ops::SimPool::new(nb, swap_blocks, bs as u32)],
+        ),
+        Some((layout, blocks)) => {
+            let cfgs: Vec<BlockManagerConfig> = blocks
+                .iter()
+                .map(|&n| BlockManagerConfig { num_blocks: n, ..cfg })
+                .collect();
+            let pools = blocks
+                .iter()
+                .map(|&n| scheduler_ops::SimPool::new(n, swap_blocks, bs as u32))
+                .collect();
+            (Scheduler::with_groups(layout, &cfgs, sc).unwrap(), pools)
+        }
+    };
+    let mut sims = pools;
+    let mut peaks = vec![0usize; sims.len()];
     let mut sim = Sim {
-        sched: Scheduler::new(cfg, sc).unwrap(),
-        pool: scheduler_ops::SimPool::new(nb, swap_blocks, bs as u32),
+        sched,
+        pool: sims.remove(0),
         reqs: HashMap::new(),
     };
     let mut rng = SplitMix64::new(seed);
@@ -241,6 +314,9 @@ fn run_workload_with(
         assert!(sim.sched.reserved_blocks() <= nb as usize);
         peak_running = peak_running.max(sim.sched.queue_lengths().1);
         sim.pool.run_step(&sim.sched, &step);
+        for (g, pool) in sims.iter_mut().enumerate() {
+            pool.run_group(&sim.sched, &step, g + 1);
+        }
         for r in step.aborted() {
             aborted.push(sim.reqs.remove(r).unwrap().0);
         }
@@ -293,6 +369,18 @@ fn run_workload_with(
             });
         }
         let ended = sim.sched.commit(&step, &outputs).unwrap();
+        for (g, peak) in peaks.iter_mut().enumerate() {
+            let m = sim.sched.group_blocks(g).unwrap();
+            // Decoding sequences (a prompt holds its blocks until written).
+            for id in m.sequence_ids() {
+                if m.pending_tokens(id).unwrap() > 0 {
+                    continue;
+                }
+                if let Ok(t) = m.block_table(id) {
+                    *peak = (*peak).max(t.iter().filter(|&&b| b != pagedattn::blocks::RELEASED).count());
+                }
+            }
+        }
         for f in ended {
             let (key, ..) = sim.reqs.remove(&f.request).unwrap();
             let mut seqs = f.sequences;
@@ -304,10 +392,12 @@ fn run_workload_with(
         steps += 1;
         assert!(steps < 5000, "the workload never finished");
     }
-    let st = sim.sched.blocks().stats();
-    assert_eq!(st.sequences, 0);
-    assert_eq!(st.free + st.evictable, st.total, "every block came back");
-    assert_eq!(st.swap_used, 0);
+    for g in 0..sim.sched.num_groups() {
+        let st = sim.sched.group_blocks(g).unwrap().stats();
+        assert_eq!(st.sequences, 0);
+        assert_eq!(st.free + st.evictable, st.total, "every block came back");
+        assert_eq!(st.swap_used, 0);
+    }
     done.sort();
     aborted.sort();
     let outcome = Outcome {
@@ -315,7 +405,7 @@ fn run_workload_with(
         aborted,
         stats: sim.sched.stats(),
     };
-    (outcome, peak_running)
+    (outcome, peak_running, peaks)
 }
 
 /// The paper's baselines in the same scheduler: every reservation

@@ -235,6 +235,15 @@ impl BlockManager {
         })
     }
 
+    /// A manager over another pool whose sequence ids are this one's: fed
+    /// the same adds, forks and frees in the same order, both hand out the
+    /// same ids (a hybrid scheduler's layer groups).
+    pub(crate) fn sibling(&self, cfg: BlockManagerConfig) -> Result<Self, BlockError> {
+        let mut m = Self::new(cfg)?;
+        m.owner = self.owner;
+        Ok(m)
+    }
+
     /// The configuration this manager was built with.
     pub fn config(&self) -> &BlockManagerConfig {
         &self.cfg
@@ -566,7 +575,9 @@ impl BlockManager {
 
     /// Sliding-window attention never reads a position more than `window - 1`
     /// before the newest one: drops this sequence's references to blocks that
-    /// lie wholly before its window (and before its pending tokens), leaving
+    /// lie wholly before the window of its oldest query still to run (its
+    /// first pending token: a prompt chunk's first query reads `window - 1`
+    /// positions back), leaving
     /// [`RELEASED`] in their table entries, which the kernels skip. Returns
     /// how many entries were released.
     pub fn release_outside_window(
@@ -580,8 +591,8 @@ impl BlockManager {
     /// StreamingLLM: attention that sees the first `sink_tokens` positions
     /// beside a sliding window (`AttnOptions::sink_tokens`) never reads the
     /// blocks between them. Drops this sequence's references to the blocks
-    /// that lie wholly after its sink tokens and before its window (and its
-    /// pending tokens), leaving [`RELEASED`] in their table entries: the
+    /// that lie wholly after its sink tokens and before the window of its
+    /// first pending token, leaving [`RELEASED`] in their table entries: the
     /// table keeps its length, so every position stays where it was, and
     /// the kernels skip the released middle. Returns how many entries were
     /// released. `sink_tokens` 0 is [`Self::release_outside_window`].
@@ -596,7 +607,11 @@ impl BlockManager {
             return Err(BlockError::ZeroWindow);
         }
         let bs = self.cfg.block_size as usize;
-        let keep_from = s.tokens.len().saturating_sub(window.max(s.pending));
+        // The oldest query still to run is the first pending token (the
+        // next one appended when none is pending, which reads one position
+        // less far back: kept as well); its window starts `window - 1`
+        // before it.
+        let keep_from = (s.tokens.len() - s.pending.saturating_sub(1)).saturating_sub(window);
         let dead = keep_from / bs;
         // The blocks holding a sink token stay.
         let first = sink_tokens.div_ceil(bs).min(dead);

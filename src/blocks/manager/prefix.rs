@@ -49,6 +49,19 @@ impl BlockManager {
         cache_salt: &[u8],
         remote: usize,
     ) -> Result<(SeqId, Vec<RemoteBlock>), BlockError> {
+        self.add_sequence_capped(prompt, cache_salt, remote, usize::MAX)
+    }
+
+    /// [`add_sequence_with_remote`](Self::add_sequence_with_remote) sharing
+    /// at most `cap` leading cached blocks: the layer groups of a hybrid
+    /// scheduler agree on one hit (every layer computes the same tokens).
+    pub(crate) fn add_sequence_capped(
+        &mut self,
+        prompt: &[u32],
+        cache_salt: &[u8],
+        remote: usize,
+        cap: usize,
+    ) -> Result<(SeqId, Vec<RemoteBlock>), BlockError> {
         if prompt.is_empty() {
             return Err(BlockError::EmptyPrompt);
         }
@@ -57,7 +70,9 @@ impl BlockManager {
             return Err(BlockError::PrefixCachingOff);
         }
         let root = chain_root(cache_salt);
-        let (matched, mut hashes) = self.lookup(prompt, &root);
+        let (mut matched, mut hashes) = self.lookup(prompt, &root);
+        matched.truncate(cap);
+        hashes.truncate(cap);
         // The whole chain only when a store holds blocks past the local hits.
         let remote_hashes: Vec<ChainDigest> = if remote > matched.len() {
             let all = self.prompt_hashes(prompt, cache_salt);
@@ -243,8 +258,21 @@ impl BlockManager {
     /// blocks it would revive counted), without changing anything: what a
     /// scheduler checks before admitting a request.
     pub fn blocks_to_add(&self, prompt: &[u32], cache_salt: &[u8]) -> usize {
-        let (matched, _) = self.lookup(prompt, &chain_root(cache_salt));
+        self.blocks_to_add_capped(prompt, cache_salt, usize::MAX)
+    }
+
+    /// [`blocks_to_add`](Self::blocks_to_add) sharing at most `cap` cached
+    /// blocks.
+    pub(crate) fn blocks_to_add_capped(&self, prompt: &[u32], cache_salt: &[u8], cap: usize) -> usize {
+        let (mut matched, _) = self.lookup(prompt, &chain_root(cache_salt));
+        matched.truncate(cap);
         self.blocks_for(prompt.len()) - matched.len() + self.revived(&matched)
+    }
+
+    /// Leading full blocks of `prompt` this manager's prefix cache holds
+    /// in `cache_salt`'s namespace.
+    pub(crate) fn cached_prefix_blocks(&self, prompt: &[u32], cache_salt: &[u8]) -> usize {
+        self.lookup(prompt, &chain_root(cache_salt)).0.len()
     }
 
     /// Drops every evictable cached block back to the plain free list.

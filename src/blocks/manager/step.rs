@@ -80,6 +80,23 @@ impl BlockManager {
     /// only they still read go back to the pool). Refused with
     /// `BlockError::StalePlan` if the manager changed after the plan.
     pub fn commit_step(&mut self, plan: &StepPlan) -> Result<(), BlockError> {
+        self.check_plan(plan)?;
+        self.epoch += 1;
+        let mut sink = Vec::new();
+        self.drain_copies(&mut sink);
+        for (&id, &chunk) in plan.ids.iter().zip(&plan.chunks) {
+            let s = self.seq_mut(id);
+            if chunk > 0 {
+                s.skip_first = false;
+            }
+            s.pending -= chunk;
+            self.register_full_blocks(id);
+        }
+        Ok(())
+    }
+
+    /// Whether [`commit_step`](Self::commit_step) would take `plan`.
+    pub(crate) fn check_plan(&self, plan: &StepPlan) -> Result<(), BlockError> {
         if plan.epoch != self.epoch || plan.owner != self.owner {
             return Err(BlockError::StalePlan);
         }
@@ -95,17 +112,6 @@ impl BlockManager {
                 Ok(s) if chunk <= s.pending => {}
                 _ => return Err(BlockError::StalePlan),
             }
-        }
-        self.epoch += 1;
-        let mut sink = Vec::new();
-        self.drain_copies(&mut sink);
-        for (&id, &chunk) in plan.ids.iter().zip(&plan.chunks) {
-            let s = self.seq_mut(id);
-            if chunk > 0 {
-                s.skip_first = false;
-            }
-            s.pending -= chunk;
-            self.register_full_blocks(id);
         }
         Ok(())
     }

@@ -133,6 +133,16 @@ impl BlockManager {
         Ok(pairs)
     }
 
+    /// Host blocks [`swap_out`](Self::swap_out) of `group` would take (its
+    /// distinct resident blocks).
+    pub(crate) fn swap_out_blocks(&self, group: &[SeqId]) -> Result<usize, BlockError> {
+        let mut seen: HashSet<u32> = HashSet::new();
+        for &id in group {
+            seen.extend(self.resident(id)?.table.iter().filter(|&&b| b != RELEASED));
+        }
+        Ok(seen.len())
+    }
+
     /// Pool blocks [`swap_in`](Self::swap_in) of `group` would take.
     pub fn swap_in_blocks(&self, group: &[SeqId]) -> Result<usize, BlockError> {
         let mut seen: HashSet<u32> = HashSet::new();

@@ -18,8 +18,11 @@ use std::ops::Range;
 
 use super::{BlockError, BlockManager, BlockManagerConfig, SeqId, StepPlan};
 
+mod pools;
 mod step;
 mod types;
+use pools::{Need, Pools};
+pub use pools::MAX_SCHEDULER_GROUPS;
 pub use types::*;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -132,7 +135,7 @@ fn regrown_blocks(sources: &[Vec<u32>], block_size: usize) -> usize {
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Scheduler {
-    blocks: BlockManager,
+    blocks: Pools,
     cfg: SchedulerConfig,
     waiting: VecDeque<Group>,
     running: Vec<Group>,
@@ -166,8 +169,49 @@ impl Scheduler {
                 "a step needs a token budget and a sequence limit of at least 1".into(),
             ));
         }
+        Self::over(Pools::single(blocks)?, cfg)
+    }
+
+    /// A scheduler over the layer groups of a hybrid model (Gemma 2 and
+    /// 3, gpt-oss, an all-window stack): one pool per group, group `g`
+    /// configured by `pools[g]` (one block size, sequence limit and
+    /// prefix-caching switch for all). A sequence has one id in every
+    /// group; each step plans every group ([`Step::group`]); a step, an
+    /// admission or a swap-in fits only when it fits in every group; and
+    /// at each commit the window groups release the blocks their windows
+    /// no longer read, so a long sequence holds in a window group only its
+    /// window's blocks. A prompt takes its blocks in every group at
+    /// admission (its prefill writes every position); the window groups
+    /// give back what lies behind their window as its chunks commit.
+    ///
+    /// Prefix hits: a new prompt shares the leading cached blocks that
+    /// every group still holds (one hit for all, since every layer
+    /// computes the same tokens); where a window group's blocks were
+    /// evicted, the hit stops there and the prompt recomputes from that
+    /// block. Reservations other than paging are refused: they are the
+    /// single-pool baselines.
+    pub fn with_groups(
+        groups: &super::LayerGroups,
+        pools: &[BlockManagerConfig],
+        cfg: SchedulerConfig,
+    ) -> Result<Self, SchedulerError> {
+        if pools.len() > 1 && cfg.reservation != Reservation::Paged {
+            return Err(SchedulerError::Invalid(format!(
+                "the {} reservation is a single-pool baseline; layer groups page",
+                cfg.reservation.name()
+            )));
+        }
+        Self::over(Pools::grouped(groups, pools)?, cfg)
+    }
+
+    fn over(blocks: Pools, cfg: SchedulerConfig) -> Result<Self, SchedulerError> {
+        if cfg.max_batch_tokens == 0 || cfg.max_seqs == 0 {
+            return Err(SchedulerError::Invalid(
+                "a step needs a token budget and a sequence limit of at least 1".into(),
+            ));
+        }
         Ok(Self {
-            blocks: BlockManager::new(blocks)?,
+            blocks,
             cfg,
             waiting: VecDeque::new(),
             running: Vec::new(),
@@ -179,13 +223,30 @@ impl Scheduler {
         })
     }
 
-    /// The block manager (tables, counts).
+    /// The block manager (tables, counts); with layer groups, group 0's.
     pub fn blocks(&self) -> &BlockManager {
         &self.blocks
     }
 
+    /// Layer groups (1 unless made [`with_groups`](Self::with_groups)).
+    pub fn num_groups(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// How each layer group attends.
+    pub fn group_kinds(&self) -> &[super::GroupKind] {
+        self.blocks.kinds()
+    }
+
+    /// Layer group `g`'s block manager (its tables in its pool, its
+    /// counts and prefix cache).
+    pub fn group_blocks(&self, g: usize) -> Option<&BlockManager> {
+        self.blocks.get(g)
+    }
+
     /// Records the block manager's [`KvEvent`](super::KvEvent)s (blocks
-    /// stored and evicted, sequences ended), or stops.
+    /// stored and evicted, sequences ended), or stops; with layer groups,
+    /// group 0's.
     pub fn record_events(&mut self, on: bool) {
         self.blocks.record_events(on);
     }
@@ -301,11 +362,11 @@ impl Scheduler {
             .into());
         }
         let need = prompt.len().div_ceil(bc.block_size as usize) + width;
-        if need > bc.num_blocks as usize {
+        let pool = self.blocks.min_blocks();
+        if need > pool {
             return Err(SchedulerError::Invalid(format!(
-                "a prompt of {} tokens decoded by {width} sequences needs {need} blocks; the pool has {}",
+                "a prompt of {} tokens decoded by {width} sequences needs {need} blocks; the pool has {pool}",
                 prompt.len(),
-                bc.num_blocks
             )));
         }
         let max_tokens = admission
@@ -370,9 +431,11 @@ impl Scheduler {
             ));
         }
         self.in_flight = None;
-        for (_, imported) in &step.imports {
-            let blocks: Vec<u32> = imported.iter().map(|b| b.0).collect();
-            self.blocks.uncache(&blocks);
+        for g in 0..step.num_groups() {
+            for (_, imported) in step.group(g).expect("g < groups").imports {
+                let blocks: Vec<u32> = imported.iter().map(|b| b.0).collect();
+                self.blocks.uncache(g, &blocks);
+            }
         }
         let groups: Vec<Group> = self
             .running
@@ -415,18 +478,19 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Pool blocks applying a group's children takes at most.
-    fn children_cost(&self, g: &Group) -> Result<usize, BlockError> {
+    /// Pool blocks applying a group's children takes at most, per layer
+    /// group.
+    fn children_cost(&self, g: &Group) -> Result<Need, BlockError> {
         let mut per_parent = vec![0usize; g.seqs.len()];
         for c in g.children.iter().filter(|c| !c.finished) {
             per_parent[c.parent] += 1;
         }
-        let mut total = 0;
+        let mut total = Need::zero(self.blocks.len());
         for (p, &n) in per_parent.iter().enumerate() {
             total += match n {
-                0 => 0,
+                0 => Need::zero(self.blocks.len()),
                 1 => self.blocks.blocks_needed_to_append(&[g.seqs[p]], 1)?,
-                n => n,
+                n => Need::zero(self.blocks.len()) + n,
             };
         }
         Ok(total)
@@ -434,7 +498,7 @@ impl Scheduler {
 
     /// Forks and prunes a resident group's sequences to its children and
     /// appends their tokens (the caller checked the blocks).
-    fn apply_children(blocks: &mut BlockManager, g: &mut Group) -> Result<(), BlockError> {
+    fn apply_children(blocks: &mut Pools, g: &mut Group) -> Result<(), BlockError> {
         if g.children.is_empty() {
             return Ok(());
         }

@@ -14,8 +14,8 @@ impl Scheduler {
             match self.blocks.swap_out(&g.seqs) {
                 Ok(pairs) => {
                     self.stats.swapped_groups += 1;
-                    self.stats.blocks_swapped_out += pairs.len() as u64;
-                    step.swap_out.extend(pairs);
+                    self.stats.blocks_swapped_out += pairs[0].len() as u64;
+                    step.add_swaps(pairs, true);
                     step.preempted.push((g.id, Preemption::Swap));
                     let at = self.swapped.partition_point(|x| x.id < g.id);
                     self.swapped.insert(at, g);
@@ -122,7 +122,7 @@ impl Scheduler {
     /// first, then the appends); once each sequence stands for one source,
     /// puts them back in the group's order and ends the regrowth. The
     /// caller checked the blocks ([`regrow_cost`](Self::regrow_cost)).
-    pub(super) fn regrow(blocks: &mut BlockManager, g: &mut Group) -> Result<(), BlockError> {
+    pub(super) fn regrow(blocks: &mut Pools, g: &mut Group) -> Result<(), BlockError> {
         if g.targets.is_empty() {
             return Ok(());
         }
@@ -163,7 +163,7 @@ impl Scheduler {
     /// Blocks admitting a waiting group takes in the end (prefix-cache hits
     /// not counted), and the length of the shared prefix it regrows from
     /// (0: its sources are added as they are).
-    pub(super) fn admission_blocks(&self, g: &Group) -> (usize, usize) {
+    pub(super) fn admission_blocks(&self, g: &Group) -> (Need, usize) {
         let bs = self.blocks.block_size() as usize;
         let all: Vec<usize> = (0..g.sources.len()).collect();
         let shared = if g.sources.len() > 1 {
@@ -172,11 +172,10 @@ impl Scheduler {
             0
         };
         if shared == 0 {
-            let n = g
-                .sources
-                .iter()
-                .map(|s| self.blocks.blocks_to_add(s, &g.salt))
-                .sum();
+            let mut n = Need::zero(self.blocks.len());
+            for s in &g.sources {
+                n += self.blocks.blocks_to_add(s, &g.salt);
+            }
             return (n, 0);
         }
         let prefix = &g.sources[0][..shared];
@@ -226,11 +225,11 @@ impl Scheduler {
     /// children, preempting the newest arrivals until there is.
     pub(super) fn make_room(&mut self, step: &mut Step) -> Result<(), SchedulerError> {
         loop {
-            let mut need = 0usize;
+            let mut need = Need::zero(self.blocks.len());
             for g in &self.running {
                 need += self.children_cost(g)? + self.regrow_cost(g)?;
             }
-            if need <= self.blocks.available_blocks() {
+            if !need.exceeds(&self.blocks.available()) {
                 break;
             }
             let victim = self.running.pop().expect("need > 0 means a running group");
@@ -273,10 +272,9 @@ impl Scheduler {
             let need = self.blocks.swap_in_blocks(&g.seqs)? + grow + self.regrow_cost(g)?;
             let idle = self.running.is_empty();
             let wm = if idle { 0 } else { self.cfg.watermark_blocks };
-            if need + reserved + wm > self.blocks.available_blocks()
-                || width + g.width > self.cfg.max_seqs
-            {
-                if idle && need > self.blocks.available_blocks() {
+            let available = self.blocks.available();
+            if (need + reserved + wm).exceeds(&available) || width + g.width > self.cfg.max_seqs {
+                if idle && need.exceeds(&available) {
                     // With the pool to itself it still cannot come back
                     // and grow: it never will. Drop it.
                     let g = self.swapped.pop_front().expect("front exists");
@@ -291,8 +289,8 @@ impl Scheduler {
             }
             let g = self.swapped.pop_front().expect("front exists");
             let pairs = self.blocks.swap_in(&g.seqs)?;
-            self.stats.blocks_swapped_in += pairs.len() as u64;
-            step.swap_in.extend(pairs);
+            self.stats.blocks_swapped_in += pairs[0].len() as u64;
+            step.add_swaps(pairs, false);
             reserved += grow;
             width += g.width;
             back.push(g.id);
@@ -351,16 +349,16 @@ impl Scheduler {
             // admits without it (it would only wait for itself).
             let idle = self.running.is_empty();
             if g.reserve > 0
-                && self.reserved_blocks() + g.reserve > self.blocks.config().num_blocks as usize
+                && self.reserved_blocks() + g.reserve > self.blocks.min_blocks()
             {
                 // Its slab does not fit beside the others': it waits.
                 break;
             }
             let (blocks, shared) = self.admission_blocks(g);
             let need = blocks + g.width + if idle { 0 } else { self.cfg.watermark_blocks };
-            let available = self.blocks.available_blocks();
-            if need > available {
-                if idle && blocks > available {
+            let available = self.blocks.available();
+            if need.exceeds(&available) {
+                if idle && blocks.exceeds(&available) {
                     // Nothing runs or is swapped out: every block is free or
                     // evictable, and it still does not fit (a recompute of a
                     // group grown past the pool). It never will: drop it.
@@ -388,9 +386,7 @@ impl Scheduler {
                 for s in std::mem::take(&mut g.sources) {
                     let (id, imports) =
                         self.blocks.add_sequence_with_remote(&s, &g.salt, remote)?;
-                    if !imports.is_empty() {
-                        step.imports.push((g.id, imports));
-                    }
+                    step.add_imports(g.id, imports);
                     g.seqs.push(id);
                 }
             }
@@ -425,7 +421,9 @@ impl Scheduler {
         b: &Batching,
         step: &mut Step,
     ) -> Result<(), SchedulerError> {
-        self.blocks.plan_step_into(&b.rows, &mut step.plan)?;
+        step.more.resize_with(self.blocks.len() - 1, Default::default);
+        let plans = std::iter::once(&mut step.plan).chain(step.more.iter_mut().map(|w| &mut w.plan));
+        self.blocks.plan_step_into(&b.rows, plans)?;
         let mut last_group = usize::MAX;
         for (i, &(gi, si)) in b.owners.iter().enumerate() {
             let g = &self.running[gi];
@@ -533,7 +531,8 @@ impl Scheduler {
                 )));
             }
         }
-        self.blocks.commit_step(&step.plan)?;
+        let plans = std::iter::once(&step.plan).chain(step.more.iter().map(|w| &w.plan));
+        self.blocks.commit_step(plans)?;
         self.in_flight = None;
         let mut ended = Vec::new();
         for o in outputs {

@@ -151,6 +151,9 @@ pub enum SchedulerError {
     /// From the block manager.
     #[error(transparent)]
     Blocks(#[from] BlockError),
+    /// A layer-group declaration the scheduler cannot keep.
+    #[error(transparent)]
+    Groups(#[from] crate::blocks::GroupError),
     /// A configuration or request the scheduler cannot serve.
     #[error("{0}")]
     Invalid(String),
@@ -245,6 +248,8 @@ pub struct Step {
     pub(super) sample: Vec<RequestId>,
     pub(super) aborted: Vec<RequestId>,
     pub(super) imports: Vec<(RequestId, Vec<crate::blocks::RemoteBlock>)>,
+    /// The other layer groups' plans, swaps and imports (group 1 first).
+    pub(super) more: Vec<GroupWork>,
     pub(super) number: u64,
     pub(super) owner: u32,
 }
@@ -311,6 +316,88 @@ impl Step {
     pub fn number(&self) -> u64 {
         self.number
     }
+
+    /// Layer groups the step plans for (1 unless the scheduler was made
+    /// with [`Scheduler::with_groups`]).
+    pub fn num_groups(&self) -> usize {
+        1 + self.more.len()
+    }
+
+    /// Layer group `g`'s part of the step: its tables and slots (in that
+    /// group's pool), swaps and imports. Group 0's is [`view`](Self::view),
+    /// [`swap_out`](Self::swap_out), [`swap_in`](Self::swap_in) and
+    /// [`imports`](Self::imports). `None` past the groups.
+    pub fn group(&self, g: usize) -> Option<GroupStep<'_>> {
+        if g == 0 {
+            return Some(GroupStep {
+                view: self.plan.view(),
+                swap_out: &self.swap_out,
+                swap_in: &self.swap_in,
+                imports: &self.imports,
+            });
+        }
+        self.more.get(g - 1).map(|w| GroupStep {
+            view: w.plan.view(),
+            swap_out: &w.swap_out,
+            swap_in: &w.swap_in,
+            imports: &w.imports,
+        })
+    }
+}
+
+impl Step {
+    /// Each group's swap copies (group 0's first), out or in.
+    pub(super) fn add_swaps(&mut self, pairs: Vec<Vec<[u32; 2]>>, out: bool) {
+        if self.more.len() + 1 < pairs.len() {
+            self.more.resize_with(pairs.len() - 1, Default::default);
+        }
+        for (g, p) in pairs.into_iter().enumerate() {
+            let dst = match (g, out) {
+                (0, true) => &mut self.swap_out,
+                (0, false) => &mut self.swap_in,
+                (g, true) => &mut self.more[g - 1].swap_out,
+                (g, false) => &mut self.more[g - 1].swap_in,
+            };
+            dst.extend(p);
+        }
+    }
+
+    /// Each group's remote blocks for `request` (group 0's first).
+    pub(super) fn add_imports(&mut self, request: RequestId, imports: Vec<Vec<crate::blocks::RemoteBlock>>) {
+        if self.more.len() + 1 < imports.len() {
+            self.more.resize_with(imports.len() - 1, Default::default);
+        }
+        for (g, i) in imports.into_iter().enumerate() {
+            if i.is_empty() {
+                continue;
+            }
+            let dst = if g == 0 { &mut self.imports } else { &mut self.more[g - 1].imports };
+            dst.push((request, i));
+        }
+    }
+}
+
+/// A layer group's plan, swaps and imports in a step (group 1 and on).
+#[derive(Clone, Debug, Default)]
+pub(super) struct GroupWork {
+    pub(super) plan: StepPlan,
+    pub(super) swap_out: Vec<[u32; 2]>,
+    pub(super) swap_in: Vec<[u32; 2]>,
+    pub(super) imports: Vec<(RequestId, Vec<crate::blocks::RemoteBlock>)>,
+}
+
+/// One layer group's part of a [`Step`], in that group's pool: run its
+/// swaps and copies on its `KvCache`, and its layers with its view.
+#[derive(Clone, Copy, Debug)]
+pub struct GroupStep<'a> {
+    /// Tables, lengths, slots and copy-on-write pairs.
+    pub view: &'a crate::blocks::BatchView,
+    /// `(pool block, host block)` copies of groups swapped out.
+    pub swap_out: &'a [[u32; 2]],
+    /// `(host block, pool block)` copies of groups swapped in.
+    pub swap_in: &'a [[u32; 2]],
+    /// Remote prefix blocks to import, per request.
+    pub imports: &'a [(RequestId, Vec<crate::blocks::RemoteBlock>)],
 }
 
 /// Counters since the scheduler was made.
