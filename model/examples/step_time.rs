@@ -36,6 +36,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             Ok("subgroup") => MatmulStaging::Subgroup,
             _ => MatmulStaging::Auto,
         },
+        // One block manager drives every layer here.
+        layer_groups: false,
         ..EngineConfig::default()
     };
     let mut model = Model::new(&device, &queue, &l.weights, cfg)?;
@@ -51,6 +53,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             model
                 .forward(&StepInput {
                     view,
+                    more: &[],
                     tokens,
                     positions: pos,
                     logit_rows: rows,

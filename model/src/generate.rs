@@ -115,7 +115,7 @@ pub struct Report {
     pub block_size: u32,
     pub load_secs: f64,
     pub seconds: f64,
-    /// The model's layer groups (one per window; full attention one).
+    /// The pools' layer groups (one per window; full attention one).
     pub groups: pagedattn::blocks::LayerGroups,
 }
 
@@ -183,10 +183,8 @@ pub fn run(o: &GenerateOptions, out: &mut dyn Write) -> Result<Report, ModelErro
     let Loaded {
         weights,
         tokenizer,
-        config,
         ..
     } = load(&o.model)?;
-    let groups = config.arch.layer_groups();
     let requests = requests(o, &tokenizer)?;
     let (device, queue, adapter) = open_device(o.backends)?;
     let ecfg = EngineConfig {
@@ -199,6 +197,7 @@ pub fn run(o: &GenerateOptions, out: &mut dyn Write) -> Result<Report, ModelErro
     };
     let model = Model::new(&device, &queue, &weights, ecfg)?;
     drop(weights);
+    let groups = model.kv_layout().clone();
     let load_secs = t0.elapsed().as_secs_f64();
     let scfg = ServerConfig {
         max_seqs: o.max_seqs,
@@ -344,29 +343,13 @@ pub fn render(o: &GenerateOptions, r: &Report) -> String {
         st.preempted,
     );
     if r.groups.groups().len() > 1 {
-        // What the library's layer groups keep of these sequences at their
-        // final lengths, against every layer keeping every block.
-        let (mut kept, mut full) = (0u64, 0u64);
-        let mut per_group = vec![0u64; r.groups.groups().len()];
-        for (c, &p) in r.completions.iter().zip(&r.prompt_tokens) {
-            for g in &c.sequences {
-                let len = (p + g.tokens.len()) as u64;
-                let (k, f) = r.groups.layer_blocks(len, r.block_size);
-                kept += k;
-                full += f;
-                for (acc, b) in per_group
-                    .iter_mut()
-                    .zip(r.groups.blocks_kept(len, r.block_size))
-                {
-                    *acc += b;
-                }
-            }
-        }
-        let describe: Vec<String> = r
-            .groups
-            .groups()
-            .iter()
-            .zip(&per_group)
+        // What the pools of the layer groups held at their peak, against
+        // one pool of every layer (the full group's blocks in every layer).
+        let describe = |blocks: &[usize]| -> String {
+            r.groups
+                .groups()
+                .iter()
+                .zip(blocks)
             .map(|(g, b)| {
                 let kind = match g.kind {
                     pagedattn::blocks::GroupKind::Full => "full".to_string(),
@@ -377,11 +360,21 @@ pub fn render(o: &GenerateOptions, r: &Report) -> String {
                 };
                 format!("{kind} on {} layers: {b} blocks", g.layers.len())
             })
-            .collect();
+            .collect::<Vec<_>>()
+            .join("; ")
+        };
+        let pct = |k: usize, f: usize| if f > 0 { 100.0 * k as f64 / f as f64 } else { 0.0 };
+        let (kept, full) = (st.last_layer_blocks, st.last_full_retention_layer_blocks);
         s += &format!(
-            "KV by layer group at the sequences' final lengths ({}): {kept} of {full} layer-blocks under full retention ({:.1} %) (blocks::LayerGroups; this run's pool kept every layer's blocks)\n",
-            describe.join("; "),
-            if full > 0 { 100.0 * kept as f64 / full as f64 } else { 0.0 }
+            "KV blocks by layer group at the last step ({}): {kept} layer-blocks held, against {full} under full retention ({:.1} %)\n",
+            describe(&st.last_group_blocks),
+            pct(kept, full)
+        );
+        let (kept, full) = (st.peak_layer_blocks, st.full_retention_layer_blocks);
+        s += &format!(
+            "  at the peak ({}; a prefill takes its prompt's blocks in every group): {kept} against {full} ({:.1} %)\n",
+            describe(&st.peak_group_blocks),
+            pct(kept, full)
         );
     }
     s += &format!("{:.1} s in all ({:.1} s loading)\n", r.seconds, r.load_secs);

@@ -11,8 +11,8 @@ use crate::clock::Instant;
 use std::collections::HashMap;
 
 use pagedattn::blocks::{
-    Admission, BlockManagerConfig, Child, GroupOutput, Preemption, RequestId, Reservation,
-    Scheduler, SchedulerConfig, Step,
+    Admission, BlockManagerConfig, Child, GroupKind, GroupOutput, Preemption, RequestId, Reservation,
+    Scheduler, SchedulerConfig, Step, MAX_SCHEDULER_GROUPS,
 };
 use pagedattn::gpu::{KvLayout, SwapSpace};
 
@@ -165,6 +165,24 @@ pub struct ServeStats {
     pub attention_share: Option<f64>,
     /// Rows of the step that share was measured on.
     pub profiled_rows: usize,
+    /// Per layer group (a model whose layers attend alike has one): the
+    /// most blocks its pool held at once.
+    pub peak_group_blocks: [usize; MAX_SCHEDULER_GROUPS],
+    /// The most layer-blocks (a group's blocks times its layers, summed)
+    /// the pools held at once, and what one pool of every layer would have
+    /// held at that step (the full-attention group's blocks times every
+    /// layer; 0 without a full group).
+    pub peak_layer_blocks: usize,
+    pub full_retention_layer_blocks: usize,
+    /// The same at the last step run (for a run that ends decoding: the
+    /// steady state at the final lengths, past each prompt's prefill,
+    /// which takes the prompt's blocks in every group).
+    pub last_group_blocks: [usize; MAX_SCHEDULER_GROUPS],
+    pub last_layer_blocks: usize,
+    pub last_full_retention_layer_blocks: usize,
+    /// The most layer-blocks the window groups had given back at one step
+    /// (full retention's less those held).
+    pub most_layer_blocks_saved: usize,
 }
 
 /// How a [`Server`] schedules.
@@ -376,7 +394,8 @@ pub struct Server {
     pub model: Model,
     pub sched: Scheduler,
     cfg: ServerConfig,
-    swap: Option<SwapSpace>,
+    /// Each layer group's host swap space (empty: none).
+    swap: Vec<SwapSpace>,
     reqs: HashMap<RequestId, State>,
     pub stats: ServeStats,
     /// Measure the attention share on the first decode step of at least
@@ -447,23 +466,43 @@ impl Server {
                 ec.num_blocks
             )));
         }
-        let mut bc = BlockManagerConfig::new(blocks, ec.block_size)
-            .with_prefix_caching(cfg.prefix_caching)
-            .with_swap_space(cfg.swap_blocks);
         let context = model.shape.context;
         if let Some(m) = cfg.max_model_len.filter(|&m| m < 2 || m > context) {
             return Err(ModelError::Request(format!(
                 "max_model_len {m} outside 2..={context} (the model's context)"
             )));
         }
-        bc.max_seq_len = cfg.max_model_len.unwrap_or(context);
+        // Each layer group's pool (one for a model whose layers attend
+        // alike): `num_blocks` caps every one.
+        let pools: Vec<BlockManagerConfig> = model
+            .kv
+            .iter()
+            .map(|kg| {
+                let mut bc = BlockManagerConfig::new(
+                    blocks.min(kg.cache.config().num_blocks),
+                    ec.block_size,
+                )
+                .with_prefix_caching(cfg.prefix_caching)
+                .with_swap_space(cfg.swap_blocks);
+                bc.max_seq_len = cfg.max_model_len.unwrap_or(context);
+                bc
+            })
+            .collect();
         let mut sc = SchedulerConfig::new(cfg.max_batch_tokens, cfg.max_seqs);
         sc.preemption = cfg.preemption;
         sc.reservation = cfg.reservation;
-        let sched = Scheduler::new(bc, sc)?;
+        let sched = if pools.len() == 1 {
+            Scheduler::new(pools[0], sc)?
+        } else {
+            Scheduler::with_groups(model.kv_layout(), &pools, sc)?
+        };
         let swap = match cfg.swap_blocks {
-            0 => None,
-            n => Some(model.cache.swap_space(n)?),
+            0 => Vec::new(),
+            n => model
+                .kv
+                .iter()
+                .map(|kg| kg.cache.swap_space(n))
+                .collect::<Result<_, _>>()?,
         };
         Ok(Self {
             model,
@@ -595,13 +634,26 @@ impl Server {
             return bad(format!("expected_tokens {e} outside 1..=max_tokens {n}"));
         }
         let bs = self.model.cfg.block_size as usize;
-        let pool = self.sched.blocks().config().num_blocks as usize;
-        // The whole request alone: its prompt, then each sequence's growth.
-        let need = blocks_for(p + n, bs) + (w - 1) * (blocks_for(n, bs) + 1);
-        if need > pool {
-            return bad(format!(
-                "prompt of {p} tokens, {w} sequences of up to {n} more need up to {need} blocks of {bs}; the pool holds {pool}"
-            ));
+        // The whole request alone: its prompt, then each sequence's growth
+        // (in a window group, no more than its window's blocks besides
+        // the prompt, which its prefill takes whole).
+        let full = blocks_for(p + n, bs) + (w - 1) * (blocks_for(n, bs) + 1);
+        for g in 0..self.sched.num_groups() {
+            let pool = self.sched.group_blocks(g).map_or(0, |m| m.config().num_blocks as usize);
+            let need = match self.sched.group_kinds()[g] {
+                GroupKind::Full => full,
+                GroupKind::Window(win) | GroupKind::SinksAndWindow { window: win, .. } => full
+                    .min(blocks_for(p, bs) + w * (blocks_for(win as usize + 2 * bs, bs) + 1)),
+            };
+            if need > pool {
+                return bad(format!(
+                    "prompt of {p} tokens, {w} sequences of up to {n} more need up to {need} blocks of {bs}; the pool{} holds {pool}",
+                    if self.sched.num_groups() > 1 { format!(" of layer group {g}") } else { String::new() }
+                ));
+            }
+        }
+        if !remote.is_empty() && self.sched.num_groups() > 1 {
+            return bad("remote prefix blocks carry one pool's layers; this model keeps a pool per layer group".into());
         }
         let admission = Admission {
             remote_blocks: remote.len(),
@@ -743,8 +795,12 @@ impl Server {
             }
             prompt_work |= row.positions.len() > 1 || !started;
         }
+        let more: Vec<&pagedattn::blocks::BatchView> = (1..step.num_groups())
+            .filter_map(|g| step.group(g).map(|gs| gs.view))
+            .collect();
         let input = StepInput {
             view: step.view(),
+            more: &more,
             tokens: step.tokens(),
             positions: &positions,
             logit_rows: &logit_rows,
@@ -782,7 +838,13 @@ impl Server {
             let children = st.advance(&rows_of, &text_of, &mut |g| on_token(request, g))?;
             outputs.push(GroupOutput { request, children });
         }
-        let st = self.sched.blocks().stats();
+        // The pool that holds every block of every sequence: the first
+        // full-attention group's (group 0's when every group has a window).
+        let full = (0..self.sched.num_groups())
+            .find(|&g| self.sched.group_kinds()[g] == GroupKind::Full)
+            .unwrap_or(0);
+        let st = self.sched.group_blocks(full).expect("a group").stats();
+        self.note_group_blocks();
         let finished = self.sched.commit(step, &outputs)?;
         for f in finished {
             ended.push(self.finish(f.request));
@@ -805,6 +867,31 @@ impl Server {
         Ok(ended)
     }
 
+    /// Each layer group's blocks held now, into the peaks.
+    fn note_group_blocks(&mut self) {
+        let layout = self.model.kv_layout();
+        let (mut held, mut full) = (0, 0);
+        for (g, group) in layout.groups().iter().enumerate() {
+            let used = self.sched.group_blocks(g).map_or(0, |m| m.stats().used);
+            let k = g.min(MAX_SCHEDULER_GROUPS - 1);
+            let peak = &mut self.stats.peak_group_blocks[k];
+            *peak = (*peak).max(used);
+            self.stats.last_group_blocks[k] = used;
+            held += used * group.layers.len();
+            if group.kind == GroupKind::Full && full == 0 {
+                full = used * layout.num_layers() as usize;
+            }
+        }
+        self.stats.most_layer_blocks_saved =
+            self.stats.most_layer_blocks_saved.max(full.saturating_sub(held));
+        self.stats.last_layer_blocks = held;
+        self.stats.last_full_retention_layer_blocks = full;
+        if held > self.stats.peak_layer_blocks {
+            self.stats.peak_layer_blocks = held;
+            self.stats.full_retention_layer_blocks = full;
+        }
+    }
+
     /// The step's imports: each request's remote prefix blocks uploaded
     /// into the blocks the scheduler gave them.
     async fn import_remote(&mut self, step: &Step) -> Result<(), ModelError> {
@@ -822,7 +909,7 @@ impl Server {
             // One import (one descriptor check, one upload) for the
             // request's blocks; blocks of mixed layouts go one by one.
             let ids: Vec<u32> = blocks.iter().map(|b| b.0).collect();
-            let cache = &mut self.model.cache;
+            let cache = &mut self.model.kv[0].cache;
             if found.iter().all(|(l, _)| l == layout) {
                 let bytes: Vec<u8> = found.iter().flat_map(|(_, b)| b.iter().copied()).collect();
                 cache.import_blocks_async(gpu, layout, &bytes, &ids).await?;
@@ -839,23 +926,27 @@ impl Server {
     }
 
     /// The step's swaps: out to the swap space first, then back in.
+    /// Each layer group's in its own pool and swap space.
     async fn run_swaps(&mut self, step: &Step) -> Result<(), ModelError> {
-        if step.swap_out().is_empty() && step.swap_in().is_empty() {
-            return Ok(());
-        }
-        let gpu = &self.model.gpu;
-        let space = self.swap.as_mut().ok_or_else(|| {
-            ModelError::Request("the scheduler swapped without swap space".into())
-        })?;
-        if !step.swap_out().is_empty() {
-            self.model
-                .cache
-                .swap_out_async(gpu, step.swap_out(), space)
-                .await?;
-            self.stats.swapped_out_blocks += step.swap_out().len();
-        }
-        if !step.swap_in().is_empty() {
-            self.model.cache.swap_in(gpu, step.swap_in(), space)?;
+        for g in 0..step.num_groups() {
+            let gs = step.group(g).expect("g < groups");
+            if gs.swap_out.is_empty() && gs.swap_in.is_empty() {
+                continue;
+            }
+            let gpu = &self.model.gpu;
+            let space = self.swap.get_mut(g).ok_or_else(|| {
+                ModelError::Request("the scheduler swapped without swap space".into())
+            })?;
+            let cache = &self.model.kv[g].cache;
+            if !gs.swap_out.is_empty() {
+                cache.swap_out_async(gpu, gs.swap_out, space).await?;
+                if g == 0 {
+                    self.stats.swapped_out_blocks += gs.swap_out.len();
+                }
+            }
+            if !gs.swap_in.is_empty() {
+                cache.swap_in(gpu, gs.swap_in, space)?;
+            }
         }
         Ok(())
     }

@@ -461,6 +461,7 @@ fn steps(model: &mut Model, w: &HostWeights, seed: u64, what: &str) -> f64 {
         let got = model
             .forward(&StepInput {
                 view: &view,
+                more: &[],
                 tokens: &tokens,
                 positions: &positions,
                 logit_rows: &logit_rows,
@@ -575,6 +576,7 @@ fn bad_steps_and_shapes_are_refused() {
     let view = bm.batch_view(&[id]).expect("view");
     let ok = StepInput {
         view: &view,
+        more: &[],
         tokens: &[1, 2, 3],
         positions: &[0, 1, 2],
         logit_rows: &[2],

@@ -319,15 +319,15 @@ fn a_remote_prefix_hit_gives_identical_tokens() {
     let got = done.iter().find(|x| x.request == ra).expect("A finished");
     assert_eq!(got.sequences[0].tokens, g.tokens[..n]);
     // A's stored blocks, by digest: what a store would hold.
-    let layers = a.model.cache.config().num_layers;
+    let layers = a.model.cache().config().num_layers;
     let mut store = std::collections::HashMap::new();
     for e in a.sched.take_events() {
         if let pagedattn::blocks::KvEvent::Stored { hash, block } = e {
             let mut bytes =
-                vec![0u8; a.model.cache.export_bytes(1, 0..layers).expect("size") as usize];
+                vec![0u8; a.model.cache().export_bytes(1, 0..layers).expect("size") as usize];
             let layout = a
                 .model
-                .cache
+                .cache()
                 .export_blocks(&a.model.gpu, &[block], 0..layers, &mut bytes)
                 .expect("export");
             store.insert(hash, (layout, bytes));
@@ -335,14 +335,14 @@ fn a_remote_prefix_hit_gives_identical_tokens() {
     }
     let model = a.into_model();
     // Noise over every slot of every layer: A's K/V is gone from the pool.
-    let c = *model.cache.config();
+    let c = *model.cache().config();
     let slots: Vec<u32> = (0..c.num_blocks * c.block_size).collect();
     let mut rng = pagedattn::rng::SplitMix64::new(0x6E01_5E00);
     for l in 0..c.num_layers {
         let n = slots.len() * (c.num_kv_heads * c.head_dim) as usize;
         let (k, v) = (rng.signed_vec(n), rng.signed_vec(n));
         model
-            .cache
+            .cache()
             .write_kv(&model.gpu, l, &k, &v, &slots)
             .expect("noise");
     }
@@ -419,7 +419,7 @@ fn every_decode_kernel_gives_the_same_greedy_tokens() {
     let (n, k) = (8, 3);
     let kernels = {
         let model = m.as_ref().expect("model");
-        PagedAttention::eligible_kernels(&model.gpu, &model.cache, model.shape.heads as u32)
+        PagedAttention::eligible_kernels(&model.gpu, model.cache(), model.shape.heads as u32)
     };
     assert!(kernels.len() >= 2, "{kernels:?}");
     for &kernel in &kernels {

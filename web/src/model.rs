@@ -150,10 +150,10 @@ impl WebModel {
             .map_err(err)?;
         // One block over every layer; the pool's size against the device's
         // limits was checked by the library (KvCache::new).
-        let block_bytes = model.cache.config().block_bytes() * s.layers as u64;
+        let block_bytes = model.cache().config().block_bytes() * s.layers as u64;
         let info = ModelInfo {
             adapter: g.describe(),
-            kernel: model.attn.kernel().to_string(),
+            kernel: model.kv[0].attn.kernel().to_string(),
             kv_dtype: kv_dtype.name(),
             layers: s.layers,
             d_model: s.d_model,

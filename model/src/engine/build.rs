@@ -2,7 +2,7 @@
 
 use super::*;
 
-impl LayerGroups {
+impl LayerBinds {
     /// One layer's bind groups over the activations `[x, x normed, logit
     /// rows, qkv, attn out, ffn hidden]`.
     pub(super) fn new(
@@ -20,7 +20,7 @@ impl LayerGroups {
             w.as_ref()
                 .map(|w| bind(dev, layout5, &[&u.norm_add, xn, w, logit_idx, x]))
         };
-        LayerGroups {
+        LayerBinds {
             norm1: bind(dev, layout5, &[&u.norm, x, &l.attn_norm, logit_idx, xn]),
             qkv: bind(dev, layout4, &[&u.qkv, xn, &l.qkv.buf, qkv]),
             qk_norm: l
@@ -83,7 +83,7 @@ impl Model {
         let dev = &gpu.device;
         let scope = dev.push_error_scope(wgpu::ErrorFilter::Validation);
         let oom = dev.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
-        let (cache, attn, wplan, aplan) = attention(&gpu, &s, &cfg)?;
+        let (kv_layout, kv, layer_kv) = attention(&gpu, &s, &w.arch, &cfg)?;
 
         let qw = s.heads * s.head_dim;
         let [k_off, v_off, qkv_row] = fused_qkv(&s);
@@ -152,21 +152,6 @@ impl Model {
                     .expect("listed")
             })
             .collect();
-        let windows = w.arch.windows();
-        let variants: Vec<AttnOptions> = windows
-            .iter()
-            .map(|&window| AttnOptions {
-                sliding_window: window,
-                scale: w.arch.attn_scale,
-                ..Default::default()
-            })
-            .collect();
-        let layer_variant: Vec<usize> = w
-            .arch
-            .layers
-            .iter()
-            .map(|l| windows.iter().position(|&x| x == l.window).expect("listed"))
-            .collect();
 
         let (r, lr) = (cfg.max_rows, cfg.max_logit_rows);
         let ids = storage(dev, "ids", r * 4, U::empty());
@@ -189,7 +174,7 @@ impl Model {
         let acts = [&x, &xn, &logit_idx, &qkv, &attn_out, &h];
         let groups = layers
             .iter()
-            .map(|l| LayerGroups::new(dev, [&layout4, &layout5], &u, l, acts))
+            .map(|l| LayerBinds::new(dev, [&layout4, &layout5], &u, l, acts))
             .collect();
         let g_embed = embed_chunks
             .iter()
@@ -258,12 +243,9 @@ impl Model {
         }
         Ok(Self {
             gpu,
-            cache,
-            attn,
-            wplan,
-            aplan,
-            variants,
-            layer_variant,
+            kv,
+            kv_layout,
+            layer_kv,
             arch: w.arch.clone(),
             shape: s,
             cfg,
@@ -651,42 +633,83 @@ pub(super) fn upload_layers(gpu: &Gpu, w: &HostWeights) -> Result<Vec<LayerGpu>,
 /// The model's KV cache (one layer a transformer layer), its attention
 /// with its pipelines compiled, and their plans, which read K, V and Q
 /// from the fused QKV rows ([`fused_qkv`]).
+/// The layer groups' pools and attention: with `cfg.layer_groups`, one
+/// pool per group of layers that attend alike (a window group's pool of
+/// `cfg.window_blocks`), else one pool for every layer. Also each layer's
+/// (group, layer in the group's pool, variant in the group's).
+#[allow(clippy::type_complexity)]
 pub(super) fn attention(
     gpu: &Gpu,
     s: &Shape,
+    arch: &ArchSpec,
     cfg: &EngineConfig,
-) -> Result<(KvCache, PagedAttention, WritePlan, AttentionPlan), ModelError> {
-    let cache = KvCache::new(
-        gpu,
-        KvCacheConfig::new(
-            cfg.num_blocks,
-            cfg.block_size,
-            s.kv_heads as u32,
-            s.head_dim as u32,
-        )
-        .with_layers(s.layers as u32)
-        .with_dtype(cfg.kv_dtype),
-    )?;
-    let attn = match cfg.kernel {
-        Some(k) => PagedAttention::new(
-            gpu,
-            &cache,
-            s.heads as u32,
-            &pagedattn::gpu::AttentionConfig::new().kernel(k),
-        )?,
-        None => PagedAttention::new(gpu, &cache, s.heads as u32, &Default::default())?,
+) -> Result<(LayerGroups, Vec<KvGroup>, Vec<(usize, u32, usize)>), ModelError> {
+    let layout = if cfg.layer_groups {
+        arch.layer_groups()
+    } else {
+        LayerGroups::uniform(s.layers as u32, GroupKind::Full).map_err(|e| ModelError::Shape(e.to_string()))?
     };
-    attn.warm_up(gpu, &[ActDtype::F32])?;
     let qkv_row = fused_qkv(s)[2] as u32;
-    let (mut wplan, mut aplan) = (cache.plan(), attn.plan());
-    wplan.set_kv_stride(Some(qkv_row));
-    aplan.set_q_stride(Some(qkv_row));
-    Ok((cache, attn, wplan, aplan))
+    let mut kv = Vec::with_capacity(layout.groups().len());
+    let mut layer_kv = vec![(0, 0, 0); s.layers];
+    for (g, group) in layout.groups().iter().enumerate() {
+        let mut windows: Vec<Option<u32>> = Vec::new();
+        for &l in &group.layers {
+            let w = arch.layers[l as usize].window;
+            if !windows.contains(&w) {
+                windows.push(w);
+            }
+        }
+        for (i, &l) in group.layers.iter().enumerate() {
+            let w = arch.layers[l as usize].window;
+            let v = windows.iter().position(|&x| x == w).expect("listed");
+            layer_kv[l as usize] = (g, i as u32, v);
+        }
+        let variants = windows
+            .iter()
+            .map(|&window| AttnOptions {
+                sliding_window: window,
+                scale: arch.attn_scale,
+                ..Default::default()
+            })
+            .collect();
+        let blocks = match group.kind {
+            GroupKind::Full => cfg.num_blocks,
+            _ => cfg.window_blocks.unwrap_or(cfg.num_blocks),
+        };
+        let cache = KvCache::new(
+            gpu,
+            KvCacheConfig::new(blocks, cfg.block_size, s.kv_heads as u32, s.head_dim as u32)
+                .with_layers(group.layers.len() as u32)
+                .with_dtype(cfg.kv_dtype),
+        )?;
+        let attn = match cfg.kernel {
+            Some(k) => PagedAttention::new(
+                gpu,
+                &cache,
+                s.heads as u32,
+                &pagedattn::gpu::AttentionConfig::new().kernel(k),
+            )?,
+            None => PagedAttention::new(gpu, &cache, s.heads as u32, &Default::default())?,
+        };
+        attn.warm_up(gpu, &[ActDtype::F32])?;
+        let (mut wplan, mut aplan) = (cache.plan(), attn.plan());
+        wplan.set_kv_stride(Some(qkv_row));
+        aplan.set_q_stride(Some(qkv_row));
+        kv.push(KvGroup {
+            cache,
+            attn,
+            wplan,
+            aplan,
+            variants,
+        });
+    }
+    Ok((layout, kv, layer_kv))
 }
 
 /// Bind groups of one layer: norm 1, QKV, the head norms, output, its
 /// post-norm, norm 2, gate/up, down, its post-norm.
-pub(super) struct LayerGroups {
+pub(super) struct LayerBinds {
     pub(super) norm1: BindGroup,
     pub(super) qkv: BindGroup,
     pub(super) qk_norm: Option<BindGroup>,

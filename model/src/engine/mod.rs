@@ -12,7 +12,7 @@
 
 use std::collections::HashMap;
 
-use pagedattn::blocks::BatchView;
+use pagedattn::blocks::{BatchView, GroupKind, LayerGroups};
 use pagedattn::gpu::{
     ActDtype, AttentionPlan, AttnOptions, DecodeTables, Gpu, Kernel, KvCache, KvCacheConfig,
     KvDtype, PagedAttention, PrefillTables, WritePlan,
@@ -97,6 +97,13 @@ pub struct EngineConfig {
     pub kernel: Option<Kernel>,
     /// How the matmul shares activation rows among its invocations.
     pub matmul: MatmulStaging,
+    /// One pool per layer group, so that a sliding-window group keeps
+    /// only its window's blocks (`true`), or one pool for every layer
+    /// (`false`: full retention, what a hybrid model is measured against).
+    /// A model whose layers all attend alike has one group either way.
+    pub layer_groups: bool,
+    /// Blocks of each window group's pool (`None`: `num_blocks`).
+    pub window_blocks: Option<u32>,
 }
 
 /// How the matmul's invocations share the activation rows of a tile (each
@@ -155,15 +162,21 @@ impl Default for EngineConfig {
             max_logit_rows: 32,
             kernel: None,
             matmul: MatmulStaging::Auto,
+            layer_groups: true,
+            window_blocks: None,
         }
     }
 }
 
 /// One step's input: the scheduler's view (tables, slots, copies), the
 /// token and position of every row, and the rows whose logits are wanted.
+/// A model with several layer groups ([`Model::kv_layout`]) takes one view
+/// per group, each in that group's pool: `view` is group 0's, `more` the
+/// others' in order.
 #[derive(Clone, Copy, Debug)]
 pub struct StepInput<'a> {
     pub view: &'a BatchView,
+    pub more: &'a [&'a BatchView],
     pub tokens: &'a [u32],
     pub positions: &'a [u32],
     pub logit_rows: &'a [u32],
@@ -191,17 +204,26 @@ struct LayerGpu {
     post_ffn: Option<Buffer>,
 }
 
-/// The GPU model. Everything is allocated in [`Model::new`]; a step
-/// creates no buffer and no bind group.
-pub struct Model {
-    pub gpu: Gpu,
+/// One layer group's pool and attention (the layers of group `g` of
+/// [`Model::kv_layout`], in the group's order).
+pub struct KvGroup {
     pub cache: KvCache,
     pub attn: PagedAttention,
     wplan: WritePlan,
     aplan: AttentionPlan,
-    /// The attention variants (full, and each window) and each layer's.
+    /// The group's attention variants (its windows).
     variants: Vec<AttnOptions>,
-    layer_variant: Vec<usize>,
+}
+
+/// The GPU model. Everything is allocated in [`Model::new`]; a step
+/// creates no buffer and no bind group.
+pub struct Model {
+    pub gpu: Gpu,
+    /// Each layer group's pool and attention.
+    pub kv: Vec<KvGroup>,
+    kv_layout: LayerGroups,
+    /// Per layer: its group, its layer in the group's pool, its variant.
+    layer_kv: Vec<(usize, u32, usize)>,
     arch: ArchSpec,
     pub shape: Shape,
     pub cfg: EngineConfig,
@@ -219,7 +241,7 @@ pub struct Model {
     pipe_headnorm: ComputePipeline,
     matmuls: HashMap<(WeightFormat, u32), ComputePipeline>,
     layers: Vec<LayerGpu>,
-    groups: Vec<LayerGroups>,
+    groups: Vec<LayerBinds>,
     /// The embedding in row chunks that each fit one storage binding:
     /// (first row, rows, matrix).
     embed_chunks: Vec<(u32, u32, Mat)>,
@@ -271,10 +293,26 @@ impl Model {
             kernel,
             ..self.cfg
         };
-        let (cache, attn, wplan, aplan) = attention(&self.gpu, &self.shape, &cfg)?;
-        (self.cache, self.attn, self.wplan, self.aplan) = (cache, attn, wplan, aplan);
+        let (layout, kv, layer_kv) = attention(&self.gpu, &self.shape, &self.arch, &cfg)?;
+        (self.kv_layout, self.kv, self.layer_kv) = (layout, kv, layer_kv);
         self.cfg = cfg;
         Ok(())
+    }
+
+    /// Group 0's pool (a model whose layers attend alike has only it).
+    pub fn cache(&self) -> &KvCache {
+        &self.kv[0].cache
+    }
+
+    /// The layer groups the pools follow: one per window with
+    /// `EngineConfig::layer_groups`, else one.
+    pub fn kv_layout(&self) -> &LayerGroups {
+        &self.kv_layout
+    }
+
+    /// Layer groups (pools).
+    pub fn num_groups(&self) -> usize {
+        self.kv.len()
     }
 
     /// The pipeline layout kernels of four bindings use (for tools).
@@ -342,6 +380,24 @@ impl Model {
         if let Some(r) = s.logit_rows.iter().find(|&&r| r as usize >= m) {
             return bad(format!("logit row {r} outside the step's {m} rows"));
         }
+        if s.more.len() + 1 != self.kv.len() {
+            return bad(format!(
+                "views for {} layer groups; the model keeps {}",
+                s.more.len() + 1,
+                self.kv.len()
+            ));
+        }
+        for (g, v) in s.more.iter().enumerate() {
+            if v.slot_mapping.len() != m
+                || v.seq_lens != s.view.seq_lens
+                || v.new_indptr != s.view.new_indptr
+            {
+                return bad(format!(
+                    "layer group {}'s view is of another step: its rows, lengths or slots differ from group 0's",
+                    g + 1
+                ));
+            }
+        }
         Ok(())
     }
 
@@ -359,17 +415,18 @@ impl Model {
         let (m, l) = (s.tokens.len(), s.logit_rows.len());
         let gpu = &self.gpu;
         // 1. Plans (host work, validated), then the step's uniforms and rows.
-        self.cache
-            .plan_write(gpu, &mut self.wplan, &s.view.slot_mapping, &s.view.copies)?;
         let prefill = s.view.new_indptr.windows(2).any(|w| w[1] - w[0] != 1);
-        if prefill {
-            let t = PrefillTables::from_view(s.view);
-            self.attn
-                .plan_prefill(gpu, &mut self.aplan, &t, &self.variants)?;
-        } else {
-            let t = DecodeTables::from_view(s.view);
-            self.attn
-                .plan_decode(gpu, &mut self.aplan, &t, &self.variants)?;
+        for (g, kg) in self.kv.iter_mut().enumerate() {
+            let view = if g == 0 { s.view } else { s.more[g - 1] };
+            kg.cache
+                .plan_write(gpu, &mut kg.wplan, &view.slot_mapping, &view.copies)?;
+            if prefill {
+                let t = PrefillTables::from_view(view);
+                kg.attn.plan_prefill(gpu, &mut kg.aplan, &t, &kg.variants)?;
+            } else {
+                let t = DecodeTables::from_view(view);
+                kg.attn.plan_decode(gpu, &mut kg.aplan, &t, &kg.variants)?;
+            }
         }
         self.write_params(s);
 
@@ -386,7 +443,9 @@ impl Model {
                 pass.dispatch_workgroups((m32 * d / 4).div_ceil(WG as u32), 1, 1);
             }
         }
-        self.cache.run_copy_blocks(gpu, &mut enc, &mut self.wplan)?;
+        for kg in &mut self.kv {
+            kg.cache.run_copy_blocks(gpu, &mut enc, &mut kg.wplan)?;
+        }
         self.record_layers(&mut enc, m)?;
         let gpu = &self.gpu;
         // A step of prompt chunks only (none reaching its end) needs no logits.
@@ -535,18 +594,18 @@ impl Model {
                 pass.set_bind_group(0, &self.g_ropes[self.layer_rope[i]], &[]);
                 pass.dispatch_workgroups((m32 * rope_heads * half).div_ceil(WG as u32), 1, 1);
             }
-            let layer = i as u32;
-            self.cache
-                .run_write_kv(gpu, enc, &mut self.wplan, layer, &k_bind, &v_bind)?;
+            let (kgi, layer, variant) = self.layer_kv[i];
+            let kg = &mut self.kv[kgi];
+            kg.cache
+                .run_write_kv(gpu, enc, &mut kg.wplan, layer, &k_bind, &v_bind)?;
             if !self.skip_attention {
                 let qb = self.qkv.as_entire_buffer_binding();
                 let ob = self.attn_out.as_entire_buffer_binding();
-                let variant = self.layer_variant[i];
-                self.attn.run(
+                kg.attn.run(
                     gpu,
                     enc,
-                    &mut self.aplan,
-                    &self.cache,
+                    &mut kg.aplan,
+                    &kg.cache,
                     layer,
                     variant,
                     &qb,
