@@ -7,7 +7,7 @@
 //! Tolerance: logits relative L2 error 1e-4 (f32 accumulation over at most
 //! 128 terms per dot against f64; measured values are printed).
 
-use pagedattn::blocks::{BlockManager, BlockManagerConfig};
+use pagedattn::blocks::{BlockManager, BlockManagerConfig, HybridManager};
 use pagedattn::reference::rel_l2;
 use pagedattn::rng::SplitMix64;
 use pagedattn_model::config::{Activation, ArchSpec, LayerAttn, RopeStyle};
@@ -417,7 +417,13 @@ fn steps(model: &mut Model, w: &HostWeights, seed: u64, what: &str) -> f64 {
                 .collect()
         })
         .collect();
-    let mut bm = BlockManager::new(BlockManagerConfig::new(16, 16)).expect("manager");
+    // One pool per layer group of the model (a window group releases what
+    // its window no longer reads at each view): the engine runs each layer
+    // on its group's tables.
+    let groups = model.kv_layout().clone();
+    let bs = model.cfg.block_size;
+    let pools = vec![model.cfg.num_blocks; groups.groups().len()];
+    let mut bm = HybridManager::new(groups.clone(), &pools, bs, false).expect("manager");
     let ids: Vec<_> = toks
         .iter()
         .map(|t| bm.add_sequence(t).expect("seq"))
@@ -434,13 +440,15 @@ fn steps(model: &mut Model, w: &HostWeights, seed: u64, what: &str) -> f64 {
                     .collect();
                 if n > 0 {
                     toks[i].extend(&next);
-                    bm.append(ids[i], &next).expect("append");
+                    bm.append(&ids[i], &next).expect("append");
                     active.push(i);
                 }
             }
         }
-        let seqs: Vec<_> = active.iter().map(|&i| ids[i]).collect();
-        let view = bm.batch_view(&seqs).expect("view");
+        let seqs: Vec<_> = active.iter().map(|&i| ids[i].clone()).collect();
+        let views = bm.batch_view(&seqs).expect("view");
+        let view = &views[0];
+        let more: Vec<_> = views[1..].iter().collect();
         let mut tokens = Vec::new();
         let mut positions = Vec::new();
         let mut want = Vec::new();
@@ -460,8 +468,8 @@ fn steps(model: &mut Model, w: &HostWeights, seed: u64, what: &str) -> f64 {
         model.poison();
         let got = model
             .forward(&StepInput {
-                view: &view,
-                more: &[],
+                view,
+                more: &more,
                 tokens: &tokens,
                 positions: &positions,
                 logit_rows: &logit_rows,
@@ -475,6 +483,15 @@ fn steps(model: &mut Model, w: &HostWeights, seed: u64, what: &str) -> f64 {
             "{what}, step {step} ({} rows): logits rel L2 {err:.3e} over {TOL:.0e}",
             tokens.len()
         );
+    }
+    if groups.groups().len() > 1 {
+        // The window group dropped the blocks behind its window.
+        let held = bm.blocks_held(&ids[1]).expect("live");
+        let w = groups.groups().iter().position(|g| g.kind != pagedattn::blocks::GroupKind::Full);
+        let f = groups.groups().iter().position(|g| g.kind == pagedattn::blocks::GroupKind::Full);
+        if let (Some(w), Some(f)) = (w, f) {
+            assert!(held[w] < held[f], "{what}: blocks held per group {held:?}");
+        }
     }
     worst
 }
@@ -505,14 +522,43 @@ fn gemma3_step_matches_the_f64_model() {
     };
     let w = gemma_weights(4);
     for staging in stagings(&device, &queue) {
+        // Blocks of 4 tokens, so that the window group's tables drop
+        // blocks as the sequences (18 and 23 tokens) pass the window of 8.
         let cfg = EngineConfig {
-            num_blocks: 16,
+            num_blocks: 64,
+            block_size: 4,
             max_rows: 32,
             max_logit_rows: 32,
             matmul: staging,
             ..EngineConfig::default()
         };
         let mut model = Model::new(&device, &queue, &w, cfg).expect("model");
+        assert_eq!(model.num_groups(), 2, "a window group and a full group");
+        // Tables of another step for one group, or one group's only, are
+        // refused by name before anything runs.
+        {
+            let mut a = BlockManager::new(BlockManagerConfig::new(64, 4)).expect("manager");
+            let x = a.add_sequence(&[1, 2, 3]).expect("seq");
+            let y = a.add_sequence(&[4, 5]).expect("seq");
+            let vx = a.batch_view(&[x]).expect("view");
+            let vy = a.batch_view(&[y]).expect("view");
+            let mut step = |more: &[&pagedattn::blocks::BatchView]| {
+                model
+                    .forward(&StepInput {
+                        view: &vx,
+                        more,
+                        tokens: &[1, 2, 3],
+                        positions: &[0, 1, 2],
+                        logit_rows: &[2],
+                    })
+                    .map(|_| ())
+                    .map_err(|e| e.to_string())
+            };
+            let e = step(&[&vy]).expect_err("another step's view");
+            assert!(e.contains("another step"), "{e}");
+            let e = step(&[]).expect_err("one view for two groups");
+            assert!(e.contains("layer groups"), "{e}");
+        }
         let worst = steps(&mut model, &w, 4, &format!("gemma3 {staging:?}"));
         eprintln!(
             "{adapter}: gemma3-shaped model, {staging:?} matmul: worst logits rel L2 {worst:.2e}"
@@ -616,6 +662,14 @@ fn bad_steps_and_shapes_are_refused() {
                 ..ok
             },
             "logit rows",
+        ),
+        (
+            // A second group's view for a model whose layers share one pool.
+            StepInput {
+                more: &[&view],
+                ..ok
+            },
+            "layer groups",
         ),
     ] {
         let e = model.forward(&bad).expect_err(what).to_string();
