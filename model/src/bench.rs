@@ -37,9 +37,29 @@ pub struct SharingRow {
     pub saved: f64,
 }
 
+/// Decode of a hybrid model (layers in window and full groups) with a
+/// pool per layer group, whose window groups give back what their windows
+/// no longer read, against one pool that keeps every layer's blocks.
+#[derive(Clone, Debug, Serialize)]
+pub struct GroupsRow {
+    pub batch: usize,
+    /// Context at the first decode step (past the window).
+    pub context: usize,
+    /// Decode tokens/s, best of the rounds, with layer groups and with one
+    /// pool (the rounds alternate, in one run).
+    pub groups_tokens_per_s: f64,
+    pub one_pool_tokens_per_s: f64,
+    /// Layer-blocks held at the last step with layer groups, and what one
+    /// pool held.
+    pub groups_layer_blocks: usize,
+    pub one_pool_layer_blocks: usize,
+}
+
 /// The model section of the bench.
 #[derive(Clone, Debug, Serialize)]
 pub struct ModelBench {
+    /// The model file's name.
+    pub model: String,
     pub adapter: String,
     pub prompt_tokens: usize,
     /// Context of the decode rows (tokens).
@@ -47,6 +67,9 @@ pub struct ModelBench {
     pub prefill_tokens_per_s: f64,
     pub decode: Vec<DecodeRow>,
     pub sharing: Vec<SharingRow>,
+    /// A hybrid model's layer groups against one pool (empty for a model
+    /// whose layers attend alike).
+    pub groups: Vec<GroupsRow>,
 }
 
 fn prompt(tok: &crate::tokenizer::Tokenizer, i: usize) -> Vec<u32> {
@@ -73,6 +96,22 @@ pub fn run(
         ..EngineConfig::default()
     };
     let mut model = Some(Model::new(&device, &queue, &l.weights, cfg)?);
+    let name = model_path
+        .file_name()
+        .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
+    if model.as_ref().is_some_and(|m| m.num_groups() > 1) && only_groups() {
+        let groups = groups_ab(model.take().expect("model"), &l.tokenizer, quick)?;
+        return Ok(ModelBench {
+            model: name,
+            adapter,
+            prompt_tokens: 0,
+            decode_context: 0,
+            prefill_tokens_per_s: 0.0,
+            decode: Vec::new(),
+            sharing: Vec::new(),
+            groups,
+        });
+    }
     let scfg = ServerConfig {
         max_seqs: 32,
         max_batch_tokens: 256,
@@ -177,21 +216,95 @@ pub fn run(
         });
         model = Some(server.into_model());
     }
+    let groups = match model {
+        Some(m) if m.num_groups() > 1 => groups_ab(m, &l.tokenizer, quick)?,
+        _ => Vec::new(),
+    };
     Ok(ModelBench {
+        model: name,
         adapter,
         prompt_tokens,
         decode_context: ctx,
         prefill_tokens_per_s,
         decode,
         sharing,
+        groups,
     })
+}
+
+/// `PAGEDATTN_BENCH_GROUPS_ONLY=1`: of a hybrid model, only the layer
+/// groups' A/B (the rest takes minutes on a CPU adapter).
+fn only_groups() -> bool {
+    std::env::var("PAGEDATTN_BENCH_GROUPS_ONLY").is_ok_and(|v| v == "1")
+}
+
+/// Decode past the window with layer groups and with one pool, in
+/// alternating rounds on the same model (its pools rebuilt each time).
+fn groups_ab(
+    mut model: Model,
+    tok: &crate::tokenizer::Tokenizer,
+    quick: bool,
+) -> Result<Vec<GroupsRow>, ModelError> {
+    let window = model
+        .kv_layout()
+        .groups()
+        .iter()
+        .filter_map(|g| match g.kind {
+            pagedattn::blocks::GroupKind::Window(w) => Some(w as usize),
+            _ => None,
+        })
+        .max()
+        .unwrap_or(0);
+    let scfg = ServerConfig {
+        max_seqs: 8,
+        max_batch_tokens: 256,
+        prefix_caching: false,
+        ..ServerConfig::default()
+    };
+    let text: String = (0..200)
+        .map(|i| format!("Chapter {i}. The keeper climbed the stairs and lit the lamp again. "))
+        .collect();
+    let long = tok.encode(&text, true);
+    let ctx = (window + 48).min(long.len());
+    let steps = if quick { 8 } else { 32 };
+    let rounds = if quick { 1 } else { 2 };
+    let mut rows = Vec::new();
+    for batch in if quick { vec![1] } else { vec![1, 4] } {
+        let (mut best, mut blocks) = ([0.0f64; 2], [0usize; 2]);
+        for _ in 0..rounds {
+            for (k, on) in [true, false].into_iter().enumerate() {
+                model.set_layer_groups(on, None)?;
+                let mut server = Server::new(model, scfg)?;
+                for i in 0..batch {
+                    let mut p = long[..ctx].to_vec();
+                    p[1] = 100 + i as u32; // distinct prompts
+                    server.add(Request::greedy(p, steps + 1))?;
+                }
+                server.run(&mut |_, _| {})?;
+                let st = server.stats;
+                best[k] = best[k].max(st.decode_tokens as f64 / st.decode_secs.max(1e-9));
+                blocks[k] = st.last_layer_blocks;
+                model = server.into_model();
+            }
+        }
+        rows.push(GroupsRow {
+            batch,
+            context: ctx,
+            groups_tokens_per_s: best[0],
+            one_pool_tokens_per_s: best[1],
+            groups_layer_blocks: blocks[0],
+            one_pool_layer_blocks: blocks[1],
+        });
+    }
+    model.set_layer_groups(true, None)?;
+    Ok(rows)
 }
 
 /// The section as text.
 pub fn render(b: &ModelBench) -> String {
     let mut s = format!(
-        "\nmodel: SmolLM2-135M-Instruct (Q4_1 weights, f16 KV) on {}\n prefill ({} tokens): {:.1} tokens/s\n batch  tokens/s  ms/step  attention share\n",
-        b.adapter, b.prompt_tokens, b.prefill_tokens_per_s
+        "\nmodel: {} (f16 KV) on {}\n prefill ({} tokens): {:.1} tokens/s\n batch  tokens/s  ms/step  attention share\n",
+        b.model, b.adapter, b.prompt_tokens, b.prefill_tokens_per_s
     );
     s += &format!(" decode rows at a context of {} tokens\n", b.decode_context);
     for d in &b.decode {
@@ -214,6 +327,22 @@ pub fn render(b: &ModelBench) -> String {
             r.saved * 100.0
         );
     }
+    if !b.groups.is_empty() {
+        s += " layer groups (a window group's pool gives back what its window no longer reads) against one pool\n";
+        s += " batch  context  tokens/s groups  tokens/s one pool  ratio  layer-blocks groups  one pool\n";
+        for r in &b.groups {
+            s += &format!(
+                " {:>5}  {:>7}  {:>15.2}  {:>17.2}  {:>5.3}  {:>19}  {:>8}\n",
+                r.batch,
+                r.context,
+                r.groups_tokens_per_s,
+                r.one_pool_tokens_per_s,
+                r.groups_tokens_per_s / r.one_pool_tokens_per_s.max(1e-9),
+                r.groups_layer_blocks,
+                r.one_pool_layer_blocks
+            );
+        }
+    }
     s
 }
 
@@ -230,6 +359,8 @@ mod tests {
             attention_share: share,
         };
         let b = ModelBench {
+            model: "test.gguf".into(),
+            groups: vec![],
             adapter: "test".into(),
             prompt_tokens: 4,
             decode_context: 24,

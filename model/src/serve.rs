@@ -652,11 +652,29 @@ impl Server {
                 ));
             }
         }
-        if !remote.is_empty() && self.sched.num_groups() > 1 {
-            return bad("remote prefix blocks carry one pool's layers; this model keeps a pool per layer group".into());
+        // With layer groups, each block comes once per group, in group
+        // order, each naming its group.
+        let groups = self.sched.num_groups();
+        if remote.len() % groups != 0 {
+            return bad(format!(
+                "{} remote entries for {groups} layer groups: each block needs one per group",
+                remote.len()
+            ));
+        }
+        if let Some((i, (l, _))) = remote
+            .iter()
+            .enumerate()
+            .find(|(i, (l, _))| l.layer_group as usize != i % groups)
+        {
+            return bad(format!(
+                "remote entry {i} holds layer group {}'s blocks; block {} of group {} belongs there",
+                l.layer_group,
+                i / groups,
+                i % groups
+            ));
         }
         let admission = Admission {
-            remote_blocks: remote.len(),
+            remote_blocks: remote.len() / groups,
             max_tokens: Some(n),
             expected_tokens: req.expected_tokens,
         };
@@ -894,35 +912,80 @@ impl Server {
 
     /// The step's imports: each request's remote prefix blocks uploaded
     /// into the blocks the scheduler gave them.
+    /// With layer groups, each group's blocks into its own pool.
     async fn import_remote(&mut self, step: &Step) -> Result<(), ModelError> {
         let gpu = &self.model.gpu;
-        for (r, blocks) in step.imports() {
-            let found = self.remote.remove(r).unwrap_or_default();
-            // The local cache's hits come first: the imports are the last.
-            let skip = found.len().checked_sub(blocks.len()).ok_or_else(|| {
-                ModelError::Request(format!("{r:?}: more imports than remote blocks"))
-            })?;
-            let found = &found[skip..];
-            let Some((layout, _)) = found.first() else {
-                continue;
-            };
-            // One import (one descriptor check, one upload) for the
-            // request's blocks; blocks of mixed layouts go one by one.
-            let ids: Vec<u32> = blocks.iter().map(|b| b.0).collect();
-            let cache = &mut self.model.kv[0].cache;
-            if found.iter().all(|(l, _)| l == layout) {
-                let bytes: Vec<u8> = found.iter().flat_map(|(_, b)| b.iter().copied()).collect();
-                cache.import_blocks_async(gpu, layout, &bytes, &ids).await?;
-            } else {
-                for (id, (layout, bytes)) in ids.iter().zip(found) {
-                    cache
-                        .import_blocks_async(gpu, layout, bytes, &[*id])
-                        .await?;
+        let groups = step.num_groups();
+        let mut done = Vec::new();
+        for g in 0..groups {
+            for (r, blocks) in step.group(g).expect("g < groups").imports {
+                done.push(*r);
+                let all = self.remote.get(r).map_or(&[][..], |v| &v[..]);
+                let found: Vec<&(KvLayout, Vec<u8>)> = all.iter().skip(g).step_by(groups).collect();
+                // The local cache's hits come first: the imports are the last.
+                let skip = found.len().checked_sub(blocks.len()).ok_or_else(|| {
+                    ModelError::Request(format!("{r:?}: more imports than remote blocks"))
+                })?;
+                let found = &found[skip..];
+                let Some((layout, _)) = found.first() else {
+                    continue;
+                };
+                // One import (one descriptor check, one upload) for the
+                // request's blocks; blocks of mixed layouts go one by one.
+                let ids: Vec<u32> = blocks.iter().map(|b| b.0).collect();
+                let cache = &mut self.model.kv[g].cache;
+                if found.iter().all(|(l, _)| l == layout) {
+                    let bytes: Vec<u8> = found.iter().flat_map(|(_, b)| b.iter().copied()).collect();
+                    cache.import_blocks_async(gpu, layout, &bytes, &ids).await?;
+                } else {
+                    for (id, (layout, bytes)) in ids.iter().zip(found) {
+                        cache
+                            .import_blocks_async(gpu, layout, bytes, &[*id])
+                            .await?;
+                    }
+                }
+                if g == 0 {
+                    self.imported_blocks += ids.len();
                 }
             }
-            self.imported_blocks += ids.len();
+        }
+        for r in done {
+            self.remote.remove(&r);
         }
         Ok(())
+    }
+
+    /// The leading full blocks of `prompt` (in `salt`'s namespace) that
+    /// every layer group's prefix cache holds, exported: for each block,
+    /// one entry per group in group order, each with a layout naming its
+    /// group. What [`add_with_remote`](Self::add_with_remote) takes on
+    /// another server of this model.
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn export_prefix(
+        &self,
+        prompt: &[u32],
+        salt: &[u8],
+    ) -> Result<Vec<(KvLayout, Vec<u8>)>, ModelError> {
+        let groups = self.sched.num_groups();
+        let per_group: Vec<Vec<u32>> = (0..groups)
+            .map(|g| {
+                self.sched
+                    .group_blocks(g)
+                    .map_or_else(Vec::new, |m| m.cached_blocks(prompt, salt))
+            })
+            .collect();
+        let n = per_group.iter().map(Vec::len).min().unwrap_or(0);
+        let mut out = Vec::with_capacity(n * groups);
+        for i in 0..n {
+            for (g, blocks) in per_group.iter().enumerate() {
+                let cache = &self.model.kv[g].cache;
+                let layers = 0..cache.config().num_layers;
+                let mut bytes = vec![0u8; cache.export_bytes(1, layers.clone())? as usize];
+                let layout = cache.export_blocks(&self.model.gpu, &[blocks[i]], layers, &mut bytes)?;
+                out.push((layout, bytes));
+            }
+        }
+        Ok(out)
     }
 
     /// The step's swaps: out to the swap space first, then back in.

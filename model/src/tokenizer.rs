@@ -558,6 +558,20 @@ impl Tokenizer {
         out
     }
 
+    /// A prompt as a server takes it: [`try_encode`](Self::try_encode) with
+    /// special tokens parsed, and the file's BOS in front where it asks for
+    /// one (`tokenizer.ggml.add_bos_token`: Gemma) and the text did not
+    /// start with it already (a chat template that writes it).
+    pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        let mut ids = self.try_encode(text, true)?;
+        if let Some(bos) = self.bos_token_id().filter(|_| self.add_bos) {
+            if ids.first() != Some(&bos) {
+                ids.insert(0, bos);
+            }
+        }
+        Ok(ids)
+    }
+
     /// [`encode`](Self::encode), refusing text that would not come back
     /// from [`decode`](Self::decode) as it went in: a character one of
     /// whose UTF-8 bytes has no token would otherwise be dropped.

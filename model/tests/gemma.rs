@@ -208,6 +208,14 @@ fn the_file_is_gemma3_with_its_window() {
 fn the_tokenizer_gives_the_reference_ids() {
     let Some(l) = loaded("tokenizer") else { return };
     let t = &l.tokenizer;
+    // A served prompt starts with Gemma's BOS, as the file asks, once.
+    let bos = t.bos_token_id().expect("Gemma has a BOS");
+    assert!(t.add_bos());
+    let plain = t.encode_prompt("Hello there").expect("encodes");
+    assert_eq!(plain[0], bos);
+    assert_eq!(&plain[1..], &t.encode("Hello there", true)[..]);
+    let templated = t.encode_prompt("<bos>Hello there").expect("encodes");
+    assert_eq!(templated, plain, "a template's own BOS is not doubled");
     for case in &fixture().tokenize {
         assert_eq!(
             t.encode(&case.text, case.special),
@@ -405,4 +413,72 @@ fn the_first_step_matches_the_float64_forward() {
             row.tokens
         );
     }
+}
+
+/// A remote prefix hit with layer groups: server A serves a prompt past
+/// the window; every group's cached blocks of it are exported, each
+/// layout naming its group (`Server::export_prefix`); every slot of both
+/// pools is overwritten with noise; server B imports the blocks into each
+/// group's pool at admission, computes only the rest, and gives the
+/// reference's tokens. Entries out of group order are refused by name.
+#[test]
+fn a_remote_prefix_hit_imports_every_layer_group() {
+    let Some(mut m) = model("remote prefix") else { return };
+    let g = fixture()
+        .greedy
+        .iter()
+        .find(|g| g.prompt_ids.len() > 600)
+        .expect("a prompt past the window");
+    let n = 4;
+    let req = || {
+        let mut r = Request::greedy(g.prompt_ids.clone(), n);
+        r.stop = Vec::new();
+        r
+    };
+    let cfg = ServerConfig {
+        max_seqs: MAX_SEQS,
+        max_batch_tokens: MAX_ROWS,
+        ..ServerConfig::default()
+    };
+    let mut a = Server::new(m.take().expect("model"), cfg).expect("server A");
+    a.add(req()).expect("a");
+    let done = a.run(&mut |_, _| {}).expect("run A");
+    assert_eq!(done[0].sequences[0].tokens, g.tokens[..n]);
+    let remote = a.export_prefix(&g.prompt_ids, b"").expect("export");
+    let full = g.prompt_ids.len() / 16;
+    assert_eq!(remote.len(), 2 * full, "every full block, once per group");
+    for (i, (l, _)) in remote.iter().enumerate() {
+        assert_eq!(l.layer_group as usize, i % 2);
+    }
+    let model = a.into_model();
+    let mut rng = pagedattn::rng::SplitMix64::new(0x6E01_5E01);
+    for kg in &model.kv {
+        let c = *kg.cache.config();
+        let slots: Vec<u32> = (0..c.num_blocks * c.block_size).collect();
+        let len = slots.len() * (c.num_kv_heads * c.head_dim) as usize;
+        for l in 0..c.num_layers {
+            let (k, v) = (rng.signed_vec(len), rng.signed_vec(len));
+            kg.cache.write_kv(&model.gpu, l, &k, &v, &slots).expect("noise");
+        }
+    }
+    let mut b = Server::new(model, cfg).expect("server B");
+    let mut swapped = remote.clone();
+    swapped.swap(0, 1);
+    let e = b.add_with_remote(req(), swapped).expect_err("groups out of order");
+    assert!(e.to_string().contains("layer group"), "{e}");
+    let e = b
+        .add_with_remote(req(), remote[..3].to_vec())
+        .expect_err("a block short of a group");
+    assert!(e.to_string().contains("one per group"), "{e}");
+    b.add_with_remote(req(), remote).expect("b");
+    let done = b.run(&mut |_, _| {}).expect("run B");
+    let (imported, prefill) = (b.imported_blocks, b.stats.prefill_tokens);
+    *m = Some(b.into_model());
+    eprintln!(
+        "remote prefix over 2 layer groups: {imported} blocks a group imported, {prefill} of {} prompt tokens computed",
+        g.prompt_ids.len()
+    );
+    assert_eq!(imported, full);
+    assert!(prefill < 16, "B computes only the prompt's tail: {prefill}");
+    assert_eq!(done[0].sequences[0].tokens, g.tokens[..n], "B's tokens equal the reference's");
 }

@@ -179,7 +179,7 @@ fn prompts(v: &Value, info: &ModelInfo) -> Result<Vec<Vec<u32>>, ApiError> {
     };
     let text = |s: &str, at: &str| -> Result<Vec<u32>, ApiError> {
         info.tokenizer
-            .try_encode(s, true)
+            .encode_prompt(s)
             .map_err(|e| bad(format!("prompt{at}: {e}")))
     };
     let out = match v {
@@ -302,7 +302,7 @@ pub fn plan(
             let text = chat::render(&info.tokenizer, msgs)?;
             let ids = info
                 .tokenizer
-                .try_encode(&text, true)
+                .encode_prompt(&text)
                 .map_err(|e| ApiError::param("messages", format!("messages: {e}")))?;
             let want = match &b.logprobs {
                 None | Some(Value::Null) => false,

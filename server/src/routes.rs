@@ -167,7 +167,7 @@ async fn tokenize(
         };
         let ids = info
             .tokenizer
-            .try_encode(&text, true)
+            .encode_prompt(&text)
             .map_err(|e| ApiError::param("prompt", e.to_string()))?;
         Ok(Json(json!({
             "count": ids.len(),

@@ -57,6 +57,10 @@ pub struct KvLayout {
     pub num_kv_heads: u32,
     /// Elements per head.
     pub head_dim: u32,
+    /// The layer group of a hybrid model whose pool the blocks come from
+    /// (`KvCacheConfig::layer_group`; 0 for a model whose layers share one
+    /// pool). `layers` count within the group.
+    pub layer_group: u16,
     /// The layers the bytes hold.
     pub layers: Range<u32>,
     /// Bytes of one block's K data, K side words, V data and V side words
@@ -106,7 +110,7 @@ impl KvLayout {
         for v in self.library {
             put(&v.to_le_bytes());
         }
-        put(&[0, 0]);
+        put(&self.layer_group.to_le_bytes());
         for w in [
             dtype_code(self.dtype),
             self.block_size,
@@ -125,9 +129,11 @@ impl KvLayout {
     }
 
     /// Reads a descriptor [`to_bytes`](Self::to_bytes) wrote; refuses bytes
-    /// that are not one (wrong length or magic, another version, reserved
-    /// bytes that are not zero, an unknown dtype, an empty or reversed layer
-    /// range), so that what it accepts reads back byte for byte.
+    /// that are not one (wrong length or magic, another version, an
+    /// unknown dtype, an empty or reversed layer range), so that what it
+    /// accepts reads back byte for byte. Bytes 18..20, reserved (zero)
+    /// before layer groups, hold the group: a single pool's descriptor is
+    /// unchanged, and a reader from before refuses another group's.
     pub fn from_bytes(b: &[u8]) -> Result<KvLayout, TransferError> {
         if b.len() != KV_LAYOUT_BYTES {
             return Err(TransferError::Descriptor("not 108 bytes long"));
@@ -145,12 +151,6 @@ impl KvLayout {
                 want: KV_LAYOUT_VERSION,
             });
         }
-        // Reserved: written as zeros, so only zeros read back as written.
-        if b[18..20] != [0, 0] {
-            return Err(TransferError::Descriptor(
-                "reserved bytes 18..20 are not zero",
-            ));
-        }
         let code = u32_at(20);
         let dtype = KvDtype::ALL
             .into_iter()
@@ -165,6 +165,7 @@ impl KvLayout {
         Ok(KvLayout {
             version,
             library: [u16_at(12), u16_at(14), u16_at(16)],
+            layer_group: u16_at(18),
             dtype,
             block_size: u32_at(24),
             num_kv_heads: u32_at(28),
@@ -186,7 +187,12 @@ impl KvLayout {
                 want: want.version,
             });
         }
-        let fields: [(&'static str, u64, u64); 6] = [
+        let fields: [(&'static str, u64, u64); 7] = [
+            (
+                "layer_group",
+                self.layer_group as u64,
+                want.layer_group as u64,
+            ),
             (
                 "dtype",
                 dtype_code(self.dtype) as u64,
@@ -399,6 +405,7 @@ impl KvCache {
             block_size: c.block_size,
             num_kv_heads: c.num_kv_heads,
             head_dim: c.head_dim,
+            layer_group: c.layer_group,
             layers,
             parts: [kd, ks, vd, vs],
             layer_state,

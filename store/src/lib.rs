@@ -441,6 +441,7 @@ mod tests {
             block_size: 4,
             num_kv_heads: 1,
             head_dim: 4,
+            layer_group: 0,
             layers: 0..2,
             parts: [32, 0, 32, 0],
             layer_state: [3; 32],

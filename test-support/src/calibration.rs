@@ -106,6 +106,7 @@ pub fn run(data: &[u8]) -> Reached {
             } else {
                 KvDtype::Fp8E4M3
             },
+            layer_group: 0,
         };
         let h = cfg.num_kv_heads as usize;
         let d = cfg.head_dim as usize;

@@ -214,6 +214,7 @@ fn config(c: &mut Cursor, r: &mut Reached) {
         } else {
             KvDtype::F16
         },
+        layer_group: 0,
     };
     let want = (1..=256).contains(&cfg.block_size)
         && cfg.block_size.is_power_of_two()

@@ -54,6 +54,7 @@ fn descriptor(c: &mut Cursor, r: &mut Reached) {
         block_size: 16,
         num_kv_heads: 2,
         head_dim: 64,
+        layer_group: 0,
         layers: 0..3,
         parts: [4096, 0, 4096, 0],
         layer_state: [c.byte(); 32],

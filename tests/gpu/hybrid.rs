@@ -179,3 +179,58 @@ fn window_layers_release_blocks_and_stay_exact() {
     );
     assert!(stats[0].used < stats[1].used);
 }
+
+/// Each layer group's pool exports blocks whose layout names the group;
+/// another pool of that group imports them byte for byte, and a pool of
+/// another group (of the same shape otherwise) refuses them by the field,
+/// unchanged.
+#[test]
+fn exported_blocks_name_their_layer_group() {
+    use pagedattn::gpu::{GpuError, TransferError};
+    let Some(gpu) = gpu() else { return };
+    let s = common::seed("hybrid export");
+    let mut rng = SplitMix64::new(s);
+    let cfg = |g: u16| {
+        KvCacheConfig::new(8, BS, KVH as u32, HD as u32)
+            .with_layers(2)
+            .with_layer_group(g)
+    };
+    let src = KvCache::new(&gpu, cfg(1)).unwrap();
+    let slots: Vec<u32> = (0..8 * BS).collect();
+    let n = slots.len() * KVH * HD;
+    for l in 0..2 {
+        let (k, v) = (rng.signed_vec(n), rng.signed_vec(n));
+        src.write_kv(&gpu, l, &k, &v, &slots).unwrap();
+    }
+    let bytes_of = |c: &KvCache, blocks: &[u32]| {
+        let mut out = vec![0u8; c.export_bytes(blocks.len(), 0..2).unwrap() as usize];
+        let l = c.export_blocks(&gpu, blocks, 0..2, &mut out).unwrap();
+        (l, out)
+    };
+    let (layout, bytes) = bytes_of(&src, &[3, 5]);
+    assert_eq!(layout.layer_group, 1);
+    assert_eq!(
+        pagedattn::gpu::KvLayout::from_bytes(&layout.to_bytes()).unwrap(),
+        layout
+    );
+    // The same group's pool takes them.
+    let same = KvCache::new(&gpu, cfg(1)).unwrap();
+    same.import_blocks(&gpu, &layout, &bytes, &[0, 6]).unwrap();
+    assert_eq!(bytes_of(&same, &[0, 6]).1, bytes);
+    // Another group's refuses them, and is as it was.
+    let other = KvCache::new(&gpu, cfg(0)).unwrap();
+    let before = bytes_of(&other, &[0, 6]).1;
+    let e = other.import_blocks(&gpu, &layout, &bytes, &[0, 6]).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            GpuError::Transfer(TransferError::Mismatch {
+                field: "layer_group",
+                got: 1,
+                want: 0
+            })
+        ),
+        "{e}"
+    );
+    assert_eq!(bytes_of(&other, &[0, 6]).1, before);
+}

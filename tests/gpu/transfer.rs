@@ -493,6 +493,7 @@ fn descriptor_bytes_round_trip_and_never_panic() {
         block_size: 16,
         num_kv_heads: 8,
         head_dim: 128,
+        layer_group: 0,
         layers: 4..30,
         parts: [32768, 0, 32768, 0],
         layer_state: [7; 32],

@@ -681,7 +681,8 @@ pub(super) fn attention(
             gpu,
             KvCacheConfig::new(blocks, cfg.block_size, s.kv_heads as u32, s.head_dim as u32)
                 .with_layers(group.layers.len() as u32)
-                .with_dtype(cfg.kv_dtype),
+                .with_dtype(cfg.kv_dtype)
+                .with_layer_group(g as u16),
         )?;
         let attn = match cfg.kernel {
             Some(k) => PagedAttention::new(

@@ -299,6 +299,21 @@ impl Model {
         Ok(())
     }
 
+    /// Rebuilds the pools with one per layer group (`true`) or one for
+    /// every layer, keeping the weights and kernels. The pools start
+    /// empty: serve no sequence across this call.
+    pub fn set_layer_groups(&mut self, on: bool, window_blocks: Option<u32>) -> Result<(), ModelError> {
+        let cfg = EngineConfig {
+            layer_groups: on,
+            window_blocks,
+            ..self.cfg
+        };
+        let (layout, kv, layer_kv) = attention(&self.gpu, &self.shape, &self.arch, &cfg)?;
+        (self.kv_layout, self.kv, self.layer_kv) = (layout, kv, layer_kv);
+        self.cfg = cfg;
+        Ok(())
+    }
+
     /// Group 0's pool (a model whose layers attend alike has only it).
     pub fn cache(&self) -> &KvCache {
         &self.kv[0].cache

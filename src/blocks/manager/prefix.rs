@@ -269,6 +269,13 @@ impl BlockManager {
         self.blocks_for(prompt.len()) - matched.len() + self.revived(&matched)
     }
 
+    /// The cached blocks holding `prompt`'s leading full blocks in
+    /// `cache_salt`'s namespace, in order (where the chain first misses,
+    /// the list ends): what an engine exports for another to import.
+    pub fn cached_blocks(&self, prompt: &[u32], cache_salt: &[u8]) -> Vec<u32> {
+        self.lookup(prompt, &chain_root(cache_salt)).0
+    }
+
     /// Leading full blocks of `prompt` this manager's prefix cache holds
     /// in `cache_salt`'s namespace.
     pub(crate) fn cached_prefix_blocks(&self, prompt: &[u32], cache_salt: &[u8]) -> usize {

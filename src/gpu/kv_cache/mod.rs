@@ -62,6 +62,11 @@ pub struct KvCacheConfig {
     pub head_dim: u32,
     /// Element type.
     pub dtype: KvDtype,
+    /// The layer group of a hybrid model this pool holds (0 for a model
+    /// whose layers share one pool): exported blocks name it
+    /// ([`KvLayout::layer_group`](super::KvLayout::layer_group)), and an
+    /// import of another group's blocks is refused.
+    pub layer_group: u16,
 }
 
 impl KvCacheConfig {
@@ -77,7 +82,13 @@ impl KvCacheConfig {
             num_kv_heads,
             head_dim,
             dtype: KvDtype::F32,
+            layer_group: 0,
         }
+    }
+
+    /// The same shape holding layer group `g` of a hybrid model.
+    pub const fn with_layer_group(self, layer_group: u16) -> Self {
+        KvCacheConfig { layer_group, ..self }
     }
 
     /// The same shape with `num_layers` layers.
