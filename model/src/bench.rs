@@ -267,7 +267,7 @@ fn groups_ab(
     let long = tok.encode(&text, true);
     let ctx = (window + 48).min(long.len());
     let steps = if quick { 8 } else { 32 };
-    let rounds = if quick { 1 } else { 2 };
+    let rounds = if quick { 1 } else { 3 };
     let mut rows = Vec::new();
     for batch in if quick { vec![1] } else { vec![1, 4] } {
         let (mut best, mut blocks) = ([0.0f64; 2], [0usize; 2]);
@@ -302,9 +302,14 @@ fn groups_ab(
 
 /// The section as text.
 pub fn render(b: &ModelBench) -> String {
-    let mut s = format!(
-        "\nmodel: {} (f16 KV) on {}\n prefill ({} tokens): {:.1} tokens/s\n batch  tokens/s  ms/step  attention share\n",
-        b.model, b.adapter, b.prompt_tokens, b.prefill_tokens_per_s
+    let mut s = format!("\nmodel: {} (f16 KV) on {}\n", b.model, b.adapter);
+    if b.decode.is_empty() {
+        // Only the layer groups' comparison ran.
+        return s + &render_groups(b);
+    }
+    s += &format!(
+        " prefill ({} tokens): {:.1} tokens/s\n batch  tokens/s  ms/step  attention share\n",
+        b.prompt_tokens, b.prefill_tokens_per_s
     );
     s += &format!(" decode rows at a context of {} tokens\n", b.decode_context);
     for d in &b.decode {
@@ -327,6 +332,11 @@ pub fn render(b: &ModelBench) -> String {
             r.saved * 100.0
         );
     }
+    s + &render_groups(b)
+}
+
+fn render_groups(b: &ModelBench) -> String {
+    let mut s = String::new();
     if !b.groups.is_empty() {
         s += " layer groups (a window group's pool gives back what its window no longer reads) against one pool\n";
         s += " batch  context  tokens/s groups  tokens/s one pool  ratio  layer-blocks groups  one pool\n";

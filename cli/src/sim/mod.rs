@@ -80,6 +80,48 @@ pub enum PolicyKind {
     Oracle,
 }
 
+/// A hybrid model's layer pattern (`--layer-groups`): its window layers
+/// in a pool of their own that keeps only their windows' blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum HybridPreset {
+    /// Gemma 3 (4B and up): five layers of a 1024-token window per
+    /// full-attention layer.
+    Gemma3,
+    /// Gemma 3 270M and 1B: the same pattern with a window of 512.
+    Gemma3W512,
+    /// gpt-oss: windows of 128 and full attention, alternating (its sinks
+    /// are a learned logit per head, not tokens: they hold no block).
+    GptOss,
+    /// Mistral-7B v0.1: a window of 4096 on every layer.
+    Mistral,
+}
+
+impl HybridPreset {
+    /// Its name as `--layer-groups` takes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Gemma3 => "gemma3",
+            Self::Gemma3W512 => "gemma3-w512",
+            Self::GptOss => "gpt-oss",
+            Self::Mistral => "mistral",
+        }
+    }
+
+    /// The groups of a stack of `layers` layers.
+    pub fn layout(
+        self,
+        layers: u32,
+    ) -> Result<pagedattn::blocks::LayerGroups, pagedattn::blocks::GroupError> {
+        use pagedattn::blocks::{GroupKind, LayerGroups};
+        match self {
+            Self::Gemma3 => LayerGroups::interleaved(layers, 6, GroupKind::Window(1024)),
+            Self::Gemma3W512 => LayerGroups::interleaved(layers, 6, GroupKind::Window(512)),
+            Self::GptOss => LayerGroups::interleaved(layers, 2, GroupKind::Window(128)),
+            Self::Mistral => LayerGroups::uniform(layers, GroupKind::Window(4096)),
+        }
+    }
+}
+
 /// How the paged policy's scheduler preempts (the library's
 /// `blocks::Preemption`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -235,6 +277,12 @@ pub struct SimulateArgs {
     pub model_layers: usize,
     #[arg(long, default_value_t = 8)]
     pub model_kv_heads: usize,
+    /// Hybrid layer patterns (comma-separated: gemma3, gemma3-w512,
+    /// gpt-oss, mistral): each adds a paged run of `--model-layers` layers
+    /// in layer groups, a pool per group in the same bytes as the budget,
+    /// the window groups keeping only their windows' blocks.
+    #[arg(long, value_enum, value_delimiter = ',')]
+    pub layer_groups: Vec<HybridPreset>,
     /// Print the report as JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -286,6 +334,8 @@ pub struct SimConfig {
     pub swap_tokens: usize,
     /// The preemption cost model.
     pub cost: CostModel,
+    /// Hybrid layer patterns, one more paged run each.
+    pub layer_groups: Vec<HybridPreset>,
 }
 
 /// Bytes one token takes per KV head, K and V together, for `head_dim`:
@@ -385,6 +435,7 @@ impl SimConfig {
                 layers: a.model_layers,
                 kv_heads: a.model_kv_heads,
             },
+            layer_groups: a.layer_groups.clone(),
         };
         cfg.check()?;
         Ok(cfg)
@@ -634,6 +685,7 @@ pub fn simulate(cfg: &SimConfig) -> Result<Report, SimError> {
                                         .unwrap_or(u32::MAX),
                                     reservation: Reservation::Paged,
                                     max_output: w.max_output,
+                                    groups: None,
                                 };
                                 let cap = run.num_blocks()? as usize * bs as usize;
                                 let (log, st) = scheduled::run(&reqs, sampling, w.seed, run)?;
@@ -678,6 +730,7 @@ pub fn simulate(cfg: &SimConfig) -> Result<Report, SimError> {
                             swap_blocks: 0,
                             reservation,
                             max_output: w.max_output,
+                            groups: None,
                         };
                         let (log, _) = scheduled::run(&reqs, sampling, w.seed, run)?;
                         policies.push(PolicyReport::from_log(
@@ -689,6 +742,36 @@ pub fn simulate(cfg: &SimConfig) -> Result<Report, SimError> {
                         ));
                     }
                 }
+            }
+            // Hybrid patterns: the first block size and preemption.
+            for &preset in &cfg.layer_groups {
+                let bs = cfg.block_sizes[0];
+                let run = scheduled::PagedRun {
+                    budget: cfg.budget,
+                    block_size: bs,
+                    prefix_caching: w.shared_prefix > 0,
+                    max_len: w.max_len,
+                    max_seqs: cfg.max_seqs,
+                    preemption: cfg.preemption[0].library(),
+                    swap_blocks: u32::try_from(cfg.swap_tokens / bs as usize).unwrap_or(u32::MAX),
+                    reservation: Reservation::Paged,
+                    max_output: w.max_output,
+                    groups: Some((preset, cfg.cost.layers as u32)),
+                };
+                let cap = run.num_blocks()? as usize * bs as usize;
+                let (log, st) = scheduled::run(&reqs, sampling, w.seed, run)?;
+                let mut p = PolicyReport::from_log(
+                    "paged",
+                    format!("paged/{bs} {}", preset.name()),
+                    Some(bs),
+                    cap,
+                    log,
+                );
+                p.preemption = Some(cfg.preemption[0].name().into());
+                p.swapped_groups = st.swapped_groups;
+                p.recomputed_groups = st.recomputed_groups;
+                p.swap_fallbacks = st.swap_fallbacks;
+                policies.push(p);
             }
             for p in &mut policies[first..] {
                 p.kv_dtype = match mla {

@@ -408,4 +408,6 @@ shared/saved: tokens not stored twice thanks to copy-on-write forks and prefix c
 logical tokens). steps: steps to finish the workload; tok/step: decoded tokens per step.
 Contiguous policies ignore external fragmentation between slabs, which flatters them.
 K/V tokens read per generated token: times 2 x head_dim x bytes per element for bytes, per KV head and layer.
+Layer groups (--layer-groups): memory in tokens of every layer (each pool weighted by its share of the
+layers), the pools splitting the budget's bytes; shared/saved then counts what the windows gave back too.
 ";

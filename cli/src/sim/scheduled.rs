@@ -44,6 +44,63 @@ pub(super) struct PagedRun {
     pub reservation: Reservation,
     /// The most tokens a sequence generates (what `Pow2` reserves for).
     pub max_output: usize,
+    /// A hybrid model's layer pattern and layer count: a pool per layer
+    /// group in the budget's bytes ([`group_pools`]).
+    pub groups: Option<(super::HybridPreset, u32)>,
+}
+
+/// A hybrid run's pools in the budget's bytes (`budget / block_size`
+/// blocks of every layer, that many times the layers in layer-blocks):
+/// split in proportion to what a sequence of the workload's mean length
+/// keeps in each group (`LayerGroups::blocks_kept`), each window pool
+/// with room for the longest sequence besides (a prompt takes its blocks
+/// in every group while its prefill runs), paid for by the full pools.
+/// Also each group's share of the layers.
+pub(super) fn group_pools(
+    layout: &pagedattn::blocks::LayerGroups,
+    num_blocks: u32,
+    block_size: u32,
+    mean_len: u64,
+    max_len: usize,
+) -> (Vec<u32>, Vec<f64>) {
+    use pagedattn::blocks::GroupKind;
+    let layers = layout.num_layers() as u64;
+    let total = num_blocks as u64 * layers;
+    let kept = layout.blocks_kept(mean_len.max(1), block_size);
+    let groups = layout.groups();
+    let per_seq: u64 = kept
+        .iter()
+        .zip(groups)
+        .map(|(&b, g)| b.max(1) * g.layers.len() as u64)
+        .sum();
+    let floor = (max_len as u64).div_ceil(block_size as u64);
+    let mut pools: Vec<u64> = kept.iter().map(|&b| total * b.max(1) / per_seq).collect();
+    let full: Vec<usize> = (0..groups.len())
+        .filter(|&g| groups[g].kind == GroupKind::Full)
+        .collect();
+    if !full.is_empty() {
+        // Window pools up to their floor, paid for by the full pools.
+        let mut windows = 0;
+        for (g, p) in pools.iter_mut().enumerate() {
+            if groups[g].kind != GroupKind::Full {
+                *p = (*p + floor).min(num_blocks as u64);
+                windows += *p * groups[g].layers.len() as u64;
+            }
+        }
+        let full_layers: u64 = full.iter().map(|&g| groups[g].layers.len() as u64).sum();
+        let left = total.saturating_sub(windows) / full_layers.max(1);
+        for &g in &full {
+            pools[g] = left;
+        }
+    }
+    let shares = groups
+        .iter()
+        .map(|g| g.layers.len() as f64 / layers as f64)
+        .collect();
+    (
+        pools.iter().map(|&p| p.clamp(1, u32::MAX as u64) as u32).collect(),
+        shares,
+    )
 }
 
 impl PagedRun {
@@ -80,8 +137,36 @@ fn memory_sample(
     live: &BTreeMap<RequestId, Live>,
     bs: usize,
     now: u64,
+    shares: &[f64],
 ) -> Result<Sample, SimError> {
     let st = sched.blocks().stats();
+    if sched.num_groups() > 1 {
+        // Layer groups: what each pool holds, weighted by its layers (in
+        // tokens of every layer, the budget's unit).
+        let (mut held, mut stored) = (0.0, 0.0);
+        for (g, &w) in shares.iter().enumerate() {
+            let s = sched.group_blocks(g).expect("a group per share").stats();
+            held += s.capacity_held as f64 * w;
+            stored += s.tokens_stored as f64 * w;
+        }
+        let (waiting, running, swapped) = sched.queue_lengths();
+        let c = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
+        let seqs = live
+            .keys()
+            .filter_map(|&r| sched.sequences(r).ok())
+            .map(<[_]>::len)
+            .sum();
+        return Ok(Sample {
+            step: now,
+            held: c(held.round() as usize),
+            stored: c(stored.round() as usize),
+            logical: c(st.logical_tokens),
+            reserved: 0,
+            seqs: c(seqs),
+            requests: c(running),
+            queue: c(waiting + swapped),
+        });
+    }
     let mut reserved = 0usize;
     let mut seqs = 0usize;
     for (&rid, l) in live {
@@ -210,7 +295,31 @@ pub(super) fn run(
     if r.reservation == Reservation::Paged {
         scfg.watermark_blocks = (num_blocks as usize / 100).max(1);
     }
-    let mut sched = Scheduler::new(bcfg, scfg).map_err(|e| SimError::Config(e.to_string()))?;
+    let (mut sched, shares) = match r.groups {
+        None => (
+            Scheduler::new(bcfg, scfg).map_err(|e| SimError::Config(e.to_string()))?,
+            vec![1.0],
+        ),
+        Some((preset, layers)) => {
+            let layout = preset
+                .layout(layers)
+                .map_err(|e| SimError::Config(format!("--layer-groups {}: {e}", preset.name())))?;
+            let n = reqs.len().max(1) as u64;
+            let mean = reqs
+                .iter()
+                .map(|q| (q.prompt.len() + q.outputs.iter().max().copied().unwrap_or(0)) as u64)
+                .sum::<u64>()
+                / n;
+            let (pools, shares) = group_pools(&layout, num_blocks, r.block_size, mean, r.max_len);
+            let cfgs: Vec<BlockManagerConfig> = pools
+                .iter()
+                .map(|&n| BlockManagerConfig { num_blocks: n, ..bcfg })
+                .collect();
+            let s = Scheduler::with_groups(&layout, &cfgs, scfg)
+                .map_err(|e| SimError::Config(e.to_string()))?;
+            (s, shares)
+        }
+    };
     let bs = r.block_size as usize;
     let mut log = RunLog::default();
     let mut counters = Counters::default();
@@ -273,7 +382,7 @@ pub(super) fn run(
             }
         }
         // Memory at the end of the step's writes.
-        log.samples.push(memory_sample(&sched, &live, bs, now)?);
+        log.samples.push(memory_sample(&sched, &live, bs, now, &shares)?);
         // Sampling: the groups whose every sequence has its logits.
         let mut outputs = Vec::with_capacity(step.sample().len());
         for &rid in step.sample() {
