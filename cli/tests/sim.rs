@@ -574,7 +574,12 @@ fn layer_groups_serve_more_long_sequences_on_the_same_bytes() {
         full.mean_seqs,
         full.steps
     );
-    assert!(gpt.mean_seqs > 1.3 * full.mean_seqs, "{} vs {}", gpt.mean_seqs, full.mean_seqs);
+    assert!(
+        gpt.mean_seqs > 1.3 * full.mean_seqs,
+        "{} vs {}",
+        gpt.mean_seqs,
+        full.mean_seqs
+    );
     assert_eq!(mistral.steps, full.steps);
     assert_eq!(mistral.mean_seqs, full.mean_seqs);
     assert_eq!(mistral.preemptions, full.preemptions);

@@ -271,8 +271,11 @@ fn groups_ab(
     let mut rows = Vec::new();
     for batch in if quick { vec![1] } else { vec![1, 4] } {
         let (mut best, mut blocks) = ([0.0f64; 2], [0usize; 2]);
-        for _ in 0..rounds {
-            for (k, on) in [true, false].into_iter().enumerate() {
+        for round in 0..rounds {
+            // Alternating which goes first, so that an order effect cancels.
+            let order = if round % 2 == 0 { [0, 1] } else { [1, 0] };
+            for k in order {
+                let on = k == 0;
                 model.set_layer_groups(on, None)?;
                 let mut server = Server::new(model, scfg)?;
                 for i in 0..batch {

@@ -181,9 +181,7 @@ pub fn run(o: &GenerateOptions, out: &mut dyn Write) -> Result<Report, ModelErro
     check(o)?;
     let t0 = Instant::now();
     let Loaded {
-        weights,
-        tokenizer,
-        ..
+        weights, tokenizer, ..
     } = load(&o.model)?;
     let requests = requests(o, &tokenizer)?;
     let (device, queue, adapter) = open_device(o.backends)?;
@@ -350,20 +348,26 @@ pub fn render(o: &GenerateOptions, r: &Report) -> String {
                 .groups()
                 .iter()
                 .zip(blocks)
-            .map(|(g, b)| {
-                let kind = match g.kind {
-                    pagedattn::blocks::GroupKind::Full => "full".to_string(),
-                    pagedattn::blocks::GroupKind::Window(w) => format!("window {w}"),
-                    pagedattn::blocks::GroupKind::SinksAndWindow { sinks, window } => {
-                        format!("{sinks} sinks + window {window}")
-                    }
-                };
-                format!("{kind} on {} layers: {b} blocks", g.layers.len())
-            })
-            .collect::<Vec<_>>()
-            .join("; ")
+                .map(|(g, b)| {
+                    let kind = match g.kind {
+                        pagedattn::blocks::GroupKind::Full => "full".to_string(),
+                        pagedattn::blocks::GroupKind::Window(w) => format!("window {w}"),
+                        pagedattn::blocks::GroupKind::SinksAndWindow { sinks, window } => {
+                            format!("{sinks} sinks + window {window}")
+                        }
+                    };
+                    format!("{kind} on {} layers: {b} blocks", g.layers.len())
+                })
+                .collect::<Vec<_>>()
+                .join("; ")
         };
-        let pct = |k: usize, f: usize| if f > 0 { 100.0 * k as f64 / f as f64 } else { 0.0 };
+        let pct = |k: usize, f: usize| {
+            if f > 0 {
+                100.0 * k as f64 / f as f64
+            } else {
+                0.0
+            }
+        };
         let (kept, full) = (st.last_layer_blocks, st.last_full_retention_layer_blocks);
         s += &format!(
             "KV blocks by layer group at the last step ({}): {kept} layer-blocks held, against {full} under full retention ({:.1} %)\n",

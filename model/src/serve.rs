@@ -11,8 +11,8 @@ use crate::clock::Instant;
 use std::collections::HashMap;
 
 use pagedattn::blocks::{
-    Admission, BlockManagerConfig, Child, GroupKind, GroupOutput, Preemption, RequestId, Reservation,
-    Scheduler, SchedulerConfig, Step, MAX_SCHEDULER_GROUPS,
+    Admission, BlockManagerConfig, Child, GroupKind, GroupOutput, Preemption, RequestId,
+    Reservation, Scheduler, SchedulerConfig, Step, MAX_SCHEDULER_GROUPS,
 };
 use pagedattn::gpu::{KvLayout, SwapSpace};
 
@@ -639,11 +639,15 @@ impl Server {
         // the prompt, which its prefill takes whole).
         let full = blocks_for(p + n, bs) + (w - 1) * (blocks_for(n, bs) + 1);
         for g in 0..self.sched.num_groups() {
-            let pool = self.sched.group_blocks(g).map_or(0, |m| m.config().num_blocks as usize);
+            let pool = self
+                .sched
+                .group_blocks(g)
+                .map_or(0, |m| m.config().num_blocks as usize);
             let need = match self.sched.group_kinds()[g] {
                 GroupKind::Full => full,
-                GroupKind::Window(win) | GroupKind::SinksAndWindow { window: win, .. } => full
-                    .min(blocks_for(p, bs) + w * (blocks_for(win as usize + 2 * bs, bs) + 1)),
+                GroupKind::Window(win) | GroupKind::SinksAndWindow { window: win, .. } => {
+                    full.min(blocks_for(p, bs) + w * (blocks_for(win as usize + 2 * bs, bs) + 1))
+                }
             };
             if need > pool {
                 return bad(format!(
@@ -655,7 +659,7 @@ impl Server {
         // With layer groups, each block comes once per group, in group
         // order, each naming its group.
         let groups = self.sched.num_groups();
-        if remote.len() % groups != 0 {
+        if !remote.len().is_multiple_of(groups) {
             return bad(format!(
                 "{} remote entries for {groups} layer groups: each block needs one per group",
                 remote.len()
@@ -900,8 +904,10 @@ impl Server {
                 full = used * layout.num_layers() as usize;
             }
         }
-        self.stats.most_layer_blocks_saved =
-            self.stats.most_layer_blocks_saved.max(full.saturating_sub(held));
+        self.stats.most_layer_blocks_saved = self
+            .stats
+            .most_layer_blocks_saved
+            .max(full.saturating_sub(held));
         self.stats.last_layer_blocks = held;
         self.stats.last_full_retention_layer_blocks = full;
         if held > self.stats.peak_layer_blocks {
@@ -935,7 +941,8 @@ impl Server {
                 let ids: Vec<u32> = blocks.iter().map(|b| b.0).collect();
                 let cache = &mut self.model.kv[g].cache;
                 if found.iter().all(|(l, _)| l == layout) {
-                    let bytes: Vec<u8> = found.iter().flat_map(|(_, b)| b.iter().copied()).collect();
+                    let bytes: Vec<u8> =
+                        found.iter().flat_map(|(_, b)| b.iter().copied()).collect();
                     cache.import_blocks_async(gpu, layout, &bytes, &ids).await?;
                 } else {
                     for (id, (layout, bytes)) in ids.iter().zip(found) {
@@ -981,7 +988,8 @@ impl Server {
                 let cache = &self.model.kv[g].cache;
                 let layers = 0..cache.config().num_layers;
                 let mut bytes = vec![0u8; cache.export_bytes(1, layers.clone())? as usize];
-                let layout = cache.export_blocks(&self.model.gpu, &[blocks[i]], layers, &mut bytes)?;
+                let layout =
+                    cache.export_blocks(&self.model.gpu, &[blocks[i]], layers, &mut bytes)?;
                 out.push((layout, bytes));
             }
         }

@@ -311,7 +311,11 @@ fn greedy_matches_the_reference_past_the_window() {
     // 15 x 17 layer-blocks were given back at one step (while one long
     // prompt prefills, the other's blocks are still all held).
     let layout = m.as_ref().unwrap().kv_layout().clone();
-    assert_eq!(layout.groups().len(), 2, "Gemma 3: a window group and a full group");
+    assert_eq!(
+        layout.groups().len(),
+        2,
+        "Gemma 3: a window group and a full group"
+    );
     assert!(
         stats.most_layer_blocks_saved >= 15 * 17,
         "the window group gave back at most {} layer-blocks at one step",
@@ -319,7 +323,8 @@ fn greedy_matches_the_reference_past_the_window() {
     );
     eprintln!(
         "the window group gave back up to {} layer-blocks at one step; peak blocks per group {:?}",
-        stats.most_layer_blocks_saved, &stats.peak_group_blocks[..2]
+        stats.most_layer_blocks_saved,
+        &stats.peak_group_blocks[..2]
     );
     let mut worst: f64 = 0.0;
     for (c, g) in done.iter().zip(&f.greedy) {
@@ -423,7 +428,9 @@ fn the_first_step_matches_the_float64_forward() {
 /// reference's tokens. Entries out of group order are refused by name.
 #[test]
 fn a_remote_prefix_hit_imports_every_layer_group() {
-    let Some(mut m) = model("remote prefix") else { return };
+    let Some(mut m) = model("remote prefix") else {
+        return;
+    };
     let g = fixture()
         .greedy
         .iter()
@@ -458,13 +465,17 @@ fn a_remote_prefix_hit_imports_every_layer_group() {
         let len = slots.len() * (c.num_kv_heads * c.head_dim) as usize;
         for l in 0..c.num_layers {
             let (k, v) = (rng.signed_vec(len), rng.signed_vec(len));
-            kg.cache.write_kv(&model.gpu, l, &k, &v, &slots).expect("noise");
+            kg.cache
+                .write_kv(&model.gpu, l, &k, &v, &slots)
+                .expect("noise");
         }
     }
     let mut b = Server::new(model, cfg).expect("server B");
     let mut swapped = remote.clone();
     swapped.swap(0, 1);
-    let e = b.add_with_remote(req(), swapped).expect_err("groups out of order");
+    let e = b
+        .add_with_remote(req(), swapped)
+        .expect_err("groups out of order");
     assert!(e.to_string().contains("layer group"), "{e}");
     let e = b
         .add_with_remote(req(), remote[..3].to_vec())
@@ -480,5 +491,9 @@ fn a_remote_prefix_hit_imports_every_layer_group() {
     );
     assert_eq!(imported, full);
     assert!(prefill < 16, "B computes only the prompt's tail: {prefill}");
-    assert_eq!(done[0].sequences[0].tokens, g.tokens[..n], "B's tokens equal the reference's");
+    assert_eq!(
+        done[0].sequences[0].tokens,
+        g.tokens[..n],
+        "B's tokens equal the reference's"
+    );
 }

@@ -487,8 +487,14 @@ fn steps(model: &mut Model, w: &HostWeights, seed: u64, what: &str) -> f64 {
     if groups.groups().len() > 1 {
         // The window group dropped the blocks behind its window.
         let held = bm.blocks_held(&ids[1]).expect("live");
-        let w = groups.groups().iter().position(|g| g.kind != pagedattn::blocks::GroupKind::Full);
-        let f = groups.groups().iter().position(|g| g.kind == pagedattn::blocks::GroupKind::Full);
+        let w = groups
+            .groups()
+            .iter()
+            .position(|g| g.kind != pagedattn::blocks::GroupKind::Full);
+        let f = groups
+            .groups()
+            .iter()
+            .position(|g| g.kind == pagedattn::blocks::GroupKind::Full);
         if let (Some(w), Some(f)) = (w, f) {
             assert!(held[w] < held[f], "{what}: blocks held per group {held:?}");
         }

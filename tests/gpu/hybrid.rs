@@ -220,7 +220,9 @@ fn exported_blocks_name_their_layer_group() {
     // Another group's refuses them, and is as it was.
     let other = KvCache::new(&gpu, cfg(0)).unwrap();
     let before = bytes_of(&other, &[0, 6]).1;
-    let e = other.import_blocks(&gpu, &layout, &bytes, &[0, 6]).unwrap_err();
+    let e = other
+        .import_blocks(&gpu, &layout, &bytes, &[0, 6])
+        .unwrap_err();
     assert!(
         matches!(
             e,

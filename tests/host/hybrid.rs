@@ -416,7 +416,9 @@ fn a_scheduler_over_layer_groups_generates_what_one_pool_does() {
     // lengths the workload makes (under 72 tokens).
     let bound: Vec<u64> = (1..72u64)
         .map(|n| layout.blocks_kept(n, bs))
-        .fold(vec![0; 3], |m, k| m.iter().zip(&k).map(|(a, b)| *a.max(b)).collect());
+        .fold(vec![0; 3], |m, k| {
+            m.iter().zip(&k).map(|(a, b)| *a.max(b)).collect()
+        });
     let base = seed("a_scheduler_over_layer_groups_generates_what_one_pool_does");
     for k in 0..6u64 {
         let s = base.wrapping_add(k);
@@ -428,7 +430,17 @@ fn a_scheduler_over_layer_groups_generates_what_one_pool_does() {
             let prefix = k % 2 == 0;
             // Ample pools, then each group's pool the tight one in turn.
             for pools in [[48u32, 48, 48], [28, 48, 48], [48, 30, 48], [48, 48, 28]] {
-                let one = run_workload_grouped(s, preemption, swap, prefix, 14, pools[2], Reservation::Paged, None).0;
+                let one = run_workload_grouped(
+                    s,
+                    preemption,
+                    swap,
+                    prefix,
+                    14,
+                    pools[2],
+                    Reservation::Paged,
+                    None,
+                )
+                .0;
                 let (grouped, _, peaks) = run_workload_peaks(
                     s,
                     preemption,
@@ -444,16 +456,27 @@ fn a_scheduler_over_layer_groups_generates_what_one_pool_does() {
                 // by both alike; the rest finish identically.
                 assert!(!grouped.done.is_empty(), "{ctx}");
                 for d in &grouped.done {
-                    assert!(one.done.contains(d) || one.aborted.contains(&d.0 .0), "{ctx}: {d:?}");
+                    assert!(
+                        one.done.contains(d) || one.aborted.contains(&d.0 .0),
+                        "{ctx}: {d:?}"
+                    );
                 }
                 if pools[2] <= pools[0].min(pools[1]) {
                     assert_eq!(grouped.done, one.done, "{ctx}");
                     assert_eq!(grouped.aborted, one.aborted, "{ctx}");
                 }
                 for g in 0..2 {
-                    assert!(peaks[g] as u64 <= bound[g], "{ctx}: group {g} held {} blocks, its window {}", peaks[g], bound[g]);
+                    assert!(
+                        peaks[g] as u64 <= bound[g],
+                        "{ctx}: group {g} held {} blocks, its window {}",
+                        peaks[g],
+                        bound[g]
+                    );
                 }
-                assert!(peaks[0] < peaks[2] && peaks[1] < peaks[2], "{ctx}: {peaks:?}");
+                assert!(
+                    peaks[0] < peaks[2] && peaks[1] < peaks[2],
+                    "{ctx}: {peaks:?}"
+                );
             }
         }
     }
@@ -467,11 +490,15 @@ fn a_prefix_hit_is_what_every_group_still_holds() {
     use pagedattn::blocks::{Child, GroupOutput, Scheduler, SchedulerConfig};
     let layout = LayerGroups::new(
         2,
-        vec![group(GroupKind::Window(8), &[0]), group(GroupKind::Full, &[1])],
+        vec![
+            group(GroupKind::Window(8), &[0]),
+            group(GroupKind::Full, &[1]),
+        ],
     )
     .unwrap();
     let cfg = |n| BlockManagerConfig::new(n, 4).with_prefix_caching(true);
-    let mut s = Scheduler::with_groups(&layout, &[cfg(12), cfg(64)], SchedulerConfig::new(64, 4)).unwrap();
+    let mut s =
+        Scheduler::with_groups(&layout, &[cfg(12), cfg(64)], SchedulerConfig::new(64, 4)).unwrap();
     let run = |s: &mut Scheduler, prompt: &[u32]| -> usize {
         s.add_request(prompt, 1, b"").unwrap();
         let mut first = None;
@@ -489,7 +516,11 @@ fn a_prefix_hit_is_what_every_group_still_holds() {
                 .iter()
                 .map(|&request| GroupOutput {
                     request,
-                    children: vec![Child { parent: 0, token: 7, finished: true }],
+                    children: vec![Child {
+                        parent: 0,
+                        token: 7,
+                        finished: true,
+                    }],
                 })
                 .collect();
             s.commit(&step, &out).unwrap();
@@ -507,8 +538,15 @@ fn a_prefix_hit_is_what_every_group_still_holds() {
     let kept = s.group_blocks(0).unwrap().blocks_to_add(&a, b"");
     assert!(kept > 0, "the window group evicted some of A");
     let hit = run(&mut s, &a);
-    assert!(hit % 4 == 0 && hit < 39, "the hit stops at the window group's first evicted block: {hit}");
-    assert_eq!(hit, (10 - kept) * 4, "exactly the blocks the window group still held");
+    assert!(
+        hit % 4 == 0 && hit < 39,
+        "the hit stops at the window group's first evicted block: {hit}"
+    );
+    assert_eq!(
+        hit,
+        (10 - kept) * 4,
+        "exactly the blocks the window group still held"
+    );
     let h0 = s.group_blocks(0).unwrap().prefix_hit_tokens();
     let h1 = s.group_blocks(1).unwrap().prefix_hit_tokens();
     assert_eq!(h0, h1, "one hit for both groups");
@@ -525,7 +563,10 @@ fn a_scheduler_refuses_pools_that_do_not_fit_the_layout() {
     let sc = SchedulerConfig::new(16, 4);
     assert!(matches!(
         Scheduler::with_groups(&layout, &[c, c], sc),
-        Err(SchedulerError::Groups(GroupError::PoolCount { given: 2, groups: 3 }))
+        Err(SchedulerError::Groups(GroupError::PoolCount {
+            given: 2,
+            groups: 3
+        }))
     ));
     let odd = BlockManagerConfig::new(16, 8);
     let e = Scheduler::with_groups(&layout, &[c, odd, c], sc).unwrap_err();

@@ -265,7 +265,10 @@ pub(crate) fn run_workload_peaks(
         Some((layout, blocks)) => {
             let cfgs: Vec<BlockManagerConfig> = blocks
                 .iter()
-                .map(|&n| BlockManagerConfig { num_blocks: n, ..cfg })
+                .map(|&n| BlockManagerConfig {
+                    num_blocks: n,
+                    ..cfg
+                })
                 .collect();
             let pools = blocks
                 .iter()
@@ -377,7 +380,11 @@ pub(crate) fn run_workload_peaks(
                     continue;
                 }
                 if let Ok(t) = m.block_table(id) {
-                    *peak = (*peak).max(t.iter().filter(|&&b| b != pagedattn::blocks::RELEASED).count());
+                    *peak = (*peak).max(
+                        t.iter()
+                            .filter(|&&b| b != pagedattn::blocks::RELEASED)
+                            .count(),
+                    );
                 }
             }
         }

@@ -91,6 +91,11 @@ struct Inner {
 #[derive(Clone, Serialize)]
 struct ModelInfo {
     adapter: String,
+    /// The architecture the file names (`llama`, `gemma3`): the engine's
+    /// step and the layer groups follow it.
+    arch: String,
+    /// Layer groups of the pool (one per window; 1 for llama).
+    layer_groups: usize,
     kernel: String,
     kv_dtype: &'static str,
     layers: usize,
@@ -118,8 +123,9 @@ const MAX_SEQS: usize = 8;
 
 #[wasm_bindgen]
 impl WebModel {
-    /// Parses `bytes` (a GGUF file: SmolLM2-135M-Instruct's, or another
-    /// llama model the engine accepts), uploads the weights, and builds the
+    /// Parses `bytes` (a GGUF file: SmolLM2-135M-Instruct's, Gemma 3's, or
+    /// another model of an architecture the engine knows, picked from the
+    /// file as `generate` and the server pick it), uploads the weights, and builds the
     /// pool and kernels from `config` (JSON: num_blocks, block_size,
     /// max_batch_tokens, kv_dtype). A file the engine cannot run is refused
     /// with a message before anything reaches the device.
@@ -153,6 +159,8 @@ impl WebModel {
         let block_bytes = model.cache().config().block_bytes() * s.layers as u64;
         let info = ModelInfo {
             adapter: g.describe(),
+            arch: format!("{:?}", loaded.config.arch.arch).to_lowercase(),
+            layer_groups: model.num_groups(),
             kernel: model.kv[0].attn.kernel().to_string(),
             kv_dtype: kv_dtype.name(),
             layers: s.layers,

@@ -98,7 +98,10 @@ pub(super) fn group_pools(
         .map(|g| g.layers.len() as f64 / layers as f64)
         .collect();
     (
-        pools.iter().map(|&p| p.clamp(1, u32::MAX as u64) as u32).collect(),
+        pools
+            .iter()
+            .map(|&p| p.clamp(1, u32::MAX as u64) as u32)
+            .collect(),
         shares,
     )
 }
@@ -313,7 +316,10 @@ pub(super) fn run(
             let (pools, shares) = group_pools(&layout, num_blocks, r.block_size, mean, r.max_len);
             let cfgs: Vec<BlockManagerConfig> = pools
                 .iter()
-                .map(|&n| BlockManagerConfig { num_blocks: n, ..bcfg })
+                .map(|&n| BlockManagerConfig {
+                    num_blocks: n,
+                    ..bcfg
+                })
                 .collect();
             let s = Scheduler::with_groups(&layout, &cfgs, scfg)
                 .map_err(|e| SimError::Config(e.to_string()))?;
@@ -382,7 +388,8 @@ pub(super) fn run(
             }
         }
         // Memory at the end of the step's writes.
-        log.samples.push(memory_sample(&sched, &live, bs, now, &shares)?);
+        log.samples
+            .push(memory_sample(&sched, &live, bs, now, &shares)?);
         // Sampling: the groups whose every sequence has its logits.
         let mut outputs = Vec::with_capacity(step.sample().len());
         for &rid in step.sample() {

@@ -647,7 +647,8 @@ pub(super) fn attention(
     let layout = if cfg.layer_groups {
         arch.layer_groups()
     } else {
-        LayerGroups::uniform(s.layers as u32, GroupKind::Full).map_err(|e| ModelError::Shape(e.to_string()))?
+        LayerGroups::uniform(s.layers as u32, GroupKind::Full)
+            .map_err(|e| ModelError::Shape(e.to_string()))?
     };
     let qkv_row = fused_qkv(s)[2] as u32;
     let mut kv = Vec::with_capacity(layout.groups().len());

@@ -302,7 +302,11 @@ impl Model {
     /// Rebuilds the pools with one per layer group (`true`) or one for
     /// every layer, keeping the weights and kernels. The pools start
     /// empty: serve no sequence across this call.
-    pub fn set_layer_groups(&mut self, on: bool, window_blocks: Option<u32>) -> Result<(), ModelError> {
+    pub fn set_layer_groups(
+        &mut self,
+        on: bool,
+        window_blocks: Option<u32>,
+    ) -> Result<(), ModelError> {
         let cfg = EngineConfig {
             layer_groups: on,
             window_blocks,
@@ -616,16 +620,8 @@ impl Model {
             if !self.skip_attention {
                 let qb = self.qkv.as_entire_buffer_binding();
                 let ob = self.attn_out.as_entire_buffer_binding();
-                kg.attn.run(
-                    gpu,
-                    enc,
-                    &mut kg.aplan,
-                    &kg.cache,
-                    layer,
-                    variant,
-                    &qb,
-                    &ob,
-                )?;
+                kg.attn
+                    .run(gpu, enc, &mut kg.aplan, &kg.cache, layer, variant, &qb, &ob)?;
             }
             let mut pass = enc.begin_compute_pass(&Default::default());
             let (p, rt) = self.matmul(lw.o.fmt, m);

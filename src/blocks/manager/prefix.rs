@@ -263,7 +263,12 @@ impl BlockManager {
 
     /// [`blocks_to_add`](Self::blocks_to_add) sharing at most `cap` cached
     /// blocks.
-    pub(crate) fn blocks_to_add_capped(&self, prompt: &[u32], cache_salt: &[u8], cap: usize) -> usize {
+    pub(crate) fn blocks_to_add_capped(
+        &self,
+        prompt: &[u32],
+        cache_salt: &[u8],
+        cap: usize,
+    ) -> usize {
         let (mut matched, _) = self.lookup(prompt, &chain_root(cache_salt));
         matched.truncate(cap);
         self.blocks_for(prompt.len()) - matched.len() + self.revived(&matched)

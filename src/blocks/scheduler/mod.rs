@@ -21,8 +21,8 @@ use super::{BlockError, BlockManager, BlockManagerConfig, SeqId, StepPlan};
 mod pools;
 mod step;
 mod types;
-use pools::{Need, Pools};
 pub use pools::MAX_SCHEDULER_GROUPS;
+use pools::{Need, Pools};
 pub use types::*;
 
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -201,9 +201,7 @@ impl Pools {
         seqs: &[SeqId],
         n: usize,
     ) -> Result<Need, BlockError> {
-        Need::try_from_fn(self.m.len(), |k| {
-            self.m[k].blocks_needed_to_append(seqs, n)
-        })
+        Need::try_from_fn(self.m.len(), |k| self.m[k].blocks_needed_to_append(seqs, n))
     }
 
     pub(super) fn swap_in_blocks(&self, seqs: &[SeqId]) -> Result<Need, BlockError> {

@@ -348,9 +348,7 @@ impl Scheduler {
             // Headroom of one block per sequence to grow; an idle pool
             // admits without it (it would only wait for itself).
             let idle = self.running.is_empty();
-            if g.reserve > 0
-                && self.reserved_blocks() + g.reserve > self.blocks.min_blocks()
-            {
+            if g.reserve > 0 && self.reserved_blocks() + g.reserve > self.blocks.min_blocks() {
                 // Its slab does not fit beside the others': it waits.
                 break;
             }
@@ -421,8 +419,10 @@ impl Scheduler {
         b: &Batching,
         step: &mut Step,
     ) -> Result<(), SchedulerError> {
-        step.more.resize_with(self.blocks.len() - 1, Default::default);
-        let plans = std::iter::once(&mut step.plan).chain(step.more.iter_mut().map(|w| &mut w.plan));
+        step.more
+            .resize_with(self.blocks.len() - 1, Default::default);
+        let plans =
+            std::iter::once(&mut step.plan).chain(step.more.iter_mut().map(|w| &mut w.plan));
         self.blocks.plan_step_into(&b.rows, plans)?;
         let mut last_group = usize::MAX;
         for (i, &(gi, si)) in b.owners.iter().enumerate() {

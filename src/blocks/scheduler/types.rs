@@ -363,7 +363,11 @@ impl Step {
     }
 
     /// Each group's remote blocks for `request` (group 0's first).
-    pub(super) fn add_imports(&mut self, request: RequestId, imports: Vec<Vec<crate::blocks::RemoteBlock>>) {
+    pub(super) fn add_imports(
+        &mut self,
+        request: RequestId,
+        imports: Vec<Vec<crate::blocks::RemoteBlock>>,
+    ) {
         if self.more.len() + 1 < imports.len() {
             self.more.resize_with(imports.len() - 1, Default::default);
         }
@@ -371,7 +375,11 @@ impl Step {
             if i.is_empty() {
                 continue;
             }
-            let dst = if g == 0 { &mut self.imports } else { &mut self.more[g - 1].imports };
+            let dst = if g == 0 {
+                &mut self.imports
+            } else {
+                &mut self.more[g - 1].imports
+            };
             dst.push((request, i));
         }
     }

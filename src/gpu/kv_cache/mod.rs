@@ -88,7 +88,10 @@ impl KvCacheConfig {
 
     /// The same shape holding layer group `g` of a hybrid model.
     pub const fn with_layer_group(self, layer_group: u16) -> Self {
-        KvCacheConfig { layer_group, ..self }
+        KvCacheConfig {
+            layer_group,
+            ..self
+        }
     }
 
     /// The same shape with `num_layers` layers.
