@@ -497,3 +497,61 @@ fn a_remote_prefix_hit_imports_every_layer_group() {
         "B's tokens equal the reference's"
     );
 }
+
+/// Preemption by swap with layer groups: a pool of 4 blocks a group for
+/// three short prompts, so that growing sequences swap the newest out;
+/// each group's blocks go to its own swap space and back into its own
+/// pool, and every request still gives the reference's greedy tokens.
+#[test]
+fn swapping_moves_every_layer_group_and_keeps_the_tokens() {
+    let Some(mut m) = model("swap") else { return };
+    let short: Vec<&Greedy> = fixture()
+        .greedy
+        .iter()
+        .filter(|g| g.prompt_ids.len() < 32)
+        .take(3)
+        .collect();
+    assert_eq!(short.len(), 3, "three short fixture prompts");
+    let cfg = ServerConfig {
+        max_seqs: MAX_SEQS,
+        max_batch_tokens: MAX_ROWS,
+        num_blocks: Some(4),
+        swap_blocks: 16,
+        preemption: pagedattn::blocks::Preemption::Swap,
+        ..ServerConfig::default()
+    };
+    let mut server = Server::new(m.take().expect("model"), cfg).expect("server");
+    assert_eq!(server.sched.num_groups(), 2);
+    let ids: Vec<RequestId> = short
+        .iter()
+        .map(|g| {
+            let mut r = Request::greedy(g.prompt_ids.clone(), g.tokens.len());
+            r.stop = Vec::new();
+            server.add(r).expect("request")
+        })
+        .collect();
+    let done = server.run(&mut |_, _| {});
+    let stats = server.stats;
+    let swapped = server.sched.stats().swapped_groups;
+    let leaks: Vec<_> = (0..2)
+        .map(|g| server.sched.group_blocks(g).unwrap().stats())
+        .collect();
+    *m = Some(server.into_model());
+    let done = done.expect("serving");
+    assert!(
+        swapped > 0 && stats.swapped_out_blocks > 0,
+        "nothing swapped: {stats:?}"
+    );
+    for st in leaks {
+        assert_eq!(st.free + st.evictable, st.total, "blocks leaked: {st:?}");
+        assert_eq!(st.swap_used, 0);
+    }
+    for (id, g) in ids.iter().zip(&short) {
+        let c = done.iter().find(|c| c.request == *id).expect("finished");
+        assert_eq!(c.sequences[0].tokens, g.tokens, "{:?}", g.user);
+    }
+    eprintln!(
+        "swap with 2 layer groups: {swapped} groups swapped, {} blocks out of group 0",
+        stats.swapped_out_blocks
+    );
+}

@@ -117,6 +117,16 @@ pub enum ValueError {
     /// The descriptor is not one (or of another version).
     #[error("{0}")]
     Descriptor(TransferError),
+    /// A block of another layer group than the key's (a value copied from
+    /// another group's key: its tag verifies, its descriptor names the
+    /// group it came from).
+    #[error("a block of layer group {got} under layer group {want}'s key")]
+    WrongGroup {
+        /// The group its descriptor names.
+        got: u16,
+        /// The key's group.
+        want: u16,
+    },
     /// The bytes are not the descriptor's block size.
     #[error("{got} bytes of block where its descriptor says {want}")]
     Length {
@@ -275,10 +285,28 @@ impl RedisPrefixStore {
         })
     }
 
-    /// The key of block `hash` in `salt`'s namespace.
+    /// The key of block `hash` in `salt`'s namespace (layer group 0's).
     pub fn key(&self, salt: &[u8], hash: &[u8; 32]) -> String {
+        self.group_key(salt, hash, 0)
+    }
+
+    /// The key of layer group `group`'s block `hash` in `salt`'s namespace:
+    /// a hybrid model stores one block per group under one chain digest
+    /// (group 0's key is [`key`](Self::key)'s; another group's ends in
+    /// `:g<group>`).
+    pub fn group_key(&self, salt: &[u8], hash: &[u8; 32], group: u16) -> String {
         let s: [u8; 32] = Sha256::digest(salt).into();
-        format!("{}{}:{}", self.cfg.key_prefix, hex(&s[..8]), hex(hash))
+        let tail = if group == 0 {
+            String::new()
+        } else {
+            format!(":g{group}")
+        };
+        format!(
+            "{}{}:{}{tail}",
+            self.cfg.key_prefix,
+            hex(&s[..8]),
+            hex(hash)
+        )
     }
 
     /// Runs `cmd` within the timeout, connecting first if need be; a
@@ -315,8 +343,9 @@ impl RedisPrefixStore {
         eprintln!("warning: pagedattn-store: {what}");
     }
 
-    /// Stores block `hash` of `salt` once (`SET NX` with the TTL): `Ok(true)`
-    /// when written, `Ok(false)` when it was there already.
+    /// Stores block `hash` of `salt` once (`SET NX` with the TTL), under
+    /// the key of the layer group its layout names: `Ok(true)` when
+    /// written, `Ok(false)` when it was there already.
     pub fn put(
         &mut self,
         salt: &[u8],
@@ -331,7 +360,7 @@ impl RedisPrefixStore {
                 limit: self.cfg.max_value_bytes,
             }));
         }
-        let key = self.key(salt, hash);
+        let key = self.group_key(salt, hash, layout.layer_group);
         let ttl = self.cfg.ttl_secs.max(1);
         let mut cmd = redis::cmd("SET");
         cmd.arg(&key).arg(value).arg("NX").arg("EX").arg(ttl);
@@ -344,11 +373,20 @@ impl RedisPrefixStore {
     /// or refused value (every refused one is deleted, with a warning). A
     /// store that cannot be asked in time is a miss, with a warning.
     pub fn fetch_prefix(&mut self, salt: &[u8], hashes: &[[u8; 32]]) -> Fetch {
+        self.fetch_group_prefix(salt, hashes, 0)
+    }
+
+    /// [`fetch_prefix`](Self::fetch_prefix) of layer group `group`'s
+    /// blocks: a value whose descriptor names another group is refused.
+    pub fn fetch_group_prefix(&mut self, salt: &[u8], hashes: &[[u8; 32]], group: u16) -> Fetch {
         let mut out = Fetch::default();
         if hashes.is_empty() {
             return out;
         }
-        let keys: Vec<String> = hashes.iter().map(|h| self.key(salt, h)).collect();
+        let keys: Vec<String> = hashes
+            .iter()
+            .map(|h| self.group_key(salt, h, group))
+            .collect();
         let mut cmd = redis::cmd("EVAL");
         cmd.arg(FETCH_SCRIPT).arg(keys.len());
         for k in &keys {
@@ -368,26 +406,33 @@ impl RedisPrefixStore {
         // store it again), wherever it lies.
         let mut leading = true;
         for ((key, hash), v) in keys.iter().zip(hashes).zip(values) {
-            let decoded =
-                match v {
-                    redis::Value::Nil => {
-                        leading = false;
-                        continue;
-                    }
-                    redis::Value::Int(n) => Err(ValueError::TooLarge {
-                        got: n.max(0) as usize,
-                        limit: self.cfg.max_value_bytes,
-                    }),
-                    redis::Value::BulkString(v) => decode_value(&self.cfg.mac_key, salt, hash, &v)
-                        .map(|(layout, bytes)| FetchedBlock {
+            let decoded = match v {
+                redis::Value::Nil => {
+                    leading = false;
+                    continue;
+                }
+                redis::Value::Int(n) => Err(ValueError::TooLarge {
+                    got: n.max(0) as usize,
+                    limit: self.cfg.max_value_bytes,
+                }),
+                redis::Value::BulkString(v) => decode_value(&self.cfg.mac_key, salt, hash, &v)
+                    .and_then(|(layout, bytes)| {
+                        if layout.layer_group != group {
+                            return Err(ValueError::WrongGroup {
+                                got: layout.layer_group,
+                                want: group,
+                            });
+                        }
+                        Ok(FetchedBlock {
                             layout,
                             bytes: bytes.to_vec(),
-                        }),
-                    other => Err(ValueError::Short(match other {
-                        redis::Value::SimpleString(s) => s.len(),
-                        _ => 0,
-                    })),
-                };
+                        })
+                    }),
+                other => Err(ValueError::Short(match other {
+                    redis::Value::SimpleString(s) => s.len(),
+                    _ => 0,
+                })),
+            };
             match decoded {
                 Ok(b) if leading => out.blocks.push(b),
                 Ok(_) => {}

@@ -358,3 +358,75 @@ fn two_processes_share_prefill_through_redis() {
     assert!(down.out == cold.out);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A hybrid model's layer groups share chain digests: each group's block
+/// has its own key, a fetch of one group returns that group's bytes, and a
+/// value copied from another group's key (its tag verifies) is refused,
+/// deleted, and ends the hit.
+#[test]
+fn layer_groups_keep_their_own_blocks_in_redis() {
+    use pagedattn::gpu::{KvDtype, KvLayout, KV_LAYOUT_VERSION};
+    use pagedattn_store::{RedisPrefixStore, StoreConfig, ValueError};
+    let Some(r) = redis() else { return };
+    let cfg = StoreConfig {
+        key_prefix: "groups:".into(),
+        mac_key: MAC_KEY.as_bytes().to_vec(),
+        ..StoreConfig::default()
+    };
+    let mut store = RedisPrefixStore::open(&r.url, cfg).expect("store");
+    let layout = |g: u16| KvLayout {
+        version: KV_LAYOUT_VERSION,
+        library: [0, 1, 0],
+        dtype: KvDtype::F16,
+        block_size: 4,
+        num_kv_heads: 1,
+        head_dim: 4,
+        layer_group: g,
+        layers: 0..2,
+        parts: [32, 0, 32, 0],
+        layer_state: [0; 32],
+    };
+    let (salt, hash) = (b"tenant".as_slice(), [7u8; 32]);
+    let bytes = |g: u8| vec![g + 1; 128];
+    assert_ne!(
+        store.group_key(salt, &hash, 0),
+        store.group_key(salt, &hash, 1)
+    );
+    assert_eq!(store.group_key(salt, &hash, 0), store.key(salt, &hash));
+    for g in 0..2u16 {
+        assert!(store
+            .put(salt, &hash, &layout(g), &bytes(g as u8))
+            .expect("put"));
+    }
+    for g in 0..2u16 {
+        let f = store.fetch_group_prefix(salt, &[hash], g);
+        assert_eq!(f.blocks.len(), 1, "group {g}");
+        assert_eq!(f.blocks[0].layout.layer_group, g);
+        assert_eq!(f.blocks[0].bytes, bytes(g as u8));
+    }
+    // Group 0's value planted under group 1's key.
+    let mut c = redis::Client::open(r.url.as_str())
+        .and_then(|c| c.get_connection())
+        .expect("redis");
+    let v: Vec<u8> = redis::cmd("GET")
+        .arg(store.group_key(salt, &hash, 0))
+        .query(&mut c)
+        .expect("get");
+    let () = redis::cmd("SET")
+        .arg(store.group_key(salt, &hash, 1))
+        .arg(v)
+        .query(&mut c)
+        .expect("set");
+    let f = store.fetch_group_prefix(salt, &[hash], 1);
+    assert!(f.blocks.is_empty());
+    assert!(
+        matches!(f.refused[..], [ValueError::WrongGroup { got: 0, want: 1 }]),
+        "{:?}",
+        f.refused
+    );
+    let gone: i64 = redis::cmd("EXISTS")
+        .arg(store.group_key(salt, &hash, 1))
+        .query(&mut c)
+        .expect("exists");
+    assert_eq!(gone, 0, "the refused value is deleted");
+}
