@@ -860,12 +860,7 @@ impl Server {
             let children = st.advance(&rows_of, &text_of, &mut |g| on_token(request, g))?;
             outputs.push(GroupOutput { request, children });
         }
-        // The pool that holds every block of every sequence: the first
-        // full-attention group's (group 0's when every group has a window).
-        let full = (0..self.sched.num_groups())
-            .find(|&g| self.sched.group_kinds()[g] == GroupKind::Full)
-            .unwrap_or(0);
-        let st = self.sched.group_blocks(full).expect("a group").stats();
+        let st = self.primary_blocks().stats();
         self.note_group_blocks();
         let finished = self.sched.commit(step, &outputs)?;
         for f in finished {
@@ -887,6 +882,19 @@ impl Server {
             s.decode_secs += secs;
         }
         Ok(ended)
+    }
+
+    /// The pool that holds every block of every sequence: the first
+    /// full-attention layer group's (group 0's when every group attends
+    /// through a window, or the model's layers share one pool). What the
+    /// counters and the server's gauges report.
+    pub fn primary_blocks(&self) -> &pagedattn::blocks::BlockManager {
+        let full = (0..self.sched.num_groups())
+            .find(|&g| self.sched.group_kinds()[g] == GroupKind::Full)
+            .unwrap_or(0);
+        self.sched
+            .group_blocks(full)
+            .unwrap_or_else(|| self.sched.blocks())
     }
 
     /// Each layer group's blocks held now, into the peaks.

@@ -219,7 +219,9 @@ fn start(shared: &Shared) -> Result<Server, ModelError> {
         eos,
         adapter,
     });
-    let total = server.sched.blocks().config().num_blocks;
+    // With layer groups, the full-attention group's pool (every block of
+    // every sequence).
+    let total = server.primary_blocks().config().num_blocks;
     shared.metrics.blocks_total.set(total as i64);
     Ok(server)
 }
@@ -363,7 +365,7 @@ fn serve(shared: &Shared, mut server: Server, mut commands: mpsc::UnboundedRecei
             }
         }
         // Gauges, after the step.
-        let st = server.sched.blocks().stats();
+        let st = server.primary_blocks().stats();
         let (w, r, s) = server.sched.queue_lengths();
         m.blocks_used.set(st.used as i64);
         m.blocks_shared.set(st.shared as i64);
