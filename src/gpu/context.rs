@@ -730,7 +730,20 @@ impl Gpu {
                 // is idle): drain it and look again, so the caller learns
                 // of the loss rather than of its symptom.
                 #[cfg(not(target_arch = "wasm32"))]
-                self.wait_own()?;
+                {
+                    self.wait_own()?;
+                    // An object made on a device another thread destroyed
+                    // is invalid at once, but the loss may be announced a
+                    // little later: give it that time before calling the
+                    // symptom a validation error of ours.
+                    if matches!(&e, wgpu::Error::Validation { description, .. } if description.contains("is invalid"))
+                    {
+                        for _ in 0..50 {
+                            std::thread::sleep(std::time::Duration::from_millis(4));
+                            self.alive()?;
+                        }
+                    }
+                }
                 Err(e.into())
             }
             None => Ok(r),
