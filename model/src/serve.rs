@@ -860,8 +860,7 @@ impl Server {
             let children = st.advance(&rows_of, &text_of, &mut |g| on_token(request, g))?;
             outputs.push(GroupOutput { request, children });
         }
-        let st = self.primary_blocks().stats();
-        self.note_group_blocks();
+        let st = self.note_group_blocks();
         let finished = self.sched.commit(step, &outputs)?;
         for f in finished {
             ended.push(self.finish(f.request));
@@ -897,12 +896,20 @@ impl Server {
             .unwrap_or_else(|| self.sched.blocks())
     }
 
-    /// Each layer group's blocks held now, into the peaks.
-    fn note_group_blocks(&mut self) {
+    /// Each layer group's blocks held now, into the peaks; returns the
+    /// stats of the [`primary_blocks`](Self::primary_blocks) pool (each
+    /// group's counted once a step).
+    fn note_group_blocks(&mut self) -> pagedattn::blocks::BlockStats {
         let layout = self.model.kv_layout();
         let (mut held, mut full) = (0, 0);
+        let mut primary = None;
         for (g, group) in layout.groups().iter().enumerate() {
-            let used = self.sched.group_blocks(g).map_or(0, |m| m.stats().used);
+            let st = self
+                .sched
+                .group_blocks(g)
+                .expect("a pool per group")
+                .stats();
+            let used = st.used;
             let k = g.min(MAX_SCHEDULER_GROUPS - 1);
             let peak = &mut self.stats.peak_group_blocks[k];
             *peak = (*peak).max(used);
@@ -910,6 +917,9 @@ impl Server {
             held += used * group.layers.len();
             if group.kind == GroupKind::Full && full == 0 {
                 full = used * layout.num_layers() as usize;
+                primary = Some(st);
+            } else if g == 0 {
+                primary.get_or_insert(st);
             }
         }
         self.stats.most_layer_blocks_saved = self
@@ -922,6 +932,7 @@ impl Server {
             self.stats.peak_layer_blocks = held;
             self.stats.full_retention_layer_blocks = full;
         }
+        primary.expect("one group at least")
     }
 
     /// The step's imports: each request's remote prefix blocks uploaded

@@ -410,6 +410,22 @@ impl Gpu {
         }
     }
 
+    /// Whether the device still makes valid objects: a 4-byte buffer made
+    /// and written inside a validation scope (both fail on a destroyed
+    /// device, whether or not its loss was announced yet).
+    #[cfg(not(target_arch = "wasm32"))]
+    fn device_answers(&self) -> bool {
+        let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let probe = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("liveness probe"),
+            size: 4,
+            usage: wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        self.queue.write_buffer(&probe, 0, &[0; 4]);
+        pollster::block_on(scope.pop()).is_none()
+    }
+
     #[cfg(not(target_arch = "wasm32"))]
     fn mark_lost(&self, why: &str) {
         lock(&self.health.lost).get_or_insert_with(|| why.to_string());
@@ -733,15 +749,14 @@ impl Gpu {
                 {
                     self.wait_own()?;
                     // An object made on a device another thread destroyed
-                    // is invalid at once, but the loss may be announced a
-                    // little later: give it that time before calling the
-                    // symptom a validation error of ours.
-                    if matches!(&e, wgpu::Error::Validation { description, .. } if description.contains("is invalid"))
-                    {
-                        for _ in 0..50 {
-                            std::thread::sleep(std::time::Duration::from_millis(4));
-                            self.alive()?;
-                        }
+                    // is invalid at once, while the loss may be announced
+                    // later: a write to a fresh buffer fails the same way
+                    // only on a dead device.
+                    if matches!(&e, wgpu::Error::Validation { .. }) && !self.device_answers() {
+                        self.mark_lost("device lost: its new objects are invalid");
+                        return Err(GpuError::Device(
+                            "device lost: its new objects are invalid".into(),
+                        ));
                     }
                 }
                 Err(e.into())

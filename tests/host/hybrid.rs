@@ -408,7 +408,7 @@ fn three_groups() -> LayerGroups {
 /// window's blocks.
 #[test]
 fn a_scheduler_over_layer_groups_generates_what_one_pool_does() {
-    use crate::scheduler::{run_workload_grouped, run_workload_peaks};
+    use crate::scheduler::run_workload_peaks;
     use pagedattn::blocks::{Preemption, Reservation};
     let layout = three_groups();
     let bs = 4;
@@ -430,7 +430,7 @@ fn a_scheduler_over_layer_groups_generates_what_one_pool_does() {
             let prefix = k % 2 == 0;
             // Ample pools, then each group's pool the tight one in turn.
             for pools in [[48u32, 48, 48], [28, 48, 48], [48, 30, 48], [48, 48, 28]] {
-                let one = run_workload_grouped(
+                let one = run_workload_peaks(
                     s,
                     preemption,
                     swap,

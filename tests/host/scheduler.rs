@@ -190,36 +190,6 @@ fn run_workload_with(
     nb: u32,
     reservation: Reservation,
 ) -> (Outcome, usize) {
-    run_workload_grouped(
-        seed,
-        preemption,
-        swap_blocks,
-        prefix,
-        requests,
-        nb,
-        reservation,
-        None,
-    )
-}
-
-/// The most blocks a sequence held in each layer group, over a workload.
-pub(crate) type PeakHeld = Vec<usize>;
-
-/// [`run_workload_with`] over layer groups (`groups`: the layout and each
-/// group's pool blocks, `nb` then unused): every group's tables are
-/// replayed on its own simulated pool. Also returns, per group, the most
-/// blocks any sequence held after a commit.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn run_workload_grouped(
-    seed: u64,
-    preemption: Preemption,
-    swap_blocks: u32,
-    prefix: bool,
-    requests: u64,
-    nb: u32,
-    reservation: Reservation,
-    groups: Option<(&LayerGroups, &[u32])>,
-) -> (Outcome, usize) {
     let (o, peak, _) = run_workload_peaks(
         seed,
         preemption,
@@ -228,11 +198,18 @@ pub(crate) fn run_workload_grouped(
         requests,
         nb,
         reservation,
-        groups,
+        None,
     );
     (o, peak)
 }
 
+/// The most blocks a sequence held in each layer group, over a workload.
+pub(crate) type PeakHeld = Vec<usize>;
+
+/// [`run_workload_with`], also over layer groups (`groups`: the layout and
+/// each group's pool blocks, `nb` then unused): every group's tables are
+/// replayed on its own simulated pool. Also returns, per group, the most
+/// blocks a decoding sequence held after a commit.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn run_workload_peaks(
     seed: u64,

@@ -669,48 +669,53 @@ pub fn simulate(cfg: &SimConfig) -> Result<Report, SimError> {
                 ..cfg.clone()
             };
             let first = policies.len();
+            // One paged run through the library scheduler, with the cost
+            // model per K/V byte of this dtype.
+            let paged = |bs: u32,
+                         pk: PreemptKind,
+                         groups: Option<(HybridPreset, u32)>,
+                         label: String|
+             -> Result<PolicyReport, SimError> {
+                let run = scheduled::PagedRun {
+                    budget: cfg.budget,
+                    block_size: bs,
+                    prefix_caching: w.shared_prefix > 0,
+                    max_len: w.max_len,
+                    max_seqs: cfg.max_seqs,
+                    preemption: pk.library(),
+                    swap_blocks: u32::try_from(cfg.swap_tokens / bs as usize).unwrap_or(u32::MAX),
+                    reservation: Reservation::Paged,
+                    max_output: w.max_output,
+                    groups,
+                };
+                let cap = run.num_blocks()? as usize * bs as usize;
+                let (log, st) = scheduled::run(&reqs, sampling, w.seed, run)?;
+                let mut p = PolicyReport::from_log("paged", label, Some(bs), cap, log);
+                let c = &cfg.cost;
+                let token_bytes = c.layers * cfg.layer_token_bytes(dtype, mla);
+                let moved = st.blocks_swapped_out + st.blocks_swapped_in;
+                let bytes = moved as f64 * (bs as usize * token_bytes) as f64;
+                let copies = moved as f64 * (2 * c.layers) as f64;
+                p.preemption = Some(pk.name().into());
+                p.swapped_groups = st.swapped_groups;
+                p.recomputed_groups = st.recomputed_groups;
+                p.swap_fallbacks = st.swap_fallbacks;
+                p.swapped_bytes = bytes as u64;
+                p.swap_ms = bytes / (c.swap_gbps * 1e9) * 1e3 + copies * c.copy_overhead_us / 1e3;
+                p.recompute_ms = p.recomputed_tokens as f64 / c.recompute_tps * 1e3;
+                Ok(p)
+            };
             for &kind in &cfg.policies {
                 match kind {
                     PolicyKind::Paged => {
                         for &bs in &cfg.block_sizes {
                             for &pk in &cfg.preemption {
-                                let run = scheduled::PagedRun {
-                                    budget: cfg.budget,
-                                    block_size: bs,
-                                    prefix_caching: w.shared_prefix > 0,
-                                    max_len: w.max_len,
-                                    max_seqs: cfg.max_seqs,
-                                    preemption: pk.library(),
-                                    swap_blocks: u32::try_from(cfg.swap_tokens / bs as usize)
-                                        .unwrap_or(u32::MAX),
-                                    reservation: Reservation::Paged,
-                                    max_output: w.max_output,
-                                    groups: None,
-                                };
-                                let cap = run.num_blocks()? as usize * bs as usize;
-                                let (log, st) = scheduled::run(&reqs, sampling, w.seed, run)?;
                                 let label = if cfg.preemption.len() > 1 {
                                     format!("paged/{bs} {}", pk.name())
                                 } else {
                                     format!("paged/{bs}")
                                 };
-                                let mut p =
-                                    PolicyReport::from_log("paged", label, Some(bs), cap, log);
-                                // The cost model, per K/V byte of this dtype.
-                                let c = &cfg.cost;
-                                let token_bytes = c.layers * cfg.layer_token_bytes(dtype, mla);
-                                let moved = st.blocks_swapped_out + st.blocks_swapped_in;
-                                let bytes = moved as f64 * (bs as usize * token_bytes) as f64;
-                                let copies = moved as f64 * (2 * c.layers) as f64;
-                                p.preemption = Some(pk.name().into());
-                                p.swapped_groups = st.swapped_groups;
-                                p.recomputed_groups = st.recomputed_groups;
-                                p.swap_fallbacks = st.swap_fallbacks;
-                                p.swapped_bytes = bytes as u64;
-                                p.swap_ms = bytes / (c.swap_gbps * 1e9) * 1e3
-                                    + copies * c.copy_overhead_us / 1e3;
-                                p.recompute_ms = p.recomputed_tokens as f64 / c.recompute_tps * 1e3;
-                                policies.push(p);
+                                policies.push(paged(bs, pk, None, label)?);
                             }
                         }
                     }
@@ -746,32 +751,9 @@ pub fn simulate(cfg: &SimConfig) -> Result<Report, SimError> {
             // Hybrid patterns: the first block size and preemption.
             for &preset in &cfg.layer_groups {
                 let bs = cfg.block_sizes[0];
-                let run = scheduled::PagedRun {
-                    budget: cfg.budget,
-                    block_size: bs,
-                    prefix_caching: w.shared_prefix > 0,
-                    max_len: w.max_len,
-                    max_seqs: cfg.max_seqs,
-                    preemption: cfg.preemption[0].library(),
-                    swap_blocks: u32::try_from(cfg.swap_tokens / bs as usize).unwrap_or(u32::MAX),
-                    reservation: Reservation::Paged,
-                    max_output: w.max_output,
-                    groups: Some((preset, cfg.cost.layers as u32)),
-                };
-                let cap = run.num_blocks()? as usize * bs as usize;
-                let (log, st) = scheduled::run(&reqs, sampling, w.seed, run)?;
-                let mut p = PolicyReport::from_log(
-                    "paged",
-                    format!("paged/{bs} {}", preset.name()),
-                    Some(bs),
-                    cap,
-                    log,
-                );
-                p.preemption = Some(cfg.preemption[0].name().into());
-                p.swapped_groups = st.swapped_groups;
-                p.recomputed_groups = st.recomputed_groups;
-                p.swap_fallbacks = st.swap_fallbacks;
-                policies.push(p);
+                let groups = Some((preset, cfg.cost.layers as u32));
+                let label = format!("paged/{bs} {}", preset.name());
+                policies.push(paged(bs, cfg.preemption[0], groups, label)?);
             }
             for p in &mut policies[first..] {
                 p.kv_dtype = match mla {

@@ -223,7 +223,10 @@ impl Pools {
     }
 
     pub(super) fn blocks_to_add(&self, prompt: &[u32], salt: &[u8]) -> Need {
-        let cap = self.hit_cap(prompt, salt);
+        self.blocks_to_add_capped(prompt, salt, self.hit_cap(prompt, salt))
+    }
+
+    fn blocks_to_add_capped(&self, prompt: &[u32], salt: &[u8], cap: usize) -> Need {
         self.need(|k| self.m[k].blocks_to_add_capped(prompt, salt, cap))
     }
 
@@ -235,11 +238,15 @@ impl Pools {
         remote: usize,
     ) -> Result<(SeqId, Vec<Vec<RemoteBlock>>), BlockError> {
         let cap = self.hit_cap(prompt, salt);
-        let have = self.available();
-        let need = self.blocks_to_add(prompt, salt);
-        if need.exceeds(&have) {
-            let (_, needed, free) = need.worst(&have);
-            return Err(BlockError::OutOfBlocks { needed, free });
+        // One group checks its own room; several must all have it before
+        // any takes a block.
+        if self.m.len() > 1 {
+            let have = self.available();
+            let need = self.blocks_to_add_capped(prompt, salt, cap);
+            if need.exceeds(&have) {
+                let (_, needed, free) = need.worst(&have);
+                return Err(BlockError::OutOfBlocks { needed, free });
+            }
         }
         let mut id = None;
         let mut imports = Vec::with_capacity(self.m.len());
