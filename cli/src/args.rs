@@ -48,9 +48,11 @@ pub enum Command {
     PipelineStats(PipelineStatsArgs),
     /// Text from a real model (SmolLM2-135M-Instruct, fetched by
     /// `bash scripts/fetch-model.sh`) through the paged KV cache.
+    #[command(after_help = crate::model::defaults::help())]
     Generate(GenerateArgs),
     /// An OpenAI-compatible server (completions, chat, SSE streams,
     /// /metrics) over the real model and the paged KV cache.
+    #[command(after_help = crate::model::defaults::help())]
     Serve(ServeArgs),
     /// Load a server as its clients would, and measure it (TTFT, TPOT,
     /// ITL, latency, throughput, normalized latency, goodput); --sweep runs
@@ -207,6 +209,13 @@ pub struct ServeArgs {
     /// Seconds between SSE keep-alive comments while a stream waits.
     #[arg(long, default_value_t = 5)]
     pub keep_alive: u64,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    /// The `max_tokens` of requests that omit it, on both routes
+    /// (default: 256 for chat, bounded by the context; OpenAI's 16 for
+    /// completions).
+    #[arg(long)]
+    pub max_tokens: Option<usize>,
 }
 
 #[derive(clap::Args, Debug, Clone)]
@@ -217,25 +226,22 @@ pub struct GenerateArgs {
     /// Serve every line of this file as a prompt, all at once (continuous batching).
     #[arg(long)]
     pub prompts: Option<std::path::PathBuf>,
-    /// Tokens to generate per sequence (1 to 8192).
-    #[arg(long, default_value_t = 128)]
-    pub max_tokens: usize,
+    /// Tokens to generate per sequence (1 to 8192; default: the model's,
+    /// see below).
+    #[arg(long)]
+    pub max_tokens: Option<usize>,
     /// Parallel samples sharing the prompt (1 to 32).
     #[arg(long, default_value_t = 1)]
     pub samples: usize,
     /// Beam search of this width (1 to 32) instead of sampling.
     #[arg(long)]
     pub beams: Option<usize>,
-    /// Sampling temperature (0 = greedy, up to 100). A 135M model repeats
-    /// itself under greedy decoding; the default samples.
-    #[arg(long, default_value_t = 0.7, allow_hyphen_values = true)]
-    pub temperature: f32,
-    /// Nucleus sampling: keep this share of the probability mass (0 < p <= 1).
-    #[arg(long, default_value_t = 0.9, allow_hyphen_values = true)]
-    pub top_p: f32,
-    /// Keep the k most likely tokens (0 = all).
-    #[arg(long, default_value_t = 40)]
-    pub top_k: usize,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    /// Logit biases, `TOKEN:BIAS` pairs separated by commas (BIAS in
+    /// -100..=100; -100 bans the token, +100 leaves only such tokens).
+    #[arg(long, value_delimiter = ',', allow_hyphen_values = true)]
+    pub logit_bias: Vec<String>,
     /// Sampling seed.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -254,6 +260,62 @@ pub struct GenerateArgs {
     /// The chat template's system prompt (default: the model's own).
     #[arg(long)]
     pub system: Option<String>,
+}
+
+/// The sampling flags `generate` and `serve` share: for `generate`, its
+/// request's values; for `serve`, the defaults of requests that omit them.
+/// Left out, each takes the model's default (listed in `--help`).
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct SamplingArgs {
+    /// Sampling temperature (0 = greedy, up to 100).
+    #[arg(long, allow_hyphen_values = true)]
+    pub temperature: Option<f32>,
+    /// Nucleus sampling: keep this share of the probability mass (0 < p <= 1).
+    #[arg(long, allow_hyphen_values = true)]
+    pub top_p: Option<f32>,
+    /// Keep the k most likely tokens (0 = all).
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    /// Keep the tokens at least this share as likely as the most likely (0 = all, up to 1).
+    #[arg(long, allow_hyphen_values = true)]
+    pub min_p: Option<f32>,
+    /// Divide a seen token's positive logit by this, multiply a negative one (1 = none, up to 100).
+    #[arg(long, allow_hyphen_values = true)]
+    pub repetition_penalty: Option<f32>,
+}
+
+impl SamplingArgs {
+    fn overrides(&self, max_tokens: Option<usize>) -> crate::model::defaults::GenerationOverrides {
+        crate::model::defaults::GenerationOverrides {
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            max_tokens,
+        }
+    }
+}
+
+/// `--logit-bias` pairs `TOKEN:BIAS`.
+fn parse_logit_bias(pairs: &[String]) -> Result<Vec<(u32, f32)>, String> {
+    pairs
+        .iter()
+        .map(|p| {
+            let (t, b) = p
+                .split_once(':')
+                .ok_or_else(|| format!("--logit-bias {p:?}: expected TOKEN:BIAS"))?;
+            let t: u32 = t
+                .trim()
+                .parse()
+                .map_err(|_| format!("--logit-bias {p:?}: {t:?} is not a token id"))?;
+            let b: f32 = b
+                .trim()
+                .parse()
+                .map_err(|_| format!("--logit-bias {p:?}: {b:?} is not a number"))?;
+            Ok((t, b))
+        })
+        .collect()
 }
 
 #[derive(clap::Args, Debug)]
@@ -672,6 +734,7 @@ fn serve(a: &ServeArgs) -> Result<Checked, String> {
         prefix_caching: !a.no_prefix_caching,
         shutdown_timeout: std::time::Duration::from_secs(a.shutdown_timeout),
         keep_alive: std::time::Duration::from_secs(a.keep_alive),
+        generation: a.sampling.overrides(a.max_tokens),
     };
     cfg.check().map_err(|e| e.to_string())?;
     Ok(Checked::Serve { cfg })
@@ -682,10 +745,6 @@ pub const MAX_PROMPTS: usize = 1024;
 
 fn generate(a: &GenerateArgs) -> Result<Checked, String> {
     use crate::model::generate::GenerateOptions;
-    use crate::model::sample::SamplingParams;
-    if !(1..=8192).contains(&a.max_tokens) {
-        return Err(format!("--max-tokens {} is not in 1..=8192", a.max_tokens));
-    }
     if !(1..=32).contains(&a.samples) {
         return Err(format!("--samples {} is not in 1..=32", a.samples));
     }
@@ -704,16 +763,11 @@ fn generate(a: &GenerateArgs) -> Result<Checked, String> {
         ));
     }
     let kv_dtype = crate::demo::parse_kv_dtype(&a.kv_dtype)?;
-    let params = SamplingParams {
-        temperature: a.temperature,
-        top_k: a.top_k,
-        top_p: a.top_p,
-        seed: a.seed,
-    };
-    // The vocabulary is known once the model is read; 2^20 bounds top-k here.
-    params
-        .validate(1 << 20)
-        .map_err(|e| format!("--temperature/--top-p/--top-k: {e}"))?;
+    if let Some(n) = a.max_tokens.filter(|n| !(1..=8192).contains(n)) {
+        return Err(format!("--max-tokens {n} is not in 1..=8192"));
+    }
+    let sampling = a.sampling.overrides(a.max_tokens);
+    let logit_bias = parse_logit_bias(&a.logit_bias)?;
     let prompts = match &a.prompts {
         None => vec![a.prompt.clone()],
         Some(path) => {
@@ -750,10 +804,11 @@ fn generate(a: &GenerateArgs) -> Result<Checked, String> {
         prompts,
         chat: !a.raw,
         system: a.system.clone(),
-        max_tokens: a.max_tokens,
         samples: a.samples,
         beams: a.beams.unwrap_or(0),
-        params,
+        sampling,
+        seed: a.seed,
+        logit_bias,
         model: a.model.clone().unwrap_or_else(crate::env::model_path),
         backends: crate::env::backends().map_err(|e| e.to_string())?,
         kv_dtype,

@@ -165,6 +165,7 @@ pub fn run(
     let sample = SamplingParams {
         temperature: 0.8,
         top_k: 40,
+        min_p: 0.0,
         top_p: 0.95,
         seed: 1,
     };

@@ -8,9 +8,10 @@ use std::time::Instant;
 use pagedattn::blocks::Preemption;
 use pagedattn::gpu::KvDtype;
 
+use crate::defaults::{GenerationDefaults, GenerationOverrides};
 use crate::engine::{EngineConfig, Model};
 use crate::load::{load, Loaded};
-use crate::sample::SamplingParams;
+use crate::sample::{LogitBias, Penalties};
 use crate::serve::{Completion, Decoding, Request, ServeStats, Server, ServerConfig};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 use crate::ModelError;
@@ -24,12 +25,16 @@ pub struct GenerateOptions {
     pub chat: bool,
     /// The chat template's system prompt (`None`: the model's default).
     pub system: Option<String>,
-    pub max_tokens: usize,
     /// Parallel samples per prompt (1: one sequence).
     pub samples: usize,
     /// Beam width (0: no beam search).
     pub beams: usize,
-    pub params: SamplingParams,
+    /// The sampling values and `max_tokens` given; each one left out takes
+    /// the model's default ([`GenerationDefaults`]).
+    pub sampling: GenerationOverrides,
+    pub seed: u64,
+    /// `(token, bias)` pairs (see [`LogitBias`]).
+    pub logit_bias: Vec<(u32, f32)>,
     pub model: PathBuf,
     pub kv_dtype: KvDtype,
     pub num_blocks: u32,
@@ -47,10 +52,11 @@ impl Default for GenerateOptions {
             prompts: vec!["Tell me a story".into()],
             chat: true,
             system: None,
-            max_tokens: 128,
             samples: 1,
             beams: 0,
-            params: SamplingParams::default(),
+            sampling: GenerationOverrides::default(),
+            seed: 0,
+            logit_bias: Vec::new(),
             model: crate::config::default_model_path(),
             backends: wgpu::Backends::all(),
             kv_dtype: KvDtype::F16,
@@ -125,9 +131,6 @@ pub fn check(o: &GenerateOptions) -> Result<(), ModelError> {
     if o.prompts.is_empty() || o.prompts.iter().any(|p| p.is_empty()) {
         return bad("an empty prompt".into());
     }
-    if o.max_tokens == 0 || o.max_tokens > 1 << 20 {
-        return bad(format!("--max-tokens {} outside 1..=1048576", o.max_tokens));
-    }
     if o.samples == 0 || o.samples > o.max_seqs {
         return bad(format!(
             "--samples {} outside 1..={}",
@@ -140,7 +143,18 @@ pub fn check(o: &GenerateOptions) -> Result<(), ModelError> {
     if o.beams > 0 && o.samples > 1 {
         return bad("--beams and --samples together: choose one".into());
     }
-    o.params.validate(usize::MAX)?;
+    o.sampling.check()?;
+    let g = &o.sampling;
+    let sampled = g.temperature.is_some()
+        || g.top_p.is_some()
+        || g.top_k.is_some()
+        || g.min_p.is_some()
+        || g.repetition_penalty.is_some()
+        || !o.logit_bias.is_empty();
+    if o.beams > 0 && sampled {
+        return bad("--beams is deterministic: it takes no --temperature, --top-p, --top-k, --min-p, --repetition-penalty or --logit-bias".into());
+    }
+    LogitBias::new(o.logit_bias.clone(), usize::MAX)?;
     if o.num_blocks == 0 || o.num_blocks > 1 << 20 {
         return bad(format!("--num-blocks {} outside 1..=1048576", o.num_blocks));
     }
@@ -148,8 +162,27 @@ pub fn check(o: &GenerateOptions) -> Result<(), ModelError> {
 }
 
 /// The options' prompts as requests: the chat template applied where
-/// asked, sampled or beam-searched, ending at the end-of-turn token.
-fn requests(o: &GenerateOptions, tokenizer: &Tokenizer) -> Result<Vec<Request>, ModelError> {
+/// asked, sampled (the flags given, the model's defaults `d` for the
+/// rest) or beam-searched, ending at the end-of-turn token.
+fn requests(
+    o: &GenerateOptions,
+    d: &GenerationDefaults,
+    tokenizer: &Tokenizer,
+    vocab: usize,
+) -> Result<Vec<Request>, ModelError> {
+    let g = &o.sampling;
+    let params = d.params(g.temperature, g.top_p, g.top_k, g.min_p, o.seed);
+    params.validate(vocab)?;
+    let (penalties, logit_bias) = if o.beams > 0 {
+        (Penalties::default(), LogitBias::default())
+    } else {
+        let penalties = Penalties {
+            repetition: d.repetition(g.repetition_penalty, g.temperature),
+            ..Penalties::default()
+        };
+        (penalties, LogitBias::new(o.logit_bias.clone(), vocab)?)
+    };
+    let max_tokens = g.max_tokens.unwrap_or(d.max_tokens);
     let mut requests = Vec::new();
     for p in &o.prompts {
         let text = if o.chat {
@@ -162,17 +195,50 @@ fn requests(o: &GenerateOptions, tokenizer: &Tokenizer) -> Result<Vec<Request>, 
             Decoding::Beam { width: o.beams }
         } else {
             Decoding::Sample {
-                params: o.params,
+                params,
                 n: o.samples,
             }
         };
         requests.push(Request {
             decoding,
             stop: vec![tokenizer.eos_id()],
-            ..Request::greedy(ids, o.max_tokens)
+            penalties,
+            logit_bias: logit_bias.clone(),
+            ..Request::greedy(ids, max_tokens)
         });
     }
     Ok(requests)
+}
+
+/// What the requests decode with, as one line.
+fn describe_sampling(o: &GenerateOptions, r: &Request) -> String {
+    match r.decoding {
+        Decoding::Beam { width } => {
+            format!(
+                "beam search of width {width}, up to {} tokens",
+                r.max_tokens
+            )
+        }
+        Decoding::Sample { params: p, n } => {
+            let off = |x: String, is_off: bool| if is_off { "off".to_string() } else { x };
+            let given = if o.sampling.is_empty() {
+                "the model's defaults"
+            } else {
+                "the flags given, the model's defaults for the rest"
+            };
+            format!(
+                "sampling ({given}): temperature {}, top_p {}, top_k {}, min_p {}, repetition_penalty {}, {} logit biases, seed {}, up to {} tokens, {n} sample(s)",
+                p.temperature,
+                p.top_p,
+                off(p.top_k.to_string(), p.top_k == 0),
+                off(p.min_p.to_string(), p.min_p == 0.0),
+                off(r.penalties.repetition.to_string(), r.penalties.repetition == 1.0),
+                r.logit_bias.entries().len(),
+                p.seed,
+                r.max_tokens
+            )
+        }
+    }
 }
 
 /// Loads the model, serves the prompts, streams the first to `out` and
@@ -183,7 +249,9 @@ pub fn run(o: &GenerateOptions, out: &mut dyn Write) -> Result<Report, ModelErro
     let Loaded {
         weights, tokenizer, ..
     } = load(&o.model)?;
-    let requests = requests(o, &tokenizer)?;
+    let defaults = GenerationDefaults::for_arch(weights.arch.arch);
+    let requests = requests(o, &defaults, &tokenizer, weights.shape.vocab)?;
+    let sampling = describe_sampling(o, &requests[0]);
     let (device, queue, adapter) = open_device(o.backends)?;
     let ecfg = EngineConfig {
         num_blocks: o.num_blocks,
@@ -221,7 +289,7 @@ pub fn run(o: &GenerateOptions, out: &mut dyn Write) -> Result<Report, ModelErro
     say(
         out,
         &format!(
-            "{adapter}: {} prompt(s), {} tokens of prompt; model loaded in {load_secs:.1} s\n",
+            "{adapter}: {} prompt(s), {} tokens of prompt; model loaded in {load_secs:.1} s\n{sampling}\n",
             ids.len(),
             prompt_tokens.iter().sum::<usize>()
         ),

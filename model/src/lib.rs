@@ -16,7 +16,9 @@
 //!   GELU-tanh gates, residuals, the LM head in row chunks) around
 //!   pagedattn's paged KV cache and attention (plan/run, a variant per
 //!   window), one encoder and one submit per step.
-//! - [`sample`]: greedy, temperature / top-k / top-p with a seed.
+//! - [`sample`]: greedy, temperature / top-k / min-p / top-p with a seed,
+//!   logit bias and penalties; [`defaults`]: what a request that omits
+//!   them gets, per architecture.
 //! - [`serve`]: requests through the library `Scheduler`: continuous
 //!   batching, chunked prefill, parallel sampling and beam search sharing
 //!   their prompt, prefix caching, preemption.
@@ -29,6 +31,7 @@ mod arch;
 pub mod bench;
 mod clock;
 pub mod config;
+pub mod defaults;
 pub mod engine;
 mod error;
 #[cfg(not(target_arch = "wasm32"))]

@@ -15,6 +15,9 @@ pub struct SamplingParams {
     pub temperature: f32,
     /// Keep the `top_k` most likely tokens (0: all of them).
     pub top_k: usize,
+    /// Then keep the tokens at least `min_p` times as likely as the most
+    /// likely one (0: all of them; vLLM's and llama.cpp's `min_p`).
+    pub min_p: f32,
     /// Then keep the smallest prefix holding `top_p` of their mass.
     pub top_p: f32,
     /// Branch `b` of a request draws from `SplitMix64(seed + b)`.
@@ -26,6 +29,7 @@ impl Default for SamplingParams {
         Self {
             temperature: 0.0,
             top_k: 0,
+            min_p: 0.0,
             top_p: 1.0,
             seed: 0,
         }
@@ -37,8 +41,8 @@ impl Default for SamplingParams {
 pub const MAX_TEMPERATURE: f32 = 100.0;
 
 impl SamplingParams {
-    /// Checks the ranges: temperature in 0..=100, top_p in (0, 1], top_k
-    /// at most the vocabulary.
+    /// Checks the ranges: temperature in 0..=100, top_p in (0, 1], min_p
+    /// in 0..=1, top_k at most the vocabulary.
     pub fn validate(&self, vocab: usize) -> Result<(), ModelError> {
         let t = self.temperature;
         if !(t.is_finite() && (0.0..=MAX_TEMPERATURE).contains(&t)) {
@@ -49,6 +53,10 @@ impl SamplingParams {
         let p = self.top_p;
         if !(p.is_finite() && p > 0.0 && p <= 1.0) {
             return Err(ModelError::Request(format!("top-p {p} outside (0, 1]")));
+        }
+        let m = self.min_p;
+        if !(m.is_finite() && (0.0..=1.0).contains(&m)) {
+            return Err(ModelError::Request(format!("min-p {m} outside 0..=1")));
         }
         if self.top_k > vocab {
             return Err(ModelError::Request(format!(
@@ -213,14 +221,55 @@ impl Sampler {
         if self.params.is_greedy() {
             return top_k(lp, 1)[0].0;
         }
+        let (cand, w) = self.candidates(lp);
+        let kept_total: f64 = w.iter().sum();
+        let u = self.rng.next_f64() * kept_total;
+        let mut cum = 0.0;
+        for (c, wi) in cand.iter().zip(&w) {
+            cum += wi;
+            if cum > u {
+                return c.0;
+            }
+        }
+        cand[cand.len() - 1].0
+    }
+
+    /// The distribution [`Sampler::sample`] draws from on `lp`: each token
+    /// it can pick with its probability, most likely first (greedy: the
+    /// argmax with 1). Draws nothing.
+    pub fn distribution(&self, lp: &[f64]) -> Vec<(u32, f64)> {
+        if self.params.is_greedy() {
+            return vec![(top_k(lp, 1)[0].0, 1.0)];
+        }
+        let (cand, w) = self.candidates(lp);
+        let total: f64 = w.iter().sum();
+        cand.iter()
+            .zip(&w)
+            .map(|(c, wi)| (c.0, wi / total))
+            .collect()
+    }
+
+    /// The tokens a draw can pick and their weights (relative to the most
+    /// likely, which weighs 1): the `top_k` most likely, at `temperature`;
+    /// of those, the ones weighing at least `min_p`; of those, the smallest
+    /// prefix holding `top_p` of their weight.
+    fn candidates(&self, lp: &[f64]) -> (Vec<(u32, f64)>, Vec<f64>) {
         let k = match self.params.top_k {
             0 => lp.len(),
             k => k,
         };
-        let cand = top_k(lp, k);
+        let mut cand = top_k(lp, k);
         let t = self.params.temperature as f64;
         let zmax = cand[0].1 / t;
-        let w: Vec<f64> = cand.iter().map(|c| (c.1 / t - zmax).exp()).collect();
+        let mut w: Vec<f64> = cand.iter().map(|c| (c.1 / t - zmax).exp()).collect();
+        let min_p = self.params.min_p as f64;
+        if min_p > 0.0 {
+            // Sorted by weight, so the survivors are a prefix; the first
+            // (weight 1) always survives.
+            let keep = w.iter().take_while(|&&x| x >= min_p).count().max(1);
+            w.truncate(keep);
+            cand.truncate(keep);
+        }
         let total: f64 = w.iter().sum();
         let cut = self.params.top_p as f64 * total;
         let mut kept = 0;
@@ -232,16 +281,128 @@ impl Sampler {
                 break;
             }
         }
-        let kept_total: f64 = w[..kept].iter().sum();
-        let u = self.rng.next_f64() * kept_total;
-        let mut cum = 0.0;
-        for i in 0..kept {
-            cum += w[i];
-            if cum > u {
-                return cand[i].0;
+        w.truncate(kept);
+        cand.truncate(kept);
+        (cand, w)
+    }
+}
+
+/// Most `logit_bias` entries a request may give (OpenAI's limit).
+pub const MAX_LOGIT_BIAS: usize = 300;
+/// The largest bias, either way. A bias of exactly -100 bans its token, and
+/// tokens biased by exactly +100 are the only ones left to choose from (at
+/// any temperature); any other bias is added to the logit.
+pub const MAX_BIAS: f32 = 100.0;
+
+/// OpenAI's `logit_bias`: values added to chosen tokens' logits before
+/// the penalties and sampling (the reported logprobs stay the model's own).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LogitBias {
+    /// `(token, bias)`, by token, each token once.
+    entries: Vec<(u32, f32)>,
+}
+
+impl LogitBias {
+    /// Checks and sorts `entries` for a vocabulary of `vocab`: at most
+    /// [`MAX_LOGIT_BIAS`] of them, each token inside the vocabulary and
+    /// given once, each bias finite in -100..=100, and not every token
+    /// banned.
+    pub fn new(mut entries: Vec<(u32, f32)>, vocab: usize) -> Result<Self, ModelError> {
+        let bad = |m: String| Err(ModelError::Request(m));
+        if entries.len() > MAX_LOGIT_BIAS {
+            return bad(format!(
+                "logit_bias has {} entries; at most {MAX_LOGIT_BIAS}",
+                entries.len()
+            ));
+        }
+        for &(t, b) in &entries {
+            if t as usize >= vocab {
+                return bad(format!(
+                    "logit_bias: token {t} outside the vocabulary of {vocab}"
+                ));
+            }
+            if !(b.is_finite() && (-MAX_BIAS..=MAX_BIAS).contains(&b)) {
+                return bad(format!(
+                    "logit_bias: token {t}'s bias {b} outside -{MAX_BIAS}..={MAX_BIAS}"
+                ));
             }
         }
-        cand[kept - 1].0
+        entries.sort_by_key(|e| e.0);
+        if let Some(w) = entries.windows(2).find(|w| w[0].0 == w[1].0) {
+            return bad(format!("logit_bias: token {} given twice", w[0].0));
+        }
+        if entries.iter().filter(|e| e.1 == -MAX_BIAS).count() >= vocab {
+            return bad(format!(
+                "logit_bias bans every token of the vocabulary of {vocab}"
+            ));
+        }
+        Ok(Self { entries })
+    }
+
+    /// Whether it changes nothing.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// The entries, by token.
+    pub fn entries(&self) -> &[(u32, f32)] {
+        &self.entries
+    }
+
+    /// Adds the biases to `logits` (token ids past the row are passed
+    /// over): -100 bans, +100 leaves only the tokens biased so.
+    pub fn apply(&self, logits: &mut [f32]) {
+        if self.entries.iter().any(|e| e.1 == MAX_BIAS) {
+            let mut keep = vec![false; logits.len()];
+            for &(t, b) in &self.entries {
+                if b == MAX_BIAS {
+                    if let Some(k) = keep.get_mut(t as usize) {
+                        *k = true;
+                    }
+                }
+            }
+            for (x, k) in logits.iter_mut().zip(keep) {
+                if !k {
+                    *x = f32::NEG_INFINITY;
+                }
+            }
+        }
+        for &(t, b) in &self.entries {
+            if let Some(x) = logits.get_mut(t as usize) {
+                *x = if b == -MAX_BIAS {
+                    f32::NEG_INFINITY
+                } else if b == MAX_BIAS {
+                    *x
+                } else {
+                    *x + b
+                };
+            }
+        }
+    }
+}
+
+/// What a request does to its logits before sampling: the logit bias,
+/// then the penalties.
+#[derive(Clone, Copy, Debug)]
+pub struct Shaping<'a> {
+    pub bias: &'a LogitBias,
+    pub penalties: Penalties,
+}
+
+impl Shaping<'_> {
+    /// Whether it changes nothing.
+    pub fn is_none(&self) -> bool {
+        self.bias.is_empty() && self.penalties.is_none()
+    }
+
+    /// The log-probabilities to sample from (see [`Penalties::apply`]).
+    pub fn apply(&self, logits: &[f32], prompt: &[u32], output: &[u32]) -> Vec<f64> {
+        if self.bias.is_empty() {
+            return self.penalties.apply(logits, prompt, output);
+        }
+        let mut l = logits.to_vec();
+        self.bias.apply(&mut l);
+        self.penalties.apply(&l, prompt, output)
     }
 }
 
@@ -299,6 +460,7 @@ mod tests {
         let p = SamplingParams {
             temperature: 1.0,
             top_k: 0,
+            min_p: 0.0,
             top_p: 1.0,
             seed: 7,
         };

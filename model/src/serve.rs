@@ -17,7 +17,9 @@ use pagedattn::blocks::{
 use pagedattn::gpu::{KvLayout, SwapSpace};
 
 use crate::engine::{Model, StepInput};
-use crate::sample::{beam_step, log_softmax, top_k, Penalties, Sampler, SamplingParams};
+use crate::sample::{
+    beam_step, log_softmax, top_k, LogitBias, Penalties, Sampler, SamplingParams, Shaping,
+};
 use crate::ModelError;
 
 /// How a request chooses its tokens.
@@ -44,6 +46,9 @@ pub struct Request {
     pub stop_strings: Vec<Vec<u8>>,
     /// Penalties on seen tokens (sampling only).
     pub penalties: Penalties,
+    /// Added to the logits before the penalties (sampling only; checked
+    /// by [`LogitBias::new`]).
+    pub logit_bias: LogitBias,
     /// Record the top-N logprobs of every step (0: none). The chosen
     /// token's logprob is always recorded.
     pub record_top: usize,
@@ -68,6 +73,7 @@ impl Request {
             stop: Vec::new(),
             stop_strings: Vec::new(),
             penalties: Penalties::default(),
+            logit_bias: LogitBias::default(),
             record_top: 0,
             salt: Vec::new(),
             expected_tokens: None,
@@ -270,7 +276,10 @@ impl State {
         on_token: &mut dyn FnMut(&Generated),
     ) -> Result<Vec<Child>, ModelError> {
         let rec = self.req.record_top;
-        let pen = self.req.penalties;
+        let pen = Shaping {
+            bias: &self.req.logit_bias,
+            penalties: self.req.penalties,
+        };
         // (parent, token, logprob, the sample's sampler)
         let mut picks: Vec<(usize, u32, f64, Option<Sampler>)> = Vec::new();
         if !self.started {
@@ -624,9 +633,15 @@ impl Server {
                 if !req.penalties.is_none() {
                     return bad("penalties apply to sampling, not to beam search".into());
                 }
+                if !req.logit_bias.is_empty() {
+                    return bad("logit_bias applies to sampling, not to beam search".into());
+                }
             }
         }
         req.penalties.validate()?;
+        // Checked again against this model's vocabulary (a caller may
+        // have built it for another).
+        LogitBias::new(req.logit_bias.entries().to_vec(), shape.vocab)?;
         if !req.stop_strings.is_empty() && self.token_text.is_empty() {
             return bad("stop strings need the tokens' text (Server::set_token_text)".into());
         }

@@ -135,6 +135,7 @@ fn parallel_samples_match_the_reference_and_share_the_prompt_blocks() {
         let params = SamplingParams {
             temperature: s.temperature,
             top_k: s.top_k,
+            min_p: 0.0,
             top_p: s.top_p,
             seed: s.seed,
         };

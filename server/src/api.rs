@@ -1,10 +1,12 @@
 //! The OpenAI request bodies of `/v1/completions` and
 //! `/v1/chat/completions`, checked field by field into the engine's
 //! requests. Every refusal is a 400 naming the field, the value and the
-//! limit; fields the server does not know are ignored (clients send
-//! vLLM's and guidellm's extras).
+//! limit; fields it does not serve are refused or accepted by name
+//! (`fields`), and unknown ones listed for a warning and ignored (clients
+//! send vLLM's and guidellm's extras). The fields a request omits take
+//! the model's defaults ([`pagedattn_model::defaults`]).
 
-use pagedattn_model::sample::{Penalties, SamplingParams, MAX_TEMPERATURE};
+use pagedattn_model::sample::{LogitBias, Penalties, MAX_BIAS, MAX_LOGIT_BIAS, MAX_TEMPERATURE};
 use pagedattn_model::serve::{Decoding, Request};
 use serde::Deserialize;
 use serde_json::Value;
@@ -22,8 +24,6 @@ pub const MAX_STOP_BYTES: usize = 256;
 pub const MAX_STOP_IDS: usize = 64;
 /// Most prompts in one completions request.
 pub const MAX_PROMPTS: usize = 256;
-/// `max_tokens` of a completion when the request gives none (OpenAI's).
-pub const DEFAULT_COMPLETION_TOKENS: usize = 16;
 
 /// Which route a body came to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -46,6 +46,8 @@ struct Body {
     temperature: Option<f64>,
     top_p: Option<f64>,
     top_k: Option<i64>,
+    min_p: Option<f64>,
+    logit_bias: Option<serde_json::Map<String, Value>>,
     seed: Option<i64>,
     frequency_penalty: Option<f64>,
     presence_penalty: Option<f64>,
@@ -93,6 +95,8 @@ pub struct Plan {
     pub stop_ids: Vec<u32>,
     /// Logprobs name tokens `token_id:N` (vLLM's `return_tokens_as_token_ids`).
     pub token_ids: bool,
+    /// Fields the server does not know, ignored (for the caller's warning).
+    pub unknown: Vec<String>,
 }
 
 impl Plan {
@@ -114,18 +118,55 @@ fn random_seed() -> u64 {
     x.wrapping_mul(0xBF58_476D_1CE4_E5B9)
 }
 
-/// Parses a body: malformed JSON and wrong types are 400s naming the
-/// field (`max_tokens: invalid type: string "x", expected u64`).
-fn parse_body(bytes: &[u8]) -> Result<Body, ApiError> {
+/// Parses a body for `route`: malformed JSON and wrong types are 400s
+/// naming the field (`max_tokens: invalid type: string "x", expected
+/// u64`), and so is a field the server refuses. Returns the body and its
+/// unknown fields.
+fn parse_body(route: Route, bytes: &[u8]) -> Result<(Body, Vec<String>), ApiError> {
     let v: Value = serde_json::from_slice(bytes)
         .map_err(|e| ApiError::invalid(format!("the body is not valid JSON: {e}")))?;
-    if !v.is_object() {
+    let Some(obj) = v.as_object() else {
         return Err(ApiError::invalid("the body must be a JSON object"));
-    }
-    serde_path_to_error::deserialize(v).map_err(|e| {
+    };
+    let unknown = crate::fields::check(route, obj)?;
+    let body = serde_path_to_error::deserialize(v).map_err(|e| {
         let path = e.path().to_string();
         ApiError::param(&path, format!("{path}: {}", e.inner()))
-    })
+    })?;
+    Ok((body, unknown))
+}
+
+/// OpenAI's `logit_bias`: token ids (as strings) to biases in -100..=100.
+fn logit_bias(
+    m: &Option<serde_json::Map<String, Value>>,
+    vocab: usize,
+) -> Result<LogitBias, ApiError> {
+    let bad = |msg: String| ApiError::param("logit_bias", msg);
+    let Some(m) = m else {
+        return Ok(LogitBias::default());
+    };
+    if m.len() > MAX_LOGIT_BIAS {
+        return Err(bad(format!(
+            "logit_bias has {} entries; at most {MAX_LOGIT_BIAS}",
+            m.len()
+        )));
+    }
+    let mut entries = Vec::with_capacity(m.len());
+    for (k, v) in m {
+        let t: u32 = k
+            .parse()
+            .map_err(|_| bad(format!("logit_bias key {k:?} is not a token id")))?;
+        let b = v
+            .as_f64()
+            .ok_or_else(|| bad(format!("logit_bias[{k:?}] = {v} is not a number")))?;
+        if !(-MAX_BIAS as f64..=MAX_BIAS as f64).contains(&b) {
+            return Err(bad(format!(
+                "logit_bias[{k:?}] = {b} outside -{MAX_BIAS}..={MAX_BIAS}"
+            )));
+        }
+        entries.push((t, b as f32));
+    }
+    LogitBias::new(entries, vocab).map_err(|e| bad(e.to_string()))
 }
 
 /// The `model` field against the served name: 404 for another.
@@ -259,7 +300,7 @@ pub fn plan(
     max_seqs: usize,
     tenant: &str,
 ) -> Result<Plan, ApiError> {
-    let b = parse_body(bytes)?;
+    let (b, unknown) = parse_body(route, bytes)?;
     check_model(&b, served)?;
     let (prompts, echo_text, logprobs) = match route {
         Route::Completions => {
@@ -340,20 +381,22 @@ pub fn plan(
     }
     let n = n as usize;
     let beam = b.use_beam_search.unwrap_or(false);
-    let temperature = range_f32(
-        "temperature",
-        b.temperature,
-        1.0,
-        0.0,
-        MAX_TEMPERATURE as f64,
-    )?;
-    let top_p = range_f32("top_p", b.top_p, 1.0, 0.0, 1.0)?;
-    if top_p == 0.0 {
+    let d = &info.defaults;
+    // Each value given checked against its range; each one left out is
+    // the default's (beams take none).
+    let given = |name: &str, v: Option<f64>, lo: f64, hi: f64| -> Result<Option<f32>, ApiError> {
+        v.map(|x| range_f32(name, Some(x), 0.0, lo, hi)).transpose()
+    };
+    let temperature = given("temperature", b.temperature, 0.0, MAX_TEMPERATURE as f64)?;
+    let top_p = given("top_p", b.top_p, 0.0, 1.0)?;
+    if top_p == Some(0.0) {
         return Err(ApiError::param("top_p", "top_p 0 outside (0, 1]"));
     }
+    let min_p = given("min_p", b.min_p, 0.0, 1.0)?;
     let top_k = match b.top_k {
-        None | Some(-1) | Some(0) => 0,
-        Some(k) if k > 0 && (k as usize) <= info.vocab => k as usize,
+        None => None,
+        Some(-1) | Some(0) => Some(0),
+        Some(k) if k > 0 && (k as usize) <= info.vocab => Some(k as usize),
         Some(k) => {
             return Err(ApiError::param(
                 "top_k",
@@ -361,36 +404,39 @@ pub fn plan(
             ))
         }
     };
-    let penalties = Penalties {
-        frequency: range_f32("frequency_penalty", b.frequency_penalty, 0.0, -2.0, 2.0)?,
-        presence: range_f32("presence_penalty", b.presence_penalty, 0.0, -2.0, 2.0)?,
-        repetition: range_f32("repetition_penalty", b.repetition_penalty, 1.0, 0.0, 100.0)?,
-    };
-    if penalties.repetition == 0.0 {
+    let repetition = given("repetition_penalty", b.repetition_penalty, 0.0, 100.0)?;
+    if repetition == Some(0.0) {
         return Err(ApiError::param(
             "repetition_penalty",
             "repetition_penalty 0 outside (0, 100]",
         ));
     }
-    let params = SamplingParams {
-        temperature,
-        top_k,
-        top_p,
-        seed: b.seed.map_or_else(random_seed, |s| s as u64),
+    let bias = logit_bias(&b.logit_bias, info.vocab)?;
+    let explicit = Penalties {
+        frequency: range_f32("frequency_penalty", b.frequency_penalty, 0.0, -2.0, 2.0)?,
+        presence: range_f32("presence_penalty", b.presence_penalty, 0.0, -2.0, 2.0)?,
+        repetition: repetition.unwrap_or(1.0),
     };
-    let decoding = if beam {
-        let sampled = b.temperature.is_some_and(|t| t != 0.0)
-            || b.top_p.is_some_and(|p| p != 1.0)
-            || top_k != 0;
-        if sampled || !penalties.is_none() {
+    let seed = b.seed.map_or_else(random_seed, |s| s as u64);
+    let (decoding, penalties) = if beam {
+        let sampled = temperature.is_some_and(|t| t != 0.0)
+            || top_p.is_some_and(|p| p != 1.0)
+            || top_k.is_some_and(|k| k != 0)
+            || min_p.is_some_and(|m| m != 0.0);
+        if sampled || !explicit.is_none() || !bias.is_empty() {
             return Err(ApiError::param(
                 "use_beam_search",
-                "beam search is deterministic: it takes no temperature, top_p, top_k or penalties",
+                "beam search is deterministic: it takes no temperature, top_p, top_k, min_p, penalties or logit_bias",
             ));
         }
-        Decoding::Beam { width: n }
+        (Decoding::Beam { width: n }, Penalties::default())
     } else {
-        Decoding::Sample { params, n }
+        let params = d.params(temperature, top_p, top_k, min_p, seed);
+        let penalties = Penalties {
+            repetition: d.repetition(repetition, temperature),
+            ..explicit
+        };
+        (Decoding::Sample { params, n }, penalties)
     };
     let stop_strings = stop_strings(&b.stop)?;
     let user_ids: Vec<u64> = b.stop_token_ids.clone().unwrap_or_default();
@@ -414,6 +460,13 @@ pub fn plan(
     };
     stop.extend(stop_ids.iter().copied().filter(|t| !info.eos.contains(t)));
     let cache_salt = b.cache_salt.as_deref();
+    if cache_salt == Some("") {
+        // As vLLM: an empty salt is a mistake, not a namespace of its own.
+        return Err(ApiError::param(
+            "cache_salt",
+            "cache_salt must be a non-empty string when given (leave it out for the tenant's own namespace)",
+        ));
+    }
     if cache_salt.is_some_and(|s| s.len() > 256) {
         return Err(ApiError::param(
             "cache_salt",
@@ -462,8 +515,8 @@ pub fn plan(
                 ))
             }
             Some(m) => m as usize,
-            None if route == Route::Completions => DEFAULT_COMPLETION_TOKENS.min(ctx - p),
-            None => ctx - p,
+            None if route == Route::Completions => d.completion_tokens.min(ctx - p),
+            None => d.max_tokens.min(ctx - p),
         };
         let expected_tokens = match b.expected_output_tokens {
             None => None,
@@ -482,6 +535,7 @@ pub fn plan(
             stop: stop.clone(),
             stop_strings: stop_strings.iter().map(|s| s.as_bytes().to_vec()).collect(),
             penalties,
+            logit_bias: bias.clone(),
             record_top: logprobs.unwrap_or(0),
             salt: salt(tenant, cache_salt),
             expected_tokens,
@@ -505,5 +559,6 @@ pub fn plan(
         stop_strings,
         stop_ids,
         token_ids: b.return_tokens_as_token_ids.unwrap_or(false),
+        unknown,
     })
 }

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use pagedattn::blocks::{Preemption, Reservation};
 use pagedattn::gpu::KvDtype;
+use pagedattn_model::defaults::GenerationOverrides;
 
 use crate::ServeError;
 
@@ -51,6 +52,9 @@ pub struct ServeConfig {
     pub shutdown_timeout: Duration,
     /// The SSE keep-alive comment's interval while a stream waits.
     pub keep_alive: Duration,
+    /// Defaults for the sampling fields and `max_tokens` requests omit,
+    /// over the model's own ([`pagedattn_model::defaults`]).
+    pub generation: GenerationOverrides,
 }
 
 impl Default for ServeConfig {
@@ -76,6 +80,7 @@ impl Default for ServeConfig {
             prefix_caching: true,
             shutdown_timeout: Duration::from_secs(30),
             keep_alive: Duration::from_secs(5),
+            generation: GenerationOverrides::default(),
         }
     }
 }
@@ -123,6 +128,9 @@ impl ServeConfig {
                 self.max_body_bytes
             ));
         }
+        self.generation
+            .check()
+            .map_err(|e| ServeError::Config(e.to_string()))?;
         if self.keep_alive.is_zero() {
             return bad("--keep-alive must be positive".into());
         }

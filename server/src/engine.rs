@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use pagedattn::blocks::RequestId;
+use pagedattn_model::defaults::GenerationDefaults;
 use pagedattn_model::engine::{EngineConfig, Model};
 use pagedattn_model::generate::open_device;
 use pagedattn_model::load::{load, Loaded};
@@ -33,6 +34,9 @@ pub struct ModelInfo {
     /// Tokens that end an answer unless `ignore_eos`.
     pub eos: Vec<u32>,
     pub adapter: String,
+    /// What requests get for the sampling fields and `max_tokens` they
+    /// omit: the model's defaults with the command line's on top.
+    pub defaults: GenerationDefaults,
 }
 
 /// State the handlers and the engine thread share.
@@ -167,6 +171,12 @@ fn start(shared: &Shared) -> Result<Server, ModelError> {
     let Loaded {
         weights, tokenizer, ..
     } = load(&cfg.model)?;
+    let defaults = GenerationDefaults::resolve(weights.arch.arch, &cfg.generation)?;
+    eprintln!(
+        "pagedattn serve: requests that omit them get {} ({})",
+        defaults.describe(),
+        defaults.source
+    );
     let (device, queue, adapter) = open_device(cfg.backends)?;
     let ecfg = EngineConfig {
         num_blocks: cfg.num_blocks,
@@ -218,6 +228,7 @@ fn start(shared: &Shared) -> Result<Server, ModelError> {
         vocab,
         eos,
         adapter,
+        defaults,
     });
     // With layer groups, the full-attention group's pool (every block of
     // every sequence).
@@ -264,6 +275,9 @@ fn serve(shared: &Shared, mut server: Server, mut commands: mpsc::UnboundedRecei
                 }
             }
         }
+        // What came in counts before the step runs (a long step would
+        // otherwise hide it).
+        gauges(m, &server);
         // Clients that left: their requests go, blocks and all.
         let gone: Vec<RequestId> = jobs
             .iter()
@@ -365,20 +379,7 @@ fn serve(shared: &Shared, mut server: Server, mut commands: mpsc::UnboundedRecei
             }
         }
         // Gauges, after the step.
-        let st = server.primary_blocks().stats();
-        let (w, r, s) = server.sched.queue_lengths();
-        m.blocks_used.set(st.used as i64);
-        m.blocks_shared.set(st.shared as i64);
-        m.blocks_free.set(st.free as i64);
-        m.blocks_cached.set(st.evictable as i64);
-        m.blocks_reserved.set(server.sched.reserved_blocks() as i64);
-        m.kv_usage.set(st.used as f64 / st.total.max(1) as f64);
-        m.tokens_stored.set(st.tokens_stored as i64);
-        m.tokens_logical.set(st.logical_tokens as i64);
-        m.swap_used.set(st.swap_used as i64);
-        m.waiting.set(w as i64);
-        m.running.set(r as i64);
-        m.swapped.set(s as i64);
+        gauges(m, &server);
         let hits = server.sched.blocks().prefix_hit_tokens();
         m.prefix_hits.inc_by(hits.saturating_sub(hits_seen));
         hits_seen = hits;
@@ -389,10 +390,29 @@ fn serve(shared: &Shared, mut server: Server, mut commands: mpsc::UnboundedRecei
     }
 }
 
+/// The pool's and the queues' gauges, as the server stands.
+fn gauges(m: &Metrics, server: &Server) {
+    let st = server.primary_blocks().stats();
+    let (w, r, s) = server.sched.queue_lengths();
+    m.blocks_used.set(st.used as i64);
+    m.blocks_shared.set(st.shared as i64);
+    m.blocks_free.set(st.free as i64);
+    m.blocks_cached.set(st.evictable as i64);
+    m.blocks_reserved.set(server.sched.reserved_blocks() as i64);
+    m.kv_usage.set(st.used as f64 / st.total.max(1) as f64);
+    m.tokens_stored.set(st.tokens_stored as i64);
+    m.tokens_logical.set(st.logical_tokens as i64);
+    m.swap_used.set(st.swap_used as i64);
+    m.set_scheduler_waiting(w as i64);
+    m.running.set(r as i64);
+    m.swapped.set(s as i64);
+}
+
 /// Takes one command.
 fn take(shared: &Shared, server: &mut Server, jobs: &mut HashMap<RequestId, Running>, c: Command) {
     match c {
         Command::Submit(job) => {
+            shared.metrics.pending.dec();
             let prompt = job.request.prompt.len();
             match server.add(job.request) {
                 Ok(id) => {

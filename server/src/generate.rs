@@ -217,6 +217,16 @@ pub async fn respond(
         shared.cfg.max_seqs,
         tenant,
     )?;
+    if !plan.unknown.is_empty() {
+        let path = match route {
+            Route::Completions => "/v1/completions",
+            Route::Chat => "/v1/chat/completions",
+        };
+        eprintln!(
+            "pagedattn serve: warning: {path}: ignored fields this server does not know: {}",
+            plan.unknown.join(", ")
+        );
+    }
     let k = plan.requests.len();
     admit(&app, k)?;
     let arrived = Instant::now();
@@ -232,7 +242,10 @@ pub async fn respond(
             events: tx,
             arrived,
         };
+        // Counted as pending before it is sent: the engine takes it off.
+        shared.metrics.pending.inc();
         if app.commands.send(Command::Submit(job)).is_err() {
+            shared.metrics.pending.dec();
             shared.in_flight.fetch_sub(k - i, Ordering::SeqCst);
             return Err(ApiError::unavailable("the engine has stopped"));
         }

@@ -22,6 +22,7 @@ mod chat;
 pub mod config;
 mod engine;
 mod error;
+mod fields;
 mod generate;
 mod metrics;
 mod routes;

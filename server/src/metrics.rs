@@ -2,7 +2,7 @@
 //! text, with vLLM's histogram buckets for time to first token and
 //! inter-token latency. The engine thread sets them after every step.
 
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -46,7 +46,14 @@ pub struct Metrics {
     pub tokens_logical: Gauge,
     pub swap_used: Gauge,
     pub running: Gauge,
-    pub waiting: Gauge,
+    /// Set at each render: the scheduler's waiting requests and the
+    /// pending ones ([`Metrics::set_scheduler_waiting`]).
+    waiting: Gauge,
+    /// The scheduler's waiting requests, as the engine last saw them.
+    scheduler_waiting: AtomicI64,
+    /// Requests a handler accepted and sent the engine thread, not yet
+    /// taken into the scheduler.
+    pub pending: Gauge,
     pub swapped: Gauge,
     pub preemptions: Counter,
     pub cow_copies: Counter,
@@ -85,6 +92,8 @@ impl Metrics {
             swap_used: Gauge::default(),
             running: Gauge::default(),
             waiting: Gauge::default(),
+            scheduler_waiting: AtomicI64::new(0),
+            pending: Gauge::default(),
             swapped: Gauge::default(),
             preemptions: Counter::default(),
             cow_copies: Counter::default(),
@@ -154,8 +163,13 @@ impl Metrics {
         r.register("requests_running", "Requests running", m.running.clone());
         r.register(
             "requests_waiting",
-            "Requests queued, not yet admitted",
+            "Requests queued, not yet running: in the scheduler's queue or on their way to it (requests_pending)",
             m.waiting.clone(),
+        );
+        r.register(
+            "requests_pending",
+            "Requests accepted by a handler and not yet taken by the engine thread (counted in requests_waiting too)",
+            m.pending.clone(),
         );
         r.register(
             "requests_swapped",
@@ -221,6 +235,17 @@ impl Metrics {
         Self { registry, ..m }
     }
 
+    /// The scheduler's waiting requests, after the engine's last look.
+    pub fn set_scheduler_waiting(&self, n: i64) {
+        self.scheduler_waiting.store(n, Ordering::Relaxed);
+    }
+
+    /// What `requests_waiting` reports: the scheduler's queue and the
+    /// requests on their way to it.
+    pub fn waiting(&self) -> i64 {
+        self.scheduler_waiting.load(Ordering::Relaxed) + self.pending.get()
+    }
+
     /// One request ended.
     pub fn ended(&self, reason: &str) {
         self.requests
@@ -232,6 +257,7 @@ impl Metrics {
 
     /// The text exposition.
     pub fn render(&self) -> String {
+        self.waiting.set(self.waiting());
         let mut out = String::new();
         // Writing into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
@@ -248,6 +274,9 @@ mod tests {
         let m = Metrics::new();
         m.ended("stop");
         m.ttft.observe(0.3);
+        // One in the scheduler's queue, two on their way to it.
+        m.set_scheduler_waiting(1);
+        m.pending.inc_by(2);
         let text = m.render();
         for name in [
             "kv_blocks_total",
@@ -262,6 +291,7 @@ mod tests {
             "swap_blocks_used",
             "requests_running",
             "requests_waiting",
+            "requests_pending",
             "requests_swapped",
             "preemptions_total",
             "cow_copies_total",
@@ -275,6 +305,8 @@ mod tests {
             "time_to_first_token_seconds_bucket{le=\"0.5\"} 1",
             "inter_token_latency_seconds_count",
             "request_latency_seconds_count",
+            "requests_waiting 3",
+            "requests_pending 2",
         ] {
             assert!(
                 text.contains(&format!("pagedattn_{name}")),

@@ -229,6 +229,7 @@ impl WebModel {
                 params: SamplingParams {
                     temperature: gc.temperature,
                     top_k: gc.top_k,
+                    min_p: 0.0,
                     top_p: gc.top_p,
                     seed: gc.seed,
                 },
