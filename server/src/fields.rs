@@ -205,23 +205,27 @@ pub fn check(route: Route, body: &Map<String, Value>) -> Result<Vec<String>, Api
         Route::Completions => COMPLETIONS_ONLY,
         Route::Chat => CHAT_ONLY,
     };
-    let mut unknown = Vec::new();
-    for (name, value) in body {
-        let name = name.as_str();
-        if SERVED.contains(&name) || route_only.contains(&name) || ACCEPTED.contains(&name) {
+    // The refused fields in the table's order (tools before tool_choice),
+    // so a request with several names its main one.
+    for r in REFUSED {
+        let Some(value) = body.get(r.name) else {
+            continue;
+        };
+        if value.is_null() || (r.harmless)(value, body) {
             continue;
         }
-        if let Some(r) = REFUSED.iter().find(|r| r.name == name) {
-            if value.is_null() || (r.harmless)(value, body) {
-                continue;
-            }
-            return Err(ApiError::param(
-                name,
-                format!("{name} is not supported by this server: {}", r.why),
-            ));
-        }
-        unknown.push(name.to_string());
+        return Err(ApiError::param(
+            r.name,
+            format!("{} is not supported by this server: {}", r.name, r.why),
+        ));
     }
+    let known = |name: &str| {
+        SERVED.contains(&name)
+            || route_only.contains(&name)
+            || ACCEPTED.contains(&name)
+            || REFUSED.iter().any(|r| r.name == name)
+    };
+    let mut unknown: Vec<String> = body.keys().filter(|n| !known(n)).cloned().collect();
     unknown.sort();
     Ok(unknown)
 }
@@ -302,5 +306,39 @@ mod tests {
         all.sort();
         all.dedup();
         assert_eq!(all.len(), n);
+    }
+
+    /// README.md's field table, row by row, names exactly these lists.
+    #[test]
+    fn the_readme_table_names_every_field_in_its_kind() {
+        let readme = include_str!("../../README.md");
+        let row = |start: &str| -> Vec<String> {
+            let line = readme
+                .lines()
+                .find(|l| l.trim_start().starts_with(start))
+                .unwrap_or_else(|| panic!("README.md has no row {start:?}"));
+            let cells: Vec<&str> = line.split(" | ").collect();
+            let fields = cells.last().expect("a cell");
+            // Each field is the first backticked word of a comma-separated item.
+            let mut names: Vec<String> = fields
+                .split(", `")
+                .filter_map(|item| {
+                    let item = item.trim_start_matches('`');
+                    item.split('`').next().map(str::to_string)
+                })
+                .collect();
+            names.sort();
+            names
+        };
+        let sorted = |x: Vec<&str>| {
+            let mut v: Vec<String> = x.into_iter().map(String::from).collect();
+            v.sort();
+            v
+        };
+        assert_eq!(row("| served, both routes"), sorted(SERVED.to_vec()));
+        assert_eq!(row("| served, completions"), sorted(COMPLETIONS_ONLY.to_vec()));
+        assert_eq!(row("| served, chat"), sorted(CHAT_ONLY.to_vec()));
+        assert_eq!(row("| accepted"), sorted(ACCEPTED.to_vec()));
+        assert_eq!(row("| refused"), sorted(refused_names().collect()));
     }
 }

@@ -191,7 +191,14 @@ def test_samples_match_the_fixture_and_the_seed(fx):
             top_p=s["top_p"],
             seed=s["seed"],
             logprobs=0,
-            extra_body={"top_k": s["top_k"], "ignore_eos": True, "return_tokens_as_token_ids": True},
+            # The fixture samples without a repetition penalty; the
+            # server's default for a sampled request has one.
+            extra_body={
+                "top_k": s["top_k"],
+                "repetition_penalty": 1.0,
+                "ignore_eos": True,
+                "return_tokens_as_token_ids": True,
+            },
         )
         r = c.completions.create(**args)
         for ch in r.choices:
@@ -539,9 +546,134 @@ def test_disconnect(fx):
     say(f"ok: a stream cut mid-way (holding part of {held:.0f} blocks) was aborted {seconds:.2f} s later; the concurrent stream's 64 tokens equal the fixture's; no block left held")
 
 
+def readme_curl_body():
+    """The JSON body of README.md's first curl, exactly as a newcomer sends it."""
+    import os
+    import re
+
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
+    m = re.search(r"curl -N localhost:8000(/v1/\S+) -d '(\{.*?\})'", readme)
+    check(m, "README.md has no curl line")
+    return m.group(1), json.loads(m.group(2))
+
+
+def test_first_contact(fx):
+    """README's curl, sent as written: it ends (stop, or length at the
+    default cap) with text that is not one token looping."""
+    path, body = readme_curl_body()
+    s = RawStream(path, body, key=ARGS.key_a)
+    text, finish, chunks = "", None, 0
+    for ev in s.events():
+        if ev is None:
+            break
+        for ch in ev["choices"]:
+            text += ch["delta"].get("content") or ""
+            finish = ch.get("finish_reason") or finish
+        chunks += 1
+    check(finish in ("stop", "length"), f"finish {finish}")
+    words = text.split()
+    check(len(words) >= 5, f"too little text: {text!r}")
+    # Not stuck: no single word is a third of the text.
+    top = max(words.count(w) for w in set(words))
+    check(top <= max(3, len(words) // 3), f"one word {top} times of {len(words)}: {text[:200]!r}")
+    _, _, tok = raw("POST", "/tokenize", {"prompt": text}, key=ARGS.key_a)
+    check(tok["count"] <= 260, f"{tok['count']} tokens: past the default cap of 256")
+    say(f"ok: README's curl ({path}) ended ({finish}) after {chunks} chunks, {tok['count']} tokens: {text[:80]!r}")
+
+
+def test_logit_bias_and_min_p(fx):
+    c = client(ARGS.key_a)
+    g = fx["greedy"][0]
+    first = g["tokens"][0]
+    other = g["tokens"][1] if g["tokens"][1] != first else g["tokens"][2]
+    base = dict(model=model_name(c), prompt=g["prompt_ids"], max_tokens=4, temperature=0, logprobs=0)
+    ids = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+    # +100: only that token can be chosen, at every step.
+    r = c.completions.create(**base, logit_bias={str(other): 100}, extra_body=ids)
+    got = ids_of(r.choices[0].logprobs.tokens)
+    check(got == [other] * 4, f"+100 on {other}: {got}")
+    # -100: the greedy choice is banned; the first token changes.
+    r = c.completions.create(**base, logit_bias={str(first): -100}, extra_body=ids)
+    got = ids_of(r.choices[0].logprobs.tokens)
+    check(first not in got, f"-100 on {first}: {got}")
+    # And on chat, through the client's own parameter.
+    msgs = [{"role": "user", "content": "Say hi"}]
+    _, _, tok = raw("POST", "/tokenize", {"prompt": " banana"}, key=ARGS.key_a)
+    banana = tok["tokens"][0]
+    r = c.chat.completions.create(model=model_name(c), messages=msgs, max_tokens=3, temperature=0,
+                                  logit_bias={str(banana): 100})
+    _, _, want = raw("POST", "/detokenize", {"tokens": [banana] * 3}, key=ARGS.key_a)
+    check(r.choices[0].message.content == want["prompt"], f"chat +100: {r.choices[0].message.content!r}")
+    # min_p = 1 keeps only the most likely token: a hot sample is greedy.
+    r = c.completions.create(model=model_name(c), prompt=g["prompt_ids"], max_tokens=16, temperature=1.5,
+                             seed=7, logprobs=0, extra_body={"min_p": 1.0, "repetition_penalty": 1.0, **ids})
+    check(ids_of(r.choices[0].logprobs.tokens) == g["tokens"][:16], "min_p = 1 at temperature 1.5 is not greedy")
+    say(f"ok: logit_bias +100 forces token {other}, -100 bans {first} (both routes); min_p = 1 at temperature 1.5 equals greedy")
+
+
+def test_refused_and_accepted_fields(fx):
+    """What the server does not do is a 400 naming the field, never a
+    silent no-op: tool calling and structured outputs as LangChain's
+    bind_tools and with_structured_output send them."""
+    c = client(ARGS.key_a)
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+    schema = {
+        "type": "json_schema",
+        "json_schema": {"name": "Answer", "schema": {"type": "object", "properties": {"a": {"type": "string"}}}, "strict": True},
+    }
+    refused = [
+        ("tools", dict(tools=[weather])),
+        ("tools", dict(tools=[weather], tool_choice="auto")),
+        ("tool_choice", dict(tool_choice={"type": "function", "function": {"name": "get_weather"}})),
+        ("parallel_tool_calls", dict(parallel_tool_calls=True)),
+        ("response_format", dict(response_format=schema)),
+        ("response_format", dict(response_format={"type": "json_object"})),
+        ("functions", dict(functions=[weather["function"]])),
+        ("reasoning_effort", dict(reasoning_effort="low")),
+    ]
+    for field, kw in refused:
+        try:
+            c.chat.completions.create(model=model_name(c), messages=msgs, max_tokens=4, **kw)
+            check(False, f"{field} was not refused")
+        except openai.BadRequestError as e:
+            err = e.body if isinstance(e.body, dict) else {}
+            check(err.get("param") == field and "not supported" in err.get("message", ""), f"{field}: {e.body}")
+    for field, body in [
+        ("best_of", {"prompt": "x", "best_of": 3}),
+        ("suffix", {"prompt": "x", "suffix": "end"}),
+        ("logit_bias", {"prompt": "x", "logit_bias": {"5": 300}}),
+        ("logit_bias", {"prompt": "x", "logit_bias": {"99999999": 1}}),
+        ("logit_bias", {"prompt": "x", "logit_bias": {"abc": 1}}),
+        ("min_p", {"prompt": "x", "min_p": 1.5}),
+        ("cache_salt", {"prompt": "x", "cache_salt": ""}),
+        ("use_beam_search", {"prompt": "x", "n": 2, "use_beam_search": True, "logit_bias": {"5": 1}}),
+        ("use_beam_search", {"prompt": "x", "n": 2, "use_beam_search": True, "min_p": 0.2}),
+    ]:
+        got, _, r = raw("POST", "/v1/completions", body, key=ARGS.key_a)
+        check(got == 400 and r["error"]["param"] == field, f"{body}: {got} {r}")
+    # What asks for nothing here is served: empty tools, "none", text,
+    # and the fields that change nothing in a local server.
+    r = c.chat.completions.create(
+        model=model_name(c), messages=msgs, max_tokens=2, tools=[], tool_choice="none",
+        response_format={"type": "text"}, user="u-1", store=False, metadata={"k": "v"},
+        service_tier="auto", parallel_tool_calls=False,
+    )
+    check(r.choices[0].finish_reason in ("stop", "length"), f"{r}")
+    say(f"ok: {len(refused)} tool-calling and structured-output requests (LangChain's shapes) and 9 bad values each 400 with the field named; harmless values served")
+
+
 def main_mode(fx):
     tests = [
         test_models_and_auth,
+        test_first_contact,
         test_greedy_matches_the_fixture,
         test_samples_match_the_fixture_and_the_seed,
         test_samples_share_the_prompt_blocks,
@@ -552,6 +684,8 @@ def main_mode(fx):
         test_penalties_and_echo,
         test_tenants_do_not_share_cached_prompts,
         test_bad_input,
+        test_logit_bias_and_min_p,
+        test_refused_and_accepted_fields,
         test_disconnect,
     ]
     for t in tests:
@@ -678,7 +812,28 @@ async def load_mode(fx):
         )
         return r.status_code, r.headers.get("retry-after"), r.json()
 
+    # While the burst is served, /metrics counts every admitted request:
+    # those the engine has not yet taken count as waiting.
+    burst_peak = {"waiting": 0.0, "held": 0.0}
+    burst_done = asyncio.Event()
+
+    async def watch_burst():
+        while not burst_done.is_set():
+            m = await asyncio.to_thread(metrics)
+            w = m.get("pagedattn_requests_waiting", 0)
+            held = w + m.get("pagedattn_requests_running", 0) + m.get("pagedattn_requests_swapped", 0)
+            burst_peak["waiting"] = max(burst_peak["waiting"], w)
+            burst_peak["held"] = max(burst_peak["held"], held)
+            await asyncio.sleep(0.05)
+
+    burst_watcher = asyncio.create_task(watch_burst())
     results = await asyncio.gather(*(tiny(i) for i in range(over)))
+    burst_done.set()
+    await burst_watcher
+    # The watcher sees the queue at some moment after the burst came in;
+    # the engine serves 16 at a time, 2 tokens each, so most are still
+    # waiting then.
+    check(burst_peak["waiting"] >= 32, f"a burst of {over}: /metrics never showed them waiting: {burst_peak}")
     codes = [r[0] for r in results]
     refused = [r for r in results if r[0] == 429]
     check(set(codes) <= {200, 429}, f"codes {sorted(set(codes))}")
@@ -688,7 +843,10 @@ async def load_mode(fx):
     await c.close()
     m = metrics()
     check(m["pagedattn_kv_blocks_used"] == 0 and m["pagedattn_requests_running"] == 0, "leak after the burst")
-    say(f"ok: {over} requests at once: {len(refused)} got 429 with Retry-After, {codes.count(200)} served, nothing leaked")
+    say(
+        f"ok: {over} requests at once: {len(refused)} got 429 with Retry-After, {codes.count(200)} served, nothing leaked; "
+        f"/metrics showed up to {burst_peak['waiting']:.0f} waiting, {burst_peak['held']:.0f} in all"
+    )
 
     # A prompt longer than the pool (but within the context).
     total = int(m["pagedattn_kv_blocks_total"]) * 16

@@ -165,6 +165,11 @@ async fn send(http: &reqwest::Client, t: &Target, spec: &LoadSpec, p: &Planned) 
         body["use_beam_search"] = true.into();
     } else {
         body["temperature"] = spec.temperature.into();
+        // Plain sampling, stated: a server's own defaults for omitted
+        // fields (pagedattn's per model, vLLM's from generation_config)
+        // would make runs against different servers incomparable.
+        body["top_p"] = 1.0.into();
+        body["repetition_penalty"] = 1.0.into();
         body["seed"] = (spec.seed ^ p.at.to_bits()).into();
     }
     let mut out = Outcome {
