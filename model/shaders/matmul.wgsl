@@ -19,7 +19,8 @@
 // mode 0: out = acc; mode 1: out += acc (the residual);
 // mode 2 (gated FFN): W holds the n_out gate rows, then the n_out up rows;
 //         out = silu(gate) * up; mode 3: the same with gelu_tanh(gate).
-// The Rust side prepends FMT, BLOCK_WORDS and R, and appends the staging.
+// The Rust side prepends FMT, BLOCK_WORDS and R, and appends the staging
+// and matmul_out.wgsl.
 
 struct Params {
     m: u32,       // activation rows
@@ -105,23 +106,7 @@ fn block(acc: ptr<function, Acc>, acc2: ptr<function, Acc>, c: u32, c2: u32, kb:
     accumulate(acc, acc2, wvec(c, kb, nb, 7u), wvec(c2, kb, nb, 7u), 7u);
 }
 
-fn store(row: u32, c: u32, g: f32, u: f32) {
-    if row >= p.m {
-        return;
-    }
-    let o = row * p.ldo + c;
-    if p.mode == 0u {
-        out[o] = g;
-    } else if p.mode == 1u {
-        out[o] = out[o] + g;
-    } else if p.mode == 2u {
-        out[o] = g / (1.0 + exp(-g)) * u;
-    } else {
-        // GELU's tanh approximation (tanh has saturated well before 10).
-        let t = tanh(clamp(0.7978845608028654 * (g + 0.044715 * g * g * g), -10.0, 10.0));
-        out[o] = 0.5 * g * (1.0 + t) * u;
-    }
-}
+// `store(row, c, g, u)`: matmul_out.wgsl, appended.
 
 // Rows r0..r0+n of the tile (n = 1 or 4) from one accumulator.
 fn store4(r0: u32, c: u32, g: vec4<f32>, u: vec4<f32>, n: u32) {

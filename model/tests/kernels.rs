@@ -1,19 +1,20 @@
 //! The engine's kernels (embedding gather, RMSNorm, RoPE, the Q4_1 / Q8_0 /
-//! F32 matmuls with the residual and the SiLU gate, the tied and untied LM
-//! head) on a real adapter against an f64 host model of the same network,
+//! F32 / Q4_K / Q6_K matmuls, tiled and split-K, each staging, with the
+//! residual and the SiLU / GELU gate, the tied and untied LM head) on a
+//! real adapter against an f64 host model of the same network,
 //! on small random models (seeded), with every activation buffer poisoned
 //! with NaN first. Needs no model file.
 //!
 //! Tolerance: logits relative L2 error 1e-4 (f32 accumulation over at most
-//! 128 terms per dot against f64; measured values are printed).
+//! 1280 terms per dot against f64; measured values are printed).
 
 use pagedattn::blocks::{BlockManager, BlockManagerConfig, HybridManager};
 use pagedattn::reference::rel_l2;
 use pagedattn::rng::SplitMix64;
 use pagedattn_model::config::{Activation, ArchSpec, LayerAttn, RopeStyle};
 use pagedattn_model::engine::{
-    rope_table, EngineConfig, HostLayer, HostMatrix, HostWeights, MatmulStaging, Model, Shape,
-    StepInput, WeightFormat,
+    rope_table, DecodeMatmul, EngineConfig, HostLayer, HostMatrix, HostWeights, MatmulStaging,
+    Model, Shape, StepInput, WeightFormat,
 };
 use pagedattn_model::generate::open_device;
 use pagedattn_model::gguf::GgmlType;
@@ -174,16 +175,20 @@ fn gemma_weights(seed: u64) -> HostWeights {
     }
 }
 
-fn model_weights(seed: u64, embed_fmt: WeightFormat, tied: bool) -> HostWeights {
+/// A small llama-shaped model; `wide`: an FFN of 1280 (the down matmul's
+/// rows span several rounds of the split-K matmul's 64 lanes) and a
+/// vocabulary of 70,000 (the head's columns fold past a grid's 65,535).
+fn model_weights(seed: u64, embed_fmt: WeightFormat, tied: bool, wide: bool) -> HostWeights {
     let mut rng = SplitMix64::new(seed);
+    let (ffn, vocab) = if wide { (1280, 70_000) } else { (96, 120) };
     let shape = Shape {
         layers: 2,
         d_model: 64,
-        ffn: 96,
+        ffn,
         heads: 4,
         kv_heads: 2,
         head_dim: 32,
-        vocab: 120,
+        vocab,
         rope_base: 10000.0,
         rms_eps: 1e-5,
         context: 64,
@@ -198,9 +203,9 @@ fn model_weights(seed: u64, embed_fmt: WeightFormat, tied: bool) -> HostWeights 
             v: random(&mut rng, WeightFormat::Q4_1, kw, d, 0.3),
             o: random(&mut rng, WeightFormat::F32, d, qw, 0.1),
             ffn_norm: norm(&mut rng),
-            gate: random(&mut rng, WeightFormat::Q8_0, 96, d, 0.3),
-            up: random(&mut rng, WeightFormat::Q8_0, 96, d, 0.3),
-            down: random(&mut rng, WeightFormat::Q4_1, d, 96, 0.1),
+            gate: random(&mut rng, WeightFormat::Q8_0, ffn, d, 0.3),
+            up: random(&mut rng, WeightFormat::Q8_0, ffn, d, 0.3),
+            down: random(&mut rng, WeightFormat::Q4_1, d, ffn, 0.1),
             q_norm: None,
             k_norm: None,
             post_attn_norm: None,
@@ -376,32 +381,67 @@ fn stagings(device: &wgpu::Device, queue: &wgpu::Queue) -> Vec<MatmulStaging> {
     v
 }
 
-/// For each matmul staging the device runs: two sequences through a
-/// prefill step (every row's logits, some tiles partly filled) and three
-/// decode steps of 2, 1 and 6 rows, against the host model.
-fn check(embed_fmt: WeightFormat, tied: bool, seed: u64) {
+/// Every matmul the device runs: each staging (workgroup memory, and
+/// subgroups where there are 8 lanes) for the tiled matmul and for the
+/// split-K matmul of decode steps (whose reduction the staging picks).
+fn matmuls(device: &wgpu::Device, queue: &wgpu::Queue) -> Vec<(MatmulStaging, DecodeMatmul)> {
+    let mut v = Vec::new();
+    for staging in stagings(device, queue) {
+        for decode in [DecodeMatmul::Tiled, DecodeMatmul::SplitK] {
+            v.push((staging, decode));
+        }
+    }
+    v
+}
+
+/// For each matmul the device runs: two sequences through a prefill step
+/// (every row's logits, some tiles partly filled) and three decode steps
+/// of 2, 1 and 6 rows, against the host model.
+fn check(embed_fmt: WeightFormat, tied: bool, wide: bool, seed: u64) {
     let Some((device, queue, adapter)) = device() else {
         return;
     };
-    let w = model_weights(seed, embed_fmt, tied);
-    for staging in stagings(&device, &queue) {
+    let w = model_weights(seed, embed_fmt, tied, wide);
+    let mut counts = Vec::new();
+    for (staging, decode) in matmuls(&device, &queue) {
         let cfg = EngineConfig {
             num_blocks: 16,
             max_rows: 32,
             max_logit_rows: 32,
             matmul: staging,
+            decode_matmul: decode,
             ..EngineConfig::default()
         };
         let mut model = Model::new(&device, &queue, &w, cfg).expect("model");
+        assert_eq!(model.matmul_for(6), decode, "the decode steps' matmul");
         let worst = steps(
             &mut model,
             &w,
             seed,
-            &format!("{embed_fmt:?} tied {tied}, {staging:?}"),
+            &format!("{embed_fmt:?} tied {tied} wide {wide}, {staging:?} {decode:?}"),
         );
+        counts.push((decode, model.last_dispatches()));
         eprintln!(
-            "{adapter}: {embed_fmt:?} embedding, tied {tied}, {staging:?} matmul: worst logits rel L2 {worst:.2e}"
+            "{adapter}: {embed_fmt:?} embedding, tied {tied}, wide {wide}, {staging:?} staging, {decode:?} decode matmul: worst logits rel L2 {worst:.2e}"
         );
+    }
+    fused_norms_dropped_dispatches(&counts, w.shape.layers);
+}
+
+/// The last (decode) step's dispatches: split-K runs each layer's two
+/// norms inside its QKV and gate/up matmuls, two fewer a layer.
+fn fused_norms_dropped_dispatches(counts: &[(DecodeMatmul, usize)], layers: usize) {
+    for &(decode, n) in counts {
+        for &(other, m) in counts {
+            if decode == DecodeMatmul::SplitK && other == DecodeMatmul::Tiled {
+                assert_eq!(
+                    n + 2 * layers,
+                    m,
+                    "decode step dispatches: split-K {n}, tiled {m}"
+                );
+            }
+        }
+        assert!(n > 0, "{decode:?}: no dispatch counted");
     }
 }
 
@@ -504,17 +544,24 @@ fn steps(model: &mut Model, w: &HostWeights, seed: u64, what: &str) -> f64 {
 
 #[test]
 fn q8_embedding_tied_head_matches_the_f64_model() {
-    check(WeightFormat::Q8_0, true, 1);
+    check(WeightFormat::Q8_0, true, false, 1);
 }
 
 #[test]
 fn f32_embedding_untied_q4_head_matches_the_f64_model() {
-    check(WeightFormat::F32, false, 2);
+    check(WeightFormat::F32, false, false, 2);
 }
 
 #[test]
 fn q4_embedding_tied_head_matches_the_f64_model() {
-    check(WeightFormat::Q4_1, true, 3);
+    check(WeightFormat::Q4_1, true, false, 3);
+}
+
+/// Rows of 1280 elements (several rounds of the split-K matmul's lanes)
+/// and a head of 70,000 columns (its split-K grid folded into y).
+#[test]
+fn wide_ffn_and_head_match_the_f64_model() {
+    check(WeightFormat::Q8_0, false, true, 5);
 }
 
 /// Gemma 3's step (Q/K norms, post-norms, GELU-tanh, NeoX RoPE with two
@@ -527,7 +574,8 @@ fn gemma3_step_matches_the_f64_model() {
         return;
     };
     let w = gemma_weights(4);
-    for staging in stagings(&device, &queue) {
+    let mut counts = Vec::new();
+    for (staging, decode) in matmuls(&device, &queue) {
         // Blocks of 4 tokens, so that the window group's tables drop
         // blocks as the sequences (18 and 23 tokens) pass the window of 8.
         let cfg = EngineConfig {
@@ -536,6 +584,7 @@ fn gemma3_step_matches_the_f64_model() {
             max_rows: 32,
             max_logit_rows: 32,
             matmul: staging,
+            decode_matmul: decode,
             ..EngineConfig::default()
         };
         let mut model = Model::new(&device, &queue, &w, cfg).expect("model");
@@ -565,11 +614,14 @@ fn gemma3_step_matches_the_f64_model() {
             let e = step(&[]).expect_err("one view for two groups");
             assert!(e.contains("layer groups"), "{e}");
         }
-        let worst = steps(&mut model, &w, 4, &format!("gemma3 {staging:?}"));
+        let worst = steps(&mut model, &w, 4, &format!("gemma3 {staging:?} {decode:?}"));
+        counts.push((decode, model.last_dispatches()));
         eprintln!(
-            "{adapter}: gemma3-shaped model, {staging:?} matmul: worst logits rel L2 {worst:.2e}"
+            "{adapter}: gemma3-shaped model, {staging:?} staging, {decode:?} decode matmul: worst logits rel L2 {worst:.2e}, {} dispatches a decode step",
+            model.last_dispatches()
         );
     }
+    fused_norms_dropped_dispatches(&counts, w.shape.layers);
 }
 
 /// The K-quant GPU blocks hold what the host dequantizer reads: every
@@ -615,7 +667,7 @@ fn bad_steps_and_shapes_are_refused() {
     let Some((device, queue, _)) = device() else {
         return;
     };
-    let mut w = model_weights(4, WeightFormat::Q8_0, true);
+    let mut w = model_weights(4, WeightFormat::Q8_0, true, false);
     let cfg = EngineConfig {
         num_blocks: 16,
         max_rows: 8,

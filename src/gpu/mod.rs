@@ -79,7 +79,9 @@ pub use mla::{
 /// Kernel plumbing for the benchmark in the CLI crate (`stream_read`): not
 /// part of the API an engine should rely on.
 #[doc(hidden)]
-pub use pass::{bind as bind_buffers, dispatch as dispatch_pass, pipeline_from_file};
+pub use pass::{
+    bind as bind_buffers, dispatch as dispatch_pass, dispatches_recorded, pipeline_from_file,
+};
 pub use plan::{check_copies, AttentionPlan, DecodeTables, MlaPlan, PrefillTables, WritePlan};
 pub use swap::SwapSpace;
 pub use transfer::{check_import_payload, KvLayout, KV_LAYOUT_BYTES, KV_LAYOUT_VERSION};

@@ -148,6 +148,18 @@ pub(crate) fn bind_ranges(
     })
 }
 
+/// Dispatches every kernel of the library recorded, in this process: see
+/// [`dispatches_recorded`].
+static DISPATCHES: AtomicU64 = AtomicU64::new(0);
+
+/// How many dispatches the library's kernels have recorded in this
+/// process so far (every thread's): the difference across a step is that
+/// step's count where one thread records. A launch-bound GPU step costs
+/// about this count times the launch cost.
+pub fn dispatches_recorded() -> u64 {
+    DISPATCHES.load(Ordering::Relaxed)
+}
+
 /// Records one compute pass: `pipeline` with bind group 0 `bg` over `grid`.
 pub fn dispatch(
     enc: &mut wgpu::CommandEncoder,
@@ -163,4 +175,5 @@ pub fn dispatch(
     pass.set_pipeline(pipeline);
     pass.set_bind_group(0, bg, &[]);
     pass.dispatch_workgroups(grid.0, grid.1, grid.2);
+    DISPATCHES.fetch_add(1, Ordering::Relaxed);
 }

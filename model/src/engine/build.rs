@@ -29,8 +29,14 @@ impl LayerBinds {
                 .map(|w| bind(dev, layout4, &[&u.headnorm, w, logit_idx, qkv])),
             o: bind(dev, layout4, &[&u.o, attn_out, &l.o.buf, proj_out]),
             post_attn: norm_add(&l.post_attn),
+            qkv_normed: bind(dev, layout5, &[&u.qkv, x, &l.qkv.buf, &l.attn_norm, qkv]),
             norm2: bind(dev, layout5, &[&u.norm, x, &l.ffn_norm, logit_idx, xn]),
             gate_up: bind(dev, layout4, &[&u.gate_up, xn, &l.gate_up.buf, h]),
+            gate_up_normed: bind(
+                dev,
+                layout5,
+                &[&u.gate_up, x, &l.gate_up.buf, &l.ffn_norm, h],
+            ),
             down: bind(dev, layout4, &[&u.down, h, &l.down.buf, proj_out]),
             post_ffn: norm_add(&l.post_ffn),
         }
@@ -80,6 +86,7 @@ impl Model {
         let gpu = Gpu::from_device(device, queue);
         // Refused before anything is made on the engine's device.
         let staging = cfg.matmul.resolve(&gpu)?;
+        let decode_matmul = cfg.decode_matmul.resolve(&gpu);
         let dev = &gpu.device;
         let scope = dev.push_error_scope(wgpu::ErrorFilter::Validation);
         let oom = dev.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
@@ -106,7 +113,13 @@ impl Model {
         let pipe_norm = pipeline(&gpu, &playout5, "rmsnorm", WeightFormat::F32, 1, unused)?;
         let pipe_rope = pipeline(&gpu, &playout4, "rope", WeightFormat::F32, 1, unused)?;
         let pipe_headnorm = pipeline(&gpu, &playout4, "headnorm", WeightFormat::F32, 1, unused)?;
-        let matmuls = matmul_pipelines(&gpu, &playout4, w, staging)?;
+        let [matmuls, splitks, splitks_norm] = matmul_pipelines(
+            &gpu,
+            [&playout4, &playout5],
+            w,
+            staging,
+            decode_matmul == DecodeMatmul::SplitK,
+        )?;
         let layers = upload_layers(&gpu, w)?;
         // Matrices of more rows than one binding holds (Gemma's 262,144-row
         // embedding, 189 MB in Q8_0) go up in row chunks.
@@ -260,6 +273,9 @@ impl Model {
             pipe_rope,
             pipe_headnorm,
             matmuls,
+            splitks,
+            splitks_norm,
+            last_dispatches: 0,
             layers,
             groups,
             embed_chunks,
@@ -470,12 +486,45 @@ pub fn shader_source(
                     concat!(
                         include_str!("../../shaders/matmul_subgroup.wgsl"),
                         "\n",
+                        include_str!("../../shaders/matmul_out.wgsl"),
+                        "\n",
                         include_str!("../../shaders/block.wgsl")
                     )
                 }
                 _ => concat!(
                     include_str!("../../shaders/matmul_tile.wgsl"),
                     "\n",
+                    include_str!("../../shaders/matmul_out.wgsl"),
+                    "\n",
+                    include_str!("../../shaders/block.wgsl")
+                ),
+            },
+        ),
+        "matmul_splitk" | "matmul_splitk_norm" => (
+            include_str!("../../shaders/matmul_splitk.wgsl"),
+            match (staging, kernel == "matmul_splitk_norm") {
+                (MatmulStaging::Subgroup, false) => concat!(
+                    include_str!("../../shaders/matmul_splitk_io.wgsl"),
+                    include_str!("../../shaders/matmul_splitk_sg.wgsl"),
+                    include_str!("../../shaders/matmul_out.wgsl"),
+                    include_str!("../../shaders/block.wgsl")
+                ),
+                (MatmulStaging::Subgroup, true) => concat!(
+                    include_str!("../../shaders/matmul_splitk_norm_io.wgsl"),
+                    include_str!("../../shaders/matmul_splitk_sg.wgsl"),
+                    include_str!("../../shaders/matmul_out.wgsl"),
+                    include_str!("../../shaders/block.wgsl")
+                ),
+                (_, false) => concat!(
+                    include_str!("../../shaders/matmul_splitk_io.wgsl"),
+                    include_str!("../../shaders/matmul_splitk_wg.wgsl"),
+                    include_str!("../../shaders/matmul_out.wgsl"),
+                    include_str!("../../shaders/block.wgsl")
+                ),
+                (_, true) => concat!(
+                    include_str!("../../shaders/matmul_splitk_norm_io.wgsl"),
+                    include_str!("../../shaders/matmul_splitk_wg.wgsl"),
+                    include_str!("../../shaders/matmul_out.wgsl"),
                     include_str!("../../shaders/block.wgsl")
                 ),
             },
@@ -495,7 +544,15 @@ pub fn shader_source(
 }
 
 /// The kernels' names, for a tool that prints every shader.
-pub const KERNELS: [&str; 5] = ["matmul", "embed", "rmsnorm", "rope", "headnorm"];
+pub const KERNELS: [&str; 7] = [
+    "matmul",
+    "matmul_splitk",
+    "matmul_splitk_norm",
+    "embed",
+    "rmsnorm",
+    "rope",
+    "headnorm",
+];
 
 pub(super) fn pipeline(
     gpu: &Gpu,
@@ -566,27 +623,44 @@ pub(super) fn fused_qkv(s: &Shape) -> [usize; 3] {
 }
 
 /// The matmul pipelines of every weight format the model holds, at each
-/// row tile.
+/// row tile: the tiled matmul's, and with `splitk` the split-K matmul's.
+pub(super) type Matmuls = HashMap<(WeightFormat, u32), ComputePipeline>;
+
 pub(super) fn matmul_pipelines(
     gpu: &Gpu,
-    layout: &PipelineLayout,
+    [layout4, layout5]: [&PipelineLayout; 2],
     w: &HostWeights,
     staging: MatmulStaging,
-) -> Result<HashMap<(WeightFormat, u32), ComputePipeline>, ModelError> {
+    splitk: bool,
+) -> Result<[Matmuls; 3], ModelError> {
     let head = w.output.as_ref().unwrap_or(&w.embed);
     let mut fmts = vec![head.fmt];
+    // The norm-fused split-K matmul runs QKV and gate/up (stacked, each
+    // of its parts' one format).
+    let mut normed = Vec::new();
     for l in &w.layers {
         fmts.extend([l.q.fmt, l.o.fmt, l.gate.fmt, l.down.fmt]);
+        normed.extend([l.q.fmt, l.gate.fmt]);
     }
     fmts.sort_by_key(|f| f.shader_id());
     fmts.dedup();
-    let mut matmuls = HashMap::new();
+    let [mut tiled, mut split, mut split_norm] = [HashMap::new(), HashMap::new(), HashMap::new()];
     for &fm in &fmts {
         for rt in MATMUL_TILES {
-            matmuls.insert((fm, rt), pipeline(gpu, layout, "matmul", fm, rt, staging)?);
+            tiled.insert((fm, rt), pipeline(gpu, layout4, "matmul", fm, rt, staging)?);
+        }
+        if splitk {
+            for rt in SPLITK_TILES {
+                let p = pipeline(gpu, layout4, "matmul_splitk", fm, rt, staging)?;
+                split.insert((fm, rt), p);
+                if normed.contains(&fm) {
+                    let p = pipeline(gpu, layout5, "matmul_splitk_norm", fm, rt, staging)?;
+                    split_norm.insert((fm, rt), p);
+                }
+            }
         }
     }
-    Ok(matmuls)
+    Ok([tiled, split, split_norm])
 }
 
 /// Every layer's weights on the device: Q, K and V stacked into one matrix
@@ -710,15 +784,20 @@ pub(super) fn attention(
 }
 
 /// Bind groups of one layer: norm 1, QKV, the head norms, output, its
-/// post-norm, norm 2, gate/up, down, its post-norm.
+/// post-norm, norm 2, gate/up, down, its post-norm; and QKV and gate/up
+/// with their norms fused in, for the split-K matmul.
 pub(super) struct LayerBinds {
     pub(super) norm1: BindGroup,
     pub(super) qkv: BindGroup,
+    /// QKV with norm 1 fused in (the split-K matmul's NORM variant).
+    pub(super) qkv_normed: BindGroup,
     pub(super) qk_norm: Option<BindGroup>,
     pub(super) o: BindGroup,
     pub(super) post_attn: Option<BindGroup>,
     pub(super) norm2: BindGroup,
     pub(super) gate_up: BindGroup,
+    /// Gate/up with norm 2 fused in.
+    pub(super) gate_up_normed: BindGroup,
     pub(super) down: BindGroup,
     pub(super) post_ffn: Option<BindGroup>,
 }

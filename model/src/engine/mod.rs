@@ -95,8 +95,11 @@ pub struct EngineConfig {
     pub max_logit_rows: usize,
     /// The decode kernel; `None`: pagedattn's default for the adapter.
     pub kernel: Option<Kernel>,
-    /// How the matmul shares activation rows among its invocations.
+    /// How the matmul shares activation rows among its invocations (and
+    /// how the split-K matmul reduces: workgroup memory or subgroups).
     pub matmul: MatmulStaging,
+    /// The matmul of steps of at most [`SPLITK_MAX_ROWS`] rows (decode).
+    pub decode_matmul: DecodeMatmul,
     /// One pool per layer group, so that a sliding-window group keeps
     /// only its window's blocks (`true`), or one pool for every layer
     /// (`false`: full retention, what a hybrid model is measured against).
@@ -152,6 +155,39 @@ impl MatmulStaging {
     }
 }
 
+/// The matmul a step of few rows (decode, at most [`SPLITK_MAX_ROWS`])
+/// runs; longer steps (prefill, big batches) run the tiled matmul, which
+/// dequantizes each weight block once for up to 16 rows.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum DecodeMatmul {
+    /// [`Tiled`](Self::Tiled) on a CPU adapter (measured there:
+    /// benches/NOTES.md), [`SplitK`](Self::SplitK) on every GPU.
+    #[default]
+    Auto,
+    /// The tiled matmul: an invocation per output column walks its weight
+    /// row alone. A CPU's caches like it; a GPU's loads land far apart.
+    Tiled,
+    /// A workgroup per output column, its lanes splitting the row into
+    /// contiguous loads, dequantized in registers and summed across the
+    /// workgroup (matmul_splitk.wgsl). Every adapter.
+    SplitK,
+}
+
+impl DecodeMatmul {
+    /// What this choice runs on `gpu`: `Tiled` or `SplitK`.
+    pub fn resolve(self, gpu: &Gpu) -> Self {
+        match self {
+            Self::Auto if gpu.info.device_type == wgpu::DeviceType::Cpu => Self::Tiled,
+            Self::Auto => Self::SplitK,
+            other => other,
+        }
+    }
+}
+
+/// The most rows a step may have for [`DecodeMatmul::SplitK`] to run it.
+pub const SPLITK_MAX_ROWS: usize = 8;
+
 impl Default for EngineConfig {
     fn default() -> Self {
         Self {
@@ -162,6 +198,7 @@ impl Default for EngineConfig {
             max_logit_rows: 32,
             kernel: None,
             matmul: MatmulStaging::Auto,
+            decode_matmul: DecodeMatmul::Auto,
             layer_groups: true,
             window_blocks: None,
         }
@@ -183,6 +220,8 @@ pub struct StepInput<'a> {
 }
 
 const MATMUL_TILES: [u32; 4] = [1, 4, 8, 16];
+/// The split-K matmul's row tiles (at most [`SPLITK_MAX_ROWS`]).
+const SPLITK_TILES: [u32; 3] = [1, 4, 8];
 const WG: usize = 64;
 
 /// The workgroups of a matmul of `n` output columns over `rows` rows at row
@@ -240,6 +279,13 @@ pub struct Model {
     pipe_rope: ComputePipeline,
     pipe_headnorm: ComputePipeline,
     matmuls: HashMap<(WeightFormat, u32), ComputePipeline>,
+    /// The split-K matmul's pipelines (empty where the tiled matmul runs
+    /// every step).
+    splitks: HashMap<(WeightFormat, u32), ComputePipeline>,
+    /// The split-K matmul with the RMSNorm fused in front (QKV, gate/up).
+    splitks_norm: HashMap<(WeightFormat, u32), ComputePipeline>,
+    /// The dispatches the last step recorded.
+    last_dispatches: usize,
     layers: Vec<LayerGpu>,
     groups: Vec<LayerBinds>,
     /// The embedding in row chunks that each fit one storage binding:
@@ -344,13 +390,73 @@ impl Model {
         (self.qkv_row, self.k_off, self.v_off)
     }
 
-    fn matmul(&self, fmt: WeightFormat, m: usize) -> (&ComputePipeline, u32) {
+    /// The pipeline and grid of a matmul of `n` output columns (`gated`:
+    /// `n` gate and up row pairs) over `m` rows: split-K for a step of few
+    /// rows where the engine runs it, else tiled.
+    fn matmul(
+        &self,
+        fmt: WeightFormat,
+        m: usize,
+        n: u32,
+        gated: bool,
+    ) -> (&ComputePipeline, [u32; 3]) {
+        let rows = m as u32;
+        if m <= SPLITK_MAX_ROWS && !self.splitks.is_empty() {
+            let rt = SPLITK_TILES
+                .iter()
+                .copied()
+                .find(|&t| t as usize >= m)
+                .unwrap_or(8);
+            // One workgroup per column, folded past the grid's x limit.
+            const MAX_X: u32 = 65535;
+            let grid = [n.min(MAX_X), n.div_ceil(MAX_X), rows.div_ceil(rt)];
+            return (&self.splitks[&(fmt, rt)], grid);
+        }
         let rt = MATMUL_TILES
             .iter()
             .copied()
             .find(|&t| t as usize >= m)
             .unwrap_or(16);
-        (&self.matmuls[&(fmt, rt)], rt)
+        // Tiled: 64 gated columns a workgroup (a gate and an up row each),
+        // else 128.
+        let (gx, gy) = if gated {
+            (n.div_ceil(WG as u32), rows.div_ceil(rt))
+        } else {
+            grid(n, rt, rows)
+        };
+        (&self.matmuls[&(fmt, rt)], [gx, gy, 1])
+    }
+
+    /// The split-K matmul with the norm fused in, for a step of `m` rows
+    /// over `fmt` weights (`None`: norm, then the plain matmul).
+    fn matmul_normed(
+        &self,
+        fmt: WeightFormat,
+        m: usize,
+        n: u32,
+    ) -> Option<(&ComputePipeline, [u32; 3])> {
+        let (_, grid) = self.matmul(fmt, m, n, false);
+        if m > SPLITK_MAX_ROWS || self.splitks.is_empty() {
+            return None;
+        }
+        let rt = SPLITK_TILES.iter().copied().find(|&t| t as usize >= m)?;
+        self.splitks_norm.get(&(fmt, rt)).map(|p| (p, grid))
+    }
+
+    /// Dispatches the last step recorded: the model's own passes and the
+    /// library's (the K/V write, block copies, attention). Exact where one
+    /// thread records GPU work at a time.
+    pub fn last_dispatches(&self) -> usize {
+        self.last_dispatches
+    }
+
+    /// Which matmul a step of `rows` rows runs (for reports).
+    pub fn matmul_for(&self, rows: usize) -> DecodeMatmul {
+        if rows <= SPLITK_MAX_ROWS && !self.splitks.is_empty() {
+            DecodeMatmul::SplitK
+        } else {
+            DecodeMatmul::Tiled
+        }
     }
 
     /// Checks a step against the engine's limits and the view.
@@ -448,6 +554,8 @@ impl Model {
             }
         }
         self.write_params(s);
+        let library_before = pagedattn::gpu::dispatches_recorded();
+        let mut own = 0usize;
 
         // 2. One encoder for the whole step.
         let scope = gpu.device.push_error_scope(wgpu::ErrorFilter::Validation);
@@ -460,12 +568,13 @@ impl Model {
             for (_, g) in &self.g_embed {
                 pass.set_bind_group(0, g, &[]);
                 pass.dispatch_workgroups((m32 * d / 4).div_ceil(WG as u32), 1, 1);
+                own += 1;
             }
         }
         for kg in &mut self.kv {
             kg.cache.run_copy_blocks(gpu, &mut enc, &mut kg.wplan)?;
         }
-        self.record_layers(&mut enc, m)?;
+        own += self.record_layers(&mut enc, m)?;
         let gpu = &self.gpu;
         // A step of prompt chunks only (none reaching its end) needs no logits.
         if l > 0 {
@@ -473,14 +582,17 @@ impl Model {
             pass.set_pipeline(&self.pipe_norm);
             pass.set_bind_group(0, &self.g_final, &[]);
             pass.dispatch_workgroups(l32, 1, 1);
-            let (p, rt) = self.matmul(self.head_fmt, l);
-            pass.set_pipeline(p);
+            own += 1;
             for (_, n, _, g) in &self.g_head {
+                let (p, [x, y, z]) = self.matmul(self.head_fmt, l, *n, false);
+                pass.set_pipeline(p);
                 pass.set_bind_group(0, g, &[]);
-                let (gx, gy) = grid(*n, rt, l32);
-                pass.dispatch_workgroups(gx, gy, 1);
+                pass.dispatch_workgroups(x, y, z);
+                own += 1;
             }
         }
+        self.last_dispatches =
+            own + (pagedattn::gpu::dispatches_recorded() - library_before) as usize;
         let bytes = (l * sh.vocab * 4) as u64;
         if l > 0 {
             enc.copy_buffer_to_buffer(&self.logits, 0, &self.staging, 0, bytes);
@@ -557,9 +669,10 @@ impl Model {
             Activation::Silu => 2,
             Activation::GeluTanh => 3,
         };
-        q.write_buffer(&u.qkv, 0, words(&[m32, d, row, 0, d, row, 0, 0]));
+        // The fused norm's epsilon in word 6 (the tiled matmul ignores it).
+        q.write_buffer(&u.qkv, 0, words(&[m32, d, row, 0, d, row, eps, 0]));
         q.write_buffer(&u.o, 0, words(&[m32, qw, d, proj, qw, d, 0, 0]));
-        q.write_buffer(&u.gate_up, 0, words(&[m32, d, ffn, gate, d, ffn, 0, 0]));
+        q.write_buffer(&u.gate_up, 0, words(&[m32, d, ffn, gate, d, ffn, eps, 0]));
         q.write_buffer(&u.down, 0, words(&[m32, ffn, d, proj, ffn, d, 0, 0]));
         for (_, n, ub, _) in &self.g_head {
             q.write_buffer(ub, 0, words(&[l32, d, *n, 0, d, vocab, 0, 0]));
@@ -572,15 +685,14 @@ impl Model {
         &mut self,
         enc: &mut wgpu::CommandEncoder,
         m: usize,
-    ) -> Result<(), ModelError> {
+    ) -> Result<usize, ModelError> {
         let sh = self.shape;
         let gpu = &self.gpu;
         let m32 = m as u32;
         let (d, ffn, row) = (sh.d_model as u32, sh.ffn as u32, self.qkv_row as u32);
         let rope_heads = (sh.heads + sh.kv_heads) as u32;
         let half = (sh.head_dim / 2) as u32;
-        // 64 gated columns a workgroup (a gate and an up row each).
-        let grid_gated = |n: u32, rt: u32, rows: u32| (n.div_ceil(WG as u32), rows.div_ceil(rt));
+        let mut own = 0;
         let (k_bind, v_bind) = (
             wgpu::BufferBinding {
                 buffer: &self.qkv,
@@ -596,22 +708,31 @@ impl Model {
         for (i, (lw, g)) in self.layers.iter().zip(&self.groups).enumerate() {
             {
                 let mut pass = enc.begin_compute_pass(&Default::default());
-                pass.set_pipeline(&self.pipe_norm);
-                pass.set_bind_group(0, &g.norm1, &[]);
-                pass.dispatch_workgroups(m32, 1, 1);
-                let (p, rt) = self.matmul(lw.qkv.fmt, m);
-                pass.set_pipeline(p);
-                pass.set_bind_group(0, &g.qkv, &[]);
-                let (gx, gy) = grid(row, rt, m32);
-                pass.dispatch_workgroups(gx, gy, 1);
+                if let Some((p, [x, y, z])) = self.matmul_normed(lw.qkv.fmt, m, row) {
+                    pass.set_pipeline(p);
+                    pass.set_bind_group(0, &g.qkv_normed, &[]);
+                    pass.dispatch_workgroups(x, y, z);
+                    own += 1;
+                } else {
+                    pass.set_pipeline(&self.pipe_norm);
+                    pass.set_bind_group(0, &g.norm1, &[]);
+                    pass.dispatch_workgroups(m32, 1, 1);
+                    let (p, [x, y, z]) = self.matmul(lw.qkv.fmt, m, row, false);
+                    pass.set_pipeline(p);
+                    pass.set_bind_group(0, &g.qkv, &[]);
+                    pass.dispatch_workgroups(x, y, z);
+                    own += 2;
+                }
                 if let Some(qk) = &g.qk_norm {
                     pass.set_pipeline(&self.pipe_headnorm);
                     pass.set_bind_group(0, qk, &[]);
                     pass.dispatch_workgroups(m32 * rope_heads, 1, 1);
+                    own += 1;
                 }
                 pass.set_pipeline(&self.pipe_rope);
                 pass.set_bind_group(0, &self.g_ropes[self.layer_rope[i]], &[]);
                 pass.dispatch_workgroups((m32 * rope_heads * half).div_ceil(WG as u32), 1, 1);
+                own += 1;
             }
             let (kgi, layer, variant) = self.layer_kv[i];
             let kg = &mut self.kv[kgi];
@@ -624,36 +745,45 @@ impl Model {
                     .run(gpu, enc, &mut kg.aplan, &kg.cache, layer, variant, &qb, &ob)?;
             }
             let mut pass = enc.begin_compute_pass(&Default::default());
-            let (p, rt) = self.matmul(lw.o.fmt, m);
+            let (p, [x, y, z]) = self.matmul(lw.o.fmt, m, d, false);
             pass.set_pipeline(p);
             pass.set_bind_group(0, &g.o, &[]);
-            let (gx, gy) = grid(d, rt, m32);
-            pass.dispatch_workgroups(gx, gy, 1);
+            pass.dispatch_workgroups(x, y, z);
+            own += 1;
             if let Some(post) = &g.post_attn {
                 pass.set_pipeline(&self.pipe_norm);
                 pass.set_bind_group(0, post, &[]);
                 pass.dispatch_workgroups(m32, 1, 1);
+                own += 1;
             }
-            pass.set_pipeline(&self.pipe_norm);
-            pass.set_bind_group(0, &g.norm2, &[]);
-            pass.dispatch_workgroups(m32, 1, 1);
-            let (p, rt) = self.matmul(lw.gate_up.fmt, m);
-            pass.set_pipeline(p);
-            pass.set_bind_group(0, &g.gate_up, &[]);
-            let (gx, gy) = grid_gated(ffn, rt, m32);
-            pass.dispatch_workgroups(gx, gy, 1);
-            let (p, rt) = self.matmul(lw.down.fmt, m);
+            if let Some((p, [x, y, z])) = self.matmul_normed(lw.gate_up.fmt, m, ffn) {
+                pass.set_pipeline(p);
+                pass.set_bind_group(0, &g.gate_up_normed, &[]);
+                pass.dispatch_workgroups(x, y, z);
+                own += 1;
+            } else {
+                pass.set_pipeline(&self.pipe_norm);
+                pass.set_bind_group(0, &g.norm2, &[]);
+                pass.dispatch_workgroups(m32, 1, 1);
+                let (p, [x, y, z]) = self.matmul(lw.gate_up.fmt, m, ffn, true);
+                pass.set_pipeline(p);
+                pass.set_bind_group(0, &g.gate_up, &[]);
+                pass.dispatch_workgroups(x, y, z);
+                own += 2;
+            }
+            let (p, [x, y, z]) = self.matmul(lw.down.fmt, m, d, false);
             pass.set_pipeline(p);
             pass.set_bind_group(0, &g.down, &[]);
-            let (gx, gy) = grid(d, rt, m32);
-            pass.dispatch_workgroups(gx, gy, 1);
+            pass.dispatch_workgroups(x, y, z);
+            own += 1;
             if let Some(post) = &g.post_ffn {
                 pass.set_pipeline(&self.pipe_norm);
                 pass.set_bind_group(0, post, &[]);
                 pass.dispatch_workgroups(m32, 1, 1);
+                own += 1;
             }
         }
-        Ok(())
+        Ok(own)
     }
 
     /// Fills every activation buffer and the logits with NaN (tests: a
