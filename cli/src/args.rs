@@ -124,8 +124,11 @@ pub struct LoadgenArgs {
     #[arg(long)]
     pub full: bool,
     /// The servers started here: GGUF file.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "synthetic")]
     pub model: Option<std::path::PathBuf>,
+    /// The servers started here: a synthetic model (see --layers).
+    #[command(flatten)]
+    pub synthetic: SyntheticArgs,
     /// The servers started here: KV blocks of 16 tokens.
     #[arg(long, default_value_t = 128)]
     pub num_blocks: u32,
@@ -150,9 +153,12 @@ pub struct LoadgenArgs {
 #[derive(clap::Args, Debug, Clone)]
 pub struct ServeArgs {
     /// The GGUF file (default: $PAGEDATTN_MODEL or models/SmolLM2-135M-Instruct.Q4_1.gguf).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "synthetic")]
     pub model: Option<std::path::PathBuf>,
-    /// The name clients pass as `model` (default: the file's stem).
+    #[command(flatten)]
+    pub synthetic: SyntheticArgs,
+    /// The name clients pass as `model` (default: the file's stem, or
+    /// synthetic-ARCH).
     #[arg(long)]
     pub served_model_name: Option<String>,
     /// Address to listen on (loopback unless --api-keys or --allow-unauthenticated).
@@ -246,8 +252,10 @@ pub struct GenerateArgs {
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// The GGUF file (default: $PAGEDATTN_MODEL or models/SmolLM2-135M-Instruct.Q4_1.gguf).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "synthetic")]
     pub model: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    pub synthetic: SyntheticArgs,
     /// KV pool element type: f16, f32, int8 or fp8.
     #[arg(long, default_value = "f16")]
     pub kv_dtype: String,
@@ -335,9 +343,47 @@ pub struct BenchArgs {
     #[arg(long, allow_hyphen_values = true)]
     pub max_seconds: Option<f64>,
     /// Run only these sections (comma-separated): decode, dtypes, cascade,
-    /// split, host, copy, swap.
+    /// split, host, copy, swap, transfer, mla, model.
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
+    /// The model section's model (with --only model).
+    #[command(flatten)]
+    pub synthetic: SyntheticArgs,
+}
+
+/// A synthetic model instead of the GGUF file, for the commands that run
+/// one (`bench --only model`, `serve`, `loadgen`, `generate`).
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct SyntheticArgs {
+    /// A synthetic model of this shape instead of a GGUF file: the real
+    /// file's tensors and formats, weights from a seed, built in memory
+    /// (smollm2-135m, gemma3-270m, llama3-8b, qwen3-8b).
+    #[arg(long, value_name = "ARCH")]
+    pub synthetic: Option<crate::model::synthetic::SyntheticArch>,
+    /// With --synthetic: only the model's first N layers (1 to its layer
+    /// count), to fit a small machine.
+    #[arg(long, value_name = "N")]
+    pub layers: Option<usize>,
+}
+
+impl SyntheticArgs {
+    /// The synthetic model asked for, its --layers checked.
+    pub fn resolve(&self) -> Result<Option<crate::model::synthetic::Synthetic>, String> {
+        use crate::model::synthetic::Synthetic;
+        let Some(arch) = self.synthetic else {
+            return match self.layers {
+                Some(n) => Err(format!(
+                    "--layers {n} cuts a synthetic model: give --synthetic ARCH too"
+                )),
+                None => Ok(None),
+            };
+        };
+        let s = Synthetic::new(arch);
+        match self.layers {
+            Some(n) => s.with_layers(n).map(Some),
+            None => Ok(Some(s)),
+        }
+    }
 }
 
 #[derive(clap::Args, Debug)]
@@ -423,6 +469,8 @@ pub enum Checked {
     Bench {
         /// Validated settings.
         cfg: BenchConfig,
+        /// The model section's model: the file, or a synthetic one.
+        model: crate::model::load::ModelSource,
         /// Print JSON instead of the table.
         json: bool,
     },
@@ -567,7 +615,16 @@ pub fn check(cli: Cli) -> Result<Checked, String> {
                 }
             }
             cfg.validate().map_err(|e| e.to_string())?;
-            Ok(Checked::Bench { cfg, json: a.json })
+            let synthetic = a.synthetic.resolve()?;
+            if synthetic.is_some() && !cfg.runs("model") {
+                return Err("--synthetic is the model section's model: add --only model".into());
+            }
+            let model = crate::model::load::ModelSource::new(crate::env::model_path(), synthetic);
+            Ok(Checked::Bench {
+                cfg,
+                model,
+                json: a.json,
+            })
         }
         Some(Command::Sweep(a)) => Ok(Checked::Sweep {
             cfg: crate::bench::sweep::SweepConfig {
@@ -663,8 +720,13 @@ fn loadgen(a: LoadgenArgs) -> Result<Checked, String> {
         slo: a.slo_ms / 1e3,
         temperature: a.temperature,
     };
+    let synthetic = a.synthetic.resolve()?;
+    if synthetic.is_some() && a.base.is_some() {
+        return Err("--synthetic is the model of the servers started here; --base names one already running".into());
+    }
     let server = ServeConfig {
         model: a.model.clone().unwrap_or_else(crate::env::model_path),
+        synthetic,
         backends: crate::env::backends().map_err(|e| e.to_string())?,
         port: 0,
         kv_dtype: crate::demo::parse_kv_dtype(&a.kv_dtype)?,
@@ -715,6 +777,7 @@ fn serve(a: &ServeArgs) -> Result<Checked, String> {
     };
     let cfg = ServeConfig {
         model: a.model.clone().unwrap_or_else(crate::env::model_path),
+        synthetic: a.synthetic.resolve()?,
         backends: crate::env::backends().map_err(|e| e.to_string())?,
         served_model_name: a.served_model_name.clone(),
         host: a.host,
@@ -810,6 +873,7 @@ fn generate(a: &GenerateArgs) -> Result<Checked, String> {
         seed: a.seed,
         logit_bias,
         model: a.model.clone().unwrap_or_else(crate::env::model_path),
+        synthetic: a.synthetic.resolve()?,
         backends: crate::env::backends().map_err(|e| e.to_string())?,
         kv_dtype,
         num_blocks: a.num_blocks,

@@ -18,11 +18,15 @@ const DEMO_MAX_STEPS: u64 = 1_000_000;
 
 type Res = Result<(), Box<dyn Error>>;
 
-fn run_bench(out: &mut dyn Write, cfg: &pagedattn_cli::bench::BenchConfig, json: bool) -> Res {
+fn run_bench(
+    out: &mut dyn Write,
+    cfg: &pagedattn_cli::bench::BenchConfig,
+    source: &pagedattn_cli::model::load::ModelSource,
+    json: bool,
+) -> Res {
     let model = if cfg.runs("model") {
-        let path = pagedattn_cli::env::model_path();
         let backends = pagedattn_cli::env::backends()?;
-        let b = pagedattn_cli::model::bench::run(&path, cfg.quick, backends)?;
+        let b = pagedattn_cli::model::bench::run(source, cfg.quick, backends)?;
         if !json {
             write!(out, "{}", pagedattn_cli::model::bench::render(&b))?;
         }
@@ -489,7 +493,7 @@ fn run(checked: Checked) -> Res {
     match checked {
         Checked::Demo { cfg, verbose } => run_demo(&mut out, cfg, verbose)?,
         Checked::Simulate { cfg, args } => pagedattn_cli::sim::run_cli_to(&cfg, &args, &mut out)?,
-        Checked::Bench { cfg, json } => run_bench(&mut out, &cfg, json)?,
+        Checked::Bench { cfg, model, json } => run_bench(&mut out, &cfg, &model, json)?,
         Checked::Sweep { cfg, csv, json } => {
             use pagedattn_cli::bench::sweep;
             let gpu = pagedattn_cli::env::gpu()?;

@@ -442,6 +442,21 @@ fn generate_arguments_are_checked_before_the_model_is_read() {
         &["choose one"],
     );
     assert_usage_error(&["generate", "--kv-dtype", "f12"], &["f12"]);
+    assert_usage_error(&["generate", "--min-p", "1.5"], &["min-p 1.5", "0..=1"]);
+    assert_usage_error(
+        &["generate", "--logit-bias", "12:300"],
+        &["logit_bias", "300", "-100..=100"],
+    );
+    assert_usage_error(
+        &["generate", "--logit-bias", "twelve:1"],
+        &["\"twelve\"", "token id"],
+    );
+    assert_usage_error(&["generate", "--logit-bias", "12"], &["TOKEN:BIAS"]);
+    assert_usage_error(
+        &["generate", "--beams", "2", "--temperature", "0.5"],
+        &["--beams is deterministic"],
+    );
+    assert_usage_error(&["serve", "--min-p=-0.1"], &["min-p -0.1"]);
     assert_usage_error(&["generate", "--prompt", ""], &["empty"]);
     assert_usage_error(
         &["generate", "--prompts", "/nonexistent/prompts.txt"],

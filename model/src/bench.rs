@@ -7,9 +7,9 @@ use std::time::Instant;
 use pagedattn::gpu::KvDtype;
 use serde::Serialize;
 
-use crate::engine::{EngineConfig, Model};
+use crate::engine::{DecodeMatmul, EngineConfig, Model};
 use crate::generate::open_device;
-use crate::load::load;
+use crate::load::ModelSource;
 use crate::sample::SamplingParams;
 use crate::serve::{Decoding, Request, Server, ServerConfig};
 use crate::ModelError;
@@ -24,6 +24,23 @@ pub struct DecodeRow {
     /// of only decode rows reached the batch (the first requests finish
     /// while the last prompts are still prefilled).
     pub attention_share: Option<f64>,
+    /// Dispatches of the run's last decode step (all `batch` rows), the
+    /// model's and the library's: what a launch-bound GPU pays for.
+    pub dispatches: usize,
+    /// The matmul its decode steps ran: "tiled" or "split-k".
+    pub matmul: String,
+}
+
+/// The decode step on this adapter with each matmul, in one run: what
+/// the split-K matmul (the GPU's choice) costs or gains where the tiled
+/// one is the default, and the dispatches each records.
+#[derive(Clone, Debug, Serialize)]
+pub struct MatmulRow {
+    pub batch: usize,
+    pub tiled_tokens_per_s: f64,
+    pub splitk_tokens_per_s: f64,
+    pub tiled_dispatches: usize,
+    pub splitk_dispatches: usize,
 }
 
 /// Memory of one request that shares its prompt.
@@ -58,7 +75,7 @@ pub struct GroupsRow {
 /// The model section of the bench.
 #[derive(Clone, Debug, Serialize)]
 pub struct ModelBench {
-    /// The model file's name.
+    /// The model file's name, or the synthetic model's description.
     pub model: String,
     pub adapter: String,
     pub prompt_tokens: usize,
@@ -67,6 +84,8 @@ pub struct ModelBench {
     pub prefill_tokens_per_s: f64,
     pub decode: Vec<DecodeRow>,
     pub sharing: Vec<SharingRow>,
+    /// Tiled against split-K decode (empty with `quick`).
+    pub matmuls: Vec<MatmulRow>,
     /// A hybrid model's layer groups against one pool (empty for a model
     /// whose layers attend alike).
     pub groups: Vec<GroupsRow>,
@@ -80,25 +99,25 @@ fn prompt(tok: &crate::tokenizer::Tokenizer, i: usize) -> Vec<u32> {
     tok.encode(&text, true)
 }
 
-/// Runs the section; `quick` measures fewer steps.
+/// Runs the section on the model `source` names (a file or a synthetic
+/// model); `quick` measures fewer steps.
 pub fn run(
-    model_path: &std::path::Path,
+    source: &ModelSource,
     quick: bool,
     backends: wgpu::Backends,
 ) -> Result<ModelBench, ModelError> {
-    let l = load(model_path)?;
+    let l = source.load()?;
     let (device, queue, adapter) = open_device(backends)?;
+    // Room for the batch of 64 at its context without preemption.
     let cfg = EngineConfig {
-        num_blocks: 512,
+        num_blocks: 1024,
         kv_dtype: KvDtype::F16,
         max_rows: 256,
-        max_logit_rows: 32,
+        max_logit_rows: 64,
         ..EngineConfig::default()
     };
     let mut model = Some(Model::new(&device, &queue, &l.weights, cfg)?);
-    let name = model_path
-        .file_name()
-        .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
+    let name = source.describe();
     if model.as_ref().is_some_and(|m| m.num_groups() > 1) && only_groups() {
         let groups = groups_ab(model.take().expect("model"), &l.tokenizer, quick)?;
         return Ok(ModelBench {
@@ -109,11 +128,12 @@ pub fn run(
             prefill_tokens_per_s: 0.0,
             decode: Vec::new(),
             sharing: Vec::new(),
+            matmuls: Vec::new(),
             groups,
         });
     }
     let scfg = ServerConfig {
-        max_seqs: 32,
+        max_seqs: 64,
         max_batch_tokens: 256,
         ..ServerConfig::default()
     };
@@ -139,9 +159,8 @@ pub fn run(
         .map(|i| format!("Chapter {i}. The keeper climbed the stairs and lit the lamp again. "))
         .collect();
     let long = l.tokenizer.encode(&text, false);
-    let mut decode = Vec::new();
-    for batch in [1usize, 8, 32] {
-        let mut server = Server::new(model.take().expect("model"), scfg)?;
+    let decode_run = |model: Model, batch: usize| -> Result<(DecodeRow, Model), ModelError> {
+        let mut server = Server::new(model, scfg)?;
         server.profile = Some(batch);
         for i in 0..batch {
             let mut p = long[..ctx.min(long.len())].to_vec();
@@ -150,13 +169,57 @@ pub fn run(
         }
         server.run(&mut |_, _| {})?;
         let st = server.stats;
-        decode.push(DecodeRow {
+        let model = server.into_model();
+        let row = DecodeRow {
             batch,
             tokens_per_s: st.decode_tokens as f64 / st.decode_secs.max(1e-9),
             ms_per_step: st.decode_secs * 1e3 / (st.decode_tokens as f64 / batch as f64).max(1.0),
             attention_share: st.attention_share,
-        });
-        model = Some(server.into_model());
+            dispatches: model.last_dispatches(),
+            matmul: match model.matmul_for(batch) {
+                DecodeMatmul::SplitK => "split-k".into(),
+                _ => "tiled".into(),
+            },
+        };
+        Ok((row, model))
+    };
+    let mut decode = Vec::new();
+    for batch in [1usize, 8, 32, 64] {
+        let (row, m) = decode_run(model.take().expect("model"), batch)?;
+        decode.push(row);
+        model = Some(m);
+    }
+    // The other decode matmul, at the batches it serves, in the same run.
+    let mut matmuls = Vec::new();
+    if !quick {
+        let ours = model.as_ref().expect("model").matmul_for(1);
+        let other = match ours {
+            DecodeMatmul::SplitK => DecodeMatmul::Tiled,
+            _ => DecodeMatmul::SplitK,
+        };
+        let ocfg = EngineConfig {
+            decode_matmul: other,
+            ..cfg
+        };
+        let mut alt = Some(Model::new(&device, &queue, &l.weights, ocfg)?);
+        for batch in [1usize, 8] {
+            let (a, m) = decode_run(model.take().expect("model"), batch)?;
+            model = Some(m);
+            let (b, m) = decode_run(alt.take().expect("model"), batch)?;
+            alt = Some(m);
+            let (t, k) = if ours == DecodeMatmul::SplitK {
+                (b, a)
+            } else {
+                (a, b)
+            };
+            matmuls.push(MatmulRow {
+                batch,
+                tiled_tokens_per_s: t.tokens_per_s,
+                splitk_tokens_per_s: k.tokens_per_s,
+                tiled_dispatches: t.dispatches,
+                splitk_dispatches: k.dispatches,
+            });
+        }
     }
 
     // Sharing: 4 beams and 4 samples of one prompt, pool blocks at their
@@ -229,6 +292,7 @@ pub fn run(
         prefill_tokens_per_s,
         decode,
         sharing,
+        matmuls,
         groups,
     })
 }
@@ -312,7 +376,7 @@ pub fn render(b: &ModelBench) -> String {
         return s + &render_groups(b);
     }
     s += &format!(
-        " prefill ({} tokens): {:.1} tokens/s\n batch  tokens/s  ms/step  attention share\n",
+        " prefill ({} tokens): {:.1} tokens/s\n batch  tokens/s  ms/step  attention share  dispatches/step  matmul\n",
         b.prompt_tokens, b.prefill_tokens_per_s
     );
     s += &format!(" decode rows at a context of {} tokens\n", b.decode_context);
@@ -322,9 +386,24 @@ pub fn render(b: &ModelBench) -> String {
             None => format!("{:>16}", "- (not timed)"),
         };
         s += &format!(
-            " {:>5}  {:>8.1}  {:>7.1}  {share}\n",
-            d.batch, d.tokens_per_s, d.ms_per_step
+            " {:>5}  {:>8.1}  {:>7.1}  {share}  {:>15}  {}\n",
+            d.batch, d.tokens_per_s, d.ms_per_step, d.dispatches, d.matmul
         );
+    }
+    if !b.matmuls.is_empty() {
+        s +=
+            " decode matmul, one run   tokens/s tiled  split-k  ratio  dispatches tiled  split-k\n";
+        for r in &b.matmuls {
+            s += &format!(
+                " batch {:>3}                {:>14.1}  {:>7.1}  {:>5.2}  {:>16}  {:>7}\n",
+                r.batch,
+                r.tiled_tokens_per_s,
+                r.splitk_tokens_per_s,
+                r.splitk_tokens_per_s / r.tiled_tokens_per_s.max(1e-9),
+                r.tiled_dispatches,
+                r.splitk_dispatches
+            );
+        }
     }
     s += " sharing                    blocks (shared)  blocks (each its own)  saved\n";
     for r in &b.sharing {
@@ -371,6 +450,8 @@ mod tests {
             tokens_per_s: 10.0,
             ms_per_step: 100.0,
             attention_share: share,
+            dispatches: 200,
+            matmul: "tiled".into(),
         };
         let b = ModelBench {
             model: "test.gguf".into(),
@@ -380,6 +461,7 @@ mod tests {
             decode_context: 24,
             prefill_tokens_per_s: 1.0,
             decode: vec![row(1, Some(0.25)), row(32, None)],
+            matmuls: vec![],
             sharing: vec![],
         };
         let text = render(&b);

@@ -10,7 +10,7 @@ use pagedattn::gpu::KvDtype;
 
 use crate::defaults::{GenerationDefaults, GenerationOverrides};
 use crate::engine::{EngineConfig, Model};
-use crate::load::{load, Loaded};
+use crate::load::{Loaded, ModelSource};
 use crate::sample::{LogitBias, Penalties};
 use crate::serve::{Completion, Decoding, Request, ServeStats, Server, ServerConfig};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
@@ -36,6 +36,8 @@ pub struct GenerateOptions {
     /// `(token, bias)` pairs (see [`LogitBias`]).
     pub logit_bias: Vec<(u32, f32)>,
     pub model: PathBuf,
+    /// A synthetic model instead of the file `model`.
+    pub synthetic: Option<crate::synthetic::Synthetic>,
     pub kv_dtype: KvDtype,
     pub num_blocks: u32,
     pub max_batch_tokens: usize,
@@ -58,6 +60,7 @@ impl Default for GenerateOptions {
             seed: 0,
             logit_bias: Vec::new(),
             model: crate::config::default_model_path(),
+            synthetic: None,
             backends: wgpu::Backends::all(),
             kv_dtype: KvDtype::F16,
             num_blocks: 512,
@@ -248,7 +251,7 @@ pub fn run(o: &GenerateOptions, out: &mut dyn Write) -> Result<Report, ModelErro
     let t0 = Instant::now();
     let Loaded {
         weights, tokenizer, ..
-    } = load(&o.model)?;
+    } = ModelSource::new(o.model.clone(), o.synthetic).load()?;
     let defaults = GenerationDefaults::for_arch(weights.arch.arch);
     let requests = requests(o, &defaults, &tokenizer, weights.shape.vocab)?;
     let sampling = describe_sampling(o, &requests[0]);

@@ -19,6 +19,9 @@
 //! - [`sample`]: greedy, temperature / top-k / min-p / top-p with a seed,
 //!   logit bias and penalties; [`defaults`]: what a request that omits
 //!   them gets, per architecture.
+//! - [`synthetic`]: models of real shapes and formats with weights from
+//!   a seed, written as GGUF bytes in memory and loaded as a file is
+//!   ([`load::ModelSource`]: a file or one of these).
 //! - [`serve`]: requests through the library `Scheduler`: continuous
 //!   batching, chunked prefill, parallel sampling and beam search sharing
 //!   their prompt, prefix caching, preemption.
@@ -40,6 +43,7 @@ pub mod gguf;
 pub mod load;
 pub mod sample;
 pub mod serve;
+pub mod synthetic;
 pub mod tokenizer;
 pub mod weights;
 

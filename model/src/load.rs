@@ -2,11 +2,12 @@
 //! [`LlamaConfig::from_gguf`] first, so nothing reaches the device for a
 //! file the engine cannot run.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use crate::config::{LlamaConfig, OUTPUT_NORM, TOKEN_EMBD};
 use crate::engine::{HostLayer, HostMatrix, HostWeights, Shape};
 use crate::gguf::Gguf;
+use crate::synthetic::Synthetic;
 use crate::tokenizer::Tokenizer;
 use crate::ModelError;
 
@@ -62,6 +63,56 @@ pub fn load(path: &Path) -> Result<Loaded, ModelError> {
         .len();
     let g = Gguf::open(path)?;
     from_gguf(&g, file_bytes)
+}
+
+/// Where a model comes from: a GGUF file, or a [`Synthetic`] one (its
+/// bytes written in memory from a seed).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ModelSource {
+    File(PathBuf),
+    Synthetic(Synthetic),
+}
+
+impl ModelSource {
+    /// The file at `path`, or `synthetic` when given.
+    pub fn new(path: PathBuf, synthetic: Option<Synthetic>) -> ModelSource {
+        match synthetic {
+            Some(s) => ModelSource::Synthetic(s),
+            None => ModelSource::File(path),
+        }
+    }
+
+    /// Reads the file ([`load`]) or writes and reads the synthetic model
+    /// ([`Synthetic::load`]).
+    pub fn load(&self) -> Result<Loaded, ModelError> {
+        match self {
+            ModelSource::File(path) => load(path),
+            ModelSource::Synthetic(s) => s.load(),
+        }
+    }
+
+    /// A short name: the file's stem, or `synthetic-<arch>`.
+    pub fn name(&self) -> String {
+        match self {
+            ModelSource::File(path) => path
+                .file_stem()
+                .and_then(|s| s.to_str())
+                .unwrap_or("model")
+                .to_string(),
+            ModelSource::Synthetic(s) => s.name(),
+        }
+    }
+
+    /// What it is, for reports: the file's name, or the synthetic model's
+    /// shape, layers and seed.
+    pub fn describe(&self) -> String {
+        match self {
+            ModelSource::File(path) => path
+                .file_name()
+                .map_or_else(String::new, |n| n.to_string_lossy().into_owned()),
+            ModelSource::Synthetic(s) => s.describe(),
+        }
+    }
 }
 
 /// The weights, configuration and tokenizer of a parsed GGUF.

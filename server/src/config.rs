@@ -8,6 +8,8 @@ use std::time::Duration;
 use pagedattn::blocks::{Preemption, Reservation};
 use pagedattn::gpu::KvDtype;
 use pagedattn_model::defaults::GenerationOverrides;
+use pagedattn_model::load::ModelSource;
+use pagedattn_model::synthetic::Synthetic;
 
 use crate::ServeError;
 
@@ -16,6 +18,9 @@ use crate::ServeError;
 pub struct ServeConfig {
     /// The GGUF file.
     pub model: PathBuf,
+    /// A synthetic model instead of the file `model` (served as
+    /// `synthetic-<arch>`).
+    pub synthetic: Option<Synthetic>,
     /// The backends the device may be opened on.
     pub backends: wgpu::Backends,
     /// The name clients pass as `model` (default: the file's stem).
@@ -61,6 +66,7 @@ impl Default for ServeConfig {
     fn default() -> Self {
         Self {
             model: pagedattn_model::config::default_model_path(),
+            synthetic: None,
             backends: wgpu::Backends::all(),
             served_model_name: None,
             host: IpAddr::from([127, 0, 0, 1]),
@@ -142,13 +148,18 @@ impl ServeConfig {
         Ok(())
     }
 
-    /// The name clients pass as `model`.
+    /// The name clients pass as `model`: `--served-model-name`, else the
+    /// file's stem or `synthetic-<arch>`.
     pub fn model_name(&self) -> String {
         if let Some(n) = &self.served_model_name {
             return n.clone();
         }
-        let stem = self.model.file_stem().and_then(|s| s.to_str());
-        stem.unwrap_or("model").to_string()
+        self.source().name()
+    }
+
+    /// Where the model comes from.
+    pub fn source(&self) -> ModelSource {
+        ModelSource::new(self.model.clone(), self.synthetic)
     }
 }
 
@@ -295,5 +306,12 @@ mod tests {
             ..ServeConfig::default()
         };
         assert_eq!(c.model_name(), "SmolLM2.Q4_1");
+        let c = ServeConfig {
+            synthetic: Some(Synthetic::new(
+                pagedattn_model::synthetic::SyntheticArch::Llama3_8B,
+            )),
+            ..c
+        };
+        assert_eq!(c.model_name(), "synthetic-llama3-8b");
     }
 }

@@ -13,7 +13,7 @@ use pagedattn::blocks::RequestId;
 use pagedattn_model::defaults::GenerationDefaults;
 use pagedattn_model::engine::{EngineConfig, Model};
 use pagedattn_model::generate::open_device;
-use pagedattn_model::load::{load, Loaded};
+use pagedattn_model::load::Loaded;
 use pagedattn_model::serve::{Finish, Generated, Request, Server, ServerConfig};
 use pagedattn_model::tokenizer::Tokenizer;
 use pagedattn_model::ModelError;
@@ -170,7 +170,7 @@ fn start(shared: &Shared) -> Result<Server, ModelError> {
     let cfg = &shared.cfg;
     let Loaded {
         weights, tokenizer, ..
-    } = load(&cfg.model)?;
+    } = cfg.source().load()?;
     let defaults = GenerationDefaults::resolve(weights.arch.arch, &cfg.generation)?;
     eprintln!(
         "pagedattn serve: requests that omit them get {} ({})",

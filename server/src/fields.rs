@@ -336,7 +336,10 @@ mod tests {
             v
         };
         assert_eq!(row("| served, both routes"), sorted(SERVED.to_vec()));
-        assert_eq!(row("| served, completions"), sorted(COMPLETIONS_ONLY.to_vec()));
+        assert_eq!(
+            row("| served, completions"),
+            sorted(COMPLETIONS_ONLY.to_vec())
+        );
         assert_eq!(row("| served, chat"), sorted(CHAT_ONLY.to_vec()));
         assert_eq!(row("| accepted"), sorted(ACCEPTED.to_vec()));
         assert_eq!(row("| refused"), sorted(refused_names().collect()));

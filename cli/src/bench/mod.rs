@@ -354,7 +354,7 @@ pub fn run(gpu: &Gpu, cfg: &BenchConfig) -> Result<BenchReport, BenchError> {
         if !cfg.runs(section) {
             s.skipped.push(match *section {
                 "model" => {
-                    "model: not selected (--only model; needs scripts/fetch-model.sh)".into()
+                    "model: not selected (--only model; needs scripts/fetch-model.sh, or --synthetic ARCH)".into()
                 }
                 _ => format!("{section}: not selected (--only)"),
             });
