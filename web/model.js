@@ -88,6 +88,9 @@ function loadConfig() {
     block_size: num('block_size'),
     max_batch_tokens: 64,
     kv_dtype: 'f32',
+    // `?decode_matmul=split-k` (or `tiled`): the decode matmul, instead of
+    // the engine's pick for this adapter (the test runs both).
+    decode_matmul: new URLSearchParams(location.search).get('decode_matmul') || 'auto',
   };
 }
 
@@ -142,6 +145,7 @@ async function loadServed() {
 function drawInfo(info) {
   const rows = [
     ['decode kernel', `${info.kernel} (the library's pick for this adapter)`],
+    ['decode matmul', info.decode_matmul],
     ['shape', `${info.layers} layers, d ${info.d_model}, ${info.heads} heads / ${info.kv_heads} KV, head_dim ${info.head_dim}`],
     ['vocabulary', info.vocab],
     ['embedding', info.embed_format],

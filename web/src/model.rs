@@ -18,7 +18,7 @@ use wasm_bindgen::prelude::*;
 
 use pagedattn::blocks::{Preemption, RequestId};
 use pagedattn::gpu::KvDtype;
-use pagedattn_model::engine::{EngineConfig, Model};
+use pagedattn_model::engine::{DecodeMatmul, EngineConfig, Model};
 use pagedattn_model::gguf::Gguf;
 use pagedattn_model::load::from_gguf;
 use pagedattn_model::sample::SamplingParams;
@@ -40,6 +40,10 @@ struct LoadConfig {
     /// "f32" (default: the reference fixture's pool) or "f16".
     #[serde(default)]
     kv_dtype: Option<String>,
+    /// "auto" (default: the engine's pick for the adapter), "tiled" or
+    /// "split-k": the matmul of decode steps.
+    #[serde(default)]
+    decode_matmul: Option<String>,
 }
 
 /// One generation request from the page.
@@ -97,6 +101,8 @@ struct ModelInfo {
     /// Layer groups of the pool (one per window; 1 for llama).
     layer_groups: usize,
     kernel: String,
+    /// The matmul decode steps run: "tiled" or "split-k".
+    decode_matmul: &'static str,
     kv_dtype: &'static str,
     layers: usize,
     d_model: usize,
@@ -143,12 +149,23 @@ impl WebModel {
             _ => KvDtype::F32,
         };
         let s = loaded.weights.shape;
+        let decode_matmul = match lc.decode_matmul.as_deref() {
+            None | Some("auto") => DecodeMatmul::Auto,
+            Some("tiled") => DecodeMatmul::Tiled,
+            Some("split-k") => DecodeMatmul::SplitK,
+            Some(other) => {
+                return Err(err(format!(
+                    "decode_matmul {other:?} is not auto, tiled or split-k"
+                )))
+            }
+        };
         let ecfg = EngineConfig {
             num_blocks: lc.num_blocks,
             block_size: lc.block_size,
             kv_dtype,
             max_rows: lc.max_batch_tokens,
             max_logit_rows: MAX_SEQS,
+            decode_matmul,
             ..EngineConfig::default()
         };
         let model = Model::new_async(&g.device, &g.queue, &loaded.weights, ecfg)
@@ -162,6 +179,10 @@ impl WebModel {
             arch: format!("{:?}", loaded.config.arch.arch).to_lowercase(),
             layer_groups: model.num_groups(),
             kernel: model.kv[0].attn.kernel().to_string(),
+            decode_matmul: match model.matmul_for(1) {
+                DecodeMatmul::SplitK => "split-k",
+                _ => "tiled",
+            },
             kv_dtype: kv_dtype.name(),
             layers: s.layers,
             d_model: s.d_model,

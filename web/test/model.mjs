@@ -7,7 +7,8 @@
 // manager's and the recount from the block tables; the beams must share
 // the prompt's blocks and branch, and every block must come back at the
 // end. A second prompt with the same system prompt must hit the prefix
-// cache. Saves web/screenshot-model.png (or $PAGEDATTN_MODEL_SCREENSHOT)
+// cache. The page again with the split-K decode matmul: greedy tokens
+// equal the fixture's. Saves web/screenshot-model.png (or $PAGEDATTN_MODEL_SCREENSHOT)
 // mid-generation of the beams.
 //
 // Usage: node model.mjs http://127.0.0.1:PORT/   (scripts/web-test.sh runs it)
@@ -27,6 +28,10 @@ const here = dirname(fileURLToPath(import.meta.url));
 const fixture = JSON.parse(readFileSync(join(here, '..', '..', 'model', 'tests', 'fixture', 'reference.json'), 'utf8'));
 const GREEDY_TOKENS = 16;
 const BEAM_TOKENS = 8;
+// Split-K on SwiftShader runs a workgroup per output column: about 28 s a
+// decode step there (49,152 head columns), so 3 tokens (the prefill's
+// and two split-K steps).
+const SPLITK_TOKENS = 3;
 const LIMIT_MS = 600_000;
 const screenshot = process.env.PAGEDATTN_MODEL_SCREENSHOT || join(here, '..', 'screenshot-model.png');
 
@@ -156,7 +161,34 @@ try {
   check(n.contiguous_blocks > n.peak_blocks_used, `paging held fewer blocks than contiguous reservation (${n.peak_blocks_used} < ${n.contiguous_blocks})`);
   check(pageErrors.length === 0, `no page or console errors${pageErrors.length ? `: ${pageErrors.slice(0, 3).join(' | ')}` : ''}`);
 
-  // 3. A file that is not a model: one clear message, and the page still works.
+  // 3. The split-K decode matmul (what a GPU's browser runs; SwiftShader
+  // gets the tiled one by default): the page again, greedy against the
+  // fixture.
+  await page.goto(new URL('model.html?autoload&decode_matmul=split-k', base).href, { waitUntil: 'load' });
+  await page.waitForFunction(() => {
+    const s = window.pagedattnModel;
+    return s && (s.ready || s.error);
+  }, null, { timeout: 300_000 });
+  s = await state();
+  if (s.error) throw new Error(`page reported: ${s.error}`);
+  check(s.info.decode_matmul === 'split-k', `the page loaded with the split-K decode matmul (${s.info.decode_matmul})`);
+  await page.fill('#prompt', g.user);
+  await page.selectOption('#mode', 'greedy');
+  await page.fill('#max_tokens', String(SPLITK_TOKENS));
+  const tk = Date.now();
+  await page.click('#generate');
+  await page.waitForFunction(() => {
+    const s = window.pagedattnModel;
+    return s.error || (s.snapshot && s.snapshot.requests.length === 1 && s.snapshot.requests[0].finished && !s.running);
+  }, null, { timeout: LIMIT_MS });
+  s = await state();
+  if (s.error) throw new Error(`page reported: ${s.error}`);
+  const gotK = s.snapshot.requests[0].sequences[0].tokens;
+  check(JSON.stringify(gotK) === JSON.stringify(g.tokens.slice(0, SPLITK_TOKENS)),
+    `split-K greedy: ${gotK.length} tokens identical to the reference, in ${((Date.now() - tk) / 1000).toFixed(1)} s (decode ${s.snapshot.numbers.decode_tokens_per_s.toFixed(1)} tokens/s)`);
+  check(pageErrors.length === 0, `no page or console errors with split-K${pageErrors.length ? `: ${pageErrors.slice(0, 3).join(' | ')}` : ''}`);
+
+  // 4. A file that is not a model: one clear message, and the page still works.
   const bad = join(mkdtempSync(join(tmpdir(), 'pagedattn-bad-')), 'not-a-model.gguf');
   (await import('node:fs')).writeFileSync(bad, 'this is not a GGUF file');
   await page.setInputFiles('#load-file', bad);
